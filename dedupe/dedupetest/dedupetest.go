@@ -1,0 +1,398 @@
+// Package dedupetest is the conformance suite for dedupe.Store
+// implementations. Every store in settle passes it, and a store written
+// outside settle should too:
+//
+//	func TestMyStore(t *testing.T) {
+//		dedupetest.Run(t, func(t *testing.T) dedupetest.Harness {
+//			return dedupetest.Harness{Store: newMyStore(t)}
+//		})
+//	}
+//
+// setup is called once per test, which runs in parallel with the others, so
+// it should give each call its own table (or its own store) to keep the
+// tests independent.
+package dedupetest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/settle-go/settle/dedupe"
+)
+
+// Harness is what setup returns for one test.
+type Harness struct {
+	// Store is the store under test.
+	Store dedupe.Store
+	// BeginTx, if set, starts a transaction on the same database and returns
+	// a store bound to it. Stores without transactions leave it nil and the
+	// transaction tests are skipped.
+	BeginTx func(ctx context.Context) (Tx, error)
+	// ClaimTTL is the short claim lifetime used by the expiry tests. Defaults
+	// to 300ms. Raise it for a store whose round trips are slow.
+	ClaimTTL time.Duration
+}
+
+// Tx is a transaction started by Harness.BeginTx.
+type Tx struct {
+	Store    dedupe.Store
+	Commit   func() error
+	Rollback func() error
+}
+
+// Run runs the suite. Each case calls setup for a fresh harness.
+func Run(t *testing.T, setup func(t *testing.T) Harness) {
+	t.Helper()
+	cases := []struct {
+		name string
+		fn   func(t *testing.T, h Harness)
+	}{
+		{"ClaimConfirmDuplicate", testClaimConfirmDuplicate},
+		{"ConcurrentClaimsOneWinner", testConcurrentClaims},
+		{"ExpiredClaimIsTakenOver", testExpiryTakeover},
+		{"RenewalPreventsTakeover", testRenewal},
+		{"OwnerChecks", testOwnerChecks},
+		{"ReleaseThenReclaim", testReleaseThenReclaim},
+		{"AttemptsSurviveRelease", testAttempts},
+		{"PruneKeepsLiveClaims", testPrune},
+		{"OddKeys", testOddKeys},
+		{"KeyLimits", testKeyLimits},
+		{"CancelledContext", testCancelled},
+		{"TxRollbackLeavesNoTrace", testTxRollback},
+		{"TxCommitConfirms", testTxCommit},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			h := setup(t)
+			if h.ClaimTTL == 0 {
+				h.ClaimTTL = 300 * time.Millisecond
+			}
+			c.fn(t, h)
+		})
+	}
+}
+
+const longTTL = time.Minute
+
+func claim(t *testing.T, s dedupe.Store, key string, ttl time.Duration, want dedupe.Result) dedupe.Claim {
+	t.Helper()
+	c, err := s.Claim(t.Context(), key, ttl)
+	if err != nil {
+		t.Fatalf("Claim(%q): %v", short(key), err)
+	}
+	if c.Result != want {
+		t.Fatalf("Claim(%q) = %v, want %v", short(key), c.Result, want)
+	}
+	if c.Key != key {
+		t.Fatalf("Claim(%q).Key = %q", short(key), short(c.Key))
+	}
+	if want == dedupe.Acquired && (c.Token == "" || c.ExpiresAt.IsZero()) {
+		t.Fatalf("acquired claim without token or expiry: %+v", c)
+	}
+	return c
+}
+
+func short(s string) string {
+	if len(s) > 40 {
+		return s[:40] + "..."
+	}
+	return s
+}
+
+func mustOK(t *testing.T, what string, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+}
+
+func mustLost(t *testing.T, what string, err error) {
+	t.Helper()
+	if !errors.Is(err, dedupe.ErrClaimLost) {
+		t.Fatalf("%s: got %v, want ErrClaimLost", what, err)
+	}
+}
+
+func testClaimConfirmDuplicate(t *testing.T, h Harness) {
+	c := claim(t, h.Store, "order:1", longTTL, dedupe.Acquired)
+	if c.Attempt != 1 {
+		t.Fatalf("first claim Attempt = %d, want 1", c.Attempt)
+	}
+	claim(t, h.Store, "order:1", longTTL, dedupe.Busy)
+	claim(t, h.Store, "order:2", longTTL, dedupe.Acquired) // keys are independent
+	mustOK(t, "Confirm", h.Store.Confirm(t.Context(), c))
+	d := claim(t, h.Store, "order:1", longTTL, dedupe.Duplicate)
+	if d.Attempt != 1 || d.Token != "" {
+		t.Fatalf("duplicate claim = %+v, want Attempt 1 and no token", d)
+	}
+}
+
+func testConcurrentClaims(t *testing.T, h Harness) {
+	const workers = 50
+	var (
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		results = map[dedupe.Result]int{}
+		errs    []error
+	)
+	start := make(chan struct{})
+	for range workers {
+		wg.Go(func() {
+			<-start
+			c, err := h.Store.Claim(t.Context(), "contended", longTTL)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				errs = append(errs, err)
+				return
+			}
+			results[c.Result]++
+		})
+	}
+	close(start)
+	wg.Wait()
+	if len(errs) > 0 {
+		t.Fatalf("%d claims failed, first: %v", len(errs), errs[0])
+	}
+	if results[dedupe.Acquired] != 1 || results[dedupe.Busy] != workers-1 {
+		t.Fatalf("results = %v, want exactly 1 acquired and %d busy", results, workers-1)
+	}
+}
+
+// eventually polls cond every few milliseconds until it is true or the
+// deadline passes.
+func eventually(t *testing.T, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not true within %v", what, within)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func testExpiryTakeover(t *testing.T, h Harness) {
+	old := claim(t, h.Store, "k", h.ClaimTTL, dedupe.Acquired)
+	claim(t, h.Store, "k", h.ClaimTTL, dedupe.Busy)
+	var taken dedupe.Claim
+	eventually(t, 20*h.ClaimTTL, "expired claim taken over", func() bool {
+		c, err := h.Store.Claim(t.Context(), "k", longTTL)
+		mustOK(t, "Claim", err)
+		taken = c
+		return c.Result == dedupe.Acquired
+	})
+	if time.Now().Before(old.ExpiresAt) {
+		t.Fatalf("claim taken over before it expired at %v", old.ExpiresAt)
+	}
+	if taken.Attempt != 2 || taken.Token == old.Token {
+		t.Fatalf("takeover claim = %+v, want attempt 2 and a new token", taken)
+	}
+	mustLost(t, "old owner Confirm", h.Store.Confirm(t.Context(), old))
+	mustLost(t, "old owner Release", h.Store.Release(t.Context(), old))
+	mustLost(t, "old owner Renew", h.Store.Renew(t.Context(), old, longTTL))
+	mustOK(t, "new owner Confirm", h.Store.Confirm(t.Context(), taken))
+	claim(t, h.Store, "k", longTTL, dedupe.Duplicate)
+}
+
+func testRenewal(t *testing.T, h Harness) {
+	ttl := h.ClaimTTL
+	c := claim(t, h.Store, "renewed", ttl, dedupe.Acquired)
+	// Renew at a third of the TTL for three TTLs, claiming from "another
+	// worker" in between: it must never get the key.
+	end := time.Now().Add(3 * ttl)
+	lastRenew := time.Now()
+	for time.Now().Before(end) {
+		if time.Since(lastRenew) >= ttl/3 {
+			mustOK(t, "Renew", h.Store.Renew(t.Context(), c, ttl))
+			lastRenew = time.Now()
+		}
+		claim(t, h.Store, "renewed", longTTL, dedupe.Busy)
+		time.Sleep(ttl / 15)
+	}
+	mustOK(t, "Confirm after renewals", h.Store.Confirm(t.Context(), c))
+	claim(t, h.Store, "renewed", longTTL, dedupe.Duplicate)
+}
+
+func testOwnerChecks(t *testing.T, h Harness) {
+	c := claim(t, h.Store, "owned", longTTL, dedupe.Acquired)
+	forged := c
+	forged.Token = "not-the-token"
+	mustLost(t, "Confirm with another token", h.Store.Confirm(t.Context(), forged))
+	mustLost(t, "Release with another token", h.Store.Release(t.Context(), forged))
+	mustLost(t, "Renew with another token", h.Store.Renew(t.Context(), forged, longTTL))
+
+	busy := claim(t, h.Store, "owned", longTTL, dedupe.Busy)
+	if err := h.Store.Confirm(t.Context(), busy); !errors.Is(err, dedupe.ErrNotAcquired) {
+		t.Fatalf("Confirm of a Busy result: got %v, want ErrNotAcquired", err)
+	}
+	unknown := c
+	unknown.Key = "never-claimed"
+	mustLost(t, "Confirm of a key never claimed", h.Store.Confirm(t.Context(), unknown))
+
+	// The rightful owner is unaffected by all of that.
+	mustOK(t, "Renew", h.Store.Renew(t.Context(), c, longTTL))
+	mustOK(t, "Renew again", h.Store.Renew(t.Context(), c, longTTL))
+	mustOK(t, "Confirm", h.Store.Confirm(t.Context(), c))
+	mustLost(t, "Confirm twice", h.Store.Confirm(t.Context(), c))
+	mustLost(t, "Release after Confirm", h.Store.Release(t.Context(), c))
+	claim(t, h.Store, "owned", longTTL, dedupe.Duplicate)
+}
+
+func testReleaseThenReclaim(t *testing.T, h Harness) {
+	c := claim(t, h.Store, "released", longTTL, dedupe.Acquired)
+	mustOK(t, "Release", h.Store.Release(t.Context(), c))
+	mustLost(t, "Release twice", h.Store.Release(t.Context(), c))
+	mustLost(t, "Confirm after Release", h.Store.Confirm(t.Context(), c))
+	c2 := claim(t, h.Store, "released", longTTL, dedupe.Acquired)
+	if c2.Token == c.Token {
+		t.Fatal("reclaim reused the released token")
+	}
+	mustOK(t, "Confirm", h.Store.Confirm(t.Context(), c2))
+	claim(t, h.Store, "released", longTTL, dedupe.Duplicate)
+}
+
+func testAttempts(t *testing.T, h Harness) {
+	for want := 1; want <= 3; want++ {
+		c := claim(t, h.Store, "attempts", longTTL, dedupe.Acquired)
+		if c.Attempt != want {
+			t.Fatalf("attempt %d: Claim.Attempt = %d", want, c.Attempt)
+		}
+		if want < 3 {
+			mustOK(t, "Release", h.Store.Release(t.Context(), c))
+			continue
+		}
+		b := claim(t, h.Store, "attempts", longTTL, dedupe.Busy)
+		if b.Attempt != 3 {
+			t.Fatalf("Busy.Attempt = %d, want 3", b.Attempt)
+		}
+		mustOK(t, "Confirm", h.Store.Confirm(t.Context(), c))
+	}
+	d := claim(t, h.Store, "attempts", longTTL, dedupe.Duplicate)
+	if d.Attempt != 3 {
+		t.Fatalf("Duplicate.Attempt = %d, want 3", d.Attempt)
+	}
+}
+
+func testPrune(t *testing.T, h Harness) {
+	ctx := t.Context()
+	done := claim(t, h.Store, "confirmed", longTTL, dedupe.Acquired)
+	mustOK(t, "Confirm", h.Store.Confirm(ctx, done))
+	rel := claim(t, h.Store, "released", longTTL, dedupe.Acquired)
+	mustOK(t, "Release", h.Store.Release(ctx, rel))
+	live := claim(t, h.Store, "live", longTTL, dedupe.Acquired)
+
+	n, err := h.Store.Prune(ctx, time.Now().Add(-time.Hour))
+	mustOK(t, "Prune(an hour ago)", err)
+	if n != 0 {
+		t.Fatalf("Prune(an hour ago) removed %d keys, want 0", n)
+	}
+	claim(t, h.Store, "confirmed", longTTL, dedupe.Duplicate)
+
+	// Even a cutoff far in the future must leave the live claim alone.
+	n, err = h.Store.Prune(ctx, time.Now().Add(24*time.Hour))
+	mustOK(t, "Prune(tomorrow)", err)
+	if n != 2 {
+		t.Fatalf("Prune(tomorrow) removed %d keys, want 2 (confirmed and released)", n)
+	}
+	claim(t, h.Store, "live", longTTL, dedupe.Busy)
+	mustOK(t, "Confirm of live claim after Prune", h.Store.Confirm(ctx, live))
+	again := claim(t, h.Store, "confirmed", longTTL, dedupe.Acquired)
+	if again.Attempt != 1 {
+		t.Fatalf("pruned key reclaimed with Attempt %d, want 1", again.Attempt)
+	}
+}
+
+func testOddKeys(t *testing.T, h Harness) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	kib := make([]byte, 1024)
+	for i := range kib {
+		kib[i] = byte(rng.IntN(256))
+	}
+	keys := []string{
+		`it's a "quoted" key`,
+		`'; DROP TABLE settle_dedupe; --`,
+		"ключ-🔑-鍵",
+		"a\x00b",
+		"a",
+		"A",
+		"\xff\xfe\xfd",
+		`back\slash%_`,
+		string(kib),
+		string(bytes.Repeat([]byte{'k'}, dedupe.MaxKeyLen)),
+	}
+	var claims []dedupe.Claim
+	for _, k := range keys {
+		claims = append(claims, claim(t, h.Store, k, longTTL, dedupe.Acquired))
+	}
+	for i, c := range claims {
+		mustOK(t, "Confirm "+short(keys[i]), h.Store.Confirm(t.Context(), c))
+	}
+	for _, k := range keys {
+		claim(t, h.Store, k, longTTL, dedupe.Duplicate)
+	}
+	claim(t, h.Store, "a\x00", longTTL, dedupe.Acquired) // a prefix is another key
+}
+
+func testKeyLimits(t *testing.T, h Harness) {
+	_, err := h.Store.Claim(t.Context(), "", longTTL)
+	if !errors.Is(err, dedupe.ErrEmptyKey) {
+		t.Fatalf("empty key: got %v, want ErrEmptyKey", err)
+	}
+	long := string(bytes.Repeat([]byte{'x'}, dedupe.MaxKeyLen+1))
+	_, err = h.Store.Claim(t.Context(), long, longTTL)
+	if !errors.Is(err, dedupe.ErrKeyTooLong) {
+		t.Fatalf("key of %d bytes: got %v, want ErrKeyTooLong", len(long), err)
+	}
+	var ke *dedupe.KeyError
+	if !errors.As(err, &ke) || !ke.Permanent() || ke.Len != dedupe.MaxKeyLen+1 {
+		t.Fatalf("oversized key error %v is not a permanent *KeyError with its length", err)
+	}
+	if _, err := h.Store.Claim(t.Context(), "ttl", 0); err == nil {
+		t.Fatal("Claim with ttl 0 succeeded")
+	}
+}
+
+func testCancelled(t *testing.T, h Harness) {
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	if _, err := h.Store.Claim(ctx, "cancelled", longTTL); err == nil {
+		t.Fatal("Claim with a cancelled context succeeded")
+	}
+	claim(t, h.Store, "cancelled", longTTL, dedupe.Acquired) // and left nothing behind
+}
+
+func beginTx(t *testing.T, h Harness) Tx {
+	t.Helper()
+	if h.BeginTx == nil {
+		t.Skip("store has no transactions")
+	}
+	tx, err := h.BeginTx(t.Context())
+	mustOK(t, "BeginTx", err)
+	return tx
+}
+
+func testTxRollback(t *testing.T, h Harness) {
+	tx := beginTx(t, h)
+	c := claim(t, tx.Store, "tx-key", longTTL, dedupe.Acquired)
+	mustOK(t, "Confirm in tx", tx.Store.Confirm(t.Context(), c))
+	mustOK(t, "Rollback", tx.Rollback())
+	again := claim(t, h.Store, "tx-key", longTTL, dedupe.Acquired)
+	if again.Attempt != 1 {
+		t.Fatalf("after rollback Attempt = %d, want 1 (no trace of the rolled-back claim)", again.Attempt)
+	}
+}
+
+func testTxCommit(t *testing.T, h Harness) {
+	tx := beginTx(t, h)
+	c := claim(t, tx.Store, "tx-key", longTTL, dedupe.Acquired)
+	mustOK(t, "Confirm in tx", tx.Store.Confirm(t.Context(), c))
+	mustOK(t, "Commit", tx.Commit())
+	claim(t, h.Store, "tx-key", longTTL, dedupe.Duplicate)
+}

@@ -1,0 +1,190 @@
+package dedupe
+
+import (
+	"fmt"
+	"regexp"
+	"strings"
+)
+
+// Dialect names the SQL flavour a [SQLStore] speaks. The dialects differ only
+// in placeholders, column types and the spelling of insert-unless-present.
+type Dialect string
+
+const (
+	// Postgres is PostgreSQL through github.com/jackc/pgx/v5/stdlib (driver
+	// name "pgx"). Other database/sql drivers for PostgreSQL that accept $n
+	// placeholders and []byte for BYTEA work too.
+	Postgres Dialect = "postgres"
+	// MySQL is MySQL 8 or MariaDB 10.5+ through github.com/go-sql-driver/mysql.
+	MySQL Dialect = "mysql"
+	// SQLite is SQLite 3.35+ through modernc.org/sqlite (driver name "sqlite").
+	SQLite Dialect = "sqlite"
+)
+
+// Dialects lists the supported dialects.
+func Dialects() []Dialect { return []Dialect{Postgres, MySQL, SQLite} }
+
+func (d Dialect) valid() error {
+	switch d {
+	case Postgres, MySQL, SQLite:
+		return nil
+	}
+	return fmt.Errorf("dedupe: unknown dialect %q (want postgres, mysql or sqlite)", string(d))
+}
+
+// state is the stored state of a key. Absent keys have no row; a released
+// key keeps its row (and attempt count) but is treated as absent.
+type state int
+
+const (
+	stateReleased  state = 0
+	stateClaimed   state = 1
+	stateConfirmed state = 2
+)
+
+var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$`)
+
+// validateTable checks that name is a plain identifier, optionally qualified
+// by one schema name. Quoting is added by the dialect, so names never need
+// escaping and never come from message data.
+func validateTable(name string) error {
+	if !identRE.MatchString(name) {
+		return fmt.Errorf("dedupe: table name %q is not a valid identifier (letters, digits and _, optionally schema.table, at most 63 characters each)", name)
+	}
+	return nil
+}
+
+func (d Dialect) quote(table string) string {
+	parts := strings.Split(table, ".")
+	q := `"`
+	if d == MySQL {
+		q = "`"
+	}
+	for i, p := range parts {
+		parts[i] = q + p + q
+	}
+	return strings.Join(parts, ".")
+}
+
+// indexName is the name of the updated_at index; schema-qualified tables get
+// the index in the same schema, so only the table part is used.
+func indexName(table string) string {
+	if i := strings.LastIndexByte(table, '.'); i >= 0 {
+		table = table[i+1:]
+	}
+	name := table + "_updated_at_idx"
+	if len(name) > 63 {
+		name = name[:63]
+	}
+	return name
+}
+
+// schema returns the DDL that creates the table and its index.
+func (d Dialect) schema(table string) []string {
+	t := d.quote(table)
+	idx := indexName(table)
+	switch d {
+	case Postgres:
+		return []string{
+			`CREATE TABLE IF NOT EXISTS ` + t + ` (
+	key        BYTEA    NOT NULL PRIMARY KEY,
+	state      SMALLINT NOT NULL,
+	token      TEXT     NOT NULL,
+	attempts   INTEGER  NOT NULL,
+	expires_at BIGINT   NOT NULL,
+	updated_at BIGINT   NOT NULL
+)`,
+			`CREATE INDEX IF NOT EXISTS "` + idx + `" ON ` + t + ` (updated_at)`,
+		}
+	case MySQL:
+		return []string{
+			"CREATE TABLE IF NOT EXISTS " + t + ` (
+	` + "`key`" + `      VARBINARY(2048) NOT NULL PRIMARY KEY,
+	state      TINYINT         NOT NULL,
+	token      VARCHAR(32)     NOT NULL,
+	attempts   INT             NOT NULL,
+	expires_at BIGINT          NOT NULL,
+	updated_at BIGINT          NOT NULL,
+	INDEX ` + "`" + idx + "`" + ` (updated_at)
+) ENGINE=InnoDB`,
+		}
+	default: // SQLite
+		return []string{
+			`CREATE TABLE IF NOT EXISTS ` + t + ` (
+	key        BLOB    NOT NULL PRIMARY KEY,
+	state      INTEGER NOT NULL,
+	token      TEXT    NOT NULL,
+	attempts   INTEGER NOT NULL,
+	expires_at INTEGER NOT NULL,
+	updated_at INTEGER NOT NULL
+)`,
+			`CREATE INDEX IF NOT EXISTS "` + idx + `" ON ` + t + ` (updated_at)`,
+		}
+	}
+}
+
+// queries holds the statements of one dialect for one table, built once.
+type queries struct {
+	// claim inserts a new claimed row or takes over a released or expired one.
+	// Args: key, token, expires_at, now (see claimArgs).
+	claim string
+	// lookup reads state and attempts of a key. Args: key.
+	lookup  string
+	renew   string // args: expires_at, key, token
+	confirm string // args: now, key, token
+	release string // args: now, key, token
+	owner   string // args: key, token; one row if the token still holds the key
+	prune   string // args: cutoff, min(cutoff, now), limit
+}
+
+func (d Dialect) queries(table string) queries {
+	t := d.quote(table)
+	var q queries
+	switch d {
+	case Postgres, SQLite:
+		p := placeholders(d)
+		q.claim = `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
+VALUES (` + p(1) + `, 1, ` + p(2) + `, 1, ` + p(3) + `, ` + p(4) + `)
+ON CONFLICT (key) DO UPDATE SET state = 1, token = excluded.token, attempts = cur.attempts + 1,
+	expires_at = excluded.expires_at, updated_at = excluded.updated_at
+WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
+RETURNING attempts`
+		q.lookup = `SELECT state, attempts FROM ` + t + ` WHERE key = ` + p(1)
+		q.renew = `UPDATE ` + t + ` SET expires_at = ` + p(1) + ` WHERE key = ` + p(2) + ` AND state = 1 AND token = ` + p(3)
+		q.confirm = `UPDATE ` + t + ` SET state = 2, token = '', expires_at = 0, updated_at = ` + p(1) + ` WHERE key = ` + p(2) + ` AND state = 1 AND token = ` + p(3)
+		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ` + p(1) + ` WHERE key = ` + p(2) + ` AND state = 1 AND token = ` + p(3)
+		q.owner = `SELECT 1 FROM ` + t + ` WHERE key = ` + p(1) + ` AND state = 1 AND token = ` + p(2)
+		rowID := "key"
+		if d == SQLite {
+			rowID = "rowid"
+		}
+		q.prune = `DELETE FROM ` + t + ` WHERE ` + rowID + ` IN (SELECT ` + rowID + ` FROM ` + t +
+			` WHERE updated_at < ` + p(1) + ` AND (state <> 1 OR expires_at < ` + p(2) + `) LIMIT ` + p(3) + `)`
+	case MySQL:
+		// MySQL has no conditional ON DUPLICATE KEY UPDATE, so every column is
+		// set to itself unless the row may be taken over. Assignments run left
+		// to right and see earlier ones, so state and expires_at, which the
+		// condition reads, are assigned last.
+		cond := "(state = 0 OR (state = 1 AND expires_at <= VALUES(updated_at)))"
+		q.claim = "INSERT INTO " + t + " (`key`, state, token, attempts, expires_at, updated_at) VALUES (?, 1, ?, 1, ?, ?)\n" +
+			"ON DUPLICATE KEY UPDATE attempts = IF(" + cond + ", attempts + 1, attempts),\n" +
+			"\ttoken = IF(" + cond + ", VALUES(token), token),\n" +
+			"\tupdated_at = IF(" + cond + ", VALUES(updated_at), updated_at),\n" +
+			"\tstate = IF(" + cond + ", 1, state),\n" +
+			"\texpires_at = IF(state = 1 AND token = VALUES(token), VALUES(expires_at), expires_at)"
+		q.lookup = "SELECT state, attempts FROM " + t + " WHERE `key` = ?"
+		q.renew = "UPDATE " + t + " SET expires_at = ? WHERE `key` = ? AND state = 1 AND token = ?"
+		q.confirm = "UPDATE " + t + " SET state = 2, token = '', expires_at = 0, updated_at = ? WHERE `key` = ? AND state = 1 AND token = ?"
+		q.release = "UPDATE " + t + " SET state = 0, token = '', expires_at = 0, updated_at = ? WHERE `key` = ? AND state = 1 AND token = ?"
+		q.owner = "SELECT 1 FROM " + t + " WHERE `key` = ? AND state = 1 AND token = ?"
+		q.prune = "DELETE FROM " + t + " WHERE updated_at < ? AND (state <> 1 OR expires_at < ?) LIMIT ?"
+	}
+	return q
+}
+
+func placeholders(d Dialect) func(int) string {
+	if d == Postgres {
+		return func(i int) string { return fmt.Sprintf("$%d", i) }
+	}
+	return func(int) string { return "?" }
+}

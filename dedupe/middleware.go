@@ -1,0 +1,233 @@
+package dedupe
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// KeyFunc returns the dedupe key of a message. An error from it fails the
+// delivery; return a *KeyError (or an error with a Permanent() bool method
+// that returns true) when no retry can produce a key.
+type KeyFunc func(*message.Message) (string, error)
+
+// MessageUUID is the default KeyFunc: the message's UUID.
+func MessageUUID(msg *message.Message) (string, error) { return msg.UUID, nil }
+
+// MetadataKey returns a KeyFunc that reads the key from a metadata field,
+// prefixed by prefix (for example MetadataKey("order_id", "order:")). A
+// message without the field fails with a *KeyError wrapping ErrEmptyKey.
+func MetadataKey(field, prefix string) KeyFunc {
+	return func(msg *message.Message) (string, error) {
+		v := msg.Metadata.Get(field)
+		if v == "" {
+			return "", &KeyError{Err: fmt.Errorf("%w: metadata field %q is missing or empty", ErrEmptyKey, field)}
+		}
+		return prefix + v, nil
+	}
+}
+
+// Config configures the dedupe middleware.
+type Config struct {
+	// Store keeps the claims. Required. To share claims between processes it
+	// must be a SQLStore (or another shared store), not a MemoryStore.
+	Store Store
+	// Key derives the key from a message. Defaults to MessageUUID.
+	Key KeyFunc
+	// ClaimTimeout is how long a claim lives without renewal: how soon a
+	// crashed worker's message can be taken over by another. The claim of a
+	// running handler is renewed, so it does not limit handler duration.
+	// Defaults to 30s. Must be >= 10ms.
+	ClaimTimeout time.Duration
+	// RenewInterval is how often a running handler's claim is renewed.
+	// Defaults to ClaimTimeout/3. Must be > 0 and < ClaimTimeout.
+	RenewInterval time.Duration
+	// SettleTimeout bounds Confirm and Release, which run even when the
+	// message's context was cancelled (router shutdown) so that a finished
+	// handler is recorded and a failed one frees its key. Defaults to 5s.
+	// Must be > 0.
+	SettleTimeout time.Duration
+	// Logger receives renewal failures and lost claims. Defaults to
+	// watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+}
+
+func (c *Config) setDefaults() {
+	if c.Key == nil {
+		c.Key = MessageUUID
+	}
+	if c.ClaimTimeout == 0 {
+		c.ClaimTimeout = 30 * time.Second
+	}
+	if c.RenewInterval == 0 {
+		c.RenewInterval = c.ClaimTimeout / 3
+	}
+	if c.SettleTimeout == 0 {
+		c.SettleTimeout = 5 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// Validate reports the first invalid field.
+func (c Config) Validate() error {
+	switch {
+	case c.Store == nil:
+		return errors.New("dedupe: Config.Store is required")
+	case c.ClaimTimeout < 10*time.Millisecond:
+		return fmt.Errorf("dedupe: Config.ClaimTimeout must be >= 10ms, got %v", c.ClaimTimeout)
+	case c.RenewInterval <= 0 || c.RenewInterval >= c.ClaimTimeout:
+		return fmt.Errorf("dedupe: Config.RenewInterval must be > 0 and < ClaimTimeout (%v), got %v", c.ClaimTimeout, c.RenewInterval)
+	case c.SettleTimeout <= 0:
+		return fmt.Errorf("dedupe: Config.SettleTimeout must be > 0, got %v", c.SettleTimeout)
+	}
+	return nil
+}
+
+type claimCtxKey struct{}
+
+// ClaimFromContext returns the claim the dedupe middleware took for the
+// message being handled. The handler sees it in msg.Context(); middleware
+// outside dedupe sees it there after the handler returns, which is how the
+// retry middleware learns the durable attempt count.
+func ClaimFromContext(ctx context.Context) (Claim, bool) {
+	c, ok := ctx.Value(claimCtxKey{}).(Claim)
+	return c, ok
+}
+
+// NewMiddleware returns middleware that runs the handler at most once to
+// success per key:
+//
+//   - Acquired: the handler runs while the claim is renewed in the
+//     background; on success the key is confirmed, on error (or panic) it is
+//     released so that a redelivery can do the work.
+//   - Duplicate: the message is acked without running the handler.
+//   - Busy: an error wrapping ErrBusy is returned so the message is nacked
+//     and redelivered later; it is never acked, because if the holder dies
+//     this delivery must do the work.
+//
+// If the claim is lost while the handler runs (a renewal finds another
+// owner), the handler's context is cancelled with cause ErrClaimLost.
+func NewMiddleware(cfg Config) (message.HandlerMiddleware, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	m := &mw{cfg: cfg}
+	return m.wrap, nil
+}
+
+type mw struct{ cfg Config }
+
+func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		key, err := m.cfg.Key(msg)
+		if err != nil {
+			return nil, fmt.Errorf("dedupe: key of message %s: %w", msg.UUID, err)
+		}
+		if err := ValidateKey(key); err != nil {
+			return nil, fmt.Errorf("dedupe: key of message %s: %w", msg.UUID, err)
+		}
+		orig := msg.Context()
+		claim, err := m.cfg.Store.Claim(orig, key, m.cfg.ClaimTimeout)
+		if err != nil {
+			return nil, err
+		}
+		msg.SetContext(context.WithValue(orig, claimCtxKey{}, claim))
+		switch claim.Result {
+		case Duplicate:
+			m.cfg.Logger.Debug("dedupe: duplicate acked without running the handler", watermill.LogFields{
+				"message_uuid": msg.UUID, "attempt": claim.Attempt,
+			})
+			return nil, nil
+		case Busy:
+			return nil, fmt.Errorf("%w (message %s)", ErrBusy, msg.UUID)
+		}
+		return m.run(h, msg, orig, claim)
+	}
+}
+
+func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Context, claim Claim) (out []*message.Message, err error) {
+	hctx, cancel := context.WithCancelCause(context.WithValue(orig, claimCtxKey{}, claim))
+	msg.SetContext(hctx)
+	stopRenew := m.renew(hctx, cancel, msg.UUID, claim)
+
+	settled := false
+	defer func() {
+		stopRenew()
+		cancel(nil)
+		msg.SetContext(context.WithValue(orig, claimCtxKey{}, claim))
+		if !settled {
+			// The handler panicked: free the key, then let the panic go on to
+			// the recoverer.
+			_ = m.settle(orig, claim, false)
+		}
+	}()
+
+	out, err = h(msg)
+	stopRenew()
+	settled = true
+	if serr := m.settle(orig, claim, err == nil); serr != nil {
+		if err != nil {
+			return nil, errors.Join(err, serr)
+		}
+		return nil, serr
+	}
+	return out, err
+}
+
+// settle confirms or releases the claim, even if ctx was cancelled.
+func (m *mw) settle(ctx context.Context, claim Claim, ok bool) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), m.cfg.SettleTimeout)
+	defer cancel()
+	if ok {
+		if err := m.cfg.Store.Confirm(ctx, claim); err != nil {
+			return fmt.Errorf("dedupe: confirm after successful handler: %w", err)
+		}
+		return nil
+	}
+	if err := m.cfg.Store.Release(ctx, claim); err != nil {
+		return fmt.Errorf("dedupe: release after failed handler: %w", err)
+	}
+	return nil
+}
+
+// renew keeps the claim alive until the returned stop function is called.
+// stop waits for the renewing goroutine to exit and may be called twice.
+func (m *mw) renew(ctx context.Context, cancel context.CancelCauseFunc, uuid string, claim Claim) (stop func()) {
+	rctx, rcancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		t := time.NewTicker(m.cfg.RenewInterval)
+		defer t.Stop()
+		for {
+			select {
+			case <-rctx.Done():
+				return
+			case <-t.C:
+			}
+			err := m.cfg.Store.Renew(rctx, claim, m.cfg.ClaimTimeout)
+			switch {
+			case err == nil:
+			case rctx.Err() != nil:
+				return
+			case errors.Is(err, ErrClaimLost):
+				m.cfg.Logger.Error("dedupe: claim lost while the handler ran; cancelling it", err, watermill.LogFields{"message_uuid": uuid})
+				cancel(ErrClaimLost)
+				return
+			default:
+				m.cfg.Logger.Error("dedupe: renewing claim failed; will retry", err, watermill.LogFields{"message_uuid": uuid})
+			}
+		}
+	}()
+	return func() {
+		rcancel()
+		<-done
+	}
+}

@@ -1,0 +1,49 @@
+package dedupe_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/dedupe/dedupetest"
+	"github.com/settle-go/settle/internal/testenv"
+)
+
+func TestMemoryStore(t *testing.T) {
+	t.Parallel()
+	dedupetest.Run(t, func(t *testing.T) dedupetest.Harness {
+		return dedupetest.Harness{Store: dedupe.NewMemoryStore()}
+	})
+}
+
+func TestSQLStore(t *testing.T) {
+	t.Parallel()
+	for _, d := range testenv.Databases() {
+		t.Run(d.Name, func(t *testing.T) {
+			t.Parallel()
+			db := d.Open(t)
+			dedupetest.Run(t, func(t *testing.T) dedupetest.Harness {
+				return sqlHarness(t, db)
+			})
+		})
+	}
+}
+
+func sqlHarness(t *testing.T, db testenv.DB) dedupetest.Harness {
+	table := testenv.DedupeTable(t, db)
+	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dedupetest.Harness{
+		Store: store,
+		BeginTx: func(ctx context.Context) (dedupetest.Tx, error) {
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				return dedupetest.Tx{}, err
+			}
+			t.Cleanup(func() { _ = tx.Rollback() })
+			return dedupetest.Tx{Store: store.WithTx(tx), Commit: tx.Commit, Rollback: tx.Rollback}, nil
+		},
+	}
+}

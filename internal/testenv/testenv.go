@@ -1,0 +1,138 @@
+// Package testenv gives tests the real services they need, read from the
+// environment:
+//
+//	SETTLE_POSTGRES_URL  postgres://postgres@127.0.0.1:5432/test?sslmode=disable
+//	SETTLE_MYSQL_URL     mysql://root@127.0.0.1:3306/test
+//	SETTLE_AMQP_URL      amqp://guest:guest@127.0.0.1:5672/
+//
+// A test whose variable is unset is skipped with a message naming it, unless
+// SETTLE_REQUIRE_INTEGRATION=1, when it fails instead.
+package testenv
+
+import (
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"encoding/hex"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/sqlurl"
+)
+
+// Environment variable names.
+const (
+	PostgresURLEnv = "SETTLE_POSTGRES_URL"
+	MySQLURLEnv    = "SETTLE_MYSQL_URL"
+	AMQPURLEnv     = "SETTLE_AMQP_URL"
+	RequireEnv     = "SETTLE_REQUIRE_INTEGRATION"
+)
+
+// Require returns the value of the environment variable name, or skips the
+// test (fails it when SETTLE_REQUIRE_INTEGRATION=1).
+func Require(t testing.TB, name string) string {
+	t.Helper()
+	v := os.Getenv(name)
+	if v != "" {
+		return v
+	}
+	if os.Getenv(RequireEnv) == "1" {
+		t.Fatalf("%s is not set and %s=1: integration tests may not skip", name, RequireEnv)
+	}
+	t.Skipf("set %s to run this test against a real service", name)
+	return ""
+}
+
+// DB is an open database of one dialect.
+type DB struct {
+	*sql.DB
+	Dialect dedupe.Dialect
+}
+
+// Postgres opens SETTLE_POSTGRES_URL and checks that it answers.
+func Postgres(t testing.TB) DB { return open(t, Require(t, PostgresURLEnv)) }
+
+// MySQL opens SETTLE_MYSQL_URL and checks that it answers.
+func MySQL(t testing.TB) DB { return open(t, Require(t, MySQLURLEnv)) }
+
+// SQLite opens a new SQLite file in the test's temporary directory.
+func SQLite(t testing.TB) DB {
+	return open(t, "sqlite://"+filepath.Join(t.TempDir(), "settle.db"))
+}
+
+// AMQPURL returns SETTLE_AMQP_URL.
+func AMQPURL(t testing.TB) string { return Require(t, AMQPURLEnv) }
+
+// Databases returns every database this run can reach: SQLite always, and
+// PostgreSQL and MySQL when configured. Unconfigured ones become skipped (or
+// failed) subtests through Require when the caller runs them.
+func Databases() []struct {
+	Name string
+	Open func(testing.TB) DB
+} {
+	return []struct {
+		Name string
+		Open func(testing.TB) DB
+	}{
+		{"sqlite", SQLite},
+		{"postgres", Postgres},
+		{"mysql", MySQL},
+	}
+}
+
+func open(t testing.TB, u string) DB {
+	t.Helper()
+	db, dialect, err := sqlurl.Open(u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	if err := db.PingContext(t.Context()); err != nil {
+		t.Fatalf("%s database is not reachable: %v", dialect, err)
+	}
+	return DB{DB: db, Dialect: dialect}
+}
+
+var nonIdent = regexp.MustCompile(`[^a-z0-9_]+`)
+
+// Name returns a unique identifier for a table, queue or topic of this test:
+// prefix, a slug of the test name and a random suffix, at most 60 bytes.
+func Name(t testing.TB, prefix string) string {
+	slug := nonIdent.ReplaceAllString(strings.ToLower(t.Name()), "_")
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	suffix := "_" + hex.EncodeToString(b[:])
+	name := prefix + "_" + slug
+	if max := 60 - len(suffix); len(name) > max {
+		name = name[:max]
+	}
+	return name + suffix
+}
+
+// DedupeTable creates a claims table with a unique name in db and drops it
+// when the test ends.
+func DedupeTable(t testing.TB, db DB) string {
+	t.Helper()
+	table := Name(t, "dd")
+	stmts, err := dedupe.Schema(db.Dialect, table)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range stmts {
+		if _, err := db.ExecContext(t.Context(), s); err != nil {
+			t.Fatalf("create %s: %v", table, err)
+		}
+	}
+	t.Cleanup(func() {
+		q := `DROP TABLE IF EXISTS "` + table + `"`
+		if db.Dialect == dedupe.MySQL {
+			q = "DROP TABLE IF EXISTS `" + table + "`"
+		}
+		_, _ = db.ExecContext(context.Background(), q)
+	})
+	return table
+}
