@@ -1,0 +1,15 @@
+// Package integration_test runs settle against real services (RabbitMQ,
+// PostgreSQL, MySQL/MariaDB). Each test reads its service URL from the
+// environment through internal/testenv and skips without it, or fails when
+// SETTLE_REQUIRE_INTEGRATION=1.
+package integration_test
+
+import (
+	"testing"
+
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
