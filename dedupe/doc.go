@@ -1,0 +1,54 @@
+// Package dedupe makes a handler's work happen once per message key, however
+// often the broker delivers the message.
+//
+// Brokers deliver at least once: after a crash, a timeout or a nack the same
+// message comes again. dedupe remembers, per key, whether the work was done.
+// Unlike a "seen" set, it only records a key as done after the handler
+// succeeded: a key is first claimed, then confirmed on success or released on
+// failure, so a failed delivery's redelivery still does the work.
+//
+// # Claims
+//
+// A key is absent, claimed (by one owner, until an expiry) or confirmed:
+//
+//	absent --Claim--> claimed --Confirm--> confirmed
+//	           ^          |
+//	           +-Release--+  (or the claim expires)
+//
+// [Store.Claim] answers [Acquired] (the caller owns the key now), [Duplicate]
+// (already confirmed) or [Busy] (another owner's claim is live). Each
+// acquisition gets a fresh token, and Confirm, Release and Renew act only on
+// the caller's own claim: a worker that stalled past its claim's expiry, whose
+// key was taken over, gets [ErrClaimLost] instead of overwriting the new
+// owner. Every acquisition increments the key's attempt count, which survives
+// Release and crashes; the retry middleware uses it to stop a message that
+// kills its consumer every time.
+//
+// # Middleware
+//
+// [NewMiddleware] wraps a Watermill handler: it claims the message's key
+// (the UUID by default, or any [KeyFunc]), runs the handler while renewing the
+// claim, and confirms or releases. A duplicate is acked without running the
+// handler; a busy key returns [ErrBusy] so that the broker redelivers the
+// message later. It is a plain message.HandlerMiddleware and can be added to
+// any router.
+//
+// # Stores
+//
+// [MemoryStore] is per-process. [SQLStore] keeps claims in a table of
+// PostgreSQL, MySQL/MariaDB or SQLite shared by all workers; create the table
+// with the statements of [Schema] in your migrations (nothing is created on
+// start-up). A SQLStore on a *sql.Tx puts the claim in that transaction, so
+// claim, the handler's own writes and the confirmation commit together, and a
+// rollback leaves no trace: the effect happens exactly once for everything in
+// that database.
+//
+// # What it does not guarantee
+//
+// Outside a transaction, a handler whose effect is outside the database (an
+// e-mail, an HTTP call) can still run twice: if the process dies after the
+// effect but before Confirm, the claim expires and a redelivery runs the
+// handler again. The window is the time between the effect and Confirm.
+// Keys are confirmed forever unless pruned: run [Store.Prune] with a
+// retention longer than the longest time the broker may redeliver a message.
+package dedupe

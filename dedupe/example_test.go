@@ -1,0 +1,148 @@
+package dedupe_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	_ "modernc.org/sqlite"
+
+	"github.com/settle-go/settle/dedupe"
+)
+
+// The middleware runs the handler once per message UUID: a second delivery of
+// the same message is acked without running it.
+func ExampleNewMiddleware() {
+	dd, err := dedupe.NewMiddleware(dedupe.Config{Store: dedupe.NewMemoryStore()})
+	if err != nil {
+		panic(err)
+	}
+	charge := dd(func(msg *message.Message) ([]*message.Message, error) {
+		fmt.Printf("charging order %s\n", msg.Payload)
+		return nil, nil
+	})
+
+	first := message.NewMessage("msg-1", []byte("A-17"))
+	redelivered := message.NewMessage("msg-1", []byte("A-17"))
+	for _, m := range []*message.Message{first, redelivered} {
+		if _, err := charge(m); err != nil {
+			panic(err)
+		}
+	}
+	// Output:
+	// charging order A-17
+}
+
+// A key function makes "the same work" mean something other than "the same
+// message": here, one charge per order, whichever message asks for it.
+func ExampleMetadataKey() {
+	dd, err := dedupe.NewMiddleware(dedupe.Config{
+		Store: dedupe.NewMemoryStore(),
+		Key:   dedupe.MetadataKey("order_id", "charge:"),
+	})
+	if err != nil {
+		panic(err)
+	}
+	charge := dd(func(msg *message.Message) ([]*message.Message, error) {
+		fmt.Println("charging", msg.Metadata.Get("order_id"))
+		return nil, nil
+	})
+	for _, uuid := range []string{"m1", "m2"} { // two messages, one order
+		m := message.NewMessage(uuid, nil)
+		m.Metadata.Set("order_id", "A-17")
+		if _, err := charge(m); err != nil {
+			panic(err)
+		}
+	}
+	// Output:
+	// charging A-17
+}
+
+// In a transaction, the claim commits together with the handler's own writes.
+// A rolled-back attempt leaves nothing behind, and the committed one is final.
+func ExampleSQLStore_WithTx() {
+	dir, _ := os.MkdirTemp("", "settle-example")
+	defer os.RemoveAll(dir)
+	db, err := sql.Open("sqlite", "file:"+filepath.Join(dir, "shop.db")+"?_pragma=busy_timeout(5000)&_txlock=immediate")
+	if err != nil {
+		panic(err)
+	}
+	defer db.Close()
+	ctx := context.Background()
+
+	ddl, _ := dedupe.Schema(dedupe.SQLite, "settle_dedupe")
+	ddl = append(ddl, `CREATE TABLE charges (order_id TEXT PRIMARY KEY, cents INTEGER)`)
+	for _, stmt := range ddl {
+		if _, err := db.ExecContext(ctx, stmt); err != nil {
+			panic(err)
+		}
+	}
+	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dedupe.SQLite})
+	if err != nil {
+		panic(err)
+	}
+
+	// charge claims the key, writes the charge and confirms, all in one
+	// transaction; fail makes it roll back after the write.
+	charge := func(key string, fail bool) error {
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback() // no-op after Commit
+		txStore := store.WithTx(tx)
+		c, err := txStore.Claim(ctx, key, time.Minute)
+		if err != nil {
+			return err
+		}
+		if c.Result != dedupe.Acquired {
+			fmt.Println(key, "->", c.Result)
+			return nil
+		}
+		if _, err := tx.ExecContext(ctx, `INSERT INTO charges VALUES (?, 1999)`, key); err != nil {
+			return err
+		}
+		if fail {
+			return fmt.Errorf("card declined")
+		}
+		if err := txStore.Confirm(ctx, c); err != nil {
+			return err
+		}
+		fmt.Println(key, "-> charged on attempt", c.Attempt)
+		return tx.Commit()
+	}
+
+	fmt.Println("first try:", charge("order:A-17", true))
+	_ = charge("order:A-17", false) // the redelivery
+	_ = charge("order:A-17", false) // and a duplicate of it
+
+	var n int
+	_ = db.QueryRowContext(ctx, `SELECT count(*) FROM charges`).Scan(&n)
+	fmt.Println("charges:", n)
+	// Output:
+	// first try: card declined
+	// order:A-17 -> charged on attempt 1
+	// order:A-17 -> duplicate
+	// charges: 1
+}
+
+func ExampleSchema() {
+	stmts, err := dedupe.Schema(dedupe.Postgres, "settle_dedupe")
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println(stmts[0])
+	// Output:
+	// CREATE TABLE IF NOT EXISTS "settle_dedupe" (
+	// 	key        BYTEA    NOT NULL PRIMARY KEY,
+	// 	state      SMALLINT NOT NULL,
+	// 	token      TEXT     NOT NULL,
+	// 	attempts   INTEGER  NOT NULL,
+	// 	expires_at BIGINT   NOT NULL,
+	// 	updated_at BIGINT   NOT NULL
+	// )
+}

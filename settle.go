@@ -1,0 +1,70 @@
+// Package settle is the shared vocabulary of settle's packages: the outcomes a
+// delivery can settle with and the metadata keys settle writes on messages.
+//
+// settle makes Watermill pipelines on at-least-once brokers produce effects
+// that happen once. The work is done by its sub-packages, each usable on its
+// own on any Watermill router:
+//
+//   - dedupe: claim/confirm/release of a stable message key, so a handler's
+//     work is done once per key however often the broker delivers it;
+//   - poison: errors no retry can fix, and the middleware that parks them;
+//   - middleware: bounded retry ending in a dead-letter, and tracing;
+//   - outbox: the transactional outbox on Watermill's SQL forwarder;
+//   - pipeline: the whole stack assembled in the right order.
+//
+// See docs/settlement.md for the outcomes and the order of the middleware.
+package settle
+
+// Outcome is how one delivery of a message ended. Every delivery ends with
+// exactly one outcome; spans and metrics are keyed on it.
+type Outcome string
+
+const (
+	// Done: the handler succeeded and its key was confirmed. Acked.
+	Done Outcome = "done"
+	// Duplicate: the key was confirmed by an earlier delivery. Acked, the
+	// handler was not run.
+	Duplicate Outcome = "duplicate"
+	// Deferred: another worker holds a live claim on the key. Nacked so it
+	// is redelivered later; never acked, since the holder may die.
+	Deferred Outcome = "deferred"
+	// Retry: the handler failed and attempts remain. Nacked after a backoff.
+	Retry Outcome = "retry"
+	// DeadLettered: attempts are exhausted. A copy was published to the
+	// dead-letter topic, then the original was acked.
+	DeadLettered Outcome = "dead_lettered"
+	// Poisoned: the payload cannot be decoded or the handler returned a
+	// permanent error. A copy was published to the poison topic, then the
+	// original was acked; it is never retried.
+	Poisoned Outcome = "poisoned"
+)
+
+// Metadata keys settle writes. They are prefixed with "settle_" so they do not
+// collide with an application's own keys.
+const (
+	// MetaReason is the error text that sent a copy to a dead-letter or poison
+	// topic.
+	MetaReason = "settle_reason"
+	// MetaOutcome is the outcome recorded on a dead-letter or poison copy:
+	// "dead_lettered" or "poisoned".
+	MetaOutcome = "settle_outcome"
+	// MetaOriginalTopic is the topic the message was consumed from.
+	MetaOriginalTopic = "settle_original_topic"
+	// MetaHandler is the name of the router handler that failed.
+	MetaHandler = "settle_handler"
+	// MetaOriginalUUID is the UUID of the original message.
+	MetaOriginalUUID = "settle_original_uuid"
+	// MetaAttempt is the number of attempts made so far (decimal).
+	MetaAttempt = "settle_attempt"
+	// MetaFirstFailure and MetaLastFailure are the times of the first and last
+	// failure, RFC 3339 with nanoseconds, UTC.
+	MetaFirstFailure = "settle_first_failure_at"
+	MetaLastFailure  = "settle_last_failure_at"
+	// MetaDeliveryCount is how many times the broker has delivered the
+	// message, including this time (decimal), when the broker says so
+	// (RabbitMQ quorum queues' x-delivery-count + 1). Set by broker adapters.
+	MetaDeliveryCount = "settle_delivery_count"
+	// MetaRedelivered is "true" when the broker flags the delivery as a
+	// redelivery. Set by broker adapters.
+	MetaRedelivered = "settle_redelivered"
+)
