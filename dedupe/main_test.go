@@ -1,0 +1,17 @@
+package dedupe_test
+
+import (
+	"testing"
+
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m,
+		// Watermill's own middleware.NewMapExpiringKeyRepository (the default
+		// repository of middleware.Deduplicator, used here to show how it
+		// loses messages) starts a cleaner goroutine on context.Background()
+		// that nothing can stop. It is Watermill's leak, not settle's.
+		goleak.IgnoreAnyFunction("github.com/ThreeDotsLabs/watermill/message/router/middleware.(*mapExpiringKeyRepository).cleanOutLoop"),
+	)
+}
