@@ -44,21 +44,12 @@ func BenchmarkClaimConfirm(b *testing.B) {
 	})
 	for _, d := range testenv.Databases() {
 		b.Run(d.Name, func(b *testing.B) {
-			db := d.Open(b)
-			if db.Dialect != dedupe.SQLite {
-				// One connection per goroutine, kept open between ops; the
-				// default of 2 idle connections would make most ops dial.
-				n := benchGoroutines[len(benchGoroutines)-1]
-				db.SetMaxOpenConns(n)
-				db.SetMaxIdleConns(n)
-			} else {
-				// sqlurl caps SQLite at 4 connections (one writer at a time
-				// anyway); keep them all idle between ops.
-				db.SetMaxIdleConns(4)
-			}
+			// open returns the database one sub-benchmark run works on.
+			open := benchDB(b, d.Open)
 			for _, g := range benchGoroutines {
 				b.Run("g="+strconv.Itoa(g), func(b *testing.B) {
 					b.Run("settle", func(b *testing.B) {
+						db := open(b)
 						table := testenv.DedupeTable(b, db)
 						store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: table})
 						if err != nil {
@@ -67,12 +58,32 @@ func BenchmarkClaimConfirm(b *testing.B) {
 						benchStore(b, g, store, func() { checkConfirmed(b, db, table, b.N) })
 					})
 					b.Run("floor", func(b *testing.B) {
-						benchFloor(b, g, db)
+						benchFloor(b, g, open(b))
 					})
 				})
 			}
 		})
 	}
+}
+
+// benchDB opens a server database once, with one pooled connection per
+// goroutine kept open between ops (the default of 2 idle connections would make
+// most ops at g=16 dial). SQLite instead gets a new file for every run, so
+// that settle and floor each start from an empty file and WAL rather than
+// inheriting the other's; its pool stays at the 4 connections sqlurl allows.
+func benchDB(b *testing.B, openDB func(testing.TB) testenv.DB) func(*testing.B) testenv.DB {
+	db := openDB(b)
+	if db.Dialect == dedupe.SQLite {
+		return func(b *testing.B) testenv.DB {
+			db := openDB(b)
+			db.SetMaxIdleConns(4)
+			return db
+		}
+	}
+	n := benchGoroutines[len(benchGoroutines)-1]
+	db.SetMaxOpenConns(n)
+	db.SetMaxIdleConns(n)
+	return func(*testing.B) testenv.DB { return db }
 }
 
 // benchStore runs claim+confirm of fresh keys on store with g goroutines, then
