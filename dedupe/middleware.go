@@ -112,7 +112,8 @@ func ClaimFromContext(ctx context.Context) (Claim, bool) {
 //     this delivery must do the work.
 //
 // If the claim is lost while the handler runs (a renewal finds another
-// owner), the handler's context is cancelled with cause ErrClaimLost.
+// owner, or renewals keep failing until the claim expires), the handler's
+// context is cancelled with a cause that wraps ErrClaimLost.
 func NewMiddleware(cfg Config) (message.HandlerMiddleware, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -204,6 +205,14 @@ func (m *mw) renew(ctx context.Context, cancel context.CancelCauseFunc, uuid str
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
+		// expires is when the claim lapses in the store unless a renewal
+		// lands: once renewals have failed past it, another worker may have
+		// taken the key over, so the handler is cancelled rather than left
+		// running without a claim.
+		expires := claim.ExpiresAt
+		if expires.IsZero() {
+			expires = time.Now().Add(m.cfg.ClaimTimeout)
+		}
 		t := time.NewTicker(m.cfg.RenewInterval)
 		defer t.Stop()
 		for {
@@ -212,14 +221,23 @@ func (m *mw) renew(ctx context.Context, cancel context.CancelCauseFunc, uuid str
 				return
 			case <-t.C:
 			}
-			err := m.cfg.Store.Renew(rctx, claim, m.cfg.ClaimTimeout)
+			start := time.Now()
+			// A renewal that cannot land before the claim lapses is useless.
+			cctx, ccancel := context.WithDeadline(rctx, expires)
+			err := m.cfg.Store.Renew(cctx, claim, m.cfg.ClaimTimeout)
+			ccancel()
 			switch {
 			case err == nil:
+				expires = start.Add(m.cfg.ClaimTimeout)
 			case rctx.Err() != nil:
 				return
 			case errors.Is(err, ErrClaimLost):
 				m.cfg.Logger.Error("dedupe: claim lost while the handler ran; cancelling it", err, watermill.LogFields{"message_uuid": uuid})
 				cancel(ErrClaimLost)
+				return
+			case !time.Now().Before(expires):
+				m.cfg.Logger.Error("dedupe: claim expired while renewals failed; cancelling the handler", err, watermill.LogFields{"message_uuid": uuid})
+				cancel(fmt.Errorf("%w: it expired while renewals failed: %w", ErrClaimLost, err))
 				return
 			default:
 				m.cfg.Logger.Error("dedupe: renewing claim failed; will retry", err, watermill.LogFields{"message_uuid": uuid})

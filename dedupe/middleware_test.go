@@ -524,6 +524,60 @@ func TestMiddlewareCancelsHandlerWhenClaimLost(t *testing.T) {
 	}
 }
 
+// downStore is a Store whose renewals fail as if the database were
+// unreachable.
+type downStore struct {
+	dedupe.Store
+	renews atomic.Int32
+}
+
+var errDatabaseDown = errors.New("database down")
+
+func (s *downStore) Renew(context.Context, dedupe.Claim, time.Duration) error {
+	s.renews.Add(1)
+	return errDatabaseDown
+}
+
+// A handler whose renewals keep failing must not run on once its claim has
+// expired: another worker may have taken the key over.
+func TestMiddlewareCancelsHandlerWhenClaimExpiresUnrenewed(t *testing.T) {
+	t.Parallel()
+	const claimTimeout = 90 * time.Millisecond
+	for _, sc := range storeCases() {
+		t.Run(sc.name, func(t *testing.T) {
+			t.Parallel()
+			inner, _ := sc.new(t)
+			store := &downStore{Store: inner}
+			var cause error
+			var expiresAt, cancelledAt time.Time
+			h := newMiddleware(t, dedupe.Config{Store: store, ClaimTimeout: claimTimeout})(func(msg *message.Message) ([]*message.Message, error) {
+				c, _ := dedupe.ClaimFromContext(msg.Context())
+				expiresAt = c.ExpiresAt
+				select {
+				case <-msg.Context().Done():
+					cancelledAt = time.Now()
+					cause = context.Cause(msg.Context())
+					return nil, msg.Context().Err()
+				case <-time.After(waitTimeout):
+					return nil, errors.New("handler context was not cancelled")
+				}
+			})
+			if _, err := h(newMsg(t, watermill.NewUUID())); !errors.Is(err, context.Canceled) {
+				t.Errorf("delivery error = %v, want the handler's context.Canceled (nack)", err)
+			}
+			if !errors.Is(cause, dedupe.ErrClaimLost) || !errors.Is(cause, errDatabaseDown) {
+				t.Errorf("context cause = %v, want ErrClaimLost wrapping the renewal error", cause)
+			}
+			if cancelledAt.Before(expiresAt) {
+				t.Errorf("handler cancelled at %v, before its claim expired at %v", cancelledAt, expiresAt)
+			}
+			if n := store.renews.Load(); n < 2 {
+				t.Errorf("renewals = %d, want retries before giving up", n)
+			}
+		})
+	}
+}
+
 func TestNewMiddlewareRefusesBadConfig(t *testing.T) {
 	t.Parallel()
 	store := dedupe.NewMemoryStore()
