@@ -91,6 +91,36 @@ func (c Config) Validate() error {
 
 type claimCtxKey struct{}
 
+type limitCtxKey struct{}
+
+// WithAttemptLimit returns a context that tells the dedupe middleware not to
+// start the handler once a key has been acquired more than limit times. The
+// retry middleware sets it from its MaxAttempts, so a message that killed its
+// consumer on every attempt is handed to the dead-letter instead of being run
+// again. A limit <= 0 means no limit.
+func WithAttemptLimit(ctx context.Context, limit int) context.Context {
+	return context.WithValue(ctx, limitCtxKey{}, limit)
+}
+
+// AttemptLimitFromContext returns the limit set by WithAttemptLimit.
+func AttemptLimitFromContext(ctx context.Context) (int, bool) {
+	n, ok := ctx.Value(limitCtxKey{}).(int)
+	return n, ok && n > 0
+}
+
+// ExhaustedError is returned by the middleware, without running the handler,
+// when a key was acquired more times than the attempt limit in the message's
+// context. The claim is released, so a later delivery finds the same state.
+type ExhaustedError struct {
+	Key     string
+	Attempt int // the attempt that was refused
+	Limit   int
+}
+
+func (e *ExhaustedError) Error() string {
+	return fmt.Sprintf("dedupe: %d attempts made, limit is %d; handler not started again", e.Attempt-1, e.Limit)
+}
+
 // ClaimFromContext returns the claim the dedupe middleware took for the
 // message being handled. The handler sees it in msg.Context(); middleware
 // outside dedupe sees it there after the handler returns, which is how the
@@ -148,6 +178,12 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 			return nil, nil
 		case Busy:
 			return nil, fmt.Errorf("%w (message %s)", ErrBusy, msg.UUID)
+		}
+		if limit, ok := AttemptLimitFromContext(orig); ok && claim.Attempt > limit {
+			if err := m.settle(orig, claim, false); err != nil {
+				return nil, err
+			}
+			return nil, &ExhaustedError{Key: key, Attempt: claim.Attempt, Limit: limit}
 		}
 		return m.run(h, msg, orig, claim)
 	}
