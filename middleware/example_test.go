@@ -1,0 +1,52 @@
+package middleware_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+
+	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/middleware"
+)
+
+// A handler that always fails is run MaxAttempts times, then a copy goes to
+// the dead-letter topic and the original is acked.
+func ExampleNewRetry() {
+	pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
+	defer pubsub.Close()
+
+	dl, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{Publisher: pubsub, Topic: "emails.dead"})
+	if err != nil {
+		panic(err)
+	}
+	retry, err := middleware.NewRetry(middleware.RetryConfig{
+		MaxAttempts:      3,
+		InProcessRetries: 2, // all three attempts within this one delivery
+		InitialInterval:  time.Millisecond,
+	})
+	if err != nil {
+		panic(err)
+	}
+	send := dl(retry(func(msg *message.Message) ([]*message.Message, error) {
+		fmt.Println("attempt", msg.Metadata.Get(settle.MetaAttempt))
+		return nil, errors.New("smtp: connection refused")
+	}))
+
+	_, err = send(message.NewMessage("welcome-42", []byte("hello")))
+	fmt.Println("returned to the router:", err)
+
+	dead, _ := pubsub.Subscribe(context.Background(), "emails.dead")
+	m := <-dead
+	m.Ack()
+	fmt.Println(m.UUID, m.Metadata.Get(settle.MetaOutcome), "after", m.Metadata.Get(settle.MetaAttempt), "attempts:", m.Metadata.Get(settle.MetaReason))
+	// Output:
+	// attempt 1
+	// attempt 2
+	// attempt 3
+	// returned to the router: <nil>
+	// welcome-42 dead_lettered after 3 attempts: smtp: connection refused
+}
