@@ -20,21 +20,21 @@
 // Marshaler.Unmarshal never returns an error. String headers become metadata
 // unchanged. Every other header becomes metadata under its own name, as text:
 //
-//	bool                                   "true" or "false"
-//	int8 uint8 int16 uint16 int32 uint32    decimal: "-42", "7"
-//	int64 (and int)
-//	float32 float64                        shortest decimal that parses back to
-//	                                       the same value (strconv 'g', -1):
-//	                                       "1.5", "1e+21", "NaN", "+Inf", "-Inf"
-//	decimal                                exact, Scale digits after the point:
-//	                                       {Scale 2, Value -12345} is "-123.45"
-//	timestamp                              RFC 3339 in UTC, fractional seconds
-//	                                       only if non-zero: "2024-05-01T12:00:00Z"
-//	byte array                             standard base64 with padding, no prefix
-//	                                       (the type record below says it is bytes)
-//	table                                  JSON object, keys sorted
-//	array                                  JSON array
-//	void (nil)                             ""
+//	bool                      "true" or "false"
+//	int8 uint8 int16 uint16   decimal: "-42", "7"
+//	int32 uint32 int64 (int)
+//	float32 float64           shortest decimal that parses back to
+//	                          the same value (strconv 'g', -1):
+//	                          "1.5", "1e+21", "NaN", "+Inf", "-Inf"
+//	decimal                   exact, Scale digits after the point:
+//	                          {Scale 2, Value -12345} is "-123.45"
+//	timestamp                 RFC 3339 in UTC, fractional seconds
+//	                          only if non-zero: "2024-05-01T12:00:00Z"
+//	byte array                standard base64 with padding, no prefix
+//	                          (the type record below says it is bytes)
+//	table                     JSON object, keys sorted
+//	array                     JSON array
+//	void (nil)                ""
 //
 // Inside tables and arrays, strings and booleans are JSON strings and
 // booleans, void is null, numbers and decimals are JSON numbers in the text
@@ -56,7 +56,10 @@
 // those of its JSON text. The key is absent when every header was a string.
 // (A Go value outside the AMQP types can only appear in a Delivery built
 // in-process; it is rendered with fmt.Sprint and recorded under its Go type
-// name.)
+// name.) JSON text holds only valid UTF-8: a header name in the type record,
+// or a string inside a table or array, that is not valid UTF-8 has each
+// invalid byte replaced by U+FFFD there, as encoding/json does. Metadata
+// keys and top-level string values are never altered.
 //
 // The message UUID is taken from the UUID header (by default
 // "_watermill_message_uuid", the one watermill-amqp uses) when it is a
