@@ -54,6 +54,15 @@ type Config struct {
 	// Logger receives renewal failures and lost claims. Defaults to
 	// watermill.NopLogger.
 	Logger watermill.LoggerAdapter
+	// Publisher publishes the messages a handler returns, to the handler's
+	// publish topic, before the key is confirmed. The router would otherwise
+	// publish them only after the confirmation, and if that publish failed,
+	// the redelivery would be a duplicate and the messages would be lost.
+	// Required only for handlers that return messages: without it, such a
+	// handler's delivery fails with ErrOutputWithoutPublisher (and its key is
+	// released), never silently. Prefer the transactional outbox where the
+	// messages must commit with the handler's writes.
+	Publisher message.Publisher
 }
 
 func (c *Config) setDefaults() {
@@ -88,6 +97,10 @@ func (c Config) Validate() error {
 	}
 	return nil
 }
+
+// ErrOutputWithoutPublisher is returned when a handler returns messages but
+// Config.Publisher is not set; see Config.Publisher.
+var ErrOutputWithoutPublisher = errors.New("dedupe: handler returned messages but Config.Publisher is not set, so they could not be published before the key is confirmed")
 
 type claimCtxKey struct{}
 
@@ -167,7 +180,7 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 		orig := msg.Context()
 		claim, err := m.cfg.Store.Claim(orig, key, m.cfg.ClaimTimeout)
 		if err != nil {
-			return nil, err
+			return nil, fmt.Errorf("dedupe: claim for message %s: %w", msg.UUID, err)
 		}
 		msg.SetContext(context.WithValue(orig, claimCtxKey{}, claim))
 		switch claim.Result {
@@ -207,6 +220,10 @@ func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Conte
 	}()
 
 	out, err = h(msg)
+	if err == nil && len(out) > 0 {
+		err = m.publish(msg, out)
+		out = nil
+	}
 	stopRenew()
 	settled = true
 	if serr := m.settle(orig, claim, err == nil); serr != nil {
@@ -216,6 +233,22 @@ func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Conte
 		return nil, serr
 	}
 	return out, err
+}
+
+// publish sends the handler's output while the claim is still held, so that
+// a failure releases the key and the redelivery runs the handler again.
+func (m *mw) publish(msg *message.Message, out []*message.Message) error {
+	if m.cfg.Publisher == nil {
+		return ErrOutputWithoutPublisher
+	}
+	topic := message.PublishTopicFromCtx(msg.Context())
+	if topic == "" {
+		return errors.New("dedupe: handler returned messages but the message context names no publish topic (is the handler added with AddHandler?)")
+	}
+	if err := m.cfg.Publisher.Publish(topic, out...); err != nil {
+		return fmt.Errorf("dedupe: publishing %d produced messages to %q: %w", len(out), topic, err)
+	}
+	return nil
 }
 
 // settle confirms or releases the claim, even if ctx was cancelled.
