@@ -206,8 +206,13 @@ func (r *retry) wrap(h message.HandlerFunc) message.HandlerFunc {
 		if src.prior >= r.cfg.MaxAttempts {
 			// The count says the attempts are used up, yet the message is
 			// here again: the last attempts died with their consumer, or the
-			// dead-letter publish failed.
-			return nil, r.exhausted(msg, src.prior, fmt.Errorf("no attempt left: %d made", src.prior))
+			// dead-letter publish failed. The last failure, when this process
+			// saw it, stays the reason on the dead-letter copy.
+			cause := r.tracked.lastErr(msg.UUID)
+			if cause == nil {
+				cause = fmt.Errorf("no attempt left: %d made", src.prior)
+			}
+			return nil, r.exhausted(msg, src.prior, cause)
 		}
 		bo := r.newBackoff()
 		for run := 1; ; run++ {
@@ -233,7 +238,7 @@ func (r *retry) wrap(h message.HandlerFunc) message.HandlerFunc {
 				r.tracked.forget(msg.UUID)
 				return nil, err
 			}
-			r.tracked.failed(msg.UUID, src.firstHint)
+			r.tracked.failed(msg.UUID, src.firstHint, err)
 			if c, ok := dedupe.ClaimFromContext(msg.Context()); ok && c.Result == dedupe.Acquired {
 				attempt = c.Attempt // the durable count, exact across processes
 				msg.Metadata.Set(settle.MetaAttempt, strconv.Itoa(attempt))
@@ -350,11 +355,12 @@ type tracker struct {
 type record struct {
 	runs        int
 	first, last time.Time
+	lastErr     error
 }
 
 func newTracker(max int) *tracker { return &tracker{max: max, byID: map[string]*record{}} }
 
-func (t *tracker) failed(id string, firstHint time.Time) {
+func (t *tracker) failed(id string, firstHint time.Time, err error) {
 	now := time.Now()
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -371,6 +377,17 @@ func (t *tracker) failed(id string, firstHint time.Time) {
 	}
 	r.runs++
 	r.last = now
+	r.lastErr = err
+}
+
+// lastErr returns the last failure recorded for id, or nil.
+func (t *tracker) lastErr(id string) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if r, ok := t.byID[id]; ok {
+		return r.lastErr
+	}
+	return nil
 }
 
 // evict drops the tenth of the records that failed longest ago. The caller

@@ -233,6 +233,9 @@ func TestDeadLetterPublishFailureNacksThenSucceeds(t *testing.T) {
 			if len(dead) != 1 {
 				t.Fatalf("dead=%d; want 1 once the publisher recovered", len(dead))
 			}
+			if got := dead[0].Metadata.Get(settle.MetaReason); got != errFlaky.Error() {
+				t.Fatalf("dead-letter reason = %q; want the handler's last error %q", got, errFlaky.Error())
+			}
 			if pub.attempts.Load() != 3 {
 				t.Fatalf("%d publish attempts; want 3 (two failed, one stored)", pub.attempts.Load())
 			}
