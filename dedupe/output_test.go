@@ -78,7 +78,13 @@ func TestProducedMessagesArePublishedBeforeConfirm(t *testing.T) {
 	if calls.Load() != 2 || pub.calls.Load() != 2 {
 		t.Fatalf("handler calls=%d publishes=%d; want 2 and 2 (failed, then redone)", calls.Load(), pub.calls.Load())
 	}
-	c, err := store.Claim(t.Context(), "order-1", time.Minute)
+	// The confirmation follows the publish; poll while the claim is held.
+	var c dedupe.Claim
+	deadline := time.Now().Add(5 * time.Second)
+	for c, err = store.Claim(t.Context(), "order-1", time.Minute); err == nil && c.Result == dedupe.Busy && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+		c, err = store.Claim(t.Context(), "order-1", time.Minute)
+	}
 	if err != nil || c.Result != dedupe.Duplicate || c.Attempt != 2 {
 		t.Fatalf("claim after = %+v, %v; want Duplicate after 2 attempts", c, err)
 	}
