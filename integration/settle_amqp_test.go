@@ -398,21 +398,28 @@ func TestSettleAMQPOutcomes(t *testing.T) {
 		name    string
 		opts    saOpts
 		handler func(call int64, msg *message.Message) error
-		// settled is what each delivery returned, in order: nil (ack) or an
-		// error the returned one must match with errors.Is/As.
-		settled   []any
-		calls     int64
-		deadTries int64
-		// check inspects the dead-letter and poison copies.
+		// settled is what each delivery returned, in order: nil (ack), an
+		// error it must match with errors.Is, or a pointer to an error type
+		// it must match with errors.As.
+		settled []any
+		// calls is the number of handler calls; attempts is settle_attempt as
+		// each call saw it.
+		calls    int64
+		attempts string
+		// deadTries counts publishes to the dead-letter topic, failed ones
+		// included; dead and poisoned are the copies on those queues.
+		deadTries      int64
 		dead, poisoned int
-		check          func(t *testing.T, e *saEnv, orig *message.Message, published time.Time, dead, poisoned []*message.Message)
+		// check inspects the copies.
+		check func(t *testing.T, e *saEnv, orig *message.Message, published time.Time, dead, poisoned []*message.Message)
 	}{
 		{
-			name:    "done",
-			opts:    saOpts{retry: saFastRetry(3, 1)},
-			handler: func(int64, *message.Message) error { return nil },
-			settled: []any{nil},
-			calls:   1,
+			name:     "done",
+			opts:     saOpts{retry: saFastRetry(3, 1)},
+			handler:  func(int64, *message.Message) error { return nil },
+			settled:  []any{nil},
+			calls:    1,
+			attempts: "[1]",
 		},
 		{
 			// Two failures in the first delivery (one in-process retry), then
@@ -425,8 +432,9 @@ func TestSettleAMQPOutcomes(t *testing.T) {
 				}
 				return nil
 			},
-			settled: []any{errSAFlaky, nil},
-			calls:   3,
+			settled:  []any{errSAFlaky, nil},
+			calls:    3,
+			attempts: "[1 2 3]",
 		},
 		{
 			// Attempts 1 and 2 in the first delivery, attempt 3 in the
@@ -436,6 +444,7 @@ func TestSettleAMQPOutcomes(t *testing.T) {
 			handler:   func(int64, *message.Message) error { return errSAFlaky },
 			settled:   []any{errSAFlaky, nil},
 			calls:     3,
+			attempts:  "[1 2 3]",
 			deadTries: 1,
 			dead:      1,
 			check: func(t *testing.T, e *saEnv, orig *message.Message, published time.Time, dead, _ []*message.Message) {
@@ -450,6 +459,7 @@ func TestSettleAMQPOutcomes(t *testing.T) {
 			},
 			settled:  []any{nil},
 			calls:    1,
+			attempts: "[1]",
 			poisoned: 1,
 			check: func(t *testing.T, e *saEnv, orig *message.Message, published time.Time, _, poisoned []*message.Message) {
 				reason := poison.Permanent(fmt.Errorf("charge: %w", errSABadOrder)).Error()
@@ -468,8 +478,9 @@ func TestSettleAMQPOutcomes(t *testing.T) {
 				}
 				return nil
 			},
-			settled: []any{new(*middleware.PanicError), nil},
-			calls:   2,
+			settled:  []any{new(*middleware.PanicError), nil},
+			calls:    2,
+			attempts: "[1 2]",
 		},
 		{
 			// The dead-letter publish fails twice: both times the original is
@@ -480,6 +491,7 @@ func TestSettleAMQPOutcomes(t *testing.T) {
 			handler:   func(int64, *message.Message) error { return errSAFlaky },
 			settled:   []any{errSAFlaky, errSADeadLetter, errSADeadLetter, nil},
 			calls:     2,
+			attempts:  "[1 2]",
 			deadTries: 3,
 			dead:      1,
 			check: func(t *testing.T, e *saEnv, orig *message.Message, published time.Time, dead, _ []*message.Message) {
@@ -520,10 +532,12 @@ func TestSettleAMQPOutcomes(t *testing.T) {
 			if n := e.calls.Load(); n != tc.calls {
 				t.Errorf("handler calls = %d, want %d", n, tc.calls)
 			}
-			for i, md := range seen {
-				if md.Get(settle.MetaAttempt) == "" {
-					t.Errorf("handler call %d: no %s in metadata", i+1, settle.MetaAttempt)
-				}
+			var attempts []string
+			for _, md := range seen {
+				attempts = append(attempts, md.Get(settle.MetaAttempt))
+			}
+			if got := fmt.Sprint(attempts); got != tc.attempts {
+				t.Errorf("%s per handler call = %s, want %s", settle.MetaAttempt, got, tc.attempts)
 			}
 			if n := e.deadTries.Load(); n != tc.deadTries {
 				t.Errorf("dead-letter publishes = %d, want %d", n, tc.deadTries)
