@@ -170,6 +170,28 @@ func (s *SQLStore) Claim(ctx context.Context, key string, ttl time.Duration) (Cl
 			acquired.Attempt = attempts
 			return acquired, nil
 		}
+	} else if s.dialect == SQLite {
+		res, err := s.db.ExecContext(ctx, s.q.insert, k, token, micros(expires), micros(now))
+		if err != nil {
+			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
+		}
+		n, err := res.RowsAffected()
+		if err != nil {
+			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
+		}
+		if n == 1 {
+			acquired.Attempt = 1
+			return acquired, nil
+		}
+		var attempts int
+		err = s.db.QueryRowContext(ctx, s.q.takeover, token, micros(expires), micros(now), k).Scan(&attempts)
+		if err == nil {
+			acquired.Attempt = attempts
+			return acquired, nil
+		}
+		if !errors.Is(err, sql.ErrNoRows) {
+			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
+		}
 	} else {
 		var attempts int
 		err := s.db.QueryRowContext(ctx, s.q.claim, k, token, micros(expires), micros(now)).Scan(&attempts)
