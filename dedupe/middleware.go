@@ -204,12 +204,14 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 
 func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Context, claim Claim) (out []*message.Message, err error) {
 	hctx, cancel := context.WithCancelCause(context.WithValue(orig, claimCtxKey{}, claim))
+	st := &held{claim: claim, store: m.cfg.Store}
+	hctx = context.WithValue(hctx, heldCtxKey{}, st)
 	msg.SetContext(hctx)
-	stopRenew := m.renew(hctx, cancel, msg.UUID, claim)
+	st.stopRenew = m.renew(hctx, cancel, msg.UUID, claim)
 
 	settled := false
 	defer func() {
-		stopRenew()
+		st.stopRenew()
 		cancel(nil)
 		msg.SetContext(context.WithValue(orig, claimCtxKey{}, claim))
 		if !settled {
@@ -224,8 +226,11 @@ func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Conte
 		err = m.publish(msg, out)
 		out = nil
 	}
-	stopRenew()
+	st.stopRenew()
 	settled = true
+	if err == nil && st.confirmedInTx {
+		return out, nil // the handler's transaction committed the confirmation
+	}
 	if serr := m.settle(orig, claim, err == nil); serr != nil {
 		if err != nil {
 			return nil, errors.Join(err, serr)
@@ -233,6 +238,58 @@ func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Conte
 		return nil, serr
 	}
 	return out, err
+}
+
+type heldCtxKey struct{}
+
+// held is the middleware's claim as the handler sees it through ConfirmTx.
+type held struct {
+	claim         Claim
+	store         Store
+	stopRenew     func()
+	confirmedInTx bool
+}
+
+// txStore is a store whose statements can run on a caller's transaction.
+type txStore interface {
+	WithTx(tx DB) *SQLStore
+}
+
+// ErrNoClaim is returned by ConfirmTx when the context carries no claim of
+// the dedupe middleware.
+var ErrNoClaim = errors.New("dedupe: no claim in the context (is the handler behind the dedupe middleware?)")
+
+// ConfirmTx confirms the claim of the message being handled inside tx, the
+// handler's own transaction, so that the confirmation commits or rolls back
+// with the handler's writes. Call it from a handler behind the dedupe
+// middleware, as the last statement before Commit, with msg.Context():
+//
+//	if err := dedupe.ConfirmTx(ctx, tx); err != nil { return err }
+//	return tx.Commit()
+//
+// It stops the claim's renewal first (the confirmation locks the row until
+// commit). If the handler then returns nil, the middleware takes the
+// commit as the confirmation; if it returns an error, the middleware releases
+// the claim, which works because the rolled-back confirmation never happened.
+//
+// The claim itself was taken outside the transaction, so the attempt count
+// is durable even when the transaction rolls back or the process dies; the
+// store must be a *SQLStore on the same database as tx.
+func ConfirmTx(ctx context.Context, tx DB) error {
+	st, ok := ctx.Value(heldCtxKey{}).(*held)
+	if !ok {
+		return ErrNoClaim
+	}
+	ts, ok := st.store.(txStore)
+	if !ok {
+		return fmt.Errorf("dedupe: ConfirmTx needs a store with WithTx (a *SQLStore), not %T", st.store)
+	}
+	st.stopRenew()
+	if err := ts.WithTx(tx).Confirm(ctx, st.claim); err != nil {
+		return fmt.Errorf("dedupe: confirm in transaction: %w", err)
+	}
+	st.confirmedInTx = true
+	return nil
 }
 
 // publish sends the handler's output while the claim is still held, so that

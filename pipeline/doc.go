@@ -1,0 +1,6 @@
+// Package pipeline assembles settle's pieces for a Watermill router.
+//
+// NewTxHandler runs a handler in a database transaction that also confirms
+// the message's dedupe key and holds the messages it publishes through the
+// transactional outbox: consume, transform and produce, once.
+package pipeline
