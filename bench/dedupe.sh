@@ -6,7 +6,7 @@
 #   BENCHTIME=2s COUNT=5 bench/dedupe.sh
 #
 # The raw `go test` output is kept in $OUT (default: a temporary file whose
-# name is printed at the end). Takes about 3 minutes with the defaults.
+# name is printed at the end). Takes about 2 minutes with the defaults.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
