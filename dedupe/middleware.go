@@ -8,6 +8,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/settle-go/settle"
 )
 
 // KeyFunc returns the dedupe key of a message. An error from it fails the
@@ -185,11 +187,13 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 		msg.SetContext(context.WithValue(orig, claimCtxKey{}, claim))
 		switch claim.Result {
 		case Duplicate:
+			settle.SettlementFromContext(orig).SetOutcome(settle.Duplicate)
 			m.cfg.Logger.Debug("dedupe: duplicate acked without running the handler", watermill.LogFields{
 				"message_uuid": msg.UUID, "attempt": claim.Attempt,
 			})
 			return nil, nil
 		case Busy:
+			settle.SettlementFromContext(orig).SetOutcome(settle.Deferred)
 			return nil, fmt.Errorf("%w (message %s)", ErrBusy, msg.UUID)
 		}
 		if limit, ok := AttemptLimitFromContext(orig); ok && claim.Attempt > limit {

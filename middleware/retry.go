@@ -250,6 +250,7 @@ func (r *retry) wrap(h message.HandlerFunc) message.HandlerFunc {
 			if run > r.cfg.InProcessRetries {
 				return r.handBack(msg, attempt, max(wait, r.cfg.RedeliveryDelay), err)
 			}
+			settle.SettlementFromContext(ctx).Retried()
 			r.cfg.Logger.Debug("retry: handler failed; retrying in process", watermill.LogFields{
 				"message_uuid": msg.UUID, "attempt": attempt, "backoff": wait.String(), "err": err.Error(),
 			})
@@ -317,6 +318,7 @@ func (r *retry) handBack(msg *message.Message, attempt int, wait time.Duration, 
 	if !park.Sleep(ctx, wait) {
 		return nil, errors.Join(err, ctx.Err())
 	}
+	settle.SettlementFromContext(ctx).SetOutcome(settle.Retry)
 	if r.cfg.Republish == nil {
 		return nil, err
 	}

@@ -151,6 +151,7 @@ func TestPoisonedOnFirstDelivery(t *testing.T) {
 			msg := message.NewMessage(watermill.NewUUID(), []byte("not json"))
 			s.publish(msg)
 			s.waitAcked(1)
+			eventually(t, 5*time.Second, "the poison copy", func() bool { _, _, p := s.snapshot(); return len(p) == 1 })
 			settled, dead, pois := s.snapshot()
 			wantCalls := int64(1)
 			if c.opts.key != nil {

@@ -45,6 +45,7 @@ type stackOpts struct {
 	parkPub    message.Publisher // publisher of parked copies; defaults to the GoChannel
 	republish  bool
 	extraInner message.HandlerMiddleware
+	outer      message.HandlerMiddleware // outside everything, e.g. tracing
 }
 
 func fastRetry(maxAttempts, inProcess int) middleware.RetryConfig {
@@ -86,6 +87,9 @@ func newStack(t *testing.T, o stackOpts, handler func(msg *message.Message) erro
 	rt, err := middleware.NewRetry(o.retry)
 	must(t, err)
 	mws := []message.HandlerMiddleware{s.observe, ps, dl, rt}
+	if o.outer != nil {
+		mws = append([]message.HandlerMiddleware{o.outer}, mws...)
+	}
 	if !o.noDedupe {
 		dd, err := dedupe.NewMiddleware(dedupe.Config{Store: dedupe.NewMemoryStore(), Key: o.key})
 		must(t, err)

@@ -13,6 +13,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/settle-go/settle"
 )
 
@@ -93,11 +98,12 @@ func Middleware(cfg Config) message.HandlerMiddleware {
 				return out, err
 			}
 			cp := Copy(msg, info)
-			perr := cfg.Publisher.Publish(cfg.Topic, cp)
+			perr := publish(msg.Context(), cfg.Publisher, cfg.Topic, cp)
 			fields := watermill.LogFields{
 				"message_uuid": msg.UUID, "topic": cfg.Topic, "outcome": string(info.Outcome), "attempt": info.Attempt,
 			}
 			if perr == nil {
+				settle.SettlementFromContext(msg.Context()).Parked(info.Outcome, cfg.Topic, err)
 				cfg.Logger.Info(cfg.Name+": message parked", fields.Add(watermill.LogFields{"reason": info.Reason}))
 				return nil, nil
 			}
@@ -113,6 +119,39 @@ func Middleware(cfg Config) message.HandlerMiddleware {
 			return nil, errors.Join(err, fmt.Errorf("%s: %w: topic %q: %w", cfg.Name, ErrPublish, cfg.Topic, perr))
 		}
 	}
+}
+
+// ScopeName is the instrumentation scope of the spans of parked copies.
+const ScopeName = "github.com/settle-go/settle/middleware"
+
+// publish sends the copy inside a producer span that is a child of the
+// delivery's span (if the delivery is traced) and writes that span's context
+// into the copy, so the copy's trace leads back to the failed delivery.
+func publish(ctx context.Context, pub message.Publisher, topic string, cp *message.Message) error {
+	parent := trace.SpanFromContext(ctx)
+	if !parent.SpanContext().IsValid() {
+		return pub.Publish(topic, cp)
+	}
+	ctx, span := parent.TracerProvider().Tracer(ScopeName).Start(ctx, "send "+topic,
+		trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(
+			semconv.MessagingOperationTypeSend,
+			semconv.MessagingOperationName("send"),
+			semconv.MessagingDestinationName(topic),
+			semconv.MessagingMessageID(cp.UUID),
+			attribute.String("settle.outcome", cp.Metadata.Get(settle.MetaOutcome)),
+		))
+	defer span.End()
+	if s := settle.SettlementFromContext(ctx); s != nil && s.Propagator != nil {
+		s.Propagator.Inject(ctx, settle.MetadataCarrier(cp.Metadata))
+	}
+	cp.SetContext(ctx)
+	err := pub.Publish(topic, cp)
+	if err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+	}
+	return err
 }
 
 // Sleep waits for d or until ctx is done, and reports whether it waited the

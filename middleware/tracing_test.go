@@ -1,0 +1,247 @@
+package middleware_test
+
+import (
+	"context"
+	"errors"
+	"sort"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/middleware"
+	"github.com/settle-go/settle/poison"
+)
+
+type traced struct {
+	rec    *tracetest.SpanRecorder
+	tp     *sdktrace.TracerProvider
+	reader *sdkmetric.ManualReader
+	mw     message.HandlerMiddleware
+}
+
+func newTraced(t *testing.T, opts ...middleware.Option) *traced {
+	t.Helper()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()); _ = mp.Shutdown(context.Background()) })
+	opts = append([]middleware.Option{
+		middleware.WithTracerProvider(tp), middleware.WithMeterProvider(mp),
+		middleware.WithPropagators(propagation.TraceContext{}), middleware.WithMessagingSystem("gochannel"),
+	}, opts...)
+	mw, err := middleware.NewTracing(opts...)
+	must(t, err)
+	return &traced{rec: rec, tp: tp, reader: reader, mw: mw}
+}
+
+func (tr *traced) spans(t *testing.T, n int) []sdktrace.ReadOnlySpan {
+	t.Helper()
+	eventually(t, 5*time.Second, "ended spans", func() bool { return len(tr.rec.Ended()) >= n })
+	return tr.rec.Ended()
+}
+
+func byName(spans []sdktrace.ReadOnlySpan, name string) []sdktrace.ReadOnlySpan {
+	var out []sdktrace.ReadOnlySpan
+	for _, s := range spans {
+		if s.Name() == name {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+func attr(s sdktrace.ReadOnlySpan, k attribute.Key) attribute.Value {
+	for _, kv := range s.Attributes() {
+		if kv.Key == k {
+			return kv.Value
+		}
+	}
+	return attribute.Value{}
+}
+
+// The outcomes on a real GoChannel router with the whole stack.
+func TestTracingOutcomes(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		name       string
+		handler    func(*message.Message) error
+		publish    int // copies of the same message
+		outcome    settle.Outcome
+		statusErr  bool
+		settleOp   string
+		wantParked string
+	}{
+		{"done", func(*message.Message) error { return nil }, 1, settle.Done, false, "ack", ""},
+		{"dead_lettered", func(*message.Message) error { return errFlaky }, 1, settle.DeadLettered, true, "ack", deadTopic},
+		{"poisoned", func(*message.Message) error { return poison.Permanent(errors.New("bad currency")) }, 1, settle.Poisoned, true, "ack", poisonTopic},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			tr := newTraced(t)
+			s := newStack(t, stackOpts{retry: fastRetry(2, 0), outer: tr.mw}, c.handler)
+			s.publish(message.NewMessage(watermill.NewUUID(), []byte("{}")))
+			s.waitAcked(1)
+			spans := tr.spans(t, 2)
+			procs := byName(spans, topic+" process")
+			last := procs[len(procs)-1]
+			if last.SpanKind() != trace.SpanKindConsumer {
+				t.Fatalf("process span kind %v", last.SpanKind())
+			}
+			if got := attr(last, middleware.OutcomeKey).AsString(); got != string(c.outcome) {
+				t.Fatalf("outcome %q, want %q", got, c.outcome)
+			}
+			for k, want := range map[attribute.Key]string{
+				"messaging.system": "gochannel", "messaging.destination.name": topic,
+				"messaging.operation.type": "process", "settle.handler": handlerName,
+			} {
+				if got := attr(last, k).AsString(); got != want {
+					t.Errorf("%s = %q, want %q", k, got, want)
+				}
+			}
+			if (last.Status().Code == codes.Error) != c.statusErr {
+				t.Errorf("status %v, want error=%v", last.Status(), c.statusErr)
+			}
+			eventually(t, 5*time.Second, "the settle span", func() bool { return len(byName(tr.rec.Ended(), c.settleOp+" "+topic)) > 0 })
+			spans = tr.rec.Ended()
+			settles := byName(spans, c.settleOp+" "+topic)
+			if len(settles) == 0 {
+				t.Fatalf("no %q span among %d", c.settleOp+" "+topic, len(spans))
+			}
+			st := settles[len(settles)-1]
+			if st.SpanKind() != trace.SpanKindClient || attr(st, "messaging.operation.type").AsString() != "settle" ||
+				st.Parent().SpanID() != last.SpanContext().SpanID() {
+				t.Fatalf("settle span kind=%v op=%q parent=%v; want a client settle span under the process span",
+					st.SpanKind(), attr(st, "messaging.operation.type").AsString(), st.Parent().SpanID())
+			}
+			if c.wantParked != "" {
+				sends := byName(spans, "send "+c.wantParked)
+				if len(sends) != 1 || sends[0].SpanKind() != trace.SpanKindProducer || sends[0].Parent().SpanID() != last.SpanContext().SpanID() {
+					t.Fatalf("want one producer span %q under the process span, got %d", "send "+c.wantParked, len(sends))
+				}
+				eventually(t, 5*time.Second, "the parked copy", func() bool { _, d, p := s.snapshot(); return len(d)+len(p) == 1 })
+				_, dead, pois := s.snapshot()
+				copies := append(dead, pois...)
+				sc := trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(), settle.MetadataCarrier(copies[0].Metadata)))
+				if sc.TraceID() != last.SpanContext().TraceID() || sc.SpanID() != sends[0].SpanContext().SpanID() {
+					t.Fatalf("the parked copy carries trace %s span %s; want the send span of trace %s", sc.TraceID(), sc.SpanID(), last.SpanContext().TraceID())
+				}
+			}
+		})
+	}
+}
+
+func TestTracingRetryAndDuplicate(t *testing.T) {
+	t.Parallel()
+	tr := newTraced(t)
+	s := newStack(t, stackOpts{retry: fastRetry(5, 0), outer: tr.mw}, failing(1, errFlaky))
+	uuid := watermill.NewUUID()
+	s.publish(message.NewMessage(uuid, nil))
+	s.waitAcked(1)
+	s.publish(message.NewMessage(uuid, nil)) // a redelivery after success
+	s.waitAcked(2)
+	eventually(t, 5*time.Second, "settle spans", func() bool { return len(byName(tr.rec.Ended(), "ack "+topic)) == 2 })
+	spans := tr.spans(t, 6)
+	procs := byName(spans, topic+" process")
+	sort.Slice(procs, func(i, j int) bool { return procs[i].StartTime().Before(procs[j].StartTime()) })
+	var outcomes []string
+	for _, p := range procs {
+		outcomes = append(outcomes, attr(p, middleware.OutcomeKey).AsString())
+		if o := attr(p, middleware.OutcomeKey).AsString(); o == "retry" && p.Status().Code != codes.Error {
+			t.Errorf("a retry's process span has status %v", p.Status())
+		} else if o == "duplicate" && p.Status().Code == codes.Error {
+			t.Errorf("a duplicate is not an error: %v", p.Status())
+		}
+	}
+	if len(outcomes) != 3 || outcomes[0] != "retry" || outcomes[1] != "done" || outcomes[2] != "duplicate" {
+		t.Fatalf("outcomes %v, want [retry done duplicate]", outcomes)
+	}
+	if n := len(byName(spans, "nack "+topic)); n != 1 {
+		t.Fatalf("%d nack spans, want 1", n)
+	}
+	if n := len(byName(spans, "ack "+topic)); n != 2 {
+		t.Fatalf("%d ack spans, want 2", n)
+	}
+	var rm metricdata.ResourceMetrics
+	must(t, tr.reader.Collect(t.Context(), &rm))
+	got := map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if d, ok := m.Data.(metricdata.Sum[int64]); ok && m.Name == "settle.settlements" {
+				for _, dp := range d.DataPoints {
+					o, _ := dp.Attributes.Value(middleware.OutcomeKey)
+					got[o.AsString()] += dp.Value
+				}
+			}
+		}
+	}
+	if got["retry"] != 1 || got["done"] != 1 || got["duplicate"] != 1 {
+		t.Fatalf("settle.settlements = %v, want one each of retry, done, duplicate", got)
+	}
+}
+
+// The settle span reports the router's settlement, so it ends only when the
+// message is really acked, after the middleware chain has returned.
+func TestSettleSpanEndsOnTheRealAck(t *testing.T) {
+	t.Parallel()
+	tr := newTraced(t)
+	h := tr.mw(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	msg := message.NewMessage("m-1", nil)
+	if _, err := h(msg); err != nil {
+		t.Fatal(err)
+	}
+	if got := tr.rec.Ended(); len(got) != 1 || got[0].Name() != "process" {
+		t.Fatalf("before the ack, ended spans = %d; want only the process span", len(got))
+	}
+	time.Sleep(20 * time.Millisecond) // give a wrongly eager settle span the chance to end
+	if len(tr.rec.Ended()) != 1 {
+		t.Fatal("the settle span ended before the message was acked")
+	}
+	msg.Ack()
+	spans := tr.spans(t, 2)
+	if spans[1].Name() != "ack" || spans[1].EndTime().Before(spans[0].EndTime()) {
+		t.Fatalf("after the ack: %q ending %v; want the ack span ending after the process span", spans[1].Name(), spans[1].EndTime())
+	}
+}
+
+func TestProducerContextIsParentOrLink(t *testing.T) {
+	t.Parallel()
+	producerTP := sdktrace.NewTracerProvider()
+	t.Cleanup(func() { _ = producerTP.Shutdown(context.Background()) })
+	ctx, producer := producerTP.Tracer("producer").Start(context.Background(), "send orders")
+	producer.End()
+	newMsg := func() *message.Message {
+		m := message.NewMessage(watermill.NewUUID(), nil)
+		propagation.TraceContext{}.Inject(ctx, settle.MetadataCarrier(m.Metadata))
+		return m
+	}
+	run := func(tr *traced) sdktrace.ReadOnlySpan {
+		h := tr.mw(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+		m := newMsg()
+		if _, err := h(m); err != nil {
+			t.Fatal(err)
+		}
+		m.Ack()
+		return tr.spans(t, 2)[0]
+	}
+	parent := run(newTraced(t))
+	if parent.Parent().SpanID() != producer.SpanContext().SpanID() || parent.SpanContext().TraceID() != producer.SpanContext().TraceID() {
+		t.Fatalf("default: the process span's parent is %v, want the producer span", parent.Parent().SpanID())
+	}
+	linked := run(newTraced(t, middleware.WithLinkToProducer()))
+	if linked.Parent().IsValid() || len(linked.Links()) != 1 || linked.Links()[0].SpanContext.SpanID() != producer.SpanContext().SpanID() {
+		t.Fatalf("with a link: parent %v, links %v; want a new root linked to the producer", linked.Parent(), linked.Links())
+	}
+}
