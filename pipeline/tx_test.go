@@ -10,9 +10,9 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
@@ -100,6 +100,8 @@ func (e *txEnv) charge(fail error) pipeline.TxFunc {
 		return fail
 	}
 }
+
+func newTxEnvOn(t *testing.T, db testenv.DB) *txEnv { return newTxEnv(t, db) }
 
 func forEachDB(t *testing.T, fn func(t *testing.T, e *txEnv)) {
 	for _, d := range testenv.Databases() {

@@ -1,0 +1,209 @@
+package pipeline
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/middleware"
+	"github.com/settle-go/settle/poison"
+)
+
+// Config configures a Pipeline: the settle stack that every handler added
+// through it gets.
+type Config struct {
+	// Publisher publishes dead-letter and poison copies, and the messages
+	// that handlers produce. Required.
+	Publisher message.Publisher
+	// DeadLetterTopic receives messages whose attempts are exhausted.
+	// Defaults to "<subscribed topic>.dead_letter" per handler.
+	DeadLetterTopic string
+	// PoisonTopic receives messages that fail permanently. Defaults to
+	// "<subscribed topic>.poison" per handler. It may equal DeadLetterTopic.
+	PoisonTopic string
+	// Store keeps dedupe claims. Nil turns dedupe off for plain handlers
+	// (transactional handlers require a *dedupe.SQLStore). Use a SQLStore to
+	// share claims between processes.
+	Store dedupe.Store
+	// Key derives the dedupe key. Defaults to the message UUID.
+	Key dedupe.KeyFunc
+	// ClaimTimeout is the dedupe claim lifetime without renewal. Defaults to
+	// 30s; see dedupe.Config.
+	ClaimTimeout time.Duration
+	// Retry bounds the attempts; its zero value means settle's defaults (5
+	// attempts, 2 in-process retries, backoff from 100ms). See
+	// middleware.RetryConfig.
+	Retry middleware.RetryConfig
+	// Tracing options (tracer, meter, propagators, messaging system).
+	Tracing []middleware.Option
+	// DisableTracing leaves the tracing middleware out.
+	DisableTracing bool
+	// Logger defaults to watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+}
+
+func (c *Config) setDefaults() {
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+	if c.Retry.Logger == nil {
+		c.Retry.Logger = c.Logger
+	}
+}
+
+// Validate reports the first invalid field. Nested configurations are checked
+// by the constructors they are passed to, with their own field names.
+func (c Config) Validate() error {
+	if c.Publisher == nil {
+		return errors.New("pipeline: Config.Publisher is required")
+	}
+	if c.ClaimTimeout < 0 {
+		return fmt.Errorf("pipeline: Config.ClaimTimeout must be >= 0, got %v", c.ClaimTimeout)
+	}
+	return nil
+}
+
+// Pipeline adds handlers to a Watermill router with settle's stack in the
+// order of the design, from the outside in:
+//
+//	tracing -> poison -> dead-letter -> retry -> dedupe -> decode -> handler
+//
+// Each piece is also a plain message.HandlerMiddleware of its own package,
+// for routers assembled by hand.
+type Pipeline struct {
+	router  *message.Router
+	cfg     Config
+	tracing message.HandlerMiddleware
+	retry   message.HandlerMiddleware
+}
+
+// New returns a Pipeline that adds handlers to router. It checks every part
+// of cfg now, so a bad configuration is refused before any message flows.
+func New(router *message.Router, cfg Config) (*Pipeline, error) {
+	if router == nil {
+		return nil, errors.New("pipeline: New: router is nil")
+	}
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	p := &Pipeline{router: router, cfg: cfg}
+	var err error
+	if p.retry, err = middleware.NewRetry(cfg.Retry); err != nil {
+		return nil, err
+	}
+	if !cfg.DisableTracing {
+		if p.tracing, err = middleware.NewTracing(cfg.Tracing...); err != nil {
+			return nil, err
+		}
+	}
+	// Build the per-handler pieces once to check their configuration.
+	if _, err := p.stack("check", "", nil); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// Router returns the router the pipeline adds to.
+func (p *Pipeline) Router() *message.Router { return p.router }
+
+// stack returns the middleware for one handler subscribed to topic.
+// store overrides cfg.Store when not nil.
+func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store) ([]message.HandlerMiddleware, error) {
+	dlTopic, poisonTopic := p.cfg.DeadLetterTopic, p.cfg.PoisonTopic
+	if dlTopic == "" {
+		dlTopic = topic + ".dead_letter"
+	}
+	if poisonTopic == "" {
+		poisonTopic = topic + ".poison"
+	}
+	ps, err := poison.NewMiddleware(poison.Config{Publisher: p.cfg.Publisher, Topic: poisonTopic, Logger: p.cfg.Logger})
+	if err != nil {
+		return nil, err
+	}
+	dl, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{Publisher: p.cfg.Publisher, Topic: dlTopic, Logger: p.cfg.Logger})
+	if err != nil {
+		return nil, err
+	}
+	var mws []message.HandlerMiddleware
+	if p.tracing != nil {
+		mws = append(mws, p.tracing)
+	}
+	mws = append(mws, ps, dl, p.retry)
+	if store == nil {
+		store = p.cfg.Store
+	}
+	if store != nil {
+		var pub message.Publisher
+		if publishTopic != "" {
+			pub = p.cfg.Publisher
+		}
+		dd, err := dedupe.NewMiddleware(dedupe.Config{
+			Store: store, Key: p.cfg.Key, ClaimTimeout: p.cfg.ClaimTimeout, Logger: p.cfg.Logger, Publisher: pub,
+		})
+		if err != nil {
+			return nil, err
+		}
+		mws = append(mws, dd)
+	}
+	return mws, nil
+}
+
+// Handle adds a handler that consumes topic with the whole stack.
+func (p *Pipeline) Handle(name, topic string, sub message.Subscriber, h message.NoPublishHandlerFunc) (*message.Handler, error) {
+	mws, err := p.stack(topic, "", nil)
+	if err != nil {
+		return nil, err
+	}
+	handler := p.router.AddConsumerHandler(name, topic, sub, h)
+	handler.AddMiddleware(mws...)
+	return handler, nil
+}
+
+// HandleProducing adds a handler whose returned messages are published to
+// publishTopic with cfg.Publisher. With dedupe on, they are published before
+// the key is confirmed, so a failed publish is retried, never lost.
+func (p *Pipeline) HandleProducing(name, topic string, sub message.Subscriber, publishTopic string, h message.HandlerFunc) (*message.Handler, error) {
+	if publishTopic == "" {
+		return nil, errors.New("pipeline: HandleProducing: publishTopic is required")
+	}
+	mws, err := p.stack(topic, publishTopic, nil)
+	if err != nil {
+		return nil, err
+	}
+	handler := p.router.AddHandler(name, topic, sub, publishTopic, p.cfg.Publisher, h)
+	handler.AddMiddleware(mws...)
+	return handler, nil
+}
+
+// HandleTx adds a transactional handler (see NewTxHandler): fn's writes, the
+// messages it publishes through the outbox and the dedupe confirmation commit
+// together. store must be a SQLStore on cfg.DB's database; nil means
+// Config.Store, which must then be one.
+func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore, cfg TxConfig, fn TxFunc) (*message.Handler, error) {
+	var s dedupe.Store = p.cfg.Store
+	if store != nil {
+		s = store
+	}
+	if _, ok := s.(*dedupe.SQLStore); !ok {
+		return nil, fmt.Errorf("pipeline: HandleTx %q needs a *dedupe.SQLStore, got %T", name, s)
+	}
+	h, err := NewTxHandler(cfg, fn)
+	if err != nil {
+		return nil, err
+	}
+	mws, err := p.stack(topic, "", s)
+	if err != nil {
+		return nil, err
+	}
+	handler := p.router.AddConsumerHandler(name, topic, sub, func(msg *message.Message) error {
+		_, err := h(msg)
+		return err
+	})
+	handler.AddMiddleware(mws...)
+	return handler, nil
+}

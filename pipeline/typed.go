@@ -1,0 +1,119 @@
+package pipeline
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"encoding/json"
+	"fmt"
+	"reflect"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/settle-go/settle/poison"
+)
+
+// Codec turns payloads into values and back. JSON is the default; bring your
+// own for protobuf or anything else.
+type Codec interface {
+	Marshal(v any) ([]byte, error)
+	Unmarshal(data []byte, v any) error
+}
+
+// JSON is the default Codec, encoding/json. Unknown fields are refused, so
+// that a payload of the wrong type is poison rather than a zero value.
+type JSON struct{}
+
+// Marshal implements Codec.
+func (JSON) Marshal(v any) ([]byte, error) { return json.Marshal(v) }
+
+// Unmarshal implements Codec.
+func (JSON) Unmarshal(data []byte, v any) error {
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return err
+	}
+	if dec.More() {
+		return fmt.Errorf("unexpected data after the JSON value")
+	}
+	return nil
+}
+
+// Message is a decoded message: the body and the Watermill message it came
+// in (UUID, metadata, context).
+type Message[T any] struct {
+	Body T
+	*message.Message
+}
+
+// Decode decodes msg's payload into a Message[T] with codec (nil means
+// JSON). A failure is a *poison.DecodeError: permanent, so the message is
+// poisoned on its first delivery instead of retried.
+func Decode[T any](codec Codec, msg *message.Message) (Message[T], error) {
+	if codec == nil {
+		codec = JSON{}
+	}
+	var m Message[T]
+	m.Message = msg
+	if err := codec.Unmarshal(msg.Payload, &m.Body); err != nil {
+		return m, poison.Decode(typeName[T](), err)
+	}
+	return m, nil
+}
+
+func typeName[T any]() string {
+	return reflect.TypeFor[T]().String()
+}
+
+// Typed adapts fn to a Watermill handler that decodes each payload first.
+func Typed[T any](codec Codec, fn func(ctx context.Context, m Message[T]) error) message.NoPublishHandlerFunc {
+	return func(msg *message.Message) error {
+		m, err := Decode[T](codec, msg)
+		if err != nil {
+			return err
+		}
+		return fn(msg.Context(), m)
+	}
+}
+
+// TypedProducing adapts fn, which returns messages to publish, to a
+// Watermill handler that decodes each payload first.
+func TypedProducing[T any](codec Codec, fn func(ctx context.Context, m Message[T]) ([]*message.Message, error)) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		m, err := Decode[T](codec, msg)
+		if err != nil {
+			return nil, err
+		}
+		return fn(msg.Context(), m)
+	}
+}
+
+// TypedTx adapts fn to a TxFunc that decodes each payload first.
+func TypedTx[T any](codec Codec, fn func(ctx context.Context, tx *sql.Tx, m Message[T], out message.Publisher) error) TxFunc {
+	return func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
+		m, err := Decode[T](codec, msg)
+		if err != nil {
+			return err
+		}
+		return fn(ctx, tx, m, out)
+	}
+}
+
+// Handle adds a typed handler to p: Typed + Pipeline.Handle.
+func Handle[T any](p *Pipeline, name, topic string, sub message.Subscriber, codec Codec, fn func(ctx context.Context, m Message[T]) error) (*message.Handler, error) {
+	return p.Handle(name, topic, sub, Typed(codec, fn))
+}
+
+// NewMessage encodes body with codec (nil means JSON) into a new message
+// with the given UUID.
+func NewMessage(uuid string, codec Codec, body any) (*message.Message, error) {
+	if codec == nil {
+		codec = JSON{}
+	}
+	data, err := codec.Marshal(body)
+	if err != nil {
+		return nil, fmt.Errorf("pipeline: encode %T: %w", body, err)
+	}
+	return message.NewMessage(uuid, data), nil
+}
