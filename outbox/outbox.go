@@ -8,13 +8,14 @@ import (
 	"regexp"
 
 	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
-	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 )
 
@@ -35,6 +36,10 @@ type Config struct {
 	// message's metadata, so that the trace continues after the forwarder.
 	// Defaults to otel.GetTextMapPropagator() at the time of New.
 	Propagator propagation.TextMapPropagator
+	// TracerProvider makes the outbox's spans: "create <topic>" when a
+	// message is written, "send <topic>" when the relay publishes it.
+	// Defaults to otel.GetTracerProvider() at the time of New.
+	TracerProvider trace.TracerProvider
 	// SchemaAdapter and OffsetsAdapter replace the dialect's watermill-sql
 	// adapters (advanced: custom table names). Set both or neither.
 	SchemaAdapter  wsql.SchemaAdapter
@@ -51,6 +56,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.Propagator == nil {
 		c.Propagator = otel.GetTextMapPropagator()
+	}
+	if c.TracerProvider == nil {
+		c.TracerProvider = otel.GetTracerProvider()
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
@@ -183,8 +191,8 @@ func (o *Outbox) Publisher(exec wsql.ContextExecutor) (message.Publisher, error)
 		return nil, fmt.Errorf("outbox: %w", err)
 	}
 	return &publisher{
-		out:        forwarder.NewPublisher(p, forwarder.PublisherConfig{ForwarderTopic: o.cfg.Topic}),
-		propagator: o.cfg.Propagator,
+		out: forwarder.NewPublisher(p, forwarder.PublisherConfig{ForwarderTopic: o.cfg.Topic}),
+		o:   o,
 	}, nil
 }
 
@@ -197,18 +205,27 @@ func (o *Outbox) TxPublisher(tx *sql.Tx) (message.Publisher, error) {
 }
 
 type publisher struct {
-	out        message.Publisher
-	propagator propagation.TextMapPropagator
+	out message.Publisher
+	o   *Outbox
 }
 
 func (p *publisher) Publish(topic string, msgs ...*message.Message) error {
 	if topic == "" {
 		return errors.New("outbox: publish: empty destination topic")
 	}
-	for _, m := range msgs {
-		p.propagator.Inject(m.Context(), settle.MetadataCarrier(m.Metadata))
+	spans := make([]trace.Span, len(msgs))
+	for i, m := range msgs {
+		spans[i] = p.o.startCreate(topic, m)
 	}
-	if err := p.out.Publish(topic, msgs...); err != nil {
+	err := p.out.Publish(topic, msgs...)
+	for _, s := range spans {
+		if err != nil {
+			s.RecordError(err)
+			s.SetStatus(codes.Error, err.Error())
+		}
+		s.End()
+	}
+	if err != nil {
 		return fmt.Errorf("outbox: publish to %q: %w", topic, err)
 	}
 	return nil

@@ -1,0 +1,409 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync/atomic"
+	"text/tabwriter"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/sqlurl"
+	"github.com/settle-go/settle/middleware"
+	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/pipeline"
+)
+
+type config struct {
+	Orders int
+	DB     string
+	AMQP   string
+	Quiet  bool
+	Out    io.Writer
+	// Timeout bounds the whole run. Defaults to 60s.
+	Timeout time.Duration
+}
+
+// The example's business events.
+type orderPlaced struct {
+	OrderID string `json:"order_id"`
+	Cents   int    `json:"cents"`
+	Email   string `json:"email"`
+}
+
+type orderCharged struct {
+	OrderID string `json:"order_id"`
+	Email   string `json:"email"`
+}
+
+// Which orders misbehave, so that every outcome shows up.
+func redelivered(n int) bool  { return n%5 == 0 } // the broker delivers it twice
+func flakyMail(n int) bool    { return n%3 == 0 } // the mail server fails once
+func bouncingMail(n int) bool { return n == 7 }   // the mail server always fails
+
+func run(ctx context.Context, cfg config) error {
+	if cfg.Orders <= 0 {
+		return fmt.Errorf("-orders must be > 0, got %d", cfg.Orders)
+	}
+	if cfg.Out == nil {
+		cfg.Out = io.Discard
+	}
+	if cfg.Timeout == 0 {
+		cfg.Timeout = 60 * time.Second
+	}
+	ctx, cancel := context.WithTimeout(ctx, cfg.Timeout)
+	defer cancel()
+	say := func(format string, args ...any) {
+		if !cfg.Quiet {
+			fmt.Fprintf(cfg.Out, format+"\n", args...)
+		}
+	}
+
+	if cfg.DB == "" {
+		dir, err := os.MkdirTemp("", "settle-orders")
+		if err != nil {
+			return err
+		}
+		defer os.RemoveAll(dir)
+		cfg.DB = "sqlite://" + filepath.Join(dir, "orders.db")
+	}
+	db, dialect, err := sqlurl.Open(cfg.DB)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	if err := db.PingContext(ctx); err != nil {
+		return fmt.Errorf("database %s: %w", dialect, err)
+	}
+
+	tel, err := newTelemetry(ctx)
+	if err != nil {
+		return err
+	}
+	defer tel.shutdown()
+
+	runID := fmt.Sprintf("%x", time.Now().UnixNano()&0xffffffff)
+	s, err := newSchema(ctx, db, dialect, runID)
+	if err != nil {
+		return err
+	}
+	defer s.drop()
+
+	br, err := newBroker(cfg.AMQP, runID)
+	if err != nil {
+		return err
+	}
+	defer br.close()
+	say("orders: %s + %s, %d orders (run %s)", br.system, dialect, cfg.Orders, runID)
+
+	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: s.claims})
+	if err != nil {
+		return err
+	}
+	ob, err := outbox.New(outbox.Config{Dialect: dialect, Topic: s.outboxTopic, Propagator: propagation.TraceContext{}, TracerProvider: tel.tp})
+	if err != nil {
+		return err
+	}
+	if err := ob.InitSchema(ctx, db); err != nil {
+		return err
+	}
+	defer s.dropOutbox(ob)
+
+	logger := watermill.NopLogger{}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	if err != nil {
+		return err
+	}
+	p, err := pipeline.New(router, pipeline.Config{
+		Publisher:    br.pub,
+		Store:        store,
+		ClaimTimeout: 5 * time.Second,
+		Retry: middleware.RetryConfig{
+			MaxAttempts:      3,
+			InProcessRetries: 1,
+			InitialInterval:  20 * time.Millisecond,
+			RedeliveryDelay:  100 * time.Millisecond,
+			DeferDelay:       100 * time.Millisecond,
+		},
+		Tracing: []middleware.Option{
+			middleware.WithTracerProvider(tel.tp), middleware.WithMeterProvider(tel.mp),
+			middleware.WithPropagators(propagation.TraceContext{}), middleware.WithMessagingSystem(br.system),
+		},
+	})
+	if err != nil {
+		return err
+	}
+
+	topics := br.topics
+	var emailed atomic.Int64
+	// charge: once per order, in one transaction with the charge row and the
+	// "charged" event in the outbox.
+	if _, err := p.HandleTx("charge", topics.placed, br.sub, nil, pipeline.TxConfig{DB: db, Outbox: ob},
+		pipeline.TypedTx(nil, func(ctx context.Context, tx *sql.Tx, m pipeline.Message[orderPlaced], out message.Publisher) error {
+			if _, err := tx.ExecContext(ctx, "INSERT INTO "+s.charges+" (order_id, cents) VALUES ("+s.ph(1)+", "+s.ph(2)+")", m.Body.OrderID, m.Body.Cents); err != nil {
+				return err
+			}
+			ev, err := pipeline.NewMessage("charged-"+m.Body.OrderID, nil, orderCharged{OrderID: m.Body.OrderID, Email: m.Body.Email})
+			if err != nil {
+				return err
+			}
+			ev.SetContext(ctx)
+			return out.Publish(topics.charged, ev)
+		})); err != nil {
+		return err
+	}
+	// email: a flaky mail server; one address always bounces.
+	if _, err := pipeline.Handle(p, "email", topics.charged, br.sub, nil, func(ctx context.Context, m pipeline.Message[orderCharged]) error {
+		var n int
+		_, _ = fmt.Sscanf(m.Body.OrderID, "A-%d", &n)
+		attempt := m.Metadata.Get(settle.MetaAttempt)
+		switch {
+		case bouncingMail(n):
+			return fmt.Errorf("smtp: 450 mailbox %s unavailable", m.Body.Email)
+		case flakyMail(n) && attempt == "1":
+			return errors.New("smtp: connection reset by peer")
+		}
+		if _, err := db.ExecContext(ctx, "INSERT INTO "+s.emails+" (order_id) VALUES ("+s.ph(1)+")", m.Body.OrderID); err != nil {
+			return err
+		}
+		emailed.Add(1)
+		return nil
+	}); err != nil {
+		return err
+	}
+
+	relay, err := ob.NewRelay(wsql.BeginnerFromStdSQL(db), br.pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MeterProvider: tel.mp})
+	if err != nil {
+		return err
+	}
+	runCtx, stopRun := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopRun()
+	routerDone := make(chan error, 1)
+	relayDone := make(chan error, 1)
+	go func() { routerDone <- router.Run(runCtx) }()
+	go func() { relayDone <- relay.Run(runCtx) }()
+	select {
+	case <-router.Running():
+	case err := <-routerDone:
+		return fmt.Errorf("router: %w", err)
+	}
+	<-relay.Running()
+	stopped := false
+	stop := func() error {
+		if stopped {
+			return nil
+		}
+		stopped = true
+		return errors.Join(router.Close(), <-routerDone, relay.Close(), <-relayDone)
+	}
+	defer func() { _ = stop() }()
+
+	// Place the orders: each in a transaction of its own, with its row and
+	// its "placed" event in the outbox.
+	tracer := tel.tp.Tracer("settle-orders")
+	placed := map[string]*message.Message{}
+	for i := 1; i <= cfg.Orders; i++ {
+		o := orderPlaced{OrderID: fmt.Sprintf("A-%03d", i), Cents: 1000 + i, Email: fmt.Sprintf("customer%d@example.com", i)}
+		msg, err := placeOrder(ctx, tracer, db, ob, s, topics.placed, o)
+		if err != nil {
+			return err
+		}
+		placed[o.OrderID] = msg
+	}
+	say("placed %d orders through the outbox", cfg.Orders)
+
+	// The broker delivers some orders twice, and a producer with a bug sends
+	// a message nobody can decode.
+	dups := 0
+	for i := 1; i <= cfg.Orders; i++ {
+		if redelivered(i) {
+			m := placed[fmt.Sprintf("A-%03d", i)]
+			again := message.NewMessage(m.UUID, m.Payload)
+			for k, v := range m.Metadata {
+				again.Metadata.Set(k, v)
+			}
+			if err := br.pub.Publish(topics.placed, again); err != nil {
+				return err
+			}
+			dups++
+		}
+	}
+	if err := br.pub.Publish(topics.placed, message.NewMessage(watermill.NewUUID(), []byte(`{"order_id": 17, "cents": "a lot"`))); err != nil {
+		return err
+	}
+	say("the broker redelivered %d orders; a producer sent 1 malformed message", dups)
+
+	want := expectation{orders: cfg.Orders, dups: dups}
+	for i := 1; i <= cfg.Orders; i++ {
+		if bouncingMail(i) {
+			want.bounced++
+		}
+	}
+	var counts outcomeCounts
+	last := ""
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		counts, err = tel.outcomes(ctx)
+		if err != nil {
+			return err
+		}
+		line := fmt.Sprintf("progress: charged %d/%d, e-mailed %d, dead-lettered %d, poisoned %d, duplicates absorbed %d",
+			counts.get("charge", settle.Done), cfg.Orders, emailed.Load(), counts.get("email", settle.DeadLettered),
+			counts.get("charge", settle.Poisoned), counts.get("charge", settle.Duplicate))
+		if line != last {
+			say("%s", line)
+			last = line
+		}
+		if want.met(counts) {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("the pipeline did not settle in time: %w", ctx.Err())
+		case <-tick.C:
+		}
+	}
+	if err := relay.Drain(ctx); err != nil {
+		return err
+	}
+	if err := stop(); err != nil {
+		return err
+	}
+	if counts, err = tel.outcomes(ctx); err != nil {
+		return err
+	}
+
+	var charges, emails int
+	if err := db.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+s.charges).Scan(&charges); err != nil {
+		return err
+	}
+	if err := db.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+s.emails).Scan(&emails); err != nil {
+		return err
+	}
+	fwd, failed := relay.Counts()
+	report(cfg.Out, counts, charges, emails, fwd, failed)
+	if charges != cfg.Orders {
+		return fmt.Errorf("%d charges for %d orders", charges, cfg.Orders)
+	}
+	if emails != cfg.Orders-want.bounced {
+		return fmt.Errorf("%d e-mails sent, want %d", emails, cfg.Orders-want.bounced)
+	}
+	fmt.Fprintln(cfg.Out, "every order charged exactly once")
+	return nil
+}
+
+func placeOrder(ctx context.Context, tracer trace.Tracer, db *sql.DB, ob *outbox.Outbox, s *schema, topic string, o orderPlaced) (*message.Message, error) {
+	ctx, span := tracer.Start(ctx, "place order", trace.WithAttributes(attribute.String("order.id", o.OrderID)))
+	defer span.End()
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.ExecContext(ctx, "INSERT INTO "+s.orders+" (id, cents) VALUES ("+s.ph(1)+", "+s.ph(2)+")", o.OrderID, o.Cents); err != nil {
+		return nil, err
+	}
+	msg, err := pipeline.NewMessage("placed-"+o.OrderID, nil, o)
+	if err != nil {
+		return nil, err
+	}
+	msg.SetContext(ctx)
+	pub, err := ob.TxPublisher(tx)
+	if err != nil {
+		return nil, err
+	}
+	if err := pub.Publish(topic, msg); err != nil {
+		return nil, err
+	}
+	return msg, tx.Commit()
+}
+
+type expectation struct{ orders, dups, bounced int }
+
+func (w expectation) met(c outcomeCounts) bool {
+	return c.get("charge", settle.Done) == w.orders &&
+		c.get("charge", settle.Duplicate) >= w.dups &&
+		c.get("charge", settle.Poisoned) == 1 &&
+		c.get("email", settle.Done) == w.orders-w.bounced &&
+		c.get("email", settle.DeadLettered) == w.bounced
+}
+
+// outcomeCounts is settle.settlements by handler and outcome.
+type outcomeCounts map[string]map[settle.Outcome]int64
+
+func (c outcomeCounts) get(handler string, o settle.Outcome) int {
+	return int(c[handler][o])
+}
+
+func report(out io.Writer, c outcomeCounts, charges, emails int, forwarded, failed int64) {
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
+	handlers := make([]string, 0, len(c))
+	for h := range c {
+		handlers = append(handlers, h)
+	}
+	sort.Strings(handlers)
+	fmt.Fprintf(tw, "\ndeliveries by outcome\t%s\ttotal\t\n", strings.Join(handlers, "\t"))
+	for _, o := range []settle.Outcome{settle.Done, settle.Duplicate, settle.Deferred, settle.Retry, settle.DeadLettered, settle.Poisoned} {
+		fmt.Fprintf(tw, "%s\t", o)
+		total := 0
+		for _, h := range handlers {
+			n := c.get(h, o)
+			total += n
+			fmt.Fprintf(tw, "%d\t", n)
+		}
+		fmt.Fprintf(tw, "%d\t\n", total)
+	}
+	fmt.Fprintf(tw, "\t\t\t\t\n")
+	fmt.Fprintf(tw, "charges applied\t%d\t\t\t\n", charges)
+	fmt.Fprintf(tw, "e-mails sent\t%d\t\t\t\n", emails)
+	fmt.Fprintf(tw, "duplicates absorbed\t%d\t\t\t\n", c.get("charge", settle.Duplicate)+c.get("email", settle.Duplicate))
+	fmt.Fprintf(tw, "outbox messages forwarded\t%d\t\t\t\n", forwarded)
+	if failed > 0 {
+		fmt.Fprintf(tw, "outbox forwards failed\t%d\t\t\t\n", failed)
+	}
+	_ = tw.Flush()
+}
+
+// readOutcomes reads settle.settlements from the reader.
+func readOutcomes(ctx context.Context, r *sdkmetric.ManualReader) (outcomeCounts, error) {
+	var rm metricdata.ResourceMetrics
+	if err := r.Collect(ctx, &rm); err != nil {
+		return nil, err
+	}
+	c := outcomeCounts{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			sum, ok := m.Data.(metricdata.Sum[int64])
+			if !ok || m.Name != "settle.settlements" {
+				continue
+			}
+			for _, dp := range sum.DataPoints {
+				h, _ := dp.Attributes.Value(middleware.HandlerKey)
+				o, _ := dp.Attributes.Value(middleware.OutcomeKey)
+				if c[h.AsString()] == nil {
+					c[h.AsString()] = map[settle.Outcome]int64{}
+				}
+				c[h.AsString()][settle.Outcome(o.AsString())] += dp.Value
+			}
+		}
+	}
+	return c, nil
+}

@@ -1,0 +1,84 @@
+package outbox
+
+import (
+	"context"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/settle-go/settle"
+)
+
+// The outbox's spans, in the trace of the code that published:
+//
+//	create <topic>   producer: the message written into the outbox table
+//	send <topic>     producer: the relay publishing it to the broker
+//
+// Each span's context is written into the message's metadata, so the
+// consumer's process span is a child of the relay's send span, which is a
+// child of the create span.
+
+// messagingSystem is messaging.system on the outbox's own spans.
+const messagingSystem = "settle_outbox"
+
+func (o *Outbox) tracer() trace.Tracer {
+	return o.cfg.TracerProvider.Tracer(ScopeName, trace.WithSchemaURL(semconv.SchemaURL))
+}
+
+// startCreate starts the span of writing msg into the outbox and writes its
+// context into msg's metadata.
+func (o *Outbox) startCreate(topic string, msg *message.Message) trace.Span {
+	ctx, span := o.tracer().Start(msg.Context(), "create "+topic,
+		trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(
+			semconv.MessagingSystemKey.String(messagingSystem),
+			semconv.MessagingOperationTypeCreate,
+			semconv.MessagingOperationName("create"),
+			semconv.MessagingDestinationName(topic),
+			semconv.MessagingMessageID(msg.UUID),
+			attribute.String("settle.outbox.topic", o.cfg.Topic),
+		))
+	o.cfg.Propagator.Inject(ctx, settle.MetadataCarrier(msg.Metadata))
+	return span
+}
+
+// traced wraps the relay's output publisher: each forwarded message is sent
+// inside a span whose parent is the context in its metadata.
+func (o *Outbox) traced(out message.Publisher) message.Publisher {
+	return &tracedPublisher{Publisher: out, o: o}
+}
+
+type tracedPublisher struct {
+	message.Publisher
+	o *Outbox
+}
+
+func (p *tracedPublisher) Publish(topic string, msgs ...*message.Message) error {
+	spans := make([]trace.Span, len(msgs))
+	for i, m := range msgs {
+		parent := p.o.cfg.Propagator.Extract(context.Background(), settle.MetadataCarrier(m.Metadata))
+		ctx, span := p.o.tracer().Start(parent, "send "+topic,
+			trace.WithSpanKind(trace.SpanKindProducer),
+			trace.WithAttributes(
+				semconv.MessagingOperationTypeSend,
+				semconv.MessagingOperationName("send"),
+				semconv.MessagingDestinationName(topic),
+				semconv.MessagingMessageID(m.UUID),
+				attribute.String("settle.outbox.topic", p.o.cfg.Topic),
+			))
+		p.o.cfg.Propagator.Inject(ctx, settle.MetadataCarrier(m.Metadata))
+		spans[i] = span
+	}
+	err := p.Publisher.Publish(topic, msgs...)
+	for _, s := range spans {
+		if err != nil {
+			s.RecordError(err)
+			s.SetStatus(codes.Error, err.Error())
+		}
+		s.End()
+	}
+	return err
+}
