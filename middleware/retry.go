@@ -11,6 +11,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v5"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
@@ -243,6 +245,8 @@ func (r *retry) wrap(h message.HandlerFunc) message.HandlerFunc {
 				attempt = c.Attempt // the durable count, exact across processes
 				msg.Metadata.Set(settle.MetaAttempt, strconv.Itoa(attempt))
 			}
+			trace.SpanFromContext(ctx).AddEvent("settle.attempt_failed", trace.WithAttributes(
+				attribute.Int("settle.attempt", attempt), attribute.String("exception.message", err.Error())))
 			if attempt >= r.cfg.MaxAttempts {
 				return nil, r.exhausted(msg, attempt, err)
 			}
