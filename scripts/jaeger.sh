@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Builds Jaeger v2 from the Go module proxy (through the tools module, never
+# committed) and prints the binary's path. The first build takes a few
+# minutes; later ones come from the Go build cache.
+#
+#   JAEGER=$(scripts/jaeger.sh)
+#   "$JAEGER" --config tools/jaeger.yaml   # OTLP on 127.0.0.1:4317/4318, API on 127.0.0.1:16686
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="${SETTLE_TOOLS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/settle-tools}"
+mkdir -p "$out"
+(cd "$root/tools" && go build -o "$out/jaeger" github.com/jaegertracing/jaeger/cmd/jaeger) >&2
+echo "$out/jaeger"
