@@ -8,6 +8,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/middleware"
@@ -49,4 +51,28 @@ func ExampleNewRetry() {
 	// attempt 3
 	// returned to the router: <nil>
 	// welcome-42 dead_lettered after 3 attempts: smtp: connection refused
+}
+
+// The tracing middleware, outermost, turns each delivery into a process span
+// and a settle span that ends when the message is really acked.
+func ExampleNewTracing() {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	tracing, err := middleware.NewTracing(middleware.WithTracerProvider(tp), middleware.WithMessagingSystem("gochannel"))
+	if err != nil {
+		panic(err)
+	}
+	h := tracing(func(msg *message.Message) ([]*message.Message, error) { return nil, nil })
+	msg := message.NewMessage("m-1", nil)
+	_, _ = h(msg)
+	msg.Ack() // what the router does after the chain returns
+	for len(rec.Ended()) < 2 {
+		time.Sleep(time.Millisecond) // the settle span ends just after the ack
+	}
+	for _, s := range rec.Ended() {
+		fmt.Println(s.Name(), s.SpanKind())
+	}
+	// Output:
+	// process consumer
+	// ack client
 }

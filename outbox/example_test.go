@@ -1,0 +1,66 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	_ "modernc.org/sqlite"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/outbox"
+)
+
+// A message published in a transaction is forwarded only if the
+// transaction commits.
+func Example() {
+	dir, _ := os.MkdirTemp("", "outbox-example")
+	defer os.RemoveAll(dir)
+	db, err := sql.Open("sqlite", "file:"+filepath.Join(dir, "shop.db")+"?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_txlock=immediate")
+	if err != nil {
+		panic(err)
+	}
+	defer db.Close()
+	ctx := context.Background()
+
+	ob, err := outbox.New(outbox.Config{Dialect: dedupe.SQLite})
+	if err != nil {
+		panic(err)
+	}
+	if err := ob.InitSchema(ctx, db); err != nil { // normally in your migrations
+		panic(err)
+	}
+
+	publishIn := func(commit bool, uuid string) {
+		tx, _ := db.BeginTx(ctx, nil)
+		defer tx.Rollback()
+		pub, _ := ob.TxPublisher(tx)
+		if err := pub.Publish("orders.placed", message.NewMessage(uuid, []byte(`{"id":"A-17"}`))); err != nil {
+			panic(err)
+		}
+		if commit {
+			_ = tx.Commit()
+		}
+	}
+	publishIn(false, "rolled-back")
+	publishIn(true, "committed")
+
+	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
+	defer broker.Close()
+	n, err := ob.Forward(ctx, wsql.BeginnerFromStdSQL(db), broker, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+	fmt.Println("forwarded:", n, err)
+
+	msgs, _ := broker.Subscribe(ctx, "orders.placed")
+	m := <-msgs
+	m.Ack()
+	fmt.Println(m.UUID, string(m.Payload))
+	// Output:
+	// forwarded: 1 <nil>
+	// committed {"id":"A-17"}
+}
