@@ -77,6 +77,7 @@ type options struct {
 	payload    int
 	runs       int
 	confirm    bool
+	amqpPool   int
 	timeout    time.Duration
 	cpuprofile string
 }
@@ -115,6 +116,7 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.payload, "payload", 100, "payload bytes per message")
 	fs.IntVar(&o.runs, "runs", 3, "runs; the table shows the median of each cell")
 	fs.BoolVar(&o.confirm, "confirm", false, "RabbitMQ: wait for publisher confirms (Publish.ConfirmDelivery)")
+	fs.IntVar(&o.amqpPool, "amqp-pool", 0, "RabbitMQ: Publish.ChannelPoolSize (0, the config's default, opens and closes a channel per Publish)")
 	fs.DurationVar(&o.timeout, "timeout", 20*time.Minute, "bound on the whole run")
 	fs.StringVar(&o.cpuprofile, "cpuprofile", "", "write a CPU profile of the whole run to this file")
 	if err := fs.Parse(args); err != nil {
@@ -149,6 +151,8 @@ func parseFlags(args []string) (options, error) {
 		return o, errors.New("-poll must be > 0")
 	case o.producers <= 0 || o.runs <= 0:
 		return o, errors.New("-producers and -runs must be > 0")
+	case o.amqpPool < 0:
+		return o, errors.New("-amqp-pool must be >= 0")
 	}
 	return o, nil
 }
@@ -381,6 +385,7 @@ func (b *bench) openBroker(_ context.Context, url string) (*broker, error) {
 	}
 	pcfg := amqp.NewDurableQueueConfig(url)
 	pcfg.Publish.ConfirmDelivery = b.o.confirm
+	pcfg.Publish.ChannelPoolSize = b.o.amqpPool
 	pub, err := amqp.NewPublisher(pcfg, watermill.NopLogger{})
 	if err != nil {
 		return nil, fmt.Errorf("amqp publisher: %w", err)
@@ -394,9 +399,16 @@ func (b *bench) openBroker(_ context.Context, url string) (*broker, error) {
 		_ = pub.Close()
 		return nil, fmt.Errorf("amqp subscriber: %w", err)
 	}
-	name := "rabbitmq"
+	var extra []string
+	if b.o.amqpPool > 0 {
+		extra = append(extra, fmt.Sprintf("%d pooled channels", b.o.amqpPool))
+	}
 	if b.o.confirm {
-		name = "rabbitmq (confirms)"
+		extra = append(extra, "confirms")
+	}
+	name := "rabbitmq"
+	if len(extra) > 0 {
+		name += " (" + strings.Join(extra, ", ") + ")"
 	}
 	if b.queues == nil {
 		b.queues = map[string][]string{}
