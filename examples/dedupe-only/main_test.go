@@ -28,7 +28,6 @@ func TestThreeDeliveriesOneEffect(t *testing.T) {
 	if !strings.Contains(got, "deliveries: 3, welcome e-mails sent: 1\n") {
 		t.Errorf("summary missing:\n%s", got)
 	}
-
 }
 
 func TestRefusesBadInput(t *testing.T) {
