@@ -308,6 +308,9 @@ func (r *retry) exhausted(msg *message.Message, attempts int, err error) error {
 	if last.IsZero() {
 		last = now
 	}
+	if first.After(last) {
+		first = last // a first-failure time from the future is not believed
+	}
 	msg.Metadata.Set(settle.MetaAttempt, strconv.Itoa(attempts))
 	return &ExhaustedError{Err: err, Attempts: attempts, FirstFailure: first, LastFailure: last}
 }
@@ -376,7 +379,7 @@ func (t *tracker) failed(id string, firstHint time.Time, err error) {
 			t.evict()
 		}
 		r = &record{first: now}
-		if !firstHint.IsZero() {
+		if !firstHint.IsZero() && firstHint.Before(now) {
 			r.first = firstHint
 		}
 		t.byID[id] = r
