@@ -1,0 +1,77 @@
+// Command reliability is settle's crash, restart and service-fault campaign
+// (see docs/reliability.md). It runs a relay and two consumers as separate
+// processes (this binary re-executed), kills a random one with SIGKILL at
+// random points for -cycles cycles, optionally stops and restarts the
+// services, lets everything drain and counts the effects of every logical
+// message:
+//
+//	go run ./bench/reliability -db postgres://... -amqp amqp://... -cycles 200 -mode tx
+//	go run ./bench/reliability -db mysql://... -amqp amqp://... -cycles 200
+//	go run ./bench/reliability -db postgres://... -amqp amqp://... -mode plain -cycles 200
+//	go run ./bench/reliability -db postgres://... -amqp amqp://... -cycles 0 -fault rabbitmq,postgres,pgterminate
+//
+// The exit code is 1 when anything was lost, dead-lettered or left behind,
+// when a process gave up by itself, when a fault was not recovered from, or
+// when tx mode shows a message with two effects; 2 when the campaign could
+// not run.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/settle-go/settle/internal/reliability"
+)
+
+func main() {
+	if reliability.IsChild() {
+		os.Exit(reliability.RunChild())
+	}
+	var cfg reliability.Config
+	var faults string
+	var seed int64
+	flag.StringVar(&cfg.DB, "db", os.Getenv("SETTLE_POSTGRES_URL"), "database URL: postgres://... or mysql://... (default $SETTLE_POSTGRES_URL)")
+	flag.StringVar(&cfg.AMQP, "amqp", os.Getenv("SETTLE_AMQP_URL"), "RabbitMQ URL (default $SETTLE_AMQP_URL)")
+	flag.StringVar(&cfg.Mode, "mode", reliability.ModeTx, "consumer mode: tx (HandleTx) or plain (dedupe middleware, effect outside a transaction)")
+	flag.IntVar(&cfg.Cycles, "cycles", 200, "kill-and-restart cycles")
+	flag.IntVar(&cfg.Messages, "messages", 0, "logical messages placed during the kill cycles (default 5 per cycle, at least 100)")
+	flag.StringVar(&faults, "fault", "", "comma-separated service faults after the cycles: rabbitmq, postgres, pgterminate")
+	flag.Int64Var(&seed, "seed", 0, "seed of the kill schedule (default: the clock)")
+	flag.DurationVar(&cfg.MaxDelay, "max-delay", 100*time.Millisecond, "longest random wait before a kill")
+	flag.DurationVar(&cfg.MaxSleep, "max-sleep", 10*time.Millisecond, "longest random sleep of a process in its handler, before an ack and after a forward")
+	flag.DurationVar(&cfg.FaultHold, "fault-hold", 3*time.Second, "how long RabbitMQ stays stopped")
+	flag.DurationVar(&cfg.DrainTimeout, "drain-timeout", 2*time.Minute, "bound of the final drain")
+	flag.BoolVar(&cfg.Keep, "keep", false, "keep the tables, queues and process logs")
+	flag.Parse()
+	cfg.Seed = uint64(seed)
+	if faults != "" {
+		cfg.Faults = strings.Split(faults, ",")
+	}
+	self, err := os.Executable()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	cfg.Command = func() *exec.Cmd { return exec.Command(self) }
+	cfg.Out = os.Stderr
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	res, err := reliability.Run(ctx, cfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "reliability:", err)
+		res.Print(os.Stdout)
+		os.Exit(2)
+	}
+	res.Print(os.Stdout)
+	if res.Err() != nil {
+		os.Exit(1)
+	}
+}

@@ -1,0 +1,775 @@
+// Package reliability is settle's crash, restart and service-fault campaign:
+// a driver that runs a relay and two consumers as separate processes on
+// RabbitMQ and a SQL database, kills them with SIGKILL at random points,
+// stops and restarts the services, and then counts the effects of every
+// logical message. bench/reliability is its command; the integration tests
+// run a short version.
+package reliability
+
+import (
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	mrand "math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/sqlurl"
+	"github.com/settle-go/settle/outbox"
+)
+
+// Modes of the consumers.
+const (
+	// ModeTx: pipeline.HandleTx, the effect row and the dedupe confirmation
+	// commit in one transaction.
+	ModeTx = "tx"
+	// ModePlain: the dedupe middleware with a SQLStore and a handler that
+	// writes the effect on the plain *sql.DB, outside any transaction.
+	ModePlain = "plain"
+)
+
+// Faults the campaign can inject after its kill cycles.
+const (
+	// FaultRabbitMQ stops the RabbitMQ application (rabbitmqctl stop_app)
+	// for Config.FaultHold and starts it again.
+	FaultRabbitMQ = "rabbitmq"
+	// FaultPostgres restarts the PostgreSQL cluster (pg_ctlcluster restart).
+	FaultPostgres = "postgres"
+	// FaultPGTerminate kills every other connection to the database with
+	// pg_terminate_backend.
+	FaultPGTerminate = "pgterminate"
+)
+
+// Config configures a campaign.
+type Config struct {
+	// DB is the database URL (postgres:// or mysql://). Required.
+	DB string
+	// AMQP is the RabbitMQ URL. Required.
+	AMQP string
+	// Mode is ModeTx or ModePlain. Defaults to ModeTx.
+	Mode string
+	// Cycles is the number of kill-and-restart cycles. Must be >= 0.
+	Cycles int
+	// Messages is the number of logical messages placed in the outbox
+	// during the kill cycles. Defaults to 5 per cycle, at least 100.
+	Messages int
+	// Faults are injected one after another after the kill cycles while
+	// messages keep flowing: FaultRabbitMQ, FaultPostgres, FaultPGTerminate.
+	Faults []string
+	// Seed makes the kill schedule repeatable. Defaults to the clock.
+	Seed uint64
+	// MinDelay and MaxDelay bound the random wait before each kill. Default
+	// 2ms and 100ms.
+	MinDelay, MaxDelay time.Duration
+	// MaxSleep bounds the random sleeps of the processes in the handler,
+	// between commit and ack, and between a forward and its mark. Defaults
+	// to 10ms. Must be >= 0.
+	MaxSleep time.Duration
+	// ClaimTimeout is the consumers' dedupe claim timeout: how soon the
+	// message of a killed consumer is taken over. Defaults to 2s.
+	ClaimTimeout time.Duration
+	// FaultHold is how long RabbitMQ stays stopped. Defaults to 3s.
+	FaultHold time.Duration
+	// RecoverTimeout bounds the wait for the first effect after a fault.
+	// Defaults to 60s.
+	RecoverTimeout time.Duration
+	// DrainTimeout bounds the final drain. Defaults to 120s.
+	DrainTimeout time.Duration
+	// Command returns the command that re-executes this program as a
+	// campaign process; the driver adds ChildEnv to its environment and the
+	// program must then call RunChild. Required.
+	Command func() *exec.Cmd
+	// Out receives progress lines. Defaults to io.Discard.
+	Out io.Writer
+	// Keep leaves the tables, queues and process logs in place.
+	Keep bool
+}
+
+func (c *Config) setDefaults() {
+	if c.Mode == "" {
+		c.Mode = ModeTx
+	}
+	if c.Messages == 0 {
+		c.Messages = max(100, 5*c.Cycles)
+	}
+	if c.Seed == 0 {
+		c.Seed = uint64(time.Now().UnixNano())
+	}
+	if c.MinDelay == 0 {
+		c.MinDelay = 2 * time.Millisecond
+	}
+	if c.MaxDelay == 0 {
+		c.MaxDelay = 100 * time.Millisecond
+	}
+	if c.MaxSleep == 0 {
+		c.MaxSleep = 10 * time.Millisecond
+	}
+	if c.ClaimTimeout == 0 {
+		c.ClaimTimeout = 2 * time.Second
+	}
+	if c.FaultHold == 0 {
+		c.FaultHold = 3 * time.Second
+	}
+	if c.RecoverTimeout == 0 {
+		c.RecoverTimeout = 60 * time.Second
+	}
+	if c.DrainTimeout == 0 {
+		c.DrainTimeout = 120 * time.Second
+	}
+	if c.Out == nil {
+		c.Out = io.Discard
+	}
+}
+
+// Validate reports the first invalid field.
+func (c Config) Validate() error {
+	switch {
+	case c.DB == "":
+		return errors.New("reliability: Config.DB is required")
+	case c.AMQP == "":
+		return errors.New("reliability: Config.AMQP is required")
+	case c.Mode != ModeTx && c.Mode != ModePlain:
+		return fmt.Errorf("reliability: Config.Mode must be %q or %q, got %q", ModeTx, ModePlain, c.Mode)
+	case c.Cycles < 0:
+		return fmt.Errorf("reliability: Config.Cycles must be >= 0, got %d", c.Cycles)
+	case c.Messages < 1:
+		return fmt.Errorf("reliability: Config.Messages must be >= 1, got %d", c.Messages)
+	case c.MinDelay < 0 || c.MaxDelay <= c.MinDelay:
+		return fmt.Errorf("reliability: Config.MinDelay (%v) must be >= 0 and < MaxDelay (%v)", c.MinDelay, c.MaxDelay)
+	case c.MaxSleep < 0:
+		return fmt.Errorf("reliability: Config.MaxSleep must be >= 0, got %v", c.MaxSleep)
+	case c.Command == nil:
+		return errors.New("reliability: Config.Command is required")
+	}
+	for _, f := range c.Faults {
+		switch f {
+		case FaultRabbitMQ, FaultPostgres, FaultPGTerminate:
+		default:
+			return fmt.Errorf("reliability: Config.Faults: unknown fault %q (want %s, %s or %s)", f, FaultRabbitMQ, FaultPostgres, FaultPGTerminate)
+		}
+	}
+	return nil
+}
+
+// FaultResult is what one injected fault did.
+type FaultResult struct {
+	Fault string
+	// Outage is how long the injection itself took (the service was down or
+	// restarting during it).
+	Outage time.Duration
+	// Recovery runs from the end of the injection to the next effect row.
+	Recovery time.Duration
+	// CaughtUp runs from the end of the injection until every message placed
+	// before it had its effect.
+	CaughtUp time.Duration
+	// Recovered is false when no effect came within Config.RecoverTimeout.
+	Recovered bool
+}
+
+// Result is the campaign's outcome.
+type Result struct {
+	Mode, Dialect string
+	Seed          uint64
+	Cycles        int
+	// Kills counts the kills by process role and by the phase the process
+	// reported just before it was killed.
+	Kills map[string]map[string]int
+	// UnexpectedExits counts processes that ended without being killed:
+	// they gave up on an error instead of recovering.
+	UnexpectedExits int
+	Faults          []FaultResult
+
+	Placed       int // logical messages committed to the outbox
+	Effects      int // effect rows
+	Lost         int // placed messages without an effect
+	Duplicated   int // placed messages with more than one effect
+	Extra        int // effect rows beyond the first per message
+	Unplaced     int // effect rows of no placed message (must be 0)
+	DeadLettered int // copies on the dead-letter and poison queues
+	LeftOnQueue  int // deliveries still on the queue after the consumers stopped
+	ClaimRuns    int // claims acquired (handler starts), summed over messages
+
+	Duration  time.Duration
+	DrainTime time.Duration
+}
+
+// Err reports why the campaign failed, or nil: anything lost, dead-lettered,
+// left on the queue or unrecovered, a process that gave up, and in tx mode
+// any message with more than one effect.
+func (r Result) Err() error {
+	var errs []error
+	if r.Lost > 0 {
+		errs = append(errs, fmt.Errorf("%d messages lost", r.Lost))
+	}
+	if r.Mode == ModeTx && r.Duplicated > 0 {
+		errs = append(errs, fmt.Errorf("%d messages have more than one effect in tx mode", r.Duplicated))
+	}
+	if r.Unplaced > 0 {
+		errs = append(errs, fmt.Errorf("%d effects of messages never placed", r.Unplaced))
+	}
+	if r.DeadLettered > 0 {
+		errs = append(errs, fmt.Errorf("%d messages dead-lettered or poisoned", r.DeadLettered))
+	}
+	if r.LeftOnQueue > 0 {
+		errs = append(errs, fmt.Errorf("%d deliveries left on the queue", r.LeftOnQueue))
+	}
+	if r.UnexpectedExits > 0 {
+		errs = append(errs, fmt.Errorf("%d processes exited without being killed", r.UnexpectedExits))
+	}
+	for _, f := range r.Faults {
+		if !f.Recovered {
+			errs = append(errs, fmt.Errorf("no effect after fault %s", f.Fault))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Run runs a campaign and returns its result. The error is about the
+// campaign itself (setup, a service that did not come back); the verdict on
+// settle is Result.Err.
+func Run(ctx context.Context, cfg Config) (Result, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return Result{}, err
+	}
+	d, err := newDriver(ctx, cfg)
+	if err != nil {
+		return Result{}, err
+	}
+	res, err := d.run(ctx)
+	cerr := d.close(err != nil || res.Err() != nil)
+	return res, errors.Join(err, cerr)
+}
+
+type driver struct {
+	cfg     Config
+	db      *sql.DB
+	dialect dedupe.Dialect
+	ob      *outbox.Outbox
+	rnd     *mrand.Rand
+	runID   string
+	dir     string
+	procs   []*proc
+
+	topic, outboxTopic, claims, effects, placed string
+
+	next     int // sequence of the next logical message
+	res      Result
+	unexpect []string
+}
+
+func newDriver(ctx context.Context, cfg Config) (d *driver, err error) {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	id := hex.EncodeToString(b[:])
+	d = &driver{
+		cfg: cfg, runID: id,
+		rnd:         mrand.New(mrand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15)),
+		topic:       "rel_" + id,
+		outboxTopic: "rel_outbox_" + id,
+		claims:      "rel_claims_" + id,
+		effects:     "rel_effects_" + id,
+		placed:      "rel_placed_" + id,
+		res:         Result{Mode: cfg.Mode, Seed: cfg.Seed, Cycles: cfg.Cycles, Kills: map[string]map[string]int{}},
+	}
+	if d.db, d.dialect, err = sqlurl.Open(cfg.DB); err != nil {
+		return nil, err
+	}
+	d.res.Dialect = string(d.dialect)
+	defer func() {
+		if err != nil {
+			_ = d.close(false)
+		}
+	}()
+	if d.dialect != dedupe.Postgres && d.dialect != dedupe.MySQL {
+		return nil, fmt.Errorf("reliability: the campaign needs PostgreSQL or MySQL/MariaDB, got %s", d.dialect)
+	}
+	for _, f := range cfg.Faults {
+		if (f == FaultPostgres || f == FaultPGTerminate) && d.dialect != dedupe.Postgres {
+			return nil, fmt.Errorf("reliability: fault %s needs PostgreSQL", f)
+		}
+	}
+	if err := d.db.PingContext(ctx); err != nil {
+		return nil, fmt.Errorf("reliability: database: %w", err)
+	}
+	if d.dir, err = os.MkdirTemp("", "settle-reliability-"); err != nil {
+		return nil, err
+	}
+	ddl, err := dedupe.Schema(d.dialect, d.claims)
+	if err != nil {
+		return nil, err
+	}
+	ddl = append(ddl,
+		// No unique key: a second effect is counted, not refused.
+		"CREATE TABLE "+d.effects+" (msg_id VARCHAR(64) NOT NULL, pid INTEGER NOT NULL)",
+		"CREATE TABLE "+d.placed+" (seq INTEGER NOT NULL PRIMARY KEY, msg_id VARCHAR(64) NOT NULL)",
+	)
+	for _, q := range ddl {
+		if _, err := d.db.ExecContext(ctx, q); err != nil {
+			return nil, fmt.Errorf("reliability: schema: %w", err)
+		}
+	}
+	if d.ob, err = outbox.New(outbox.Config{Dialect: d.dialect, Topic: d.outboxTopic}); err != nil {
+		return nil, err
+	}
+	if err := d.ob.InitSchema(ctx, d.db); err != nil {
+		return nil, err
+	}
+	if err := d.declareQueues(); err != nil {
+		return nil, err
+	}
+	return d, nil
+}
+
+func (d *driver) queues() []string {
+	return []string{d.topic, d.topic + ".dead_letter", d.topic + ".poison"}
+}
+
+func (d *driver) declareQueues() error {
+	return d.withChannel(func(ch *amqp091.Channel) error {
+		for _, q := range d.queues() {
+			if _, err := ch.QueueDeclare(q, true, false, false, false, nil); err != nil {
+				return fmt.Errorf("reliability: declare queue %s: %w", q, err)
+			}
+		}
+		return nil
+	})
+}
+
+func (d *driver) withChannel(fn func(*amqp091.Channel) error) error {
+	conn, err := amqp091.Dial(d.cfg.AMQP)
+	if err != nil {
+		return fmt.Errorf("reliability: rabbitmq: %w", err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return fmt.Errorf("reliability: rabbitmq: %w", err)
+	}
+	defer ch.Close()
+	return fn(ch)
+}
+
+// queueDepth returns the ready messages of each queue.
+func (d *driver) queueDepth(queues ...string) ([]int, error) {
+	out := make([]int, len(queues))
+	err := d.withChannel(func(ch *amqp091.Channel) error {
+		for i, q := range queues {
+			st, err := ch.QueueDeclarePassive(q, true, false, false, false, nil)
+			if err != nil {
+				return err
+			}
+			out[i] = st.Messages
+		}
+		return nil
+	})
+	return out, err
+}
+
+func (d *driver) say(format string, args ...any) {
+	fmt.Fprintf(d.cfg.Out, time.Now().Format("15:04:05.000")+" "+format+"\n", args...)
+}
+
+func (d *driver) run(ctx context.Context) (Result, error) {
+	start := time.Now()
+	d.say("run %s: %s mode on %s, %d cycles, %d messages, faults %v, seed %d, logs in %s",
+		d.runID, d.cfg.Mode, d.dialect, d.cfg.Cycles, d.cfg.Messages, d.cfg.Faults, d.cfg.Seed, d.dir)
+	for i, spec := range []childSpec{{Role: roleRelay, Name: "relay"}, {Role: roleConsumer, Name: "consumer-1"}, {Role: roleConsumer, Name: "consumer-2"}} {
+		spec.Mode, spec.DB, spec.AMQP = d.cfg.Mode, d.cfg.DB, d.cfg.AMQP
+		spec.Topic, spec.OutboxTopic, spec.Claims, spec.Effects = d.topic, d.outboxTopic, d.claims, d.effects
+		spec.StatusFile = filepath.Join(d.dir, spec.Name+".status")
+		spec.MaxSleep, spec.ClaimTimeout = d.cfg.MaxSleep, d.cfg.ClaimTimeout
+		// Attempts are counted per claim, and every kill of a consumer in
+		// its handler costs one: keep dead-lettering out of the picture.
+		spec.MaxAttempts = 1000
+		p := &proc{spec: spec, seed: d.cfg.Seed + uint64(i)*1_000_003}
+		log, err := os.Create(filepath.Join(d.dir, spec.Name+".log"))
+		if err != nil {
+			return d.res, err
+		}
+		p.log = log
+		d.procs = append(d.procs, p)
+		if err := d.start(p); err != nil {
+			return d.res, err
+		}
+	}
+
+	if err := d.killCycles(ctx); err != nil {
+		return d.res, err
+	}
+	if len(d.cfg.Faults) > 0 {
+		if err := d.faults(ctx); err != nil {
+			return d.res, err
+		}
+	}
+	drainStart := time.Now()
+	if err := d.drain(ctx); err != nil {
+		return d.res, err
+	}
+	d.res.DrainTime = time.Since(drainStart)
+	d.stopAll()
+	if err := d.count(ctx); err != nil {
+		return d.res, err
+	}
+	d.res.Duration = time.Since(start)
+	return d.res, nil
+}
+
+// killCycles places the messages in batches and kills a random process
+// after each batch, restarting it at once.
+func (d *driver) killCycles(ctx context.Context) error {
+	per := d.cfg.Messages
+	if d.cfg.Cycles > 0 {
+		per = (d.cfg.Messages + d.cfg.Cycles - 1) / d.cfg.Cycles
+	}
+	for c := 0; c < d.cfg.Cycles; c++ {
+		if n := min(per, d.cfg.Messages-d.next); n > 0 {
+			if err := d.place(ctx, n); err != nil {
+				return err
+			}
+		}
+		delay := d.cfg.MinDelay + time.Duration(d.rnd.Int64N(int64(d.cfg.MaxDelay-d.cfg.MinDelay)))
+		if err := sleepCtx(ctx, delay); err != nil {
+			return err
+		}
+		if err := d.checkExits(); err != nil {
+			return err
+		}
+		p := d.procs[d.rnd.IntN(len(d.procs))]
+		phase := p.phase()
+		if err := d.kill(p); err != nil {
+			return err
+		}
+		if d.res.Kills[p.spec.Role] == nil {
+			d.res.Kills[p.spec.Role] = map[string]int{}
+		}
+		d.res.Kills[p.spec.Role][phase]++
+		if err := d.start(p); err != nil {
+			return err
+		}
+		if (c+1)%50 == 0 {
+			d.say("cycle %d/%d: %d messages placed", c+1, d.cfg.Cycles, d.next)
+		}
+	}
+	if n := d.cfg.Messages - d.next; n > 0 {
+		return d.place(ctx, n)
+	}
+	return nil
+}
+
+// place commits n logical messages to the outbox, each with a row in the
+// placed table in the same transaction: that table is the truth of what was
+// placed, even when a commit's outcome is unknown. A failed transaction is
+// retried with new messages until ctx ends.
+func (d *driver) place(ctx context.Context, n int) error {
+	for {
+		err := d.placeOnce(ctx, n)
+		if err == nil {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if err := sleepCtx(ctx, 50*time.Millisecond); err != nil {
+			return err
+		}
+	}
+}
+
+func (d *driver) placeOnce(ctx context.Context, n int) (err error) {
+	tx, err := d.db.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			_ = tx.Rollback()
+		}
+	}()
+	pub, err := d.ob.TxPublisher(tx)
+	if err != nil {
+		return err
+	}
+	q := "INSERT INTO " + d.placed + " (seq, msg_id) VALUES (?, ?)"
+	if d.dialect == dedupe.Postgres {
+		q = "INSERT INTO " + d.placed + " (seq, msg_id) VALUES ($1, $2)"
+	}
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		seq := d.next
+		d.next++ // a failed transaction burns its numbers
+		id := fmt.Sprintf("%s-%07d", d.runID, seq)
+		if _, err := tx.ExecContext(ctx, q, seq, id); err != nil {
+			return err
+		}
+		msgs[i] = message.NewMessage(id, []byte(fmt.Sprintf(`{"seq":%d}`, seq)))
+	}
+	if err := pub.Publish(d.topic, msgs...); err != nil {
+		return err
+	}
+	return tx.Commit()
+}
+
+// drain waits until every placed message has an effect, the outbox is
+// forwarded, the queue is empty and the effect count has not moved for two
+// seconds, restarting any process that exits.
+func (d *driver) drain(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.DrainTimeout)
+	defer cancel()
+	d.say("draining")
+	var last, missing, pending, ready int
+	var stable time.Time
+	for {
+		if err := d.checkExits(); err != nil {
+			return err
+		}
+		effects, m, err := d.progress(ctx, -1)
+		var st outbox.Status
+		if err == nil {
+			st, err = d.ob.Status(ctx, wsql.BeginnerFromStdSQL(d.db), "")
+		}
+		var depth []int
+		if err == nil {
+			depth, err = d.queueDepth(d.topic)
+		}
+		if err == nil {
+			missing, pending, ready = m, int(st.Pending), depth[0]
+			switch {
+			case missing > 0 || pending > 0 || ready > 0 || effects != last:
+				stable = time.Time{}
+			case stable.IsZero():
+				stable = time.Now()
+			case time.Since(stable) >= 2*time.Second:
+				return nil
+			}
+			last = effects
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("reliability: drain: %d messages without effect, %d outbox rows pending, %d on the queue (last error: %v): %w",
+				missing, pending, ready, err, ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// progress returns the number of effect rows and the number of placed
+// messages (with seq <= upTo, or all when upTo < 0) that have none.
+func (d *driver) progress(ctx context.Context, upTo int) (effects, missing int, err error) {
+	if err = d.db.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+d.effects).Scan(&effects); err != nil {
+		return 0, 0, err
+	}
+	q := "SELECT COUNT(*) FROM " + d.placed + " p WHERE NOT EXISTS (SELECT 1 FROM " + d.effects + " e WHERE e.msg_id = p.msg_id)"
+	if upTo >= 0 {
+		q += fmt.Sprintf(" AND p.seq <= %d", upTo)
+	}
+	err = d.db.QueryRowContext(ctx, q).Scan(&missing)
+	return effects, missing, err
+}
+
+func (d *driver) count(ctx context.Context) error {
+	r := &d.res
+	qs := []struct {
+		q   string
+		dst *int
+	}{
+		{"SELECT COUNT(*) FROM " + d.placed, &r.Placed},
+		{"SELECT COUNT(*) FROM " + d.effects, &r.Effects},
+		{"SELECT COUNT(*) FROM " + d.placed + " p WHERE NOT EXISTS (SELECT 1 FROM " + d.effects + " e WHERE e.msg_id = p.msg_id)", &r.Lost},
+		{"SELECT COUNT(*) FROM (SELECT msg_id FROM " + d.effects + " GROUP BY msg_id HAVING COUNT(*) > 1) x", &r.Duplicated},
+		{"SELECT COUNT(*) - COUNT(DISTINCT msg_id) FROM " + d.effects, &r.Extra},
+		{"SELECT COUNT(*) FROM " + d.effects + " e WHERE NOT EXISTS (SELECT 1 FROM " + d.placed + " p WHERE p.msg_id = e.msg_id)", &r.Unplaced},
+		{"SELECT COALESCE(SUM(attempts), 0) FROM " + d.claims, &r.ClaimRuns},
+	}
+	for _, q := range qs {
+		if err := d.db.QueryRowContext(ctx, q.q).Scan(q.dst); err != nil {
+			return fmt.Errorf("reliability: count: %w", err)
+		}
+	}
+	depth, err := d.queueDepth(d.queues()...)
+	if err != nil {
+		return fmt.Errorf("reliability: queue depth: %w", err)
+	}
+	r.LeftOnQueue, r.DeadLettered = depth[0], depth[1]+depth[2]
+	return nil
+}
+
+// close stops the processes and removes the run's tables, queues and logs
+// (the logs stay when keepLogs or Config.Keep).
+func (d *driver) close(keepLogs bool) error {
+	d.stopAll()
+	for _, p := range d.procs {
+		_ = p.log.Close()
+	}
+	if d.cfg.Keep {
+		return d.db.Close()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var errs []error
+	for _, t := range []string{d.claims, d.effects, d.placed, "watermill_" + d.outboxTopic, "watermill_offsets_" + d.outboxTopic} {
+		if _, err := d.db.ExecContext(ctx, "DROP TABLE IF EXISTS "+t); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	errs = append(errs, d.db.Close())
+	errs = append(errs, d.withChannel(func(ch *amqp091.Channel) error {
+		for _, q := range d.queues() {
+			if _, err := ch.QueueDelete(q, false, false, false); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	if keepLogs {
+		fmt.Fprintf(d.cfg.Out, "process logs kept in %s\n", d.dir)
+	} else if d.dir != "" {
+		errs = append(errs, os.RemoveAll(d.dir))
+	}
+	return errors.Join(errs...)
+}
+
+// proc is one campaign process, restarted after every kill.
+type proc struct {
+	spec   childSpec
+	seed   uint64
+	starts int
+	log    *os.File
+	cmd    *exec.Cmd
+	done   chan struct{}
+	err    error
+}
+
+func (p *proc) phase() string {
+	b := make([]byte, statusWidth)
+	f, err := os.Open(p.spec.StatusFile)
+	if err != nil {
+		return phaseStarting
+	}
+	defer f.Close()
+	n, _ := f.ReadAt(b, 0)
+	if s := strings.TrimSpace(string(b[:n])); s != "" {
+		return s
+	}
+	return phaseStarting
+}
+
+func (d *driver) start(p *proc) error {
+	spec := p.spec
+	spec.Seed = p.seed + uint64(p.starts)
+	p.starts++
+	// A fresh status file: the phase of the killed process is stale.
+	_ = os.Remove(spec.StatusFile)
+	js, err := json.Marshal(spec)
+	if err != nil {
+		return err
+	}
+	cmd := d.cfg.Command()
+	cmd.Env = append(os.Environ(), ChildEnv+"="+string(js))
+	cmd.Stdout, cmd.Stderr = p.log, p.log
+	fmt.Fprintf(p.log, "---- start %d at %s\n", p.starts, time.Now().Format(time.RFC3339Nano))
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("reliability: start %s: %w", spec.Name, err)
+	}
+	p.cmd, p.done, p.err = cmd, make(chan struct{}), nil
+	go func(done chan struct{}) {
+		p.err = cmd.Wait()
+		close(done)
+	}(p.done)
+	return nil
+}
+
+func (d *driver) kill(p *proc) error {
+	select {
+	case <-p.done:
+		return nil // exited already; checkExits counts it
+	default:
+	}
+	if err := p.cmd.Process.Signal(syscall.SIGKILL); err != nil && !errors.Is(err, os.ErrProcessDone) {
+		return err
+	}
+	<-p.done
+	return nil
+}
+
+// checkExits restarts every process that ended by itself, and counts it.
+func (d *driver) checkExits() error {
+	for _, p := range d.procs {
+		select {
+		case <-p.done:
+		default:
+			continue
+		}
+		d.res.UnexpectedExits++
+		d.say("%s exited by itself (%v); restarting it; see its log", p.spec.Name, p.err)
+		if err := d.start(p); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// stopAll stops the processes gracefully, and kills what is left after 10s.
+func (d *driver) stopAll() {
+	for _, p := range d.procs {
+		if p.cmd != nil {
+			_ = p.cmd.Process.Signal(syscall.SIGTERM)
+		}
+	}
+	deadline := time.After(10 * time.Second)
+	for _, p := range d.procs {
+		if p.cmd == nil {
+			continue
+		}
+		select {
+		case <-p.done:
+		case <-deadline:
+			_ = p.cmd.Process.Signal(syscall.SIGKILL)
+			<-p.done
+		}
+	}
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// phases lists the phases in a fixed order for the summary.
+var phases = []string{phaseStarting, phaseIdle, phaseHandler, phaseEffect, phaseCommitted, phasePublishing, phasePublished}
+
+func sortedPhases(m map[string]int) []string {
+	var out []string
+	for _, p := range phases {
+		if m[p] > 0 {
+			out = append(out, p)
+		}
+	}
+	for p := range m {
+		if !slices.Contains(phases, p) {
+			out = append(out, p)
+		}
+	}
+	return out
+}
