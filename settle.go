@@ -68,3 +68,29 @@ const (
 	// redelivery. Set by broker adapters.
 	MetaRedelivered = "settle_redelivered"
 )
+
+// Metadata keys of a replayed message: a dead-letter or poison copy that an
+// operator published again to its original topic (the settle command's
+// "dlq replay"). The replayed copy gets a new UUID, so that attempts counted
+// per UUID start again; the failure keys of the parked copy (MetaOutcome,
+// MetaReason, MetaAttempt, MetaHandler, MetaOriginalTopic, MetaOriginalUUID,
+// MetaFirstFailure, MetaLastFailure) are removed from it, and what is worth
+// keeping of them moves to these keys. A replay overwrites the keys of an
+// earlier replay, except MetaReplayCount, which it increments.
+const (
+	// MetaReplayedAt is when the message was replayed, RFC 3339 with
+	// nanoseconds, UTC.
+	MetaReplayedAt = "settle_replayed_at"
+	// MetaReplayOf is the UUID of the parked copy that was replayed, which is
+	// the UUID of the message that failed.
+	MetaReplayOf = "settle_replay_of"
+	// MetaReplayCount is how many times the message has been replayed
+	// (decimal, 1 on the first replay).
+	MetaReplayCount = "settle_replay_count"
+	// MetaReplayOutcome is the MetaOutcome of the replayed copy:
+	// "dead_lettered" or "poisoned".
+	MetaReplayOutcome = "settle_replay_outcome"
+	// MetaReplayReason is the MetaReason of the replayed copy: why the
+	// message failed before it was replayed.
+	MetaReplayReason = "settle_replay_reason"
+)

@@ -1,0 +1,188 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"time"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/outbox"
+)
+
+func runDedupePrune(e *env, args []string) (err error) {
+	const name = "dedupe prune"
+	fs := newFlagSet(name)
+	dbURL := fs.String("db", "", "database URL: postgres://, mysql:// or sqlite:// (default $"+envDBURL+")")
+	table := fs.String("table", dedupe.DefaultTable, "the dedupe table")
+	olderThan := fs.Duration("older-than", 0, "remove confirmed and released keys last touched longer ago than this, e.g. 168h (required)")
+	pos, err := parse(e, fs, name, args)
+	if err != nil {
+		return err
+	}
+	switch {
+	case len(pos) > 0:
+		return usagef(fs, name, "unexpected argument %q", pos[0])
+	case *olderThan <= 0:
+		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 168h)")
+	}
+	db, dialect, err := openDB(e, *dbURL)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, db.Close()) }()
+	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: *table})
+	if err != nil {
+		return fmt.Errorf("-table: %w", err)
+	}
+	cutoff := time.Now().Add(-*olderThan)
+	n, err := store.Prune(e.ctx, cutoff)
+	if err != nil {
+		return fmt.Errorf("prune %s (%d rows removed before the error): %w", *table, n, err)
+	}
+	fmt.Fprintf(e.stdout, "pruned %d rows from %s (keys settled before %s)\n", n, *table, cutoff.UTC().Format(time.RFC3339))
+	return nil
+}
+
+func runDedupeSchema(e *env, args []string) error {
+	const name = "dedupe schema"
+	fs := newFlagSet(name)
+	dialect := fs.String("dialect", "", "postgres, mysql or sqlite (required)")
+	table := fs.String("table", dedupe.DefaultTable, "the dedupe table, optionally schema-qualified")
+	pos, err := parse(e, fs, name, args)
+	if err != nil {
+		return err
+	}
+	switch {
+	case len(pos) > 0:
+		return usagef(fs, name, "unexpected argument %q", pos[0])
+	case *dialect == "":
+		return usagef(fs, name, "-dialect is required (postgres, mysql or sqlite)")
+	}
+	stmts, err := dedupe.Schema(dedupe.Dialect(*dialect), *table)
+	if err != nil {
+		return usagef(fs, name, "%v", err)
+	}
+	return writeSQL(e.stdout, fmt.Sprintf("settle dedupe table %s (%s)", *table, *dialect), stmts)
+}
+
+func runOutboxSchema(e *env, args []string) error {
+	const name = "outbox schema"
+	fs := newFlagSet(name)
+	dialect := fs.String("dialect", "", "postgres, mysql or sqlite (required)")
+	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
+	pos, err := parse(e, fs, name, args)
+	if err != nil {
+		return err
+	}
+	switch {
+	case len(pos) > 0:
+		return usagef(fs, name, "unexpected argument %q", pos[0])
+	case *dialect == "":
+		return usagef(fs, name, "-dialect is required (postgres, mysql or sqlite)")
+	}
+	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Dialect(*dialect), Topic: *topic})
+	if err != nil {
+		return usagef(fs, name, "%v", err)
+	}
+	stmts, err := ob.Schema()
+	if err != nil {
+		return err
+	}
+	header := fmt.Sprintf("settle outbox %s (%s)", *topic, *dialect)
+	if *dialect == string(dedupe.Postgres) {
+		header += "; run in one transaction: the advisory lock holds until it ends"
+	}
+	return writeSQL(e.stdout, header, stmts)
+}
+
+func runOutboxStatus(e *env, args []string) (err error) {
+	const name = "outbox status"
+	fs := newFlagSet(name)
+	dbURL := fs.String("db", "", "database URL: postgres://, mysql:// or sqlite:// (default $"+envDBURL+")")
+	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
+	group := fs.String("group", "", "the relays' consumer group (outbox.RelayConfig.ConsumerGroup); default the default group")
+	asJSON := fs.Bool("json", false, "write JSON")
+	pos, err := parse(e, fs, name, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return usagef(fs, name, "unexpected argument %q", pos[0])
+	}
+	db, dialect, err := openDB(e, *dbURL)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, db.Close()) }()
+	ob, err := outbox.New(outbox.Config{Dialect: dialect, Topic: *topic})
+	if err != nil {
+		return fmt.Errorf("-topic: %w", err)
+	}
+	st, err := ob.Status(e.ctx, wsql.BeginnerFromStdSQL(db), *group)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return writeJSON(e.stdout, struct {
+			Topic      string  `json:"topic"`
+			Group      string  `json:"group"`
+			Pending    int64   `json:"pending"`
+			LagSeconds float64 `json:"lag_seconds"`
+		}{*topic, *group, st.Pending, st.Lag.Seconds()})
+	}
+	g := *group
+	if g == "" {
+		g = "(default)"
+	}
+	fmt.Fprintf(e.stdout, "topic:   %s\ngroup:   %s\npending: %d\nlag:     %s\n", *topic, g, st.Pending, st.Lag.Round(time.Millisecond))
+	return nil
+}
+
+// writeSQL writes statements for migration tools: a comment header, then
+// each statement with its indentation tidied, ending with ';', separated by
+// blank lines.
+func writeSQL(w io.Writer, header string, stmts []string) error {
+	var b strings.Builder
+	b.WriteString("-- " + header + "\n")
+	for _, s := range stmts {
+		b.WriteString("\n" + tidySQL(s) + ";\n")
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+// tidySQL trims a statement, drops its trailing ';' and re-indents its
+// continuation lines: the lines inside get one tab plus their indentation
+// relative to each other, a closing ')' line none.
+func tidySQL(s string) string {
+	s = strings.TrimSpace(s)
+	s = strings.TrimSpace(strings.TrimSuffix(s, ";"))
+	lines := strings.Split(s, "\n")
+	indent := -1
+	for _, l := range lines[1:] {
+		t := strings.TrimLeft(l, " \t")
+		if t == "" || strings.HasPrefix(t, ")") {
+			continue
+		}
+		if n := len(l) - len(t); indent < 0 || n < indent {
+			indent = n
+		}
+	}
+	for i := 1; i < len(lines); i++ {
+		l := strings.TrimRight(lines[i], " \t")
+		t := strings.TrimLeft(l, " \t")
+		switch {
+		case t == "":
+			lines[i] = ""
+		case strings.HasPrefix(t, ")"):
+			lines[i] = t
+		default:
+			lines[i] = "\t" + l[min(indent, len(l)-len(t)):]
+		}
+	}
+	return strings.Join(lines, "\n")
+}

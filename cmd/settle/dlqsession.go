@@ -1,0 +1,113 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/settle-go/settle/amqpmarshal"
+)
+
+// amqpFlags are the connection flags of the dlq commands.
+type amqpFlags struct {
+	url        string
+	queue      string
+	uuidHeader string
+}
+
+// register adds the flags to fs. The URL's default is read after parsing
+// (see openDLQ), so that -h does not print a password from the environment.
+func (f *amqpFlags) register(fs interface {
+	StringVar(p *string, name, value, usage string)
+}) {
+	fs.StringVar(&f.url, "amqp", "", "RabbitMQ URL (default $"+envAMQPURL+")")
+	fs.StringVar(&f.queue, "queue", "", "the dead-letter or poison queue (required)")
+	fs.StringVar(&f.uuidHeader, "uuid-header", amqp.DefaultMessageUUIDHeaderKey, "header holding the message UUID (amqpmarshal.Config.MessageUUIDHeaderKey)")
+}
+
+// dlqSession reads a queue with basic.get and manual acknowledgement. Every
+// message it got and did not ack is held by its channel, so the next get
+// returns the next message, and is handed back to the queue, in its place,
+// by close: nothing is removed except by ack.
+type dlqSession struct {
+	conn      *amqp091.Connection
+	ch        *amqp091.Channel
+	queue     string
+	marshaler amqpmarshal.Marshaler
+	depth     int // messages ready when the session started
+	held      int // messages got and not acked
+}
+
+// openDLQ connects, checks that the queue exists and opens the reading
+// channel. On error nothing is left open.
+func openDLQ(e *env, f amqpFlags) (*dlqSession, error) {
+	ctx := e.ctx
+	if f.url == "" {
+		f.url = e.getenv(envAMQPURL)
+	}
+	m, err := amqpmarshal.New(amqpmarshal.Config{MessageUUIDHeaderKey: f.uuidHeader})
+	if err != nil {
+		return nil, fmt.Errorf("-uuid-header: %w", err)
+	}
+	conn, err := dialAMQP(ctx, f.url)
+	if err != nil {
+		return nil, err
+	}
+	depth, err := queueDepth(conn, f.queue)
+	if err != nil {
+		_ = conn.Close()
+		return nil, err
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		_ = conn.Close()
+		return nil, fmt.Errorf("open channel: %w", err)
+	}
+	return &dlqSession{conn: conn, ch: ch, queue: f.queue, marshaler: m, depth: depth}, nil
+}
+
+// next gets the next message, or ok=false when the queue has no more ready
+// messages.
+func (s *dlqSession) next() (d amqp091.Delivery, e entry, ok bool, err error) {
+	d, ok, err = s.ch.Get(s.queue, false)
+	if err != nil {
+		return d, e, false, fmt.Errorf("get from %q: %w", s.queue, err)
+	}
+	if !ok {
+		return d, e, false, nil
+	}
+	s.held++
+	e, err = decode(s.marshaler, d)
+	return d, e, true, err
+}
+
+// ack removes d from the queue.
+func (s *dlqSession) ack(d amqp091.Delivery) error {
+	if err := s.ch.Ack(d.DeliveryTag, false); err != nil {
+		return fmt.Errorf("ack %q on %q: %w", d.MessageId, s.queue, err)
+	}
+	s.held--
+	return nil
+}
+
+// close hands every held message back to the queue and closes the channel
+// and the connection. The nack has delivery tag 0 and multiple set, which
+// the broker reads as "every unacknowledged delivery on this channel", and
+// requeue set: RabbitMQ puts requeued messages back in their place.
+func (s *dlqSession) close() error {
+	var errs []error
+	if s.held > 0 {
+		if err := s.ch.Nack(0, true, true); err != nil {
+			errs = append(errs, fmt.Errorf("return messages to %q: %w", s.queue, err))
+		}
+	}
+	if err := s.ch.Close(); err != nil && !errors.Is(err, amqp091.ErrClosed) {
+		errs = append(errs, err)
+	}
+	if err := s.conn.Close(); err != nil && !errors.Is(err, amqp091.ErrClosed) {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,34 @@
+// Command settle operates what settle leaves behind: dead-letter and poison
+// queues on RabbitMQ, the dedupe table and the transactional outbox.
+//
+//	settle dlq list     -queue Q [-json] [-limit N]
+//	settle dlq show     -queue Q ID
+//	settle dlq replay   -queue Q [-id ID ...] [-handler H] [-reason SUBSTR] [-all] [-yes]
+//	settle dedupe prune -db URL [-table T] -older-than 168h
+//	settle dedupe schema -dialect postgres|mysql|sqlite [-table T]
+//	settle outbox schema -dialect postgres|mysql|sqlite [-topic T]
+//	settle outbox status -db URL [-topic T] [-group G] [-json]
+//
+// -amqp defaults to $SETTLE_AMQP_URL and -db to $SETTLE_DB_URL. Listing and
+// showing never remove a message from a queue; replay is a dry run unless
+// -yes is given, and removes a message from the dead-letter queue only after
+// the broker has confirmed its republished copy. See docs/cli.md.
+//
+// Install it with
+//
+//	go install github.com/settle-go/settle/cmd/settle@latest
+package main
+
+import (
+	"context"
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := runContext(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}

@@ -1,0 +1,227 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+)
+
+func runDLQReplay(e *env, args []string) (err error) {
+	const name = "dlq replay"
+	fs := newFlagSet(name)
+	var f amqpFlags
+	f.register(fs)
+	var sel selection
+	fs.Var((*idList)(&sel.ids), "id", "replay the message with this UUID (or settle_original_uuid); repeatable, or comma-separated")
+	fs.StringVar(&sel.handler, "handler", "", "replay the messages whose settle_handler is exactly this")
+	fs.StringVar(&sel.reason, "reason", "", "replay the messages whose settle_reason contains this")
+	fs.BoolVar(&sel.all, "all", false, "replay every message on the queue")
+	to := fs.String("to", "", "publish to this queue instead of each message's settle_original_topic")
+	yes := fs.Bool("yes", false, "act; without it, only print what would be done")
+	limit := fs.Int("limit", 0, "examine at most this many messages; 0 examines every message ready at the start")
+	every := fs.Duration("progress", time.Second, "print a progress line to stderr at most this often; 0 for none")
+	pos, err := parse(e, fs, name, args)
+	if err != nil {
+		return err
+	}
+	switch {
+	case f.queue == "":
+		return usagef(fs, name, "-queue is required")
+	case len(pos) > 0:
+		return usagef(fs, name, "unexpected argument %q (use -id to select messages)", pos[0])
+	case *limit < 0:
+		return usagef(fs, name, "-limit must be >= 0")
+	case *to == f.queue:
+		return usagef(fs, name, "-to is the queue being replayed")
+	}
+	if err := sel.validate(); err != nil {
+		return usagef(fs, name, "%v", err)
+	}
+
+	s, err := openDLQ(e, f)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if cerr := s.close(); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+	}()
+	if s.depth == 0 {
+		fmt.Fprintf(e.stdout, "queue %q is empty; nothing to replay\n", f.queue)
+		return nil
+	}
+	r := &replayer{e: e, s: s, sel: sel, to: *to, act: *yes, uuidHeader: f.uuidHeader,
+		dests: map[string]error{}, progress: newProgress(e.stderr, *every)}
+	if r.act {
+		if err := r.openPublisher(); err != nil {
+			return err
+		}
+	}
+	bound := s.depth
+	if *limit > 0 {
+		bound = min(bound, *limit)
+	}
+	err = r.run(bound)
+	r.summary()
+	return err
+}
+
+// replayer walks a dead-letter queue once and republishes the selected
+// messages to their original queues.
+type replayer struct {
+	e          *env
+	s          *dlqSession
+	sel        selection
+	to         string
+	act        bool
+	uuidHeader string
+
+	pub     *amqp091.Channel // confirm mode
+	returns chan amqp091.Return
+	dests   map[string]error // destination queue -> result of its passive declare
+
+	progress                              *progress
+	examined, selected, replayed, skipped int
+}
+
+func (r *replayer) openPublisher() error {
+	ch, err := r.s.conn.Channel()
+	if err != nil {
+		return fmt.Errorf("open publishing channel: %w", err)
+	}
+	if err := ch.Confirm(false); err != nil {
+		return fmt.Errorf("publisher confirms: %w", err)
+	}
+	// One publish is in flight at a time, and RabbitMQ sends basic.return
+	// before the basic.ack of an unroutable mandatory message, so a buffer
+	// of one holds the return of the current publish.
+	r.returns = ch.NotifyReturn(make(chan amqp091.Return, 1))
+	r.pub = ch
+	return nil
+}
+
+func (r *replayer) run(bound int) error {
+	for r.examined < bound {
+		if err := r.e.ctx.Err(); err != nil {
+			return fmt.Errorf("interrupted: %w", err)
+		}
+		d, en, ok, err := r.s.next()
+		if err != nil {
+			return err
+		}
+		if !ok {
+			break
+		}
+		r.examined++
+		if r.sel.match(en) {
+			r.selected++
+			if err := r.one(d, en); err != nil {
+				return err
+			}
+		}
+		r.progress.tick("%s: examined %d of %d messages, %d selected, %d replayed", r.s.queue, r.examined, bound, r.selected, r.replayed)
+	}
+	return nil
+}
+
+// one replays (or, in a dry run, describes) one selected message. The
+// delivery is acked, removing it from the dead-letter queue, only after the
+// broker confirmed the copy.
+func (r *replayer) one(d amqp091.Delivery, en entry) error {
+	out := r.e.stdout
+	dest := r.to
+	if dest == "" {
+		dest = en.OriginalTopic
+	}
+	switch {
+	case dest == "":
+		r.skipped++
+		fmt.Fprintf(out, "skip %s: no settle_original_topic (use -to)\n", en.UUID)
+		return nil
+	case dest == r.s.queue:
+		r.skipped++
+		fmt.Fprintf(out, "skip %s: its original topic is the queue being replayed\n", en.UUID)
+		return nil
+	}
+	if err := r.checkDest(dest); err != nil {
+		if !r.act {
+			r.skipped++
+			fmt.Fprintf(out, "skip %s: %v\n", en.UUID, err)
+			return nil
+		}
+		return err
+	}
+	p, newID := replayCopy(d, en, r.uuidHeader, time.Now())
+	if !r.act {
+		fmt.Fprintf(out, "would replay %s (%s, handler %s) to %s as %s\n", en.UUID, dash(en.Outcome), dash(en.Handler), dest, newID)
+		return nil
+	}
+	if err := r.publish(dest, p); err != nil {
+		return fmt.Errorf("replay %s to %s: %w; it stays on %s", en.UUID, dest, err, r.s.queue)
+	}
+	if err := r.s.ack(d); err != nil {
+		return fmt.Errorf("replayed %s to %s as %s, but could not remove it from %s (a second replay gives the copy the same UUID, so dedupe drops it): %w",
+			en.UUID, dest, newID, r.s.queue, err)
+	}
+	r.replayed++
+	fmt.Fprintf(out, "replayed %s to %s as %s\n", en.UUID, dest, newID)
+	return nil
+}
+
+// checkDest checks once per queue that dest exists: a message published to
+// the default exchange with a routing key no queue has would be dropped.
+func (r *replayer) checkDest(dest string) error {
+	err, seen := r.dests[dest]
+	if !seen {
+		_, err = queueDepth(r.s.conn, dest)
+		r.dests[dest] = err
+	}
+	return err
+}
+
+// publish sends p to queue dest the way watermill-amqp's durable queue
+// config does (default exchange, routing key = queue name), mandatory, and
+// waits for the broker's confirm.
+func (r *replayer) publish(dest string, p amqp091.Publishing) error {
+	ctx, cancel := context.WithTimeout(r.e.ctx, 30*time.Second)
+	defer cancel()
+	dc, err := r.pub.PublishWithDeferredConfirmWithContext(ctx, "", dest, true, false, p)
+	if err != nil {
+		return fmt.Errorf("publish: %w", err)
+	}
+	acked, err := dc.WaitContext(ctx)
+	if err != nil {
+		return fmt.Errorf("waiting for the broker's confirm: %w", err)
+	}
+	if !acked {
+		return errors.New("the broker did not confirm the publish (nack or closed channel)")
+	}
+	select {
+	case ret := <-r.returns:
+		return fmt.Errorf("the broker returned the message: %d %s", ret.ReplyCode, ret.ReplyText)
+	default:
+	}
+	return nil
+}
+
+func (r *replayer) summary() {
+	left := r.s.depth - r.replayed
+	if !r.act {
+		fmt.Fprintf(r.e.stdout, "dry run: %d of %d examined messages selected, %d would be replayed; nothing changed (add -yes to replay)\n",
+			r.selected, r.examined, r.selected-r.skipped)
+		return
+	}
+	fmt.Fprintf(r.e.stdout, "replayed %d of %d examined messages (%d selected, %d skipped); about %d left on %s\n",
+		r.replayed, r.examined, r.selected, r.skipped, left, r.s.queue)
+}
+
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}

@@ -1,0 +1,103 @@
+package main
+
+import (
+	"crypto/sha1"
+	"fmt"
+	"strconv"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/amqpmarshal"
+)
+
+// failureKeys are the keys of a parked copy that must not reach the
+// replayed message: settle_attempt and the failure times would make the
+// retry middleware count the old attempts again, and the others describe a
+// failure the replay is meant to leave behind. Outcome and reason move to
+// settle_replay_outcome and settle_replay_reason.
+var failureKeys = []string{
+	settle.MetaOutcome, settle.MetaReason, settle.MetaAttempt,
+	settle.MetaHandler, settle.MetaOriginalTopic, settle.MetaOriginalUUID,
+	settle.MetaFirstFailure, settle.MetaLastFailure,
+	// Owned by the AMQP marshaler on the consuming side; never sent, but
+	// drop them should a foreign publisher have sent them.
+	settle.MetaRedelivered, settle.MetaDeliveryCount, amqpmarshal.MetaHeaderTypes,
+}
+
+// brokerKeys are headers RabbitMQ writes itself (its own dead-lettering and
+// quorum queues' delivery count); a republished copy starts without them.
+var brokerKeys = []string{
+	"x-death", "x-delivery-count",
+	"x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
+	"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason",
+}
+
+// replayNamespace is the UUID namespace of replayed messages' UUIDs.
+var replayNamespace = [16]byte{0x6b, 0x1e, 0x0c, 0x5d, 0x93, 0x3a, 0x4f, 0x27, 0x8e, 0x54, 0x2f, 0x61, 0x0b, 0x7a, 0xc4, 0x19}
+
+// replayUUID returns the UUID of the n-th replay of the parked message with
+// UUID of: a name-based (version 5) UUID, so that replaying the same copy
+// twice (a replay interrupted between the publish and the removal from the
+// dead-letter queue, then run again) gives both copies the same UUID and
+// the dedupe middleware runs the handler once.
+func replayUUID(of string, n int) string {
+	h := sha1.New()
+	h.Write(replayNamespace[:])
+	h.Write([]byte(of + "/replay/" + strconv.Itoa(n)))
+	var u [16]byte
+	copy(u[:], h.Sum(nil))
+	u[6] = (u[6] & 0x0f) | 0x50 // version 5
+	u[8] = (u[8] & 0x3f) | 0x80 // RFC 4122 variant
+	return fmt.Sprintf("%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
+}
+
+// replayCopy returns the publishing that replays delivery d (decoded as e)
+// and its new UUID. Headers keep their AMQP types; the body and properties
+// are kept, except the message ID (the new UUID) and the user ID (the broker
+// refuses one that is not the publishing connection's user).
+func replayCopy(d amqp091.Delivery, e entry, uuidHeader string, now time.Time) (amqp091.Publishing, string) {
+	count := 1
+	if n, err := strconv.Atoi(e.Metadata[settle.MetaReplayCount]); err == nil && n >= 0 {
+		count = n + 1
+	}
+	newID := replayUUID(e.UUID, count)
+
+	h := make(amqp091.Table, len(d.Headers)+5)
+	for k, v := range d.Headers {
+		h[k] = v
+	}
+	for _, k := range failureKeys {
+		delete(h, k)
+	}
+	for _, k := range brokerKeys {
+		delete(h, k)
+	}
+	h[uuidHeader] = newID
+	h[settle.MetaReplayedAt] = now.UTC().Format(time.RFC3339Nano)
+	h[settle.MetaReplayOf] = e.UUID
+	h[settle.MetaReplayCount] = strconv.Itoa(count)
+	h[settle.MetaReplayOutcome] = e.Outcome
+	h[settle.MetaReplayReason] = e.Reason
+
+	p := amqp091.Publishing{
+		Headers:         h,
+		ContentType:     d.ContentType,
+		ContentEncoding: d.ContentEncoding,
+		DeliveryMode:    d.DeliveryMode,
+		Priority:        d.Priority,
+		CorrelationId:   d.CorrelationId,
+		ReplyTo:         d.ReplyTo,
+		Expiration:      d.Expiration,
+		MessageId:       newID,
+		Timestamp:       d.Timestamp,
+		Type:            d.Type,
+		AppId:           d.AppId,
+		Body:            d.Body,
+	}
+	if p.DeliveryMode == 0 {
+		p.DeliveryMode = amqp091.Persistent
+	}
+	return p, newID
+}
