@@ -1,0 +1,202 @@
+package main
+
+import (
+	"bytes"
+	"flag"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/outbox"
+)
+
+func TestRunUsageErrors(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		args   []string
+		stderr string
+	}{
+		{"no arguments", nil, "usage:"},
+		{"unknown group", []string{"queue", "list"}, `unknown command "queue list"`},
+		{"unknown subcommand", []string{"dlq", "frob"}, `unknown command "dlq frob"`},
+		{"group only", []string{"dlq"}, `unknown command "dlq"`},
+		{"list without queue", []string{"dlq", "list"}, "-queue is required"},
+		{"list with argument", []string{"dlq", "list", "-queue", "q", "extra"}, `unexpected argument "extra"`},
+		{"list negative limit", []string{"dlq", "list", "-queue", "q", "-limit", "-1"}, "-limit must be >= 0"},
+		{"bad flag", []string{"dlq", "list", "-frob"}, "flag provided but not defined: -frob"},
+		{"show without id", []string{"dlq", "show", "-queue", "q"}, "want exactly one message UUID"},
+		{"show two ids", []string{"dlq", "show", "-queue", "q", "a", "b"}, "want exactly one message UUID"},
+		{"replay without selection", []string{"dlq", "replay", "-queue", "q"}, "choose messages with -id, -handler or -reason, or pass -all"},
+		{"replay all and filter", []string{"dlq", "replay", "-queue", "q", "-all", "-handler", "h"}, "-all cannot be combined"},
+		{"replay to itself", []string{"dlq", "replay", "-queue", "q", "-all", "-to", "q"}, "-to is the queue being replayed"},
+		{"prune without older-than", []string{"dedupe", "prune", "-db", "sqlite://x.db"}, "-older-than is required"},
+		{"prune bad duration", []string{"dedupe", "prune", "-older-than", "a week"}, "invalid value"},
+		{"dedupe schema without dialect", []string{"dedupe", "schema"}, "-dialect is required"},
+		{"dedupe schema bad dialect", []string{"dedupe", "schema", "-dialect", "oracle"}, `unknown dialect "oracle"`},
+		{"dedupe schema bad table", []string{"dedupe", "schema", "-dialect", "sqlite", "-table", "a;b"}, "not a valid identifier"},
+		{"outbox schema bad topic", []string{"outbox", "schema", "-dialect", "mysql", "-topic", "a b"}, "Config.Topic"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			r := mustRun(t, exitUsage, tc.args...)
+			if !strings.Contains(r.stderr, tc.stderr) {
+				t.Errorf("stderr lacks %q:\n%v", tc.stderr, r)
+			}
+			if r.stdout != "" {
+				t.Errorf("usage error wrote to stdout:\n%v", r)
+			}
+			if len(tc.args) >= 2 && !strings.Contains(r.stderr, "usage: settle ") && !strings.Contains(r.stderr, "usage:\n") {
+				t.Errorf("no usage printed:\n%v", r)
+			}
+		})
+	}
+}
+
+func TestRunHelp(t *testing.T) {
+	t.Parallel()
+	r := mustRun(t, exitOK, "help")
+	for _, c := range commands {
+		if !strings.Contains(r.stdout, "settle "+synopses[c.name]) {
+			t.Errorf("usage lacks %q:\n%s", c.name, r.stdout)
+		}
+	}
+	r = mustRun(t, exitOK, "dlq", "replay", "-h")
+	for _, f := range []string{"-yes", "-handler", "-reason", "-id", "-all", "-progress"} {
+		if !strings.Contains(r.stdout, f) {
+			t.Errorf("replay -h lacks %s:\n%s", f, r.stdout)
+		}
+	}
+}
+
+func TestRunConnectionErrors(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		vars   map[string]string
+		args   []string
+		stderr string
+	}{
+		{"db unsupported scheme", nil, []string{"dedupe", "prune", "-db", "oracle://h/db", "-older-than", "1h"},
+			`settle: -db: unsupported scheme "oracle"`},
+		{"db not a URL", nil, []string{"outbox", "status", "-db", "just-a-name"}, "settle: -db: "},
+		{"db missing", nil, []string{"outbox", "status"}, "settle: -db: no database URL (set -db or SETTLE_DB_URL)"},
+		{"db from environment", map[string]string{"SETTLE_DB_URL": "redis://h"}, []string{"outbox", "status"},
+			`settle: -db: unsupported scheme "redis"`},
+		{"db unreachable", nil, []string{"outbox", "status", "-db", "postgres://u:secret@127.0.0.1:1/db?sslmode=disable"},
+			"settle: -db: cannot reach the postgres database at postgres://u:xxxxx@127.0.0.1:1/db"},
+		{"amqp missing", nil, []string{"dlq", "list", "-queue", "q"}, "settle: -amqp: no broker URL (set -amqp or SETTLE_AMQP_URL)"},
+		{"amqp bad scheme", nil, []string{"dlq", "list", "-queue", "q", "-amqp", "http://h/"}, "settle: -amqp: "},
+		{"amqp unreachable", nil, []string{"dlq", "list", "-queue", "q", "-amqp", "amqp://guest:guest@127.0.0.1:1/"},
+			"settle: -amqp: cannot connect to the broker at 127.0.0.1:1"},
+		{"amqp from environment", map[string]string{"SETTLE_AMQP_URL": "amqp://guest:guest@127.0.0.1:1/"},
+			[]string{"dlq", "replay", "-queue", "q", "-all"}, "cannot connect to the broker at 127.0.0.1:1"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			r := runCmd(t.Context(), tc.vars, tc.args...)
+			if r.code != exitFail || !strings.Contains(r.stderr, tc.stderr) {
+				t.Errorf("want exit 1 and %q, got\n%v", tc.stderr, r)
+			}
+			if strings.Contains(r.stderr, "secret") {
+				t.Errorf("password printed:\n%v", r)
+			}
+		})
+	}
+}
+
+func TestHelpHidesEnvironmentURL(t *testing.T) {
+	t.Parallel()
+	vars := map[string]string{envAMQPURL: "amqp://u:hunter2@h/", envDBURL: "postgres://u:hunter2@h/db"}
+	for _, args := range [][]string{{"dlq", "list", "-h"}, {"outbox", "status", "-h"}, {"dedupe", "prune", "-h"}} {
+		r := runCmd(t.Context(), vars, args...)
+		if r.code != exitOK || strings.Contains(r.stdout, "hunter2") {
+			t.Errorf("%v: want exit 0 without the password, got\n%v", args, r)
+		}
+	}
+}
+
+func TestSchemaStatements(t *testing.T) {
+	t.Parallel()
+	for _, d := range dedupe.Dialects() {
+		t.Run("dedupe "+string(d), func(t *testing.T) {
+			t.Parallel()
+			want, err := dedupe.Schema(d, "app_claims")
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := mustRun(t, exitOK, "dedupe", "schema", "-dialect", string(d), "-table", "app_claims")
+			checkSQL(t, r.stdout, len(want), "app_claims")
+		})
+		t.Run("outbox "+string(d), func(t *testing.T) {
+			t.Parallel()
+			ob, err := outbox.New(outbox.Config{Dialect: d, Topic: "orders_out"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			want, err := ob.Schema()
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := mustRun(t, exitOK, "outbox", "schema", "-dialect", string(d), "-topic", "orders_out")
+			checkSQL(t, r.stdout, len(want), "watermill_offsets_orders_out")
+		})
+	}
+}
+
+// checkSQL checks that out holds n statements separated by blank lines, each
+// ending with ';', after a comment header, and mentions name.
+func checkSQL(t *testing.T, out string, n int, name string) {
+	t.Helper()
+	if !strings.HasPrefix(out, "-- ") {
+		t.Errorf("no comment header:\n%s", out)
+	}
+	groups := strings.Split(strings.TrimSpace(out), "\n\n")[1:]
+	if len(groups) != n {
+		t.Fatalf("want %d statements, got %d:\n%s", n, len(groups), out)
+	}
+	for _, g := range groups {
+		if !strings.HasSuffix(g, ";") || strings.Count(g, ";") != 1 {
+			t.Errorf("statement does not end with exactly one ';':\n%s", g)
+		}
+	}
+	if !strings.Contains(out, name) {
+		t.Errorf("schema does not mention %s:\n%s", name, out)
+	}
+}
+
+func TestTidySQL(t *testing.T) {
+	t.Parallel()
+	in := "\n\t\tCREATE TABLE t (\n\t\t\ta INT,\n\t\t\t\tb INT\n\t\t);\n\t"
+	want := "CREATE TABLE t (\n\ta INT,\n\t\tb INT\n)"
+	if got := tidySQL(in); got != want {
+		t.Errorf("tidySQL:\n%q\nwant\n%q", got, want)
+	}
+	if got := tidySQL("SELECT 1;"); got != "SELECT 1" {
+		t.Errorf("tidySQL(SELECT 1;) = %q", got)
+	}
+}
+
+func TestParseInterleaved(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		args  []string
+		queue string
+		pos   []string
+	}{
+		{[]string{"-queue", "q", "id1"}, "q", []string{"id1"}},
+		{[]string{"id1", "-queue", "q"}, "q", []string{"id1"}},
+		{[]string{"id1", "-queue", "q", "id2"}, "q", []string{"id1", "id2"}},
+		{[]string{"-queue", "q", "--", "-odd-id"}, "q", []string{"-odd-id"}},
+	} {
+		fs := flag.NewFlagSet("t", flag.ContinueOnError)
+		fs.SetOutput(new(bytes.Buffer))
+		q := fs.String("queue", "", "")
+		e := &env{stdout: new(bytes.Buffer), stderr: new(bytes.Buffer)}
+		pos, err := parse(e, fs, "dlq show", tc.args)
+		if err != nil || *q != tc.queue || !slices.Equal(pos, tc.pos) {
+			t.Errorf("parse(%q) = %q, queue %q, %v; want %q, queue %q", tc.args, pos, *q, err, tc.pos, tc.queue)
+		}
+	}
+}
