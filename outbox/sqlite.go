@@ -62,9 +62,9 @@ var ErrInvalidBatchSize = errors.New("outbox: SubscribeBatchSize must be >= 0")
 // because the subscriber's poll transaction writes (through
 // [SQLiteOffsetsAdapter.ConsumedMessageQuery]) before it hands out a message:
 // that write needs the database's write lock, and with WAL it fails with
-// SQLITE_BUSY if another subscriber of any group committed since this one
-// read its offset, so no two subscribers can deliver the same row for one
-// group. Open the database with _txlock=immediate (internal/sqlurl.SQLiteDSN
+// SQLITE_BUSY if any other connection holds the lock or committed since this
+// transaction read the offset, so no two subscribers can deliver the same
+// row for one group. Open the database with _txlock=immediate (internal/sqlurl.SQLiteDSN
 // does, with WAL and a busy timeout): BEGIN IMMEDIATE then takes the write
 // lock at the start of each poll, subscribers wait their turn instead of
 // failing, and the watermill-sql subscriber never logs a busy error. Without
@@ -80,6 +80,14 @@ var ErrInvalidBatchSize = errors.New("outbox: SubscribeBatchSize must be >= 0")
 //     subscriber short (the outbox forwarder only republishes), keep
 //     SubscribeBatchSize moderate, and keep the subscriber's AckDeadline
 //     below the busy timeout.
+//   - The lock is held while the subscriber waits for its consumer to take
+//     a message: a subscriber whose output channel nobody reads (a router not
+//     yet running, a handler busy elsewhere) holds it until the subscriber's
+//     AckDeadline (watermill-sql's default is 30s), and takes it again at the
+//     next poll. Read the channel as soon as you subscribe, and create the
+//     tables before starting subscribers (run SchemaInitializingQueries or
+//     SubscribeInitialize once) rather than setting InitializeSchema on many
+//     subscribers that start one after another.
 //   - A handler of a SQLite subscriber that writes to the same file must use
 //     the subscriber's transaction (watermill-sql's TxFromContext), not the
 //     *sql.DB: a second connection would wait for the lock its own delivery
