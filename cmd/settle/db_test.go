@@ -1,0 +1,173 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/outbox"
+)
+
+func TestDedupePrune(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		url  func(t *testing.T) string
+	}{
+		{"postgres", func(t *testing.T) string { return testenv.Require(t, testenv.PostgresURLEnv) }},
+		{"sqlite", func(t *testing.T) string { return "sqlite://" + filepath.Join(t.TempDir(), "settle.db") }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			u := tc.url(t)
+			db, dialect, err := openDB(&env{ctx: t.Context(), getenv: func(string) string { return "" }}, u)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = db.Close() })
+			tdb := testenv.DB{DB: db, Dialect: dialect}
+			table := testenv.DedupeTable(t, tdb)
+
+			now := time.Now()
+			old := now.Add(-200 * time.Hour).UnixMicro()
+			rows := []struct {
+				key              string
+				state            int
+				expires, updated int64
+			}{
+				{"old-confirmed-1", 2, 0, old},
+				{"old-confirmed-2", 2, 0, old},
+				{"old-confirmed-3", 2, 0, old},
+				{"old-released", 0, 0, old},
+				{"recent-confirmed", 2, 0, now.UnixMicro()},
+				{"old-but-live-claim", 1, now.Add(time.Hour).UnixMicro(), old},
+			}
+			insert := `INSERT INTO "` + table + `" (key, state, token, attempts, expires_at, updated_at) VALUES ($1, $2, 't', 1, $3, $4)`
+			if dialect == dedupe.SQLite {
+				insert = strings.NewReplacer("$1", "?", "$2", "?", "$3", "?", "$4", "?").Replace(insert)
+			}
+			for _, r := range rows {
+				if _, err := db.ExecContext(t.Context(), insert, []byte(r.key), r.state, r.expires, r.updated); err != nil {
+					t.Fatal(err)
+				}
+			}
+
+			r := mustRun(t, exitOK, "dedupe", "prune", "-db", u, "-table", table, "-older-than", "168h")
+			if !strings.HasPrefix(r.stdout, "pruned 4 rows from "+table+" ") {
+				t.Errorf("prune output:\n%v", r)
+			}
+			q, err := db.QueryContext(t.Context(), `SELECT key FROM "`+table+`" ORDER BY key`)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer q.Close()
+			var left []string
+			for q.Next() {
+				var k []byte
+				if err := q.Scan(&k); err != nil {
+					t.Fatal(err)
+				}
+				left = append(left, string(k))
+			}
+			if err := q.Err(); err != nil {
+				t.Fatal(err)
+			}
+			if want := []string{"old-but-live-claim", "recent-confirmed"}; !slices.Equal(left, want) {
+				t.Errorf("rows left: %q, want %q", left, want)
+			}
+
+			r = mustRun(t, exitOK, "dedupe", "prune", "-db", u, "-table", table, "-older-than", "168h")
+			if !strings.HasPrefix(r.stdout, "pruned 0 rows") {
+				t.Errorf("second prune:\n%v", r)
+			}
+			r = mustRun(t, exitFail, "dedupe", "prune", "-db", u, "-table", table+"_missing", "-older-than", "1h")
+			if !strings.Contains(r.stderr, "settle: prune "+table+"_missing") {
+				t.Errorf("prune of a missing table:\n%v", r)
+			}
+		})
+	}
+}
+
+func TestOutboxStatus(t *testing.T) {
+	t.Parallel()
+	u := testenv.Require(t, testenv.PostgresURLEnv)
+	db := testenv.Postgres(t)
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	topic := "cli_status_" + hex.EncodeToString(b[:])
+	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: topic})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for _, tbl := range []string{"watermill_" + topic, "watermill_offsets_" + topic} {
+			_, _ = db.ExecContext(context.Background(), `DROP TABLE IF EXISTS "`+tbl+`"`)
+		}
+	})
+
+	r := mustRun(t, exitOK, "outbox", "status", "-db", u, "-topic", topic)
+	if !strings.Contains(r.stdout, "pending: 0\n") || !strings.Contains(r.stdout, "lag:     0s\n") {
+		t.Errorf("status of an empty outbox:\n%v", r)
+	}
+
+	publish := func(commit bool, n int) {
+		tx, err := db.BeginTx(t.Context(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pub, err := ob.TxPublisher(tx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range n {
+			if err := pub.Publish("orders", message.NewMessage(testenv.Name(t, "m"), []byte("{}"))); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if commit {
+			if err := tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+		} else if err := tx.Rollback(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	publish(true, 2)
+	publish(false, 5)
+
+	r = mustRun(t, exitOK, "outbox", "status", "-db", u, "-topic", topic, "-json")
+	var st struct {
+		Topic      string  `json:"topic"`
+		Group      string  `json:"group"`
+		Pending    int64   `json:"pending"`
+		LagSeconds float64 `json:"lag_seconds"`
+	}
+	if err := json.Unmarshal([]byte(r.stdout), &st); err != nil {
+		t.Fatalf("status -json: %v\n%v", err, r)
+	}
+	if st.Topic != topic || st.Pending != 2 || st.LagSeconds < 0 || st.LagSeconds > 60 {
+		t.Errorf("status = %+v, want 2 pending", st)
+	}
+	r = mustRun(t, exitOK, "outbox", "status", "-db", u, "-topic", topic, "-group", "other")
+	if !strings.Contains(r.stdout, "group:   other\n") || !strings.Contains(r.stdout, "pending: 2\n") {
+		t.Errorf("status of another group:\n%v", r)
+	}
+
+	r = mustRun(t, exitFail, "outbox", "status", "-db", u, "-topic", topic+"_none")
+	if !strings.Contains(r.stderr, "settle: outbox: status: ") {
+		t.Errorf("status of a missing outbox:\n%v", r)
+	}
+}
