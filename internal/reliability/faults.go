@@ -30,7 +30,7 @@ func (d *driver) faults(ctx context.Context) error {
 			case <-t.C:
 			}
 			mu.Lock()
-			err := d.place(pctx, 2)
+			err := d.place(pctx, 1) // 50 messages/s, well below the relay's pace
 			mu.Unlock()
 			if err != nil && pctx.Err() == nil {
 				placeErr = err
@@ -43,22 +43,24 @@ func (d *driver) faults(ctx context.Context) error {
 		wg.Wait()
 	}()
 	for _, f := range d.cfg.Faults {
-		if err := sleepCtx(ctx, time.Second); err != nil {
+		// Let the claims of consumers killed before lapse, so that the
+		// figures below are the fault's alone.
+		if err := sleepCtx(ctx, d.cfg.ClaimTimeout+time.Second); err != nil {
 			return err
 		}
 		if err := d.checkExits(); err != nil {
 			return err
 		}
 		d.say("fault %s", f)
-		mu.Lock()
-		upTo := d.next - 1
-		mu.Unlock()
 		began := time.Now()
 		if err := d.inject(ctx, f); err != nil {
 			return fmt.Errorf("reliability: fault %s: %w", f, err)
 		}
 		fr := FaultResult{Fault: f, Outage: time.Since(began)}
 		restored := time.Now()
+		mu.Lock()
+		upTo := d.next - 1 // the backlog: everything placed until now
+		mu.Unlock()
 		base := -1
 		rctx, cancel := context.WithTimeout(ctx, d.cfg.RecoverTimeout)
 		for rctx.Err() == nil {
@@ -120,9 +122,10 @@ func (d *driver) inject(ctx context.Context, f string) error {
 		}
 		return command(ctx, "pg_ctlcluster", "--skip-systemctl-redirect", fields[0], fields[1], "restart")
 	case FaultPGTerminate:
-		// Terminate every other connection to this database, the driver's
-		// own pool's too (it reconnects).
-		rows, err := d.db.QueryContext(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()")
+		// Terminate every other connection of the run to this database:
+		// the relay's, the consumers' and the driver's own pool's. Other
+		// users of the database are spared.
+		rows, err := d.db.QueryContext(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() AND application_name = $1", d.appName)
 		if err != nil {
 			return err
 		}

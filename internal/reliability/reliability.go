@@ -268,7 +268,8 @@ type driver struct {
 
 	topic, outboxTopic, claims, effects, placed string
 
-	next     int // sequence of the next logical message
+	appName  string // PostgreSQL application_name of every connection of the run
+	next     int    // sequence of the next logical message
 	res      Result
 	unexpect []string
 }
@@ -287,7 +288,21 @@ func newDriver(ctx context.Context, cfg Config) (d *driver, err error) {
 		placed:      "rel_placed_" + id,
 		res:         Result{Mode: cfg.Mode, Seed: cfg.Seed, Cycles: cfg.Cycles, Kills: map[string]map[string]int{}},
 	}
-	if d.db, d.dialect, err = sqlurl.Open(cfg.DB); err != nil {
+	if d.dialect, err = dialectOf(cfg.DB); err != nil {
+		return nil, err
+	}
+	if d.dialect == dedupe.Postgres {
+		// Every connection of the run carries the run's name, so that the
+		// pgterminate fault kills the campaign's connections and nobody
+		// else's.
+		d.appName = "settle_rel_" + id
+		sep := "?"
+		if strings.Contains(d.cfg.DB, "?") {
+			sep = "&"
+		}
+		d.cfg.DB += sep + "application_name=" + d.appName
+	}
+	if d.db, _, err = sqlurl.Open(d.cfg.DB); err != nil {
 		return nil, err
 	}
 	d.res.Dialect = string(d.dialect)
@@ -334,6 +349,11 @@ func newDriver(ctx context.Context, cfg Config) (d *driver, err error) {
 		return nil, err
 	}
 	return d, nil
+}
+
+func dialectOf(u string) (dedupe.Dialect, error) {
+	_, _, dialect, err := sqlurl.Parse(u)
+	return dialect, err
 }
 
 func (d *driver) queues() []string {
@@ -390,7 +410,7 @@ func (d *driver) run(ctx context.Context) (Result, error) {
 	d.say("run %s: %s mode on %s, %d cycles, %d messages, faults %v, seed %d, logs in %s",
 		d.runID, d.cfg.Mode, d.dialect, d.cfg.Cycles, d.cfg.Messages, d.cfg.Faults, d.cfg.Seed, d.dir)
 	for i, spec := range []childSpec{{Role: roleRelay, Name: "relay"}, {Role: roleConsumer, Name: "consumer-1"}, {Role: roleConsumer, Name: "consumer-2"}} {
-		spec.Mode, spec.DB, spec.AMQP = d.cfg.Mode, d.cfg.DB, d.cfg.AMQP
+		spec.Mode, spec.DB, spec.AMQP = d.cfg.Mode, d.cfg.DB, d.cfg.AMQP // DB with the run's application_name
 		spec.Topic, spec.OutboxTopic, spec.Claims, spec.Effects = d.topic, d.outboxTopic, d.claims, d.effects
 		spec.StatusFile = filepath.Join(d.dir, spec.Name+".status")
 		spec.MaxSleep, spec.ClaimTimeout = d.cfg.MaxSleep, d.cfg.ClaimTimeout
