@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -104,7 +105,6 @@ func (c Config) Validate() error {
 // Config.Publisher is not set; see Config.Publisher.
 var ErrOutputWithoutPublisher = errors.New("dedupe: handler returned messages but Config.Publisher is not set, so they could not be published before the key is confirmed")
 
-type claimCtxKey struct{}
 
 type limitCtxKey struct{}
 
@@ -141,8 +141,11 @@ func (e *ExhaustedError) Error() string {
 // outside dedupe sees it there after the handler returns, which is how the
 // retry middleware learns the durable attempt count.
 func ClaimFromContext(ctx context.Context) (Claim, bool) {
-	c, ok := ctx.Value(claimCtxKey{}).(Claim)
-	return c, ok
+	h, ok := ctx.Value(heldCtxKey{}).(*held)
+	if !ok {
+		return Claim{}, false
+	}
+	return h.claim, true
 }
 
 // NewMiddleware returns middleware that runs the handler at most once to
@@ -184,7 +187,9 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 		if err != nil {
 			return nil, fmt.Errorf("dedupe: claim for message %s: %w", msg.UUID, err)
 		}
-		msg.SetContext(context.WithValue(orig, claimCtxKey{}, claim))
+		st := &held{claim: claim, store: m.cfg.Store}
+		vctx := context.WithValue(orig, heldCtxKey{}, st)
+		msg.SetContext(vctx)
 		switch claim.Result {
 		case Duplicate:
 			settle.SettlementFromContext(orig).SetOutcome(settle.Duplicate)
@@ -202,14 +207,16 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 			}
 			return nil, &ExhaustedError{Key: key, Attempt: claim.Attempt, Limit: limit}
 		}
-		return m.run(h, msg, orig, claim)
+		return m.run(h, msg, orig, vctx, st)
 	}
 }
 
-func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Context, claim Claim) (out []*message.Message, err error) {
-	hctx, cancel := context.WithCancelCause(context.WithValue(orig, claimCtxKey{}, claim))
-	st := &held{claim: claim, store: m.cfg.Store}
-	hctx = context.WithValue(hctx, heldCtxKey{}, st)
+// run runs the handler under an acquired claim. vctx is orig carrying st; it
+// is the message's context again once the handler has returned, so outer
+// middleware can read the claim.
+func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig, vctx context.Context, st *held) (out []*message.Message, err error) {
+	claim := st.claim
+	hctx, cancel := context.WithCancelCause(vctx)
 	msg.SetContext(hctx)
 	st.stopRenew = m.renew(hctx, cancel, msg.UUID, claim)
 
@@ -217,7 +224,7 @@ func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Conte
 	defer func() {
 		st.stopRenew()
 		cancel(nil)
-		msg.SetContext(context.WithValue(orig, claimCtxKey{}, claim))
+		msg.SetContext(vctx)
 		if !settled {
 			// The handler panicked: free the key, then let the panic go on to
 			// the recoverer.
@@ -329,53 +336,96 @@ func (m *mw) settle(ctx context.Context, claim Claim, ok bool) error {
 }
 
 // renew keeps the claim alive until the returned stop function is called.
-// stop waits for the renewing goroutine to exit and may be called twice.
+// stop waits for a renewal in flight to finish and may be called twice.
+//
+// It runs on a timer rather than a goroutine of its own: most handlers
+// finish before the first renewal is due, and then renewal costs one timer.
 func (m *mw) renew(ctx context.Context, cancel context.CancelCauseFunc, uuid string, claim Claim) (stop func()) {
-	rctx, rcancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		// expires is when the claim lapses in the store unless a renewal
-		// lands: once renewals have failed past it, another worker may have
-		// taken the key over, so the handler is cancelled rather than left
-		// running without a claim.
-		expires := claim.ExpiresAt
-		if expires.IsZero() {
-			expires = time.Now().Add(m.cfg.ClaimTimeout)
-		}
-		t := time.NewTicker(m.cfg.RenewInterval)
-		defer t.Stop()
-		for {
-			select {
-			case <-rctx.Done():
-				return
-			case <-t.C:
-			}
-			start := time.Now()
-			// A renewal that cannot land before the claim lapses is useless.
-			cctx, ccancel := context.WithDeadline(rctx, expires)
-			err := m.cfg.Store.Renew(cctx, claim, m.cfg.ClaimTimeout)
-			ccancel()
-			switch {
-			case err == nil:
-				expires = start.Add(m.cfg.ClaimTimeout)
-			case rctx.Err() != nil:
-				return
-			case errors.Is(err, ErrClaimLost):
-				m.cfg.Logger.Error("dedupe: claim lost while the handler ran; cancelling it", err, watermill.LogFields{"message_uuid": uuid})
-				cancel(ErrClaimLost)
-				return
-			case !time.Now().Before(expires):
-				m.cfg.Logger.Error("dedupe: claim expired while renewals failed; cancelling the handler", err, watermill.LogFields{"message_uuid": uuid})
-				cancel(fmt.Errorf("%w: it expired while renewals failed: %w", ErrClaimLost, err))
-				return
-			default:
-				m.cfg.Logger.Error("dedupe: renewing claim failed; will retry", err, watermill.LogFields{"message_uuid": uuid})
-			}
-		}
-	}()
-	return func() {
-		rcancel()
-		<-done
+	r := &renewal{m: m, ctx: ctx, cancel: cancel, uuid: uuid, claim: claim, expires: claim.ExpiresAt}
+	if r.expires.IsZero() {
+		r.expires = time.Now().Add(m.cfg.ClaimTimeout)
 	}
+	r.timer = time.AfterFunc(m.cfg.RenewInterval, r.fire)
+	return r.stop
+}
+
+type renewal struct {
+	m      *mw
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	uuid   string
+	claim  Claim
+
+	mu       sync.Mutex
+	stopped  bool
+	timer    *time.Timer
+	rcancel  context.CancelFunc // cancels a renewal in flight
+	inflight sync.WaitGroup
+	// expires is when the claim lapses in the store unless a renewal lands:
+	// once renewals have failed past it, another worker may have taken the
+	// key over, so the handler is cancelled rather than left running without
+	// a claim. Only the timer's function touches it.
+	expires time.Time
+}
+
+func (r *renewal) fire() {
+	r.mu.Lock()
+	if r.stopped {
+		r.mu.Unlock()
+		return
+	}
+	rctx, rcancel := context.WithCancel(r.ctx)
+	r.rcancel = rcancel
+	r.inflight.Add(1)
+	r.mu.Unlock()
+	defer r.inflight.Done()
+	defer rcancel()
+
+	again := r.once(rctx)
+	r.mu.Lock()
+	if again && !r.stopped {
+		r.timer.Reset(r.m.cfg.RenewInterval)
+	}
+	r.mu.Unlock()
+}
+
+// once renews the claim once and reports whether to keep renewing.
+func (r *renewal) once(rctx context.Context) bool {
+	m := r.m
+	start := time.Now()
+	// A renewal that cannot land before the claim lapses is useless.
+	cctx, ccancel := context.WithDeadline(rctx, r.expires)
+	err := m.cfg.Store.Renew(cctx, r.claim, m.cfg.ClaimTimeout)
+	ccancel()
+	switch {
+	case err == nil:
+		r.expires = start.Add(m.cfg.ClaimTimeout)
+		return true
+	case rctx.Err() != nil:
+		return false
+	case errors.Is(err, ErrClaimLost):
+		m.cfg.Logger.Error("dedupe: claim lost while the handler ran; cancelling it", err, watermill.LogFields{"message_uuid": r.uuid})
+		r.cancel(ErrClaimLost)
+		return false
+	case !time.Now().Before(r.expires):
+		m.cfg.Logger.Error("dedupe: claim expired while renewals failed; cancelling the handler", err, watermill.LogFields{"message_uuid": r.uuid})
+		r.cancel(fmt.Errorf("%w: it expired while renewals failed: %w", ErrClaimLost, err))
+		return false
+	default:
+		m.cfg.Logger.Error("dedupe: renewing claim failed; will retry", err, watermill.LogFields{"message_uuid": r.uuid})
+		return true
+	}
+}
+
+func (r *renewal) stop() {
+	r.mu.Lock()
+	if !r.stopped {
+		r.stopped = true
+		r.timer.Stop()
+		if r.rcancel != nil {
+			r.rcancel()
+		}
+	}
+	r.mu.Unlock()
+	r.inflight.Wait()
 }

@@ -6,6 +6,7 @@ import (
 	"runtime/debug"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -216,7 +217,7 @@ func (r *retry) wrap(h message.HandlerFunc) message.HandlerFunc {
 			}
 			return nil, r.exhausted(msg, src.prior, cause)
 		}
-		bo := r.newBackoff()
+		var bo *backoff.ExponentialBackOff // made on the first failure only
 		for run := 1; ; run++ {
 			attempt := src.prior + 1
 			if !src.perDelivery {
@@ -250,6 +251,9 @@ func (r *retry) wrap(h message.HandlerFunc) message.HandlerFunc {
 			if attempt >= r.cfg.MaxAttempts {
 				return nil, r.exhausted(msg, attempt, err)
 			}
+			if bo == nil {
+				bo = r.newBackoff()
+			}
 			wait := bo.NextBackOff()
 			if run > r.cfg.InProcessRetries {
 				return r.handBack(msg, attempt, max(wait, r.cfg.RedeliveryDelay), err)
@@ -276,18 +280,23 @@ type attemptSource struct {
 
 func (r *retry) source(msg *message.Message) attemptSource {
 	var src attemptSource
-	if t, err := time.Parse(park.TimeFormat, msg.Metadata.Get(settle.MetaFirstFailure)); err == nil {
-		src.firstHint = t
+	// Parse only what is there: a failed parse allocates its error.
+	if v := msg.Metadata.Get(settle.MetaFirstFailure); v != "" {
+		if t, err := time.Parse(park.TimeFormat, v); err == nil {
+			src.firstHint = t
+		}
 	}
-	if r.cfg.Republish != nil {
-		if n, err := strconv.Atoi(msg.Metadata.Get(settle.MetaAttempt)); err == nil && n >= 0 {
+	if v := msg.Metadata.Get(settle.MetaAttempt); r.cfg.Republish != nil && v != "" {
+		if n, err := strconv.Atoi(v); err == nil && n >= 0 {
 			src.prior = n
 			return src
 		}
 	}
-	if n, err := strconv.Atoi(msg.Metadata.Get(settle.MetaDeliveryCount)); err == nil && n >= 1 {
-		src.prior, src.perDelivery = n-1, true
-		return src
+	if v := msg.Metadata.Get(settle.MetaDeliveryCount); v != "" {
+		if n, err := strconv.Atoi(v); err == nil && n >= 1 {
+			src.prior, src.perDelivery = n-1, true
+			return src
+		}
 	}
 	src.prior = r.tracked.runs(msg.UUID)
 	return src
@@ -359,6 +368,7 @@ type tracker struct {
 	mu   sync.Mutex
 	max  int
 	byID map[string]*record
+	size atomic.Int64 // len(byID), read without the lock
 }
 
 type record struct {
@@ -383,6 +393,7 @@ func (t *tracker) failed(id string, firstHint time.Time, err error) {
 			r.first = firstHint
 		}
 		t.byID[id] = r
+		t.size.Store(int64(len(t.byID)))
 	}
 	r.runs++
 	r.last = now
@@ -434,7 +445,11 @@ func (t *tracker) times(id string) (first, last time.Time) {
 }
 
 func (t *tracker) forget(id string) {
+	if t.size.Load() == 0 {
+		return // nothing has failed: the common case costs no lock
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	delete(t.byID, id)
+	t.size.Store(int64(len(t.byID)))
 }
