@@ -46,10 +46,9 @@ var ErrInvalidBatchSize = errors.New("outbox: SubscribeBatchSize must be >= 0")
 //	"payload"    BLOB                               -- bytes as published, not JSON
 //	"metadata"   TEXT                               -- JSON object of the metadata
 //
-// The uuid column is TEXT, which SQLite does not bound: message UUIDs longer
-// than the 36 characters of watermill-sql's PostgreSQL and MySQL schemas (for
-// example settle's dedupe keys, up to dedupe.MaxKeyLen bytes) are stored and
-// delivered unchanged.
+// The uuid column is TEXT, which SQLite does not bound: message UUIDs of any
+// length are stored and delivered unchanged (watermill-sql's PostgreSQL and
+// MySQL schemas hold 36 characters).
 //
 // # Ordering and exactly-once delivery
 //
@@ -64,12 +63,21 @@ var ErrInvalidBatchSize = errors.New("outbox: SubscribeBatchSize must be >= 0")
 // that write needs the database's write lock, and with WAL it fails with
 // SQLITE_BUSY if any other connection holds the lock or committed since this
 // transaction read the offset, so no two subscribers can deliver the same
-// row for one group. Open the database with _txlock=immediate (internal/sqlurl.SQLiteDSN
-// does, with WAL and a busy timeout): BEGIN IMMEDIATE then takes the write
-// lock at the start of each poll, subscribers wait their turn instead of
-// failing, and the watermill-sql subscriber never logs a busy error. Without
-// it, delivery is still exactly-once but a contended poll fails, is logged and
-// retried after the subscriber's RetryInterval.
+// row for one group. A subscriber that stops (or crashes) after handing out
+// messages but before its poll transaction commits leaves their offsets
+// unacked, and they are delivered again: exactly-once holds between live
+// subscribers, at-least-once across crashes.
+//
+// Open the database with WAL, a busy timeout and _txlock=immediate, as
+// settle's sqlite:// URLs do:
+//
+//	file:app.db?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_txlock=immediate
+//
+// BEGIN IMMEDIATE then takes the write lock at the start of each poll, and a
+// subscriber waits its turn (up to the busy timeout) instead of failing at
+// once. Without it, delivery is still exactly-once, but a poll that meets
+// another writer fails with SQLITE_BUSY, which the watermill-sql subscriber
+// logs as an error and retries after its RetryInterval.
 //
 // # Limits
 //
@@ -78,8 +86,8 @@ var ErrInvalidBatchSize = errors.New("outbox: SubscribeBatchSize must be >= 0")
 //     application, other subscribers, dedupe) waits for it, up to the busy
 //     timeout, then fails with SQLITE_BUSY. Keep handlers of a SQLite
 //     subscriber short (the outbox forwarder only republishes), keep
-//     SubscribeBatchSize moderate, and keep the subscriber's AckDeadline
-//     below the busy timeout.
+//     SubscribeBatchSize moderate, and set the subscriber's AckDeadline to a
+//     few seconds, below the busy timeout.
 //   - The lock is held while the subscriber waits for its consumer to take
 //     a message: a subscriber whose output channel nobody reads (a router not
 //     yet running, a handler busy elsewhere) holds it until the subscriber's
@@ -95,8 +103,9 @@ var ErrInvalidBatchSize = errors.New("outbox: SubscribeBatchSize must be >= 0")
 //   - A publisher bound to an open transaction (wsql.TxFromStdSQL) holds the
 //     write lock until that transaction ends; subscribers poll again after it.
 //   - One Publish call writes at most [SQLiteMaxPublishBatch] messages.
-//   - SQLite has one isolation level, serializable; [SQLiteSchema.SubscribeIsolationLevel]
-//     says so, and modernc.org/sqlite accepts it (it ignores the level).
+//   - SQLite has one isolation level, serializable:
+//     [SQLiteSchema.SubscribeIsolationLevel] says so, and modernc.org/sqlite
+//     accepts it (it accepts any level and ignores it).
 //
 // The zero value is ready to use. SQLiteSchema never runs DDL by itself: its
 // SchemaInitializingQueries run when the watermill-sql subscriber's

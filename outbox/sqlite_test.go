@@ -2,9 +2,11 @@ package outbox_test
 
 import (
 	"bytes"
+	"context"
 	"database/sql"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -31,6 +33,11 @@ var ackDeadline = time.Second
 // the SQLite adapters, polling every 10ms.
 func newSQLitePubSub(t *testing.T, db *sql.DB, group string) (*wsql.Publisher, *wsql.Subscriber) {
 	t.Helper()
+	return newSQLitePubSubPolling(t, db, group, 10*time.Millisecond)
+}
+
+func newSQLitePubSubPolling(t *testing.T, db *sql.DB, group string, poll time.Duration) (*wsql.Publisher, *wsql.Subscriber) {
+	t.Helper()
 	beginner := wsql.BeginnerFromStdSQL(db)
 	pub, err := wsql.NewPublisher(beginner, wsql.PublisherConfig{
 		SchemaAdapter:        outbox.SQLiteSchema{},
@@ -41,7 +48,7 @@ func newSQLitePubSub(t *testing.T, db *sql.DB, group string) (*wsql.Publisher, *
 	}
 	sub, err := wsql.NewSubscriber(beginner, wsql.SubscriberConfig{
 		ConsumerGroup:    group,
-		PollInterval:     10 * time.Millisecond,
+		PollInterval:     poll,
 		AckDeadline:      &ackDeadline,
 		ResendInterval:   5 * time.Millisecond,
 		RetryInterval:    10 * time.Millisecond,
@@ -58,6 +65,15 @@ func newSQLitePubSub(t *testing.T, db *sql.DB, group string) (*wsql.Publisher, *
 	})
 	return pub, sub
 }
+
+// suitePollInterval is the subscribers' poll interval in Watermill's suite.
+// Some of its tests publish, from the goroutine that reads the messages,
+// while a subscriber waits for that goroutine to take a message, holding
+// SQLite's write lock: the publisher gets in only when the subscriber gives
+// up at its AckDeadline and pauses for one poll interval. SQLite's busy
+// handler retries a waiting writer every 100ms at most, so the pause must
+// be at least that long for the publisher to be sure to see it.
+const suitePollInterval = 100 * time.Millisecond
 
 // TestSQLitePubSub runs Watermill's own Pub/Sub conformance suite on a SQLite
 // file through watermill-sql and the SQLite adapters.
@@ -94,10 +110,10 @@ func TestSQLitePubSub(t *testing.T) {
 	}
 	tests.TestPubSub(t, features,
 		func(t *testing.T) (message.Publisher, message.Subscriber) {
-			return newSQLitePubSub(t, dbOf(t), "test")
+			return newSQLitePubSubPolling(t, dbOf(t), "test", suitePollInterval)
 		},
 		func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
-			return newSQLitePubSub(t, dbOf(t), group)
+			return newSQLitePubSubPolling(t, dbOf(t), group, suitePollInterval)
 		},
 	)
 }
@@ -561,10 +577,10 @@ func TestSQLiteOffsetsSurvivePruning(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, p := range []string{"a", "b"} {
-		if err := pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte(p))); err != nil {
-			t.Fatal(err)
-		}
+	// One Publish: a second one would wait for the write lock the
+	// subscriber holds while this goroutine has not taken the first message.
+	if err := pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("a")), message.NewMessage(watermill.NewUUID(), []byte("b"))); err != nil {
+		t.Fatal(err)
 	}
 	receive(t, msgs)
 	receive(t, msgs)
@@ -579,4 +595,69 @@ func TestSQLiteOffsetsSurvivePruning(t *testing.T) {
 	if got := receive(t, msgs); string(got.Payload) != "c" {
 		t.Fatalf("got payload %q, want c", got.Payload)
 	}
+}
+
+// ExampleSQLiteSchema writes an order and its event in one transaction on a
+// SQLite file, and reads the event back with a watermill-sql subscriber.
+func ExampleSQLiteSchema() {
+	dir, err := os.MkdirTemp("", "outbox-example")
+	if err != nil {
+		panic(err)
+	}
+	defer func() { _ = os.RemoveAll(dir) }()
+	// modernc.org/sqlite, with WAL, a busy timeout and BEGIN IMMEDIATE.
+	db, err := sql.Open("sqlite", "file:"+filepath.Join(dir, "app.db")+
+		"?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_txlock=immediate")
+	if err != nil {
+		panic(err)
+	}
+	defer func() { _ = db.Close() }()
+
+	schema, offsets := outbox.SQLiteSchema{}, outbox.SQLiteOffsetsAdapter{}
+	ackDeadline := 5 * time.Second // below the busy timeout
+	sub, err := wsql.NewSubscriber(wsql.BeginnerFromStdSQL(db), wsql.SubscriberConfig{
+		PollInterval:   10 * time.Millisecond,
+		AckDeadline:    &ackDeadline,
+		SchemaAdapter:  schema,
+		OffsetsAdapter: offsets,
+	}, nil)
+	if err != nil {
+		panic(err)
+	}
+	defer func() { _ = sub.Close() }()
+	// Schema as code: create the tables once, before anything runs.
+	if err := sub.SubscribeInitialize("orders"); err != nil {
+		panic(err)
+	}
+	if _, err := db.Exec(`CREATE TABLE orders (id TEXT PRIMARY KEY)`); err != nil {
+		panic(err)
+	}
+
+	// The order and its event commit together, or neither does.
+	tx, err := db.Begin()
+	if err != nil {
+		panic(err)
+	}
+	if _, err := tx.Exec(`INSERT INTO orders (id) VALUES ('A-1')`); err != nil {
+		panic(err)
+	}
+	pub, err := wsql.NewPublisher(wsql.TxFromStdSQL(tx), wsql.PublisherConfig{SchemaAdapter: schema}, nil)
+	if err != nil {
+		panic(err)
+	}
+	if err := pub.Publish("orders", message.NewMessage(watermill.NewUUID(), []byte(`{"order":"A-1"}`))); err != nil {
+		panic(err)
+	}
+	if err := tx.Commit(); err != nil {
+		panic(err)
+	}
+
+	msgs, err := sub.Subscribe(context.Background(), "orders")
+	if err != nil {
+		panic(err)
+	}
+	msg := <-msgs
+	msg.Ack()
+	fmt.Println(string(msg.Payload))
+	// Output: {"order":"A-1"}
 }
