@@ -1,0 +1,73 @@
+package reliability_test
+
+import (
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/settle-go/settle/internal/reliability"
+)
+
+func TestRunRefusesBadConfig(t *testing.T) {
+	t.Parallel()
+	good := func() reliability.Config {
+		return reliability.Config{
+			DB: "postgres://127.0.0.1:1/none", AMQP: "amqp://127.0.0.1:1/",
+			Cycles: 1, Command: func() *exec.Cmd { return exec.Command("true") },
+		}
+	}
+	for _, tc := range []struct {
+		name  string
+		edit  func(*reliability.Config)
+		field string
+	}{
+		{"no db", func(c *reliability.Config) { c.DB = "" }, "Config.DB"},
+		{"no amqp", func(c *reliability.Config) { c.AMQP = "" }, "Config.AMQP"},
+		{"bad mode", func(c *reliability.Config) { c.Mode = "exactly-once" }, "Config.Mode"},
+		{"negative cycles", func(c *reliability.Config) { c.Cycles = -1 }, "Config.Cycles"},
+		{"negative messages", func(c *reliability.Config) { c.Messages = -5 }, "Config.Messages"},
+		{"delays inverted", func(c *reliability.Config) { c.MinDelay, c.MaxDelay = time.Second, time.Millisecond }, "Config.MinDelay"},
+		{"negative sleep", func(c *reliability.Config) { c.MaxSleep = -time.Millisecond }, "Config.MaxSleep"},
+		{"no command", func(c *reliability.Config) { c.Command = nil }, "Config.Command"},
+		{"unknown fault", func(c *reliability.Config) { c.Faults = []string{"disk"} }, "Config.Faults"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := good()
+			tc.edit(&cfg)
+			_, err := reliability.Run(t.Context(), cfg)
+			if err == nil || !strings.Contains(err.Error(), tc.field) {
+				t.Fatalf("Run: %v, want an error naming %s", err, tc.field)
+			}
+		})
+	}
+}
+
+func TestResultErr(t *testing.T) {
+	t.Parallel()
+	ok := reliability.Result{Mode: reliability.ModeTx, Placed: 10, Effects: 10}
+	if err := ok.Err(); err != nil {
+		t.Fatalf("clean result: %v", err)
+	}
+	plainDup := reliability.Result{Mode: reliability.ModePlain, Placed: 10, Effects: 11, Duplicated: 1, Extra: 1}
+	if err := plainDup.Err(); err != nil {
+		t.Fatalf("a duplicate in plain mode is the documented window, not a failure: %v", err)
+	}
+	for _, r := range []reliability.Result{
+		{Mode: reliability.ModeTx, Duplicated: 1},
+		{Mode: reliability.ModePlain, Lost: 1},
+		{Mode: reliability.ModeTx, DeadLettered: 1},
+		{Mode: reliability.ModeTx, LeftOnQueue: 1},
+		{Mode: reliability.ModeTx, UnexpectedExits: 1},
+		{Mode: reliability.ModeTx, Faults: []reliability.FaultResult{{Fault: reliability.FaultRabbitMQ}}},
+	} {
+		if err := r.Err(); err == nil {
+			t.Errorf("%+v: Err is nil, want a failure", r)
+		}
+	}
+	err := (reliability.Result{Mode: reliability.ModeTx, Lost: 2, Duplicated: 1}).Err()
+	if err == nil || !strings.Contains(err.Error(), "2 messages lost") || !strings.Contains(err.Error(), "1 messages have more than one effect") {
+		t.Errorf("Err = %v, want it to name the loss and the double", err)
+	}
+}
