@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -112,6 +113,9 @@ func WithSettleWait(d time.Duration) Option {
 
 type tracing struct {
 	cfg       tracingConfig
+	mattrs    sync.Map // metricKey -> metric.MeasurementOption, built once per outcome and handler
+	consumer  trace.SpanStartOption
+	client    trace.SpanStartOption
 	tracer    trace.Tracer
 	settled   metric.Int64Counter
 	duration  metric.Float64Histogram
@@ -153,6 +157,8 @@ func NewTracing(opts ...Option) (message.HandlerMiddleware, error) {
 		cfg:      cfg,
 		tracer:   cfg.tp.Tracer(ScopeName, trace.WithInstrumentationVersion(Version), trace.WithSchemaURL(semconv.SchemaURL)),
 		systemKV: semconv.MessagingSystemKey.String(cfg.system),
+		consumer: trace.WithSpanKind(trace.SpanKindConsumer),
+		client:   trace.WithSpanKind(trace.SpanKindClient),
 	}
 	meter := cfg.mp.Meter(ScopeName, metric.WithInstrumentationVersion(Version), metric.WithSchemaURL(semconv.SchemaURL))
 	var err error
@@ -177,8 +183,7 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 
 		producer := trace.SpanContextFromContext(t.cfg.prop.Extract(orig, settle.MetadataCarrier(msg.Metadata)))
 		opts := []trace.SpanStartOption{
-			trace.WithSpanKind(trace.SpanKindConsumer),
-			trace.WithTimestamp(start),
+			t.consumer,
 			trace.WithAttributes(
 				t.systemKV,
 				semconv.MessagingDestinationName(topic),
@@ -263,15 +268,15 @@ func (t *tracing) finish(msg *message.Message, span trace.Span, rec *settle.Sett
 	if err != nil && errors.Is(err, context.Canceled) {
 		span.SetAttributes(attribute.Bool("settle.cancelled", true))
 	}
+	span.End()
 	end := time.Now()
-	span.End(trace.WithTimestamp(end))
 
-	ctx := context.WithoutCancel(msg.Context())
-	mattrs := metric.WithAttributes(OutcomeKey.String(string(outcome)), HandlerKey.String(handler))
+	ctx := msg.Context()
+	mattrs := t.metricAttrs(outcome, handler)
 	t.settled.Add(ctx, 1, mattrs)
 	t.duration.Record(ctx, end.Sub(start).Seconds(), mattrs)
 	if retries > 0 {
-		t.retries.Add(ctx, int64(retries), metric.WithAttributes(HandlerKey.String(handler)))
+		t.retries.Add(ctx, int64(retries), t.metricAttrs("", handler))
 	}
 
 	op := "ack"
@@ -283,8 +288,7 @@ func (t *tracing) finish(msg *message.Message, span trace.Span, rec *settle.Sett
 		name = op + " " + topic
 	}
 	_, settleSpan := t.tracer.Start(trace.ContextWithSpan(ctx, span), name,
-		trace.WithSpanKind(trace.SpanKindClient),
-		trace.WithTimestamp(end),
+		t.client,
 		trace.WithAttributes(
 			t.systemKV,
 			semconv.MessagingDestinationName(topic),
@@ -294,6 +298,26 @@ func (t *tracing) finish(msg *message.Message, span trace.Span, rec *settle.Sett
 			OutcomeKey.String(string(outcome)),
 		))
 	go t.awaitSettlement(msg, settleSpan, op)
+}
+
+type metricKey struct {
+	outcome settle.Outcome
+	handler string
+}
+
+// metricAttrs returns the measurement option for an outcome (or none) and a
+// handler, built once: attribute sets are sorted and hashed when made.
+func (t *tracing) metricAttrs(o settle.Outcome, handler string) metric.MeasurementOption {
+	k := metricKey{o, handler}
+	if v, ok := t.mattrs.Load(k); ok {
+		return v.(metric.MeasurementOption)
+	}
+	kvs := []attribute.KeyValue{HandlerKey.String(handler)}
+	if o != "" {
+		kvs = append(kvs, OutcomeKey.String(string(o)))
+	}
+	v, _ := t.mattrs.LoadOrStore(k, metric.WithAttributeSet(attribute.NewSet(kvs...)))
+	return v.(metric.MeasurementOption)
 }
 
 // awaitSettlement ends the settle span when the router acks or nacks.
