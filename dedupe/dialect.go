@@ -135,6 +135,9 @@ type queries struct {
 	// token, expires_at, now, key.
 	insert   string
 	takeover string
+	// claimDone inserts a confirmed row, or confirms a released or expired
+	// one, for ClaimConfirmed. Args: key, now.
+	claimDone string
 	// lookup reads state and attempts of a key. Args: key.
 	lookup  string
 	renew   string // args: expires_at, key, token
@@ -157,6 +160,10 @@ ON CONFLICT (key) DO UPDATE SET state = 1, token = excluded.token, attempts = cu
 WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
 RETURNING attempts`
 		q.lookup = `SELECT state, attempts FROM ` + t + ` WHERE key = ` + p(1)
+		q.claimDone = `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
+VALUES (` + p(1) + `, 2, '', 1, 0, ` + p(2) + `)
+ON CONFLICT (key) DO UPDATE SET state = 2, token = '', attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
+WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)`
 		if d == SQLite {
 			q.insert = `INSERT INTO ` + t + ` (key, state, token, attempts, expires_at, updated_at)
 VALUES (?, 1, ?, 1, ?, ?) ON CONFLICT (key) DO NOTHING`
@@ -187,6 +194,12 @@ RETURNING attempts`
 			"\tstate = IF(" + cond + ", 1, state),\n" +
 			"\texpires_at = IF(state = 1 AND token = VALUES(token), VALUES(expires_at), expires_at)"
 		q.lookup = "SELECT state, attempts FROM " + t + " WHERE `key` = ?"
+		q.claimDone = "INSERT INTO " + t + " (`key`, state, token, attempts, expires_at, updated_at) VALUES (?, 2, '', 1, 0, ?)\n" +
+			"ON DUPLICATE KEY UPDATE attempts = IF(" + cond + ", attempts + 1, attempts),\n" +
+			"\ttoken = IF(" + cond + ", '', token),\n" +
+			"\tupdated_at = IF(" + cond + ", VALUES(updated_at), updated_at),\n" +
+			"\texpires_at = IF(" + cond + ", 0, expires_at),\n" +
+			"\tstate = IF(" + cond + ", 2, state)"
 		q.renew = "UPDATE " + t + " SET expires_at = ? WHERE `key` = ? AND state = 1 AND token = ?"
 		q.confirm = "UPDATE " + t + " SET state = 2, token = '', expires_at = 0, updated_at = ? WHERE `key` = ? AND state = 1 AND token = ?"
 		q.release = "UPDATE " + t + " SET state = 0, token = '', expires_at = 0, updated_at = ? WHERE `key` = ? AND state = 1 AND token = ?"

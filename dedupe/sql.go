@@ -303,3 +303,42 @@ func (s *SQLStore) Prune(ctx context.Context, before time.Time) (int64, error) {
 		}
 	}
 }
+
+// ClaimConfirmed claims key and confirms it in one statement: the fastest
+// path for a store bound to a transaction (WithTx) whose commit is what makes
+// the work done. Acquired means the key is now recorded as confirmed in the
+// transaction, so it is final only if the transaction commits, and a rollback
+// leaves no trace of it; Duplicate and Busy mean the same as for Claim. On
+// PostgreSQL and MySQL a concurrent transaction claiming the same key waits
+// for this one to end.
+//
+// The cost of the single statement: nothing durable records an attempt that
+// rolled back or died with its process, so attempt counting across crashes
+// must come from elsewhere (the broker's delivery count), and the claim is
+// never renewed. Use Claim with ConfirmTx when you need those.
+func (s *SQLStore) ClaimConfirmed(ctx context.Context, key string) (Claim, error) {
+	if err := ValidateKey(key); err != nil {
+		return Claim{}, err
+	}
+	k := []byte(key)
+	res, err := s.db.ExecContext(ctx, s.q.claimDone, k, micros(s.now()))
+	if err != nil {
+		return Claim{}, fmt.Errorf("dedupe: claim confirmed: %w", err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return Claim{}, fmt.Errorf("dedupe: claim confirmed: %w", err)
+	}
+	if n > 0 {
+		return Claim{Key: key, Result: Acquired}, nil
+	}
+	st, attempts, err := s.lookup(ctx, k)
+	if err != nil {
+		return Claim{}, err
+	}
+	c := Claim{Key: key, Attempt: attempts, Result: Busy}
+	if st == stateConfirmed {
+		c.Result = Duplicate
+	}
+	return c, nil
+}

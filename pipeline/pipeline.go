@@ -7,6 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/middleware"
@@ -42,6 +43,18 @@ type Config struct {
 	Tracing []middleware.Option
 	// DisableTracing leaves the tracing middleware out.
 	DisableTracing bool
+	// Concurrency is how many deliveries of each handler run at once. A
+	// Watermill subscription hands its handler one message at a time, so a
+	// handler bound by a database round trip is limited to one round trip's
+	// worth of messages per second; with Concurrency N the handler subscribes
+	// N times to its topic, as competing consumers (name, name#2, ...). Set
+	// the broker's prefetch to at least 1 per subscription (watermill-amqp:
+	// Consume.Qos.PrefetchCount is per channel, and each subscription has its
+	// own). Only for brokers whose subscriptions of one topic share its
+	// messages, such as RabbitMQ queues and SQL subscribers of one consumer
+	// group: GoChannel gives every subscription every message, so it is
+	// refused there. Defaults to 1. Must be >= 0 (0 means 1).
+	Concurrency int
 	// Logger defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
@@ -53,6 +66,9 @@ func (c *Config) setDefaults() {
 	if c.Retry.Logger == nil {
 		c.Retry.Logger = c.Logger
 	}
+	if c.Concurrency == 0 {
+		c.Concurrency = 1
+	}
 }
 
 // Validate reports the first invalid field. Nested configurations are checked
@@ -60,6 +76,9 @@ func (c *Config) setDefaults() {
 func (c Config) Validate() error {
 	if c.Publisher == nil {
 		return errors.New("pipeline: Config.Publisher is required")
+	}
+	if c.Concurrency < 0 {
+		return fmt.Errorf("pipeline: Config.Concurrency must be >= 0, got %d", c.Concurrency)
 	}
 	if c.ClaimTimeout < 0 {
 		return fmt.Errorf("pipeline: Config.ClaimTimeout must be >= 0, got %v", c.ClaimTimeout)
@@ -102,7 +121,7 @@ func New(router *message.Router, cfg Config) (*Pipeline, error) {
 		}
 	}
 	// Build the per-handler pieces once to check their configuration.
-	if _, err := p.stack("check", "", nil); err != nil {
+	if _, err := p.stack("check", "", nil, false); err != nil {
 		return nil, err
 	}
 	return p, nil
@@ -113,7 +132,7 @@ func (p *Pipeline) Router() *message.Router { return p.router }
 
 // stack returns the middleware for one handler subscribed to topic.
 // store overrides cfg.Store when not nil.
-func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store) ([]message.HandlerMiddleware, error) {
+func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store, noDedupe bool) ([]message.HandlerMiddleware, error) {
 	dlTopic, poisonTopic := p.cfg.DeadLetterTopic, p.cfg.PoisonTopic
 	if dlTopic == "" {
 		dlTopic = topic + ".dead_letter"
@@ -137,7 +156,7 @@ func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store) ([]mess
 	if store == nil {
 		store = p.cfg.Store
 	}
-	if store != nil {
+	if store != nil && !noDedupe {
 		var pub message.Publisher
 		if publishTopic != "" {
 			pub = p.cfg.Publisher
@@ -153,57 +172,93 @@ func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store) ([]mess
 	return mws, nil
 }
 
+// Handlers are the router handlers of one Pipeline handler: one per
+// subscription (see Config.Concurrency).
+type Handlers []*message.Handler
+
+// AddMiddleware adds middleware, inside settle's stack, to every one of them.
+func (hs Handlers) AddMiddleware(m ...message.HandlerMiddleware) {
+	for _, h := range hs {
+		h.AddMiddleware(m...)
+	}
+}
+
+// add registers Concurrency router handlers for one pipeline handler.
+func (p *Pipeline) add(name string, sub message.Subscriber, mws []message.HandlerMiddleware, register func(name string) *message.Handler) (Handlers, error) {
+	if _, fanOut := sub.(*gochannel.GoChannel); fanOut && p.cfg.Concurrency > 1 {
+		return nil, fmt.Errorf("pipeline: handler %q: Concurrency %d needs competing consumers, and GoChannel gives every subscription every message", name, p.cfg.Concurrency)
+	}
+	hs := make(Handlers, p.cfg.Concurrency)
+	for i := range hs {
+		n := name
+		if i > 0 {
+			n = fmt.Sprintf("%s#%d", name, i+1)
+		}
+		hs[i] = register(n)
+		hs[i].AddMiddleware(mws...)
+	}
+	return hs, nil
+}
+
 // Handle adds a handler that consumes topic with the whole stack.
-func (p *Pipeline) Handle(name, topic string, sub message.Subscriber, h message.NoPublishHandlerFunc) (*message.Handler, error) {
-	mws, err := p.stack(topic, "", nil)
+func (p *Pipeline) Handle(name, topic string, sub message.Subscriber, h message.NoPublishHandlerFunc) (Handlers, error) {
+	mws, err := p.stack(topic, "", nil, false)
 	if err != nil {
 		return nil, err
 	}
-	handler := p.router.AddConsumerHandler(name, topic, sub, h)
-	handler.AddMiddleware(mws...)
-	return handler, nil
+	return p.add(name, sub, mws, func(n string) *message.Handler {
+		return p.router.AddConsumerHandler(n, topic, sub, h)
+	})
 }
 
 // HandleProducing adds a handler whose returned messages are published to
 // publishTopic with cfg.Publisher. With dedupe on, they are published before
 // the key is confirmed, so a failed publish is retried, never lost.
-func (p *Pipeline) HandleProducing(name, topic string, sub message.Subscriber, publishTopic string, h message.HandlerFunc) (*message.Handler, error) {
+func (p *Pipeline) HandleProducing(name, topic string, sub message.Subscriber, publishTopic string, h message.HandlerFunc) (Handlers, error) {
 	if publishTopic == "" {
 		return nil, errors.New("pipeline: HandleProducing: publishTopic is required")
 	}
-	mws, err := p.stack(topic, publishTopic, nil)
+	mws, err := p.stack(topic, publishTopic, nil, false)
 	if err != nil {
 		return nil, err
 	}
-	handler := p.router.AddHandler(name, topic, sub, publishTopic, p.cfg.Publisher, h)
-	handler.AddMiddleware(mws...)
-	return handler, nil
+	return p.add(name, sub, mws, func(n string) *message.Handler {
+		return p.router.AddHandler(n, topic, sub, publishTopic, p.cfg.Publisher, h)
+	})
 }
 
 // HandleTx adds a transactional handler (see NewTxHandler): fn's writes, the
 // messages it publishes through the outbox and the dedupe confirmation commit
 // together. store must be a SQLStore on cfg.DB's database; nil means
 // Config.Store, which must then be one.
-func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore, cfg TxConfig, fn TxFunc) (*message.Handler, error) {
+func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore, cfg TxConfig, fn TxFunc) (Handlers, error) {
 	var s dedupe.Store = p.cfg.Store
 	if store != nil {
 		s = store
 	}
-	if _, ok := s.(*dedupe.SQLStore); !ok {
+	sqlStore, ok := s.(*dedupe.SQLStore)
+	if !ok {
 		return nil, fmt.Errorf("pipeline: HandleTx %q needs a *dedupe.SQLStore, got %T", name, s)
+	}
+	if cfg.OneStatement {
+		cfg.Store = sqlStore
+		if cfg.Key == nil {
+			cfg.Key = p.cfg.Key
+		}
 	}
 	h, err := NewTxHandler(cfg, fn)
 	if err != nil {
 		return nil, err
 	}
-	mws, err := p.stack(topic, "", s)
+	mws, err := p.stack(topic, "", s, cfg.OneStatement)
 	if err != nil {
 		return nil, err
 	}
-	handler := p.router.AddConsumerHandler(name, topic, sub, func(msg *message.Message) error {
+	consume := func(msg *message.Message) error {
 		_, err := h(msg)
 		return err
+	}
+	return p.add(name, sub, mws, func(n string) *message.Handler {
+		return p.router.AddConsumerHandler(n, topic, sub, consume)
 	})
-	handler.AddMiddleware(mws...)
-	return handler, nil
 }

@@ -229,3 +229,19 @@ func TestPipelineRefusesBadConfig(t *testing.T) {
 		t.Fatal("HandleTx with a memory store succeeded")
 	}
 }
+
+func TestConcurrencyNeedsCompetingConsumers(t *testing.T) {
+	t.Parallel()
+	router, err := message.NewRouter(message.RouterConfig{}, nil)
+	must(t, err)
+	ps := gochannel.NewGoChannel(gochannel.Config{}, nil)
+	defer ps.Close()
+	if _, err := pipeline.New(router, pipeline.Config{Publisher: ps, Concurrency: -1}); err == nil || !strings.Contains(err.Error(), "Config.Concurrency") {
+		t.Fatalf("negative concurrency: %v", err)
+	}
+	p, err := pipeline.New(router, pipeline.Config{Publisher: ps, Concurrency: 4})
+	must(t, err)
+	if _, err := p.Handle("h", "t", ps, func(*message.Message) error { return nil }); err == nil || !strings.Contains(err.Error(), "GoChannel") {
+		t.Fatalf("Concurrency 4 on GoChannel: %v; want it refused", err)
+	}
+}

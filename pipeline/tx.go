@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/outbox"
 )
@@ -27,12 +28,27 @@ type TxConfig struct {
 	Outbox *outbox.Outbox
 	// TxOptions are passed to BeginTx. Nil means the driver's default.
 	TxOptions *sql.TxOptions
+	// OneStatement takes the message's key inside the transaction, written
+	// as confirmed at once (dedupe.SQLStore.ClaimConfirmed): one statement
+	// per message instead of two, and the handler needs no dedupe middleware.
+	// The price: an attempt that rolls back or dies with its process leaves
+	// no durable count (count attempts with the broker's delivery count), and
+	// a concurrent delivery of the same key waits for the transaction instead
+	// of being deferred. Requires Store.
+	OneStatement bool
+	// Store is the claims table for OneStatement (Pipeline.HandleTx sets it).
+	Store *dedupe.SQLStore
+	// Key derives the key for OneStatement. Defaults to the message UUID.
+	Key dedupe.KeyFunc
 }
 
 // Validate reports the first invalid field.
 func (c TxConfig) Validate() error {
 	if c.DB == nil {
 		return errors.New("pipeline: TxConfig.DB is required")
+	}
+	if c.OneStatement && c.Store == nil {
+		return errors.New("pipeline: TxConfig.Store is required with OneStatement")
 	}
 	return nil
 }
@@ -79,6 +95,15 @@ func RunTx(ctx context.Context, cfg TxConfig, msg *message.Message, fn TxFunc) (
 			}
 		}
 	}()
+	if cfg.OneStatement {
+		done, err := claimInTx(ctx, cfg, tx, msg)
+		if err != nil || done {
+			if done { // a duplicate: nothing to do, nothing to commit
+				_ = tx.Rollback()
+			}
+			return err
+		}
+	}
 	var out message.Publisher
 	if cfg.Outbox != nil {
 		if out, err = cfg.Outbox.TxPublisher(tx); err != nil {
@@ -88,11 +113,39 @@ func RunTx(ctx context.Context, cfg TxConfig, msg *message.Message, fn TxFunc) (
 	if err = fn(ctx, tx, msg, out); err != nil {
 		return err
 	}
-	if err = dedupe.ConfirmTx(ctx, tx); err != nil {
-		return err
+	if !cfg.OneStatement {
+		if err = dedupe.ConfirmTx(ctx, tx); err != nil {
+			return err
+		}
 	}
 	if err = tx.Commit(); err != nil {
 		return fmt.Errorf("pipeline: commit: %w", err)
 	}
 	return nil
+}
+
+// claimInTx takes msg's key in tx as confirmed. It reports done for a
+// duplicate, and an error wrapping dedupe.ErrBusy for a key held elsewhere.
+func claimInTx(ctx context.Context, cfg TxConfig, tx *sql.Tx, msg *message.Message) (done bool, err error) {
+	keyFn := cfg.Key
+	if keyFn == nil {
+		keyFn = dedupe.MessageUUID
+	}
+	key, err := keyFn(msg)
+	if err != nil {
+		return false, fmt.Errorf("pipeline: key of message %s: %w", msg.UUID, err)
+	}
+	c, err := cfg.Store.WithTx(tx).ClaimConfirmed(ctx, key)
+	if err != nil {
+		return false, err
+	}
+	switch c.Result {
+	case dedupe.Duplicate:
+		settle.SettlementFromContext(ctx).SetOutcome(settle.Duplicate)
+		return true, nil
+	case dedupe.Busy:
+		settle.SettlementFromContext(ctx).SetOutcome(settle.Deferred)
+		return false, fmt.Errorf("%w (message %s)", dedupe.ErrBusy, msg.UUID)
+	}
+	return false, nil
 }

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -217,5 +218,49 @@ func must(t *testing.T, err error) {
 	t.Helper()
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// One statement per message: the claim is written as confirmed inside the
+// transaction, without the dedupe middleware.
+func TestTxHandlerOneStatement(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *txEnv) {
+		declined := errors.New("card declined")
+		var fail atomic.Bool
+		fail.Store(true)
+		h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB, Outbox: e.ob, OneStatement: true, Store: e.store},
+			func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
+				if err := e.charge(nil)(ctx, tx, msg, out); err != nil {
+					return err
+				}
+				if fail.Load() {
+					return declined
+				}
+				return nil
+			})
+		must(t, err)
+		if _, err := h(message.NewMessage("one-1", []byte("A-30"))); !errors.Is(err, declined) {
+			t.Fatalf("err = %v, want the handler's error", err)
+		}
+		if n, p := e.rows(t), e.pending(t); n != 0 || p != 0 {
+			t.Fatalf("after rollback charges=%d outbox=%d", n, p)
+		}
+		fail.Store(false)
+		for range 3 {
+			_, err := h(message.NewMessage("one-1", []byte("A-30")))
+			must(t, err)
+		}
+		if n, p := e.rows(t), e.pending(t); n != 1 || p != 1 {
+			t.Fatalf("charges=%d outbox=%d; want exactly one of each for three deliveries", n, p)
+		}
+		c, err := e.store.Claim(t.Context(), "one-1", time.Minute)
+		must(t, err)
+		if c.Result != dedupe.Duplicate {
+			t.Fatalf("claim after = %+v; want duplicate", c)
+		}
+	})
+	if _, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: &sql.DB{}, OneStatement: true}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil }); err == nil || !strings.Contains(err.Error(), "TxConfig.Store") {
+		t.Fatalf("OneStatement without a store: %v", err)
 	}
 }

@@ -101,7 +101,7 @@ func TypedTx[T any](codec Codec, fn func(ctx context.Context, tx *sql.Tx, m Mess
 }
 
 // Handle adds a typed handler to p: Typed + Pipeline.Handle.
-func Handle[T any](p *Pipeline, name, topic string, sub message.Subscriber, codec Codec, fn func(ctx context.Context, m Message[T]) error) (*message.Handler, error) {
+func Handle[T any](p *Pipeline, name, topic string, sub message.Subscriber, codec Codec, fn func(ctx context.Context, m Message[T]) error) (Handlers, error) {
 	return p.Handle(name, topic, sub, Typed(codec, fn))
 }
 
