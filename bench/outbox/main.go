@@ -80,6 +80,7 @@ type options struct {
 	amqpPool   int
 	timeout    time.Duration
 	cpuprofile string
+	verbose    bool
 }
 
 func main() {
@@ -118,6 +119,7 @@ func parseFlags(args []string) (options, error) {
 	fs.BoolVar(&o.confirm, "confirm", false, "RabbitMQ: wait for publisher confirms (Publish.ConfirmDelivery)")
 	fs.IntVar(&o.amqpPool, "amqp-pool", 0, "RabbitMQ: Publish.ChannelPoolSize (0, the config's default, opens and closes a channel per Publish)")
 	fs.DurationVar(&o.timeout, "timeout", 20*time.Minute, "bound on the whole run")
+	fs.BoolVar(&o.verbose, "v", false, "log the forwarders' errors and infos to stderr")
 	fs.StringVar(&o.cpuprofile, "cpuprofile", "", "write a CPU profile of the whole run to this file")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -197,7 +199,10 @@ func run(o options, stdout, stderr io.Writer) error {
 	var pgVersion string
 	_ = db.QueryRowContext(ctx, "SHOW server_version").Scan(&pgVersion)
 
-	b := &bench{o: o, db: db, log: stderr, id: randomID()}
+	b := &bench{o: o, db: db, log: stderr, id: randomID(), logger: watermill.NopLogger{}}
+	if o.verbose {
+		b.logger = watermill.NewStdLoggerWithOut(stderr, false, false)
+	}
 	defer b.cleanup()
 
 	results := map[key][]result{}
@@ -299,11 +304,12 @@ func randomID() string {
 
 // bench holds what one invocation creates, to drop it at the end.
 type bench struct {
-	o   options
-	db  *sql.DB
-	log io.Writer
-	id  string
-	seq int
+	o      options
+	db     *sql.DB
+	log    io.Writer
+	logger watermill.LoggerAdapter // the forwarders'
+	id     string
+	seq    int
 
 	tables []string
 	queues map[string][]string // amqp URL -> queues
@@ -477,6 +483,9 @@ func (w *watch) wait(ctx context.Context, limit time.Duration) error {
 	return fmt.Errorf("%d of %d messages arrived within %s", w.count, w.n, limit)
 }
 
+// duplicates returns how many messages arrived more than once.
+func (w *watch) duplicates() int { return w.dups }
+
 // stop ends the subscription; the arrival times may be read afterwards.
 func (w *watch) stop() {
 	w.cancel()
@@ -514,11 +523,11 @@ func (b *bench) barePath(topic string) path {
 				PollInterval:   b.o.poll,
 				SchemaAdapter:  wsql.DefaultPostgreSQLSchema{},
 				OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{},
-			}, watermill.NopLogger{})
+			}, b.logger)
 			if err != nil {
 				return nil, err
 			}
-			f, err := forwarder.NewForwarder(sub, out, watermill.NopLogger{}, forwarder.Config{ForwarderTopic: topic})
+			f, err := forwarder.NewForwarder(sub, out, b.logger, forwarder.Config{ForwarderTopic: topic})
 			if err != nil {
 				return nil, errors.Join(err, sub.Close())
 			}
@@ -536,11 +545,16 @@ func (b *bench) settlePath(topic string) (path, error) {
 		name:      "settle",
 		publisher: ob.TxPublisher,
 		start: func(ctx context.Context, out message.Publisher) (func() error, error) {
-			r, err := ob.NewRelay(wsql.BeginnerFromStdSQL(b.db), out, outbox.RelayConfig{PollInterval: b.o.poll})
+			r, err := ob.NewRelay(wsql.BeginnerFromStdSQL(b.db), out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
 			if err != nil {
 				return nil, err
 			}
-			return runUntilStopped(ctx, r.Run, r.Running(), r.Close)
+			return runUntilStopped(ctx, r.Run, r.Running(), func() error {
+				if fwd, failed := r.Counts(); failed > 0 {
+					fmt.Fprintf(b.log, "settle relay: %d forwarded, %d forwards failed and were retried\n", fwd, failed)
+				}
+				return r.Close()
+			})
 		},
 	}, nil
 }
@@ -714,6 +728,9 @@ func (b *bench) runOnce(ctx context.Context, run int, br *broker, add func(key, 
 			if err != nil {
 				return fmt.Errorf("%s %s %s: %w", br.name, scenario, p.name, err)
 			}
+			if d := w.duplicates(); d > 0 {
+				fmt.Fprintf(b.log, "%s %s: %d messages arrived twice\n", br.name, p.name, d)
+			}
 			report(scenario, p.name, lagResult(n, start, committed, w.arrived))
 		}
 		return nil
@@ -755,6 +772,9 @@ func (b *bench) runOnce(ctx context.Context, run int, br *broker, add func(key, 
 			}
 			if err != nil {
 				return fmt.Errorf("%s prefilled %s: %w", br.name, p.name, err)
+			}
+			if d := w.duplicates(); d > 0 {
+				fmt.Fprintf(b.log, "%s %s: %d messages arrived twice\n", br.name, p.name, d)
 			}
 			report("prefilled", p.name, lagResult(b.o.n, start, make([]time.Time, b.o.n), w.arrived))
 		}
