@@ -34,6 +34,11 @@ type RelayConfig struct {
 	// AckDeadline is how long one forward may take before the row is
 	// retried. Defaults to 30s. Must be > 0.
 	AckDeadline time.Duration
+	// RetryInterval is how long the relay waits before trying a row again
+	// after its forward failed (the broker is down), and before querying
+	// again after a database error. It keeps an outage from becoming a hot
+	// loop of failing publishes and error logs. Defaults to 1s. Must be > 0.
+	RetryInterval time.Duration
 	// PoisonTopic receives, unchanged, rows that are not settle envelopes
 	// (written by something else into the outbox table), so that they do not
 	// block the relay; they are counted as failed. Defaults to the outbox
@@ -56,6 +61,9 @@ func (c *RelayConfig) setDefaults(topic string) {
 	if c.AckDeadline == 0 {
 		c.AckDeadline = 30 * time.Second
 	}
+	if c.RetryInterval == 0 {
+		c.RetryInterval = time.Second
+	}
 	if c.PoisonTopic == "" {
 		c.PoisonTopic = topic + "_poison"
 	}
@@ -77,6 +85,8 @@ func (c RelayConfig) Validate() error {
 		return fmt.Errorf("outbox: RelayConfig.PollInterval must be > 0, got %v", c.PollInterval)
 	case c.AckDeadline <= 0:
 		return fmt.Errorf("outbox: RelayConfig.AckDeadline must be > 0, got %v", c.AckDeadline)
+	case c.RetryInterval <= 0:
+		return fmt.Errorf("outbox: RelayConfig.RetryInterval must be > 0, got %v", c.RetryInterval)
 	case c.CloseTimeout <= 0:
 		return fmt.Errorf("outbox: RelayConfig.CloseTimeout must be > 0, got %v", c.CloseTimeout)
 	}
@@ -120,8 +130,8 @@ func (o *Outbox) NewRelay(db wsql.Beginner, out message.Publisher, cfg RelayConf
 	sub, err := wsql.NewSubscriber(db, wsql.SubscriberConfig{
 		ConsumerGroup:  cfg.ConsumerGroup,
 		PollInterval:   cfg.PollInterval,
-		ResendInterval: cfg.PollInterval,
-		RetryInterval:  max(cfg.PollInterval, 100*time.Millisecond),
+		ResendInterval: cfg.RetryInterval,
+		RetryInterval:  cfg.RetryInterval,
 		AckDeadline:    &ack,
 		SchemaAdapter:  o.schema,
 		OffsetsAdapter: o.offsets,
