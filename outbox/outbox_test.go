@@ -8,9 +8,9 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"go.opentelemetry.io/otel/propagation"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
@@ -30,7 +30,7 @@ type env struct {
 	table  string // the test's business table
 }
 
-func setup(t *testing.T, db testenv.DB) *env {
+func setup(t testing.TB, db testenv.DB) *env {
 	t.Helper()
 	name := testenv.Name(t, "ob")
 	topic := "ob_" + name[len(name)-8:]

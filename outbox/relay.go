@@ -15,6 +15,8 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/settle-go/settle/dedupe"
 )
 
 // ScopeName is the OpenTelemetry instrumentation scope of the outbox's
@@ -32,7 +34,10 @@ type RelayConfig struct {
 	// > 0.
 	PollInterval time.Duration
 	// AckDeadline is how long one forward may take before the row is
-	// retried. Defaults to 30s. Must be > 0.
+	// retried. Defaults to 30s, or 5s on SQLite, where the relay holds the
+	// database's write lock until the forward is acked and the deadline must
+	// stay below the busy timeout of other writers (10s in settle's DSN).
+	// Must be > 0.
 	AckDeadline time.Duration
 	// RetryInterval is how long the relay waits before trying a row again
 	// after its forward failed (the broker is down), and before querying
@@ -121,6 +126,9 @@ type Relay struct {
 func (o *Outbox) NewRelay(db wsql.Beginner, out message.Publisher, cfg RelayConfig) (*Relay, error) {
 	if db == nil || out == nil {
 		return nil, errors.New("outbox: NewRelay: db and out are required")
+	}
+	if cfg.AckDeadline == 0 && o.cfg.Dialect == dedupe.SQLite {
+		cfg.AckDeadline = 5 * time.Second
 	}
 	cfg.setDefaults(o.cfg.Topic)
 	if err := cfg.Validate(); err != nil {
