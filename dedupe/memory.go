@@ -97,22 +97,16 @@ func (s *MemoryStore) Renew(ctx context.Context, c Claim, ttl time.Duration) err
 
 // Confirm implements Store.
 func (s *MemoryStore) Confirm(ctx context.Context, c Claim) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	now := s.now()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	e, err := s.owned(c)
-	if err != nil {
-		return err
-	}
-	e.state, e.token, e.expiresAt, e.updatedAt = stateConfirmed, "", time.Time{}, now
-	return nil
+	return s.end(ctx, c, stateConfirmed)
 }
 
 // Release implements Store.
 func (s *MemoryStore) Release(ctx context.Context, c Claim) error {
+	return s.end(ctx, c, stateReleased)
+}
+
+// end moves the caller's claim to a confirmed or released state.
+func (s *MemoryStore) end(ctx context.Context, c Claim, to state) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -123,7 +117,7 @@ func (s *MemoryStore) Release(ctx context.Context, c Claim) error {
 	if err != nil {
 		return err
 	}
-	e.state, e.token, e.expiresAt, e.updatedAt = stateReleased, "", time.Time{}, now
+	e.state, e.token, e.expiresAt, e.updatedAt = to, "", time.Time{}, now
 	return nil
 }
 

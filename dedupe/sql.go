@@ -204,7 +204,12 @@ func (s *SQLStore) Claim(ctx context.Context, key string, ttl time.Duration) (Cl
 		}
 	}
 
-	// The key exists and could not be taken: confirmed or held.
+	return s.notTaken(ctx, key, k)
+}
+
+// notTaken reads why an existing key could not be taken: Duplicate
+// (confirmed) or Busy (held).
+func (s *SQLStore) notTaken(ctx context.Context, key string, k []byte) (Claim, error) {
 	st, attempts, err := s.lookup(ctx, k)
 	if err != nil {
 		return Claim{}, err
@@ -332,13 +337,5 @@ func (s *SQLStore) ClaimConfirmed(ctx context.Context, key string) (Claim, error
 	if n > 0 {
 		return Claim{Key: key, Result: Acquired}, nil
 	}
-	st, attempts, err := s.lookup(ctx, k)
-	if err != nil {
-		return Claim{}, err
-	}
-	c := Claim{Key: key, Attempt: attempts, Result: Busy}
-	if st == stateConfirmed {
-		c.Result = Duplicate
-	}
-	return c, nil
+	return s.notTaken(ctx, key, k)
 }
