@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sort"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -244,4 +245,37 @@ func TestProducerContextIsParentOrLink(t *testing.T) {
 	if linked.Parent().IsValid() || len(linked.Links()) != 1 || linked.Links()[0].SpanContext.SpanID() != producer.SpanContext().SpanID() {
 		t.Fatalf("with a link: parent %v, links %v; want a new root linked to the producer", linked.Parent(), linked.Links())
 	}
+}
+
+// A deferral (the key is held by another delivery) is nacked but is not an
+// error: the process span has no error status.
+func TestTracingDeferred(t *testing.T) {
+	t.Parallel()
+	tr := newTraced(t)
+	release := make(chan struct{})
+	var first atomic.Bool
+	s := newStack(t, stackOpts{retry: fastRetry(3, 0), outer: tr.mw}, func(*message.Message) error {
+		if first.CompareAndSwap(false, true) {
+			<-release
+		}
+		return nil
+	})
+	uuid := watermill.NewUUID()
+	s.publish(message.NewMessage(uuid, nil), message.NewMessage(uuid, nil))
+	eventually(t, 5*time.Second, "a deferred delivery", func() bool {
+		for _, sp := range byName(tr.rec.Ended(), topic+" process") {
+			if attr(sp, middleware.OutcomeKey).AsString() == "deferred" {
+				return true
+			}
+		}
+		return false
+	})
+	close(release)
+	s.waitAcked(2)
+	for _, sp := range byName(tr.rec.Ended(), topic+" process") {
+		if attr(sp, middleware.OutcomeKey).AsString() == "deferred" && sp.Status().Code == codes.Error {
+			t.Fatalf("a deferral has error status: %v", sp.Status())
+		}
+	}
+	eventually(t, 5*time.Second, "a nack span for the deferral", func() bool { return len(byName(tr.rec.Ended(), "nack "+topic)) > 0 })
 }
