@@ -142,6 +142,10 @@ func (s *MemoryStore) Prune(ctx context.Context, before time.Time) (int64, error
 	return n, nil
 }
 
+// inProcess marks the store as one whose calls never wait on I/O: the
+// middleware settles claims without a timeout context of its own.
+func (*MemoryStore) inProcess() {}
+
 // Len returns the number of keys held, in any state.
 func (s *MemoryStore) Len() int {
 	s.mu.Lock()

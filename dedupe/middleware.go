@@ -105,7 +105,6 @@ func (c Config) Validate() error {
 // Config.Publisher is not set; see Config.Publisher.
 var ErrOutputWithoutPublisher = errors.New("dedupe: handler returned messages but Config.Publisher is not set, so they could not be published before the key is confirmed")
 
-
 type limitCtxKey struct{}
 
 // WithAttemptLimit returns a context that tells the dedupe middleware not to
@@ -167,11 +166,20 @@ func NewMiddleware(cfg Config) (message.HandlerMiddleware, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	m := &mw{cfg: cfg}
+	_, local := cfg.Store.(inProcess)
+	m := &mw{cfg: cfg, local: local}
 	return m.wrap, nil
 }
 
-type mw struct{ cfg Config }
+type mw struct {
+	cfg Config
+	// local: the store never waits on I/O (MemoryStore), so settling needs
+	// no timeout of its own.
+	local bool
+}
+
+// inProcess is implemented by stores whose calls never wait on I/O.
+type inProcess interface{ inProcess() }
 
 func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
@@ -187,44 +195,55 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 		if err != nil {
 			return nil, fmt.Errorf("dedupe: claim for message %s: %w", msg.UUID, err)
 		}
-		st := &held{claim: claim, store: m.cfg.Store}
-		vctx := context.WithValue(orig, heldCtxKey{}, st)
-		msg.SetContext(vctx)
-		switch claim.Result {
-		case Duplicate:
-			settle.SettlementFromContext(orig).SetOutcome(settle.Duplicate)
-			m.cfg.Logger.Debug("dedupe: duplicate acked without running the handler", watermill.LogFields{
-				"message_uuid": msg.UUID, "attempt": claim.Attempt,
-			})
-			return nil, nil
-		case Busy:
-			settle.SettlementFromContext(orig).SetOutcome(settle.Deferred)
-			return nil, fmt.Errorf("%w (message %s)", ErrBusy, msg.UUID)
+		st := &held{Context: orig, claim: claim, store: m.cfg.Store}
+		msg.SetContext(st)
+		if claim.Result != Acquired {
+			return nil, m.notAcquired(msg, orig, claim)
 		}
 		if limit, ok := AttemptLimitFromContext(orig); ok && claim.Attempt > limit {
-			if err := m.settle(orig, claim, false); err != nil {
-				return nil, err
-			}
-			return nil, &ExhaustedError{Key: key, Attempt: claim.Attempt, Limit: limit}
+			return nil, m.overLimit(orig, claim, limit)
 		}
-		return m.run(h, msg, orig, vctx, st)
+		return m.run(h, msg, orig, st)
 	}
 }
 
-// run runs the handler under an acquired claim. vctx is orig carrying st; it
-// is the message's context again once the handler has returned, so outer
-// middleware can read the claim.
-func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig, vctx context.Context, st *held) (out []*message.Message, err error) {
+// notAcquired settles a delivery whose key is a duplicate (acked, nil) or
+// busy (an error wrapping ErrBusy). The rare paths live apart from wrap's
+// closure, to keep its stack frame small.
+func (m *mw) notAcquired(msg *message.Message, orig context.Context, claim Claim) error {
+	if claim.Result == Duplicate {
+		settle.SettlementFromContext(orig).SetOutcome(settle.Duplicate)
+		m.cfg.Logger.Debug("dedupe: duplicate acked without running the handler", watermill.LogFields{
+			"message_uuid": msg.UUID, "attempt": claim.Attempt,
+		})
+		return nil
+	}
+	settle.SettlementFromContext(orig).SetOutcome(settle.Deferred)
+	return fmt.Errorf("%w (message %s)", ErrBusy, msg.UUID)
+}
+
+// overLimit releases a claim acquired beyond the attempt limit.
+func (m *mw) overLimit(orig context.Context, claim Claim, limit int) error {
+	if err := m.settle(orig, claim, false); err != nil {
+		return err
+	}
+	return &ExhaustedError{Key: claim.Key, Attempt: claim.Attempt, Limit: limit}
+}
+
+// run runs the handler under an acquired claim. st is orig carrying the
+// claim; it is the message's context again once the handler has returned, so
+// outer middleware can read the claim.
+func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Context, st *held) (out []*message.Message, err error) {
 	claim := st.claim
-	hctx, cancel := context.WithCancelCause(vctx)
+	hctx, cancel := context.WithCancelCause(st)
 	msg.SetContext(hctx)
-	st.stopRenew = m.renew(hctx, cancel, msg.UUID, claim)
+	st.renewal = m.renew(hctx, cancel, msg.UUID, claim)
 
 	settled := false
 	defer func() {
 		st.stopRenew()
 		cancel(nil)
-		msg.SetContext(vctx)
+		msg.SetContext(st)
 		if !settled {
 			// The handler panicked: free the key, then let the panic go on to
 			// the recoverer.
@@ -254,11 +273,29 @@ func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig, vctx context
 type heldCtxKey struct{}
 
 // held is the middleware's claim as the handler sees it through ConfirmTx.
+// It is also the context that carries it: the message's context with one more
+// value, without a context.WithValue of its own.
 type held struct {
-	claim         Claim
-	store         Store
-	stopRenew     func()
-	confirmedInTx bool
+	context.Context // the message's context before the claim
+	claim           Claim
+	store           Store
+	renewal         *renewal // set while the handler runs
+	confirmedInTx   bool
+}
+
+// Value returns h for heldCtxKey and asks the parent for any other key.
+func (h *held) Value(key any) any {
+	if _, ok := key.(heldCtxKey); ok {
+		return h
+	}
+	return h.Context.Value(key)
+}
+
+// stopRenew stops the renewal of the claim, if any; it may be called twice.
+func (h *held) stopRenew() {
+	if h.renewal != nil {
+		h.renewal.stop()
+	}
 }
 
 // txStore is a store whose statements can run on a caller's transaction.
@@ -321,8 +358,13 @@ func (m *mw) publish(msg *message.Message, out []*message.Message) error {
 
 // settle confirms or releases the claim, even if ctx was cancelled.
 func (m *mw) settle(ctx context.Context, claim Claim, ok bool) error {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), m.cfg.SettleTimeout)
-	defer cancel()
+	if !m.local {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), m.cfg.SettleTimeout)
+		defer cancel()
+	} else if ctx.Err() != nil {
+		ctx = context.WithoutCancel(ctx)
+	}
 	if ok {
 		if err := m.cfg.Store.Confirm(ctx, claim); err != nil {
 			return fmt.Errorf("dedupe: confirm after successful handler: %w", err)
@@ -335,18 +377,17 @@ func (m *mw) settle(ctx context.Context, claim Claim, ok bool) error {
 	return nil
 }
 
-// renew keeps the claim alive until the returned stop function is called.
-// stop waits for a renewal in flight to finish and may be called twice.
+// renew keeps the claim alive until its stop method is called. stop waits for a renewal in flight to finish and may be called twice.
 //
 // It runs on a timer rather than a goroutine of its own: most handlers
 // finish before the first renewal is due, and then renewal costs one timer.
-func (m *mw) renew(ctx context.Context, cancel context.CancelCauseFunc, uuid string, claim Claim) (stop func()) {
+func (m *mw) renew(ctx context.Context, cancel context.CancelCauseFunc, uuid string, claim Claim) *renewal {
 	r := &renewal{m: m, ctx: ctx, cancel: cancel, uuid: uuid, claim: claim, expires: claim.ExpiresAt}
 	if r.expires.IsZero() {
 		r.expires = time.Now().Add(m.cfg.ClaimTimeout)
 	}
 	r.timer = time.AfterFunc(m.cfg.RenewInterval, r.fire)
-	return r.stop
+	return r
 }
 
 type renewal struct {

@@ -1,6 +1,7 @@
 package middleware
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"runtime/debug"
@@ -207,64 +208,84 @@ func (r *retry) wrap(h message.HandlerFunc) message.HandlerFunc {
 
 		src := r.source(msg)
 		if src.prior >= r.cfg.MaxAttempts {
-			// The count says the attempts are used up, yet the message is
-			// here again: the last attempts died with their consumer, or the
-			// dead-letter publish failed. The last failure, when this process
-			// saw it, stays the reason on the dead-letter copy.
-			cause := r.tracked.lastErr(msg.UUID)
-			if cause == nil {
-				cause = fmt.Errorf("no attempt left: %d made", src.prior)
-			}
-			return nil, r.exhausted(msg, src.prior, cause)
+			return nil, r.usedUp(msg, src.prior)
 		}
-		var bo *backoff.ExponentialBackOff // made on the first failure only
-		for run := 1; ; run++ {
-			attempt := src.prior + 1
-			if !src.perDelivery {
-				attempt = src.prior + run
-			}
+		msg.Metadata.Set(settle.MetaAttempt, strconv.Itoa(src.prior+1))
+		out, err := runRecovered(h, msg)
+		if err == nil {
+			r.tracked.forget(msg.UUID)
+			return out, nil
+		}
+		return r.failed(ctx, h, msg, src, err)
+	}
+}
+
+// usedUp dead-letters a message whose count says the attempts are used up,
+// yet is here again: the last attempts died with their consumer, or the
+// dead-letter publish failed. The last failure, when this process saw it,
+// stays the reason on the dead-letter copy.
+func (r *retry) usedUp(msg *message.Message, prior int) error {
+	cause := r.tracked.lastErr(msg.UUID)
+	if cause == nil {
+		cause = fmt.Errorf("no attempt left: %d made", prior)
+	}
+	return r.exhausted(msg, prior, cause)
+}
+
+// failed handles a failed run of h: defers, dead-letters, hands the message
+// back to the broker, or retries it in process until a run succeeds or the
+// in-process retries are used up. It is apart from the middleware's closure
+// so that the closure's stack frame, on every message's path, stays small.
+func (r *retry) failed(ctx context.Context, h message.HandlerFunc, msg *message.Message, src attemptSource, err error) ([]*message.Message, error) {
+	var bo *backoff.ExponentialBackOff // made on the first failure only
+	for run := 1; ; run++ {
+		attempt := src.prior + 1
+		if !src.perDelivery {
+			attempt = src.prior + run
+		}
+		if run > 1 {
 			msg.Metadata.Set(settle.MetaAttempt, strconv.Itoa(attempt))
-			out, err := runRecovered(h, msg)
-			if err == nil {
+			var out []*message.Message
+			if out, err = runRecovered(h, msg); err == nil {
 				r.tracked.forget(msg.UUID)
 				return out, nil
 			}
-			var dx *dedupe.ExhaustedError
-			switch {
-			case errors.As(err, &dx):
-				return nil, r.exhausted(msg, dx.Attempt-1, err)
-			case errors.Is(err, dedupe.ErrBusy):
-				// Deferred: another worker has it. Not an attempt.
-				park.Sleep(ctx, r.cfg.DeferDelay)
-				return nil, err
-			case poison.IsPermanent(err):
-				r.tracked.forget(msg.UUID)
-				return nil, err
-			}
-			r.tracked.failed(msg.UUID, src.firstHint, err)
-			if c, ok := dedupe.ClaimFromContext(msg.Context()); ok && c.Result == dedupe.Acquired {
-				attempt = c.Attempt // the durable count, exact across processes
-				msg.Metadata.Set(settle.MetaAttempt, strconv.Itoa(attempt))
-			}
-			trace.SpanFromContext(ctx).AddEvent("settle.attempt_failed", trace.WithAttributes(
-				attribute.Int("settle.attempt", attempt), attribute.String("exception.message", err.Error())))
-			if attempt >= r.cfg.MaxAttempts {
-				return nil, r.exhausted(msg, attempt, err)
-			}
-			if bo == nil {
-				bo = r.newBackoff()
-			}
-			wait := bo.NextBackOff()
-			if run > r.cfg.InProcessRetries {
-				return r.handBack(msg, attempt, max(wait, r.cfg.RedeliveryDelay), err)
-			}
-			settle.SettlementFromContext(ctx).Retried()
-			r.cfg.Logger.Debug("retry: handler failed; retrying in process", watermill.LogFields{
-				"message_uuid": msg.UUID, "attempt": attempt, "backoff": wait.String(), "err": err.Error(),
-			})
-			if !park.Sleep(ctx, wait) {
-				return nil, errors.Join(err, ctx.Err())
-			}
+		}
+		var dx *dedupe.ExhaustedError
+		switch {
+		case errors.As(err, &dx):
+			return nil, r.exhausted(msg, dx.Attempt-1, err)
+		case errors.Is(err, dedupe.ErrBusy):
+			// Deferred: another worker has it. Not an attempt.
+			park.Sleep(ctx, r.cfg.DeferDelay)
+			return nil, err
+		case poison.IsPermanent(err):
+			r.tracked.forget(msg.UUID)
+			return nil, err
+		}
+		r.tracked.failed(msg.UUID, src.firstHint, err)
+		if c, ok := dedupe.ClaimFromContext(msg.Context()); ok && c.Result == dedupe.Acquired {
+			attempt = c.Attempt // the durable count, exact across processes
+			msg.Metadata.Set(settle.MetaAttempt, strconv.Itoa(attempt))
+		}
+		trace.SpanFromContext(ctx).AddEvent("settle.attempt_failed", trace.WithAttributes(
+			attribute.Int("settle.attempt", attempt), attribute.String("exception.message", err.Error())))
+		if attempt >= r.cfg.MaxAttempts {
+			return nil, r.exhausted(msg, attempt, err)
+		}
+		if bo == nil {
+			bo = r.newBackoff()
+		}
+		wait := bo.NextBackOff()
+		if run > r.cfg.InProcessRetries {
+			return r.handBack(msg, attempt, max(wait, r.cfg.RedeliveryDelay), err)
+		}
+		settle.SettlementFromContext(ctx).Retried()
+		r.cfg.Logger.Debug("retry: handler failed; retrying in process", watermill.LogFields{
+			"message_uuid": msg.UUID, "attempt": attempt, "backoff": wait.String(), "err": err.Error(),
+		})
+		if !park.Sleep(ctx, wait) {
+			return nil, errors.Join(err, ctx.Err())
 		}
 	}
 }

@@ -93,32 +93,39 @@ func Middleware(cfg Config) message.HandlerMiddleware {
 			if err == nil {
 				return out, nil
 			}
-			info, ok := cfg.Match(msg, err)
-			if !ok {
-				return out, err
-			}
-			cp := Copy(msg, info)
-			perr := publish(msg.Context(), cfg.Publisher, cfg.Topic, cp)
-			fields := watermill.LogFields{
-				"message_uuid": msg.UUID, "topic": cfg.Topic, "outcome": string(info.Outcome), "attempt": info.Attempt,
-			}
-			if perr == nil {
-				settle.SettlementFromContext(msg.Context()).Parked(info.Outcome, cfg.Topic, err)
-				cfg.Logger.Info(cfg.Name+": message parked", fields.Add(watermill.LogFields{"reason": info.Reason}))
-				return nil, nil
-			}
-			cfg.Logger.Error(cfg.Name+": could not publish parked copy; nacking", perr, fields)
-			if cfg.NackDelay > 0 {
-				t := time.NewTimer(cfg.NackDelay)
-				select {
-				case <-t.C:
-				case <-msg.Context().Done():
-					t.Stop()
-				}
-			}
-			return nil, errors.Join(err, fmt.Errorf("%s: %w: topic %q: %w", cfg.Name, ErrPublish, cfg.Topic, perr))
+			return cfg.failed(msg, out, err)
 		}
 	}
+}
+
+// failed handles a handler error: parks a copy of msg when cfg.Match says
+// so. It is apart from the middleware's closure so that the closure's stack
+// frame, on every message's path, stays small.
+func (cfg *Config) failed(msg *message.Message, out []*message.Message, err error) ([]*message.Message, error) {
+	info, ok := cfg.Match(msg, err)
+	if !ok {
+		return out, err
+	}
+	cp := Copy(msg, info)
+	perr := publish(msg.Context(), cfg.Publisher, cfg.Topic, cp)
+	fields := watermill.LogFields{
+		"message_uuid": msg.UUID, "topic": cfg.Topic, "outcome": string(info.Outcome), "attempt": info.Attempt,
+	}
+	if perr == nil {
+		settle.SettlementFromContext(msg.Context()).Parked(info.Outcome, cfg.Topic, err)
+		cfg.Logger.Info(cfg.Name+": message parked", fields.Add(watermill.LogFields{"reason": info.Reason}))
+		return nil, nil
+	}
+	cfg.Logger.Error(cfg.Name+": could not publish parked copy; nacking", perr, fields)
+	if cfg.NackDelay > 0 {
+		t := time.NewTimer(cfg.NackDelay)
+		select {
+		case <-t.C:
+		case <-msg.Context().Done():
+			t.Stop()
+		}
+	}
+	return nil, errors.Join(err, fmt.Errorf("%s: %w: topic %q: %w", cfg.Name, ErrPublish, cfg.Topic, perr))
 }
 
 // ScopeName is the instrumentation scope of the spans of parked copies.
