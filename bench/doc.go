@@ -1,0 +1,198 @@
+package main
+
+import (
+	_ "embed"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"text/template"
+)
+
+//go:embed benchmarks.md.tmpl
+var docTemplate string
+
+// renderDoc fills the document's template with the results' tables.
+func renderDoc(res *Results) (string, error) {
+	t, err := template.New("benchmarks").Option("missingkey=error").Parse(docTemplate)
+	if err != nil {
+		return "", err
+	}
+	m := res.Machine
+	var loads []string
+	for _, s := range sections {
+		if r, ok := res.Runs[s]; ok {
+			loads = append(loads, fmt.Sprintf("%s %.1f", s, r.Load))
+		}
+	}
+	conc := make([]string, len(amqpConcurrency))
+	for i, c := range amqpConcurrency {
+		conc[i] = strconv.Itoa(c)
+	}
+	d := map[string]any{
+		"Runs": runsText(res),
+		"Machine": fmt.Sprintf("- %d cores (`nproc`), CPU model `%s` (from `/proc/cpuinfo`)\n- %s\n"+
+			"- PostgreSQL %s, `synchronous_commit = %s`, pgx v5 through `database/sql`\n"+
+			"- MariaDB %s, InnoDB, go-sql-driver/mysql\n- SQLite %s through modernc.org/sqlite, file on local disk\n"+
+			"- RabbitMQ %s, durable queues, watermill-amqp v3.0.2\n- measured %s",
+			m.CPUs, m.CPUModel, m.Go, m.Postgres, m.PGSyncMode, m.MariaDB, m.SQLite, m.RabbitMQ, dates(res)),
+		"CPUs":              m.CPUs,
+		"Loads":             strings.Join(loads, ", "),
+		"Summary":           summary(res),
+		"Stack":             stackTable(res.Stack),
+		"StackN":            "–",
+		"BareAllocs":        "–",
+		"SettleExtraAllocs": "–",
+		"StackVerdict":      stackVerdict(res.Stack),
+		"Stores":            storesTable(res.Stores),
+		"StoresBenchtime":   "–",
+		"StoresCount":       "–",
+		"TxCost":            txCostTable(res.TxCost),
+		"TxSeconds":         "–",
+		"Concurrencies":     strings.Join(conc, ", "),
+		"Prefetch":          "–",
+		"RawN":              "–",
+		"TxN":               "–",
+		"AMQP":              amqpTable(res.AMQP),
+		"Outbox":            "(not measured)",
+		"OutboxTitle":       "",
+		"OutboxArgs":        "",
+		"Growth":            growthTables(res.Growth),
+	}
+	if s := res.Stack; s != nil {
+		d["StackN"] = num(float64(s.N))
+		d["BareAllocs"] = strconv.FormatFloat(s.Modes[modeBare].AllocsMsg, 'f', 0, 64)
+		d["SettleExtraAllocs"] = strconv.FormatFloat(s.Modes[modeSettle].AllocsMsg-s.Modes[modeBare].AllocsMsg, 'f', 0, 64)
+	}
+	if s := res.Stores; s != nil {
+		d["StoresBenchtime"], d["StoresCount"] = s.Benchtime, s.Count
+	}
+	if t := res.TxCost; t != nil {
+		d["TxSeconds"] = strconv.FormatFloat(t.Seconds, 'f', 0, 64)
+	}
+	if a := res.AMQP; a != nil {
+		d["Prefetch"], d["RawN"], d["TxN"] = a.Prefetch, num(float64(a.RawN)), num(float64(a.TxN))
+	}
+	if o := res.Outbox; o != nil {
+		d["Outbox"], d["OutboxTitle"], d["OutboxArgs"] = strings.TrimSpace(o.Table), o.Title, strings.Join(o.Args, " ")
+	}
+	var b strings.Builder
+	if err := t.Execute(&b, d); err != nil {
+		return "", err
+	}
+	return b.String(), nil
+}
+
+func runsText(res *Results) string {
+	var ns []int
+	for _, r := range res.Runs {
+		if !slices.Contains(ns, r.Runs) {
+			ns = append(ns, r.Runs)
+		}
+	}
+	slices.Sort(ns)
+	s := make([]string, len(ns))
+	for i, n := range ns {
+		s[i] = strconv.Itoa(n)
+	}
+	if len(s) == 0 {
+		return "3"
+	}
+	return strings.Join(s, " or ")
+}
+
+func dates(res *Results) string {
+	var ds []string
+	quick := false
+	for _, r := range res.Runs {
+		d, _, _ := strings.Cut(r.Date, " ")
+		if !slices.Contains(ds, d) {
+			ds = append(ds, d)
+		}
+		quick = quick || r.Quick
+	}
+	slices.Sort(ds)
+	s := strings.Join(ds, ", ")
+	if quick {
+		s += " (some sections with -quick: smaller runs)"
+	}
+	return s
+}
+
+// summary is one line per target: settle's figure, its floor, the ratio.
+func summary(res *Results) string {
+	var b strings.Builder
+	b.WriteString("| section | settle | floor | ratio | target | met |\n|---|---|---|---:|---:|---|\n")
+	met := func(r, t float64) string {
+		if r >= t {
+			return "yes"
+		}
+		return "no (see the section)"
+	}
+	if s := res.Stack; s != nil {
+		bare := s.Modes[modeBare].Rate
+		for _, c := range []struct {
+			mode   string
+			target float64
+		}{{modeSettle, targetStack}, {modeTracing, targetTracing}} {
+			r := s.Modes[c.mode].Ratio
+			fmt.Fprintf(&b, "| 2. GoChannel, %s | %s msgs/s | %s msgs/s (bare router) | %s | %s | %s |\n",
+				c.mode, num(s.Modes[c.mode].Rate), num(bare), x(r), x(c.target), met(r, c.target))
+		}
+	}
+	if s := res.Stores; s != nil {
+		lo, hi := 0.0, 0.0
+		first := true
+		var worst StoreRow
+		for _, r := range s.Rows {
+			if r.Floor == 0 {
+				continue
+			}
+			v := ratio(r.Settle, r.Floor)
+			if first || v < lo {
+				lo, worst = v, r
+			}
+			if first || v > hi {
+				hi = v
+			}
+			first = false
+		}
+		fmt.Fprintf(&b, "| 3. SQL stores, claim+confirm (9 cells) | | raw statements | %s–%s | %s | %s (lowest: %s at %d goroutines) |\n",
+			x(lo), x(hi), x(targetStores), met(lo, targetStores), worst.Store, worst.Goroutines)
+	}
+	if a := res.AMQP; a != nil {
+		for _, mode := range []string{settleOne, settleTwoSt} {
+			lo, hi := 0.0, 0.0
+			for i, r := range a.Rows {
+				v := ratio(r.Rate[mode], r.Floor())
+				if i == 0 || v < lo {
+					lo = v
+				}
+				if i == 0 || v > hi {
+					hi = v
+				}
+			}
+			fmt.Fprintf(&b, "| 4. RabbitMQ + PostgreSQL tx handler, %s, c=1..16 | | slower of raw AMQP / raw PG tx | %s–%s | %s | %s |\n",
+				mode, x(lo), x(hi), x(targetAMQP), met(lo, targetAMQP))
+		}
+	}
+	return b.String()
+}
+
+func stackVerdict(s *StackResults) string {
+	if s == nil {
+		return ""
+	}
+	rs, rt := s.Modes[modeSettle].Ratio, s.Modes[modeTracing].Ratio
+	var out []string
+	if rs < targetStack {
+		out = append(out, fmt.Sprintf("settle without tracing is at %s of the bare router, below the %s target: the bare router's no-op path costs only a few microseconds per message, so the fixed work settle must do per message (the `settle_attempt` write, the claim, a cancellable context and a renewal timer) is a large share of it. With any handler that does real work the share falls accordingly: on RabbitMQ (section 4) the Go process is not the bottleneck at all.", x(rs), x(targetStack)))
+	}
+	if rt < targetTracing {
+		out = append(out, fmt.Sprintf("With tracing, settle is at %s of the bare router, below the %s target: most of the added time is the OpenTelemetry SDK making and ending two spans per message and the goroutine that ends the settle span on the router's ack.", x(rt), x(targetTracing)))
+	}
+	if len(out) == 0 {
+		return "Both targets are met in this run."
+	}
+	return strings.Join(out, "\n\n")
+}

@@ -1,0 +1,251 @@
+// Command bench is settle's one benchmark harness: it measures settle beside
+// the floors it is judged against (the bare Watermill router, raw SQL
+// statements, raw RabbitMQ consume, raw PostgreSQL transactions) in one run,
+// prints the figures and their ratios, and can regenerate docs/benchmarks.md.
+//
+//	go run ./bench                        # everything, about 15 minutes
+//	go run ./bench -quick                 # smaller runs, about 2 minutes
+//	go run ./bench -only stack,txcost     # some sections
+//	go run ./bench -write docs/benchmarks.md
+//	go run ./bench -only stack -profile /tmp/prof  # CPU and alloc profiles
+//
+// Sections (-only takes a comma-separated list):
+//
+//   - stack: bare Watermill router on GoChannel vs settle's stack (memory
+//     store), tracing off and on.
+//   - stores: dedupe stores vs their raw-SQL floor on PostgreSQL, MariaDB and
+//     SQLite at 1/4/16 goroutines (runs `go test -bench ClaimConfirm` of
+//     ./dedupe and reads its output).
+//   - txcost: PostgreSQL transactional dedupe, one statement vs the default
+//     mode vs a raw BEGIN; INSERT; COMMIT.
+//   - amqp: RabbitMQ end to end: raw watermill-amqp consume vs settle's stack
+//     with a PostgreSQL transactional handler, at Concurrency 1..16, with an
+//     exactly-once check of the effect rows.
+//   - outbox: runs bench/outbox (a separate command) and includes its table.
+//   - growth: per-message cost as the message count and the dedupe table
+//     grow, and the cost of Prune on a million confirmed keys.
+//
+// The servers are read from SETTLE_POSTGRES_URL, SETTLE_MYSQL_URL and
+// SETTLE_AMQP_URL, defaulting to the local services on 127.0.0.1.
+//
+// With -write, the results of the sections run are merged into a JSON file
+// beside the harness (bench/results.json, -results) and the whole document is
+// regenerated from it, so a run of one section keeps the others' figures.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"slices"
+	"strings"
+	"time"
+)
+
+// sections in the order they run and appear in the document.
+var sections = []string{"stack", "stores", "txcost", "amqp", "outbox", "growth"}
+
+type options struct {
+	quick    bool
+	only     map[string]bool
+	write    string
+	results  string
+	profile  string
+	runs     int
+	pgURL    string
+	mysqlURL string
+	amqpURL  string
+	prefetch int
+	maxLoad  float64
+}
+
+func main() {
+	o, err := parseFlags(os.Args[1:])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	if err := run(ctx, o, os.Stdout, os.Stderr); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+func env(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+func parseFlags(args []string) (options, error) {
+	var o options
+	var only string
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	fs.BoolVar(&o.quick, "quick", false, "smaller runs (about 2 minutes in all)")
+	fs.StringVar(&only, "only", "", "comma-separated sections to run: "+strings.Join(sections, ","))
+	fs.StringVar(&o.write, "write", "", "regenerate this markdown file (docs/benchmarks.md) from the results")
+	fs.StringVar(&o.results, "results", "bench/results.json", "JSON file the results are merged into with -write")
+	fs.StringVar(&o.profile, "profile", "", "write CPU and alloc profiles of settle's runs into this directory")
+	fs.IntVar(&o.runs, "runs", 0, "runs per cell, the median is reported (default 3, 1 with -quick)")
+	fs.IntVar(&o.prefetch, "prefetch", 1, "RabbitMQ prefetch count per subscription (each has its own channel)")
+	fs.Float64Var(&o.maxLoad, "max-load", 0, "wait (up to 10 minutes) until the 1-minute load average is below this; 0 does not wait")
+	if err := fs.Parse(args); err != nil {
+		return o, err
+	}
+	if fs.NArg() > 0 {
+		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	o.only = map[string]bool{}
+	if only == "" {
+		for _, s := range sections {
+			o.only[s] = true
+		}
+	} else {
+		for s := range strings.SplitSeq(only, ",") {
+			if !slices.Contains(sections, s) {
+				return o, fmt.Errorf("-only: unknown section %q (have %s)", s, strings.Join(sections, ","))
+			}
+			o.only[s] = true
+		}
+	}
+	if o.runs == 0 {
+		o.runs = 3
+		if o.quick {
+			o.runs = 1
+		}
+	}
+	if o.runs < 0 || o.prefetch < 1 {
+		return o, errors.New("-runs must be >= 0 and -prefetch >= 1")
+	}
+	o.pgURL = env("SETTLE_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable")
+	o.mysqlURL = env("SETTLE_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
+	o.amqpURL = env("SETTLE_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+	return o, nil
+}
+
+// Results is everything a run measured; the document is generated from it.
+type Results struct {
+	Machine Machine          `json:"machine"`
+	Stack   *StackResults    `json:"stack,omitempty"`
+	Stores  *StoresResults   `json:"stores,omitempty"`
+	TxCost  *TxCostResults   `json:"txcost,omitempty"`
+	AMQP    *AMQPResults     `json:"amqp,omitempty"`
+	Outbox  *OutboxResults   `json:"outbox,omitempty"`
+	Growth  *GrowthResults   `json:"growth,omitempty"`
+	Runs    map[string]RunAt `json:"runs"` // section -> when and how it ran
+}
+
+// RunAt records the conditions of one section's run.
+type RunAt struct {
+	Date  string  `json:"date"`
+	Quick bool    `json:"quick"`
+	Runs  int     `json:"runs"`
+	Load  float64 `json:"load"` // 1-minute load average at the start
+}
+
+func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
+	if o.maxLoad > 0 {
+		waitQuiet(ctx, o.maxLoad, stderr)
+	}
+	m := describeMachine(ctx, o)
+	fmt.Fprintln(stdout, m.String())
+	res := &Results{Runs: map[string]RunAt{}}
+	if o.write != "" {
+		if b, err := os.ReadFile(o.results); err == nil {
+			if err := json.Unmarshal(b, res); err != nil {
+				return fmt.Errorf("%s: %w", o.results, err)
+			}
+			if res.Runs == nil {
+				res.Runs = map[string]RunAt{}
+			}
+		}
+	}
+	res.Machine = m
+	type section struct {
+		name string
+		run  func() error
+	}
+	all := []section{
+		{"stack", func() (err error) { res.Stack, err = runStack(ctx, o, stderr); return }},
+		{"stores", func() (err error) { res.Stores, err = runStores(ctx, o, stderr); return }},
+		{"txcost", func() (err error) { res.TxCost, err = runTxCost(ctx, o, stderr); return }},
+		{"amqp", func() (err error) { res.AMQP, err = runAMQP(ctx, o, stderr); return }},
+		{"outbox", func() (err error) { res.Outbox, err = runOutbox(ctx, o, stderr); return }},
+		{"growth", func() (err error) { res.Growth, err = runGrowth(ctx, o, stderr); return }},
+	}
+	for _, s := range all {
+		if !o.only[s.name] {
+			continue
+		}
+		start := time.Now()
+		fmt.Fprintf(stderr, "== %s\n", s.name)
+		res.Runs[s.name] = RunAt{Date: start.UTC().Format("2006-01-02 15:04 MST"), Quick: o.quick, Runs: o.runs, Load: loadAvg()}
+		if err := s.run(); err != nil {
+			return fmt.Errorf("%s: %w", s.name, err)
+		}
+		fmt.Fprintf(stderr, "== %s done in %s\n", s.name, time.Since(start).Round(time.Second))
+		fmt.Fprintln(stdout, sectionTables(res, s.name))
+	}
+	if o.write == "" {
+		return nil
+	}
+	b, err := json.MarshalIndent(res, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(o.results, append(b, '\n'), 0o644); err != nil {
+		return err
+	}
+	doc, err := renderDoc(res)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(o.write, []byte(doc), 0o644)
+}
+
+// waitQuiet polls the load average every 30s, up to 10 minutes, until it is
+// below max.
+func waitQuiet(ctx context.Context, max float64, log io.Writer) {
+	deadline := time.Now().Add(10 * time.Minute)
+	for {
+		l := loadAvg()
+		if l <= max || time.Now().After(deadline) {
+			fmt.Fprintf(log, "load average %.2f\n", l)
+			return
+		}
+		fmt.Fprintf(log, "load average %.2f > %.2f, waiting\n", l, max)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(30 * time.Second):
+		}
+	}
+}
+
+// median of xs (xs is sorted in place).
+func median(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	slices.Sort(xs)
+	n := len(xs)
+	if n%2 == 1 {
+		return xs[n/2]
+	}
+	return (xs[n/2-1] + xs[n/2]) / 2
+}
+
+func ratio(a, b float64) float64 {
+	if b == 0 {
+		return 0
+	}
+	return a / b
+}

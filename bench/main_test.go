@@ -1,0 +1,81 @@
+package main
+
+import (
+	"strings"
+	"testing"
+
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func TestParseStoreBench(t *testing.T) {
+	t.Parallel()
+	out := `goos: linux
+BenchmarkClaimConfirm/memory/g=1-2         	 1000000	      1000 ns/op	   1000000 msgs/s
+BenchmarkClaimConfirm/postgres/g=4/settle-2	    5000	    250000 ns/op	      4000 msgs/s
+BenchmarkClaimConfirm/postgres/g=4/floor-2 	    5000	    200000 ns/op	      5000 msgs/s
+BenchmarkClaimConfirm/postgres/g=4/settle-2	    5000	    250000 ns/op	      3000 msgs/s
+BenchmarkClaimConfirm/postgres/g=4/settle-2	    5000	    250000 ns/op	      3800 msgs/s
+PASS
+`
+	rows, err := parseStoreBench(strings.NewReader(out))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []StoreRow{
+		{Store: "memory", Goroutines: 1, Settle: 1000000},
+		{Store: "postgres", Goroutines: 4, Settle: 3800, Floor: 5000},
+	}
+	if len(rows) != len(want) {
+		t.Fatalf("got %d rows %+v, want %+v", len(rows), rows, want)
+	}
+	for i := range want {
+		if rows[i] != want[i] {
+			t.Errorf("row %d: got %+v, want %+v", i, rows[i], want[i])
+		}
+	}
+}
+
+func TestParseStoreBenchRefusesEmptyOutput(t *testing.T) {
+	t.Parallel()
+	if _, err := parseStoreBench(strings.NewReader("FAIL\n")); err == nil {
+		t.Fatal("no error for output without benchmark lines")
+	}
+}
+
+func TestNum(t *testing.T) {
+	t.Parallel()
+	for in, want := range map[float64]string{0: "0", 999: "999", 1000: "1,000", 1234567.4: "1,234,567", -4200: "-4,200"} {
+		if got := num(in); got != want {
+			t.Errorf("num(%v) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+func TestParseFlags(t *testing.T) {
+	t.Parallel()
+	o, err := parseFlags([]string{"-quick", "-only", "stack,growth"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !o.quick || o.runs != 1 || !o.only["stack"] || !o.only["growth"] || o.only["amqp"] {
+		t.Errorf("parsed %+v", o)
+	}
+	if _, err := parseFlags([]string{"-only", "nope"}); err == nil {
+		t.Error("unknown section accepted")
+	}
+}
+
+func TestRenderDocWithoutResults(t *testing.T) {
+	t.Parallel()
+	doc, err := renderDoc(&Results{Runs: map[string]RunAt{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []string{"# Benchmarks", "## 3. Dedupe stores", "(not measured)"} {
+		if !strings.Contains(doc, s) {
+			t.Errorf("document lacks %q", s)
+		}
+	}
+}

@@ -1,0 +1,211 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"runtime"
+	"runtime/pprof"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/middleware"
+	"github.com/settle-go/settle/pipeline"
+)
+
+// Stack modes.
+const (
+	modeBare    = "bare"
+	modeSettle  = "settle"
+	modeTracing = "settle+tracing"
+)
+
+var stackModes = []string{modeBare, modeSettle, modeTracing}
+
+// StackResults: section stack.
+type StackResults struct {
+	N     int                  `json:"n"`
+	Modes map[string]StackCell `json:"modes"`
+}
+
+// StackCell is the median of one mode's runs.
+type StackCell struct {
+	Rate      float64   `json:"msgs_per_s"`
+	Ratio     float64   `json:"ratio_to_bare"` // median of the per-round ratios
+	AllocsMsg float64   `json:"allocs_per_msg"`
+	BytesMsg  float64   `json:"bytes_per_msg"`
+	All       []float64 `json:"all_msgs_per_s"`
+}
+
+// discardExporter drops spans after the batch processor collected them.
+type discardExporter struct{}
+
+func (discardExporter) ExportSpans(context.Context, []sdktrace.ReadOnlySpan) error { return nil }
+func (discardExporter) Shutdown(context.Context) error                             { return nil }
+
+func runStack(ctx context.Context, o options, log io.Writer) (*StackResults, error) {
+	n := 200_000
+	if o.quick {
+		n = 50_000
+	}
+	res := &StackResults{N: n, Modes: map[string]StackCell{}}
+	rates := map[string][]float64{}
+	allocs := map[string][]float64{}
+	bytes := map[string][]float64{}
+	ratios := map[string][]float64{}
+	// Warm up once (page in code, grow the heap) so the first mode measured
+	// is not penalised.
+	if _, err := stackRun(ctx, modeSettle, n/10, dedupe.NewMemoryStore(), ""); err != nil {
+		return nil, err
+	}
+	for r := range o.runs {
+		for _, mode := range stackModes {
+			prof := ""
+			if o.profile != "" && r == o.runs-1 && mode != modeBare {
+				prof = filepath.Join(o.profile, "stack-"+mode)
+			}
+			s, err := stackRun(ctx, mode, n, dedupe.NewMemoryStore(), prof)
+			if err != nil {
+				return nil, err
+			}
+			fmt.Fprintf(log, "run %d %s: %.0f msgs/s, %.1f allocs/msg, %.0f B/msg\n", r+1, mode, s.Rate, s.AllocsMsg, s.BytesMsg)
+			rates[mode] = append(rates[mode], s.Rate)
+			allocs[mode] = append(allocs[mode], s.AllocsMsg)
+			bytes[mode] = append(bytes[mode], s.BytesMsg)
+			ratios[mode] = append(ratios[mode], s.Rate/rates[modeBare][r])
+		}
+	}
+	for _, mode := range stackModes {
+		all := append([]float64(nil), rates[mode]...)
+		res.Modes[mode] = StackCell{Rate: median(rates[mode]), Ratio: median(ratios[mode]), AllocsMsg: median(allocs[mode]), BytesMsg: median(bytes[mode]), All: all}
+	}
+	return res, nil
+}
+
+// stackRun pushes n messages through a router on GoChannel with a no-op
+// handler: the bare router, or settle's stack (store, tracing off or on).
+// With prof set it writes prof+".cpu" and prof+".allocs".
+func stackRun(ctx context.Context, mode string, n int, store dedupe.Store, prof string) (StackCell, error) {
+	logger := watermill.NopLogger{}
+	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, logger)
+	defer ps.Close()
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	if err != nil {
+		return StackCell{}, err
+	}
+	var done atomic.Int64
+	finished := make(chan struct{})
+	total := int64(n)
+	handler := func(*message.Message) error {
+		if done.Add(1) == total {
+			close(finished)
+		}
+		return nil
+	}
+	if mode == modeBare {
+		router.AddConsumerHandler("h", "t", ps, handler)
+	} else {
+		cfg := pipeline.Config{Publisher: ps, Store: store, DisableTracing: mode == modeSettle}
+		if mode == modeTracing {
+			tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(discardExporter{}))
+			mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
+			defer func() { _ = tp.Shutdown(context.Background()); _ = mp.Shutdown(context.Background()) }()
+			cfg.Tracing = []middleware.Option{middleware.WithTracerProvider(tp), middleware.WithMeterProvider(mp)}
+		}
+		p, err := pipeline.New(router, cfg)
+		if err != nil {
+			return StackCell{}, err
+		}
+		if _, err := p.Handle("h", "t", ps, handler); err != nil {
+			return StackCell{}, err
+		}
+	}
+	runDone := make(chan error, 1)
+	go func() { runDone <- router.Run(ctx) }()
+	defer func() { _ = router.Close(); <-runDone }()
+	select {
+	case <-router.Running():
+	case err := <-runDone:
+		return StackCell{}, fmt.Errorf("router stopped: %w", err)
+	}
+	prefix := "m-" + randomID() + "-"
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = message.NewMessage(prefix+strconv.Itoa(i), nil)
+	}
+	runtime.GC()
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	stopProf, err := startProfile(prof)
+	if err != nil {
+		return StackCell{}, err
+	}
+	start := time.Now()
+	pubErr := make(chan error, 1)
+	go func() {
+		for _, m := range msgs {
+			if err := ps.Publish("t", m); err != nil {
+				pubErr <- err
+				return
+			}
+		}
+	}()
+	select {
+	case <-finished:
+	case err := <-pubErr:
+		stopProf()
+		return StackCell{}, err
+	case <-ctx.Done():
+		stopProf()
+		return StackCell{}, ctx.Err()
+	case <-time.After(5 * time.Minute):
+		stopProf()
+		return StackCell{}, fmt.Errorf("%s: %d of %d messages handled in 5 minutes", mode, done.Load(), n)
+	}
+	elapsed := time.Since(start)
+	stopProf()
+	runtime.ReadMemStats(&after)
+	return StackCell{
+		Rate:      float64(n) / elapsed.Seconds(),
+		AllocsMsg: float64(after.Mallocs-before.Mallocs) / float64(n),
+		BytesMsg:  float64(after.TotalAlloc-before.TotalAlloc) / float64(n),
+	}, nil
+}
+
+// startProfile starts a CPU profile into prof+".cpu" and returns the function
+// that stops it and writes the allocation profile to prof+".allocs". An empty
+// prof profiles nothing.
+func startProfile(prof string) (func(), error) {
+	if prof == "" {
+		return func() {}, nil
+	}
+	if err := os.MkdirAll(filepath.Dir(prof), 0o755); err != nil {
+		return nil, err
+	}
+	f, err := os.Create(prof + ".cpu")
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		_ = f.Close()
+		if a, err := os.Create(prof + ".allocs"); err == nil {
+			_ = pprof.Lookup("allocs").WriteTo(a, 0)
+			_ = a.Close()
+		}
+	}, nil
+}

@@ -1,0 +1,158 @@
+package main
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+)
+
+// Targets of the performance issue: settle's figure over its floor.
+const (
+	targetStack   = 0.8
+	targetTracing = 0.5
+	targetStores  = 0.8
+	targetAMQP    = 0.7
+)
+
+// num formats a rate with thousands separators.
+func num(f float64) string {
+	s := strconv.FormatFloat(f, 'f', 0, 64)
+	neg := strings.HasPrefix(s, "-")
+	s = strings.TrimPrefix(s, "-")
+	var b strings.Builder
+	for i, c := range s {
+		if i > 0 && (len(s)-i)%3 == 0 {
+			b.WriteByte(',')
+		}
+		b.WriteRune(c)
+	}
+	if neg {
+		return "-" + b.String()
+	}
+	return b.String()
+}
+
+func x(r float64) string { return strconv.FormatFloat(r, 'f', 2, 64) + "x" }
+
+// verdict marks a ratio against its target.
+func verdict(r, target float64) string {
+	if r >= target {
+		return x(r)
+	}
+	return x(r) + " (below " + strconv.FormatFloat(target, 'f', 1, 64) + "x)"
+}
+
+func sectionTables(res *Results, name string) string {
+	switch name {
+	case "stack":
+		return stackTable(res.Stack)
+	case "stores":
+		return storesTable(res.Stores)
+	case "txcost":
+		return txCostTable(res.TxCost)
+	case "amqp":
+		return amqpTable(res.AMQP)
+	case "outbox":
+		if res.Outbox == nil {
+			return ""
+		}
+		return res.Outbox.Title + "\n\n" + res.Outbox.Table
+	case "growth":
+		return growthTables(res.Growth)
+	}
+	return ""
+}
+
+func stackTable(s *StackResults) string {
+	if s == nil {
+		return "(not measured)\n"
+	}
+	var b strings.Builder
+	b.WriteString("| router | msgs/s (median) | allocs/msg | bytes/msg | ratio to bare (median of rounds) | target |\n|---|---:|---:|---:|---:|---:|\n")
+	for _, m := range stackModes {
+		c := s.Modes[m]
+		r, t := "1.00x", "–"
+		switch m {
+		case modeSettle:
+			r, t = verdict(c.Ratio, targetStack), ">= 0.8x"
+		case modeTracing:
+			r, t = verdict(c.Ratio, targetTracing), ">= 0.5x"
+		}
+		fmt.Fprintf(&b, "| %s | %s | %.1f | %s | %s | %s |\n", m, num(c.Rate), c.AllocsMsg, num(c.BytesMsg), r, t)
+	}
+	return b.String()
+}
+
+func storesTable(s *StoresResults) string {
+	if s == nil {
+		return "(not measured)\n"
+	}
+	var b strings.Builder
+	b.WriteString("| store | goroutines | settle msgs/s | floor msgs/s | settle/floor |\n|---|---:|---:|---:|---:|\n")
+	for _, r := range s.Rows {
+		name := r.Store
+		if name == "mysql" {
+			name = "mysql (MariaDB)"
+		}
+		fl, rt := "–", "–"
+		if r.Floor > 0 {
+			fl, rt = num(r.Floor), verdict(ratio(r.Settle, r.Floor), targetStores)
+		}
+		fmt.Fprintf(&b, "| %s | %d | %s | %s | %s |\n", name, r.Goroutines, num(r.Settle), fl, rt)
+	}
+	return b.String()
+}
+
+func txCostTable(t *TxCostResults) string {
+	if t == nil {
+		return "(not measured)\n"
+	}
+	var b strings.Builder
+	b.WriteString("| goroutines | raw: BEGIN; INSERT; COMMIT | raw+key: BEGIN; INSERT key; INSERT; COMMIT | settle one-statement | settle default (claim outside, confirm inside) | one-statement/raw | default/raw | one-statement/raw+key |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, r := range t.Rows {
+		raw := r.Rate[txRaw]
+		fmt.Fprintf(&b, "| %d | %s | %s | %s | %s | %s | %s | %s |\n", r.Goroutines, num(raw), num(r.Rate[txRawKey]), num(r.Rate[txOne]), num(r.Rate[txDefault]),
+			x(ratio(r.Rate[txOne], raw)), x(ratio(r.Rate[txDefault], raw)), x(ratio(r.Rate[txOne], r.Rate[txRawKey])))
+	}
+	return b.String()
+}
+
+func amqpTable(a *AMQPResults) string {
+	if a == nil {
+		return "(not measured)\n"
+	}
+	var b strings.Builder
+	b.WriteString("| concurrency | raw AMQP consume | raw PG tx | floor (slower) | both in series | settle one-statement | ratio to floor | settle default | ratio to floor | effects checked |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, r := range a.Rows {
+		fl := r.Floor()
+		fmt.Fprintf(&b, "| %d | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.Concurrency,
+			num(r.Rate[amqpRaw]), num(r.Rate[pgRaw]), num(fl), num(1/(1/r.Rate[amqpRaw]+1/r.Rate[pgRaw])),
+			num(r.Rate[settleOne]), verdict(ratio(r.Rate[settleOne], fl), targetAMQP),
+			num(r.Rate[settleTwoSt]), verdict(ratio(r.Rate[settleTwoSt], fl), targetAMQP),
+			num(float64(r.Checked)))
+	}
+	return b.String()
+}
+
+func growthTables(g *GrowthResults) string {
+	if g == nil {
+		return "(not measured)\n"
+	}
+	var b strings.Builder
+	b.WriteString("GoChannel, no-op handler, µs per message (median):\n\n| messages | bare router | settle (memory store) |\n|---:|---:|---:|\n")
+	for _, r := range g.Stack {
+		fmt.Fprintf(&b, "| %s | %.2f | %.2f |\n", num(float64(r.N)), r.USMs[modeBare], r.USMs[modeSettle])
+	}
+	fmt.Fprintf(&b, "\nPostgreSQL store, claim+confirm of fresh keys from %d goroutines on a new table, µs per message (wall time / messages):\n\n| messages | µs/msg | msgs/s |\n|---:|---:|---:|\n", g.Goroutines)
+	for _, r := range g.PG {
+		us := r.USMs["postgres"]
+		fmt.Fprintf(&b, "| %s | %.1f | %s |\n", num(float64(r.N)), us, num(1e6/us))
+	}
+	p := g.Prefilled
+	fmt.Fprintf(&b, "\nPre-filled table (%s confirmed keys, filled in %.1f s with one INSERT … SELECT generate_series):\n\n", num(float64(p.Rows)), p.FillSeconds)
+	b.WriteString("| | µs/msg | msgs/s |\n|---|---:|---:|\n")
+	fmt.Fprintf(&b, "| claim+confirm of %s fresh keys, empty table | %.1f | %s |\n", num(float64(p.N)), p.EmptyUS, num(1e6/p.EmptyUS))
+	fmt.Fprintf(&b, "| claim+confirm of %s fresh keys, %s rows | %.1f | %s |\n", num(float64(p.N)), num(float64(p.Rows)), p.FullUS, num(1e6/p.FullUS))
+	fmt.Fprintf(&b, "\nPrune of the %s old rows (batches of 5,000): %.1f s, %s rows/s.\n", num(float64(p.Pruned)), p.PruneSecs, num(float64(p.Pruned)/p.PruneSecs))
+	return b.String()
+}
