@@ -13,7 +13,7 @@
 #   2. RabbitMQ with a pool of 4 publishing channels (Publish.ChannelPoolSize);
 #   3. the paced scenario again with settle's default PollInterval (50ms).
 # The per-run lines go to $OUT (default: a temporary file whose name is
-# printed at the end). Takes about 6 minutes with the defaults.
+# printed at the end). Takes about 7 minutes with the defaults.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
