@@ -3,11 +3,12 @@
 // statements, raw RabbitMQ consume, raw PostgreSQL transactions) in one run,
 // prints the figures and their ratios, and can regenerate docs/benchmarks.md.
 //
-//	go run ./bench                        # everything, about 15 minutes
+//	go run ./bench                        # everything, about 10 minutes
 //	go run ./bench -quick                 # smaller runs, about 2 minutes
 //	go run ./bench -only stack,txcost     # some sections
 //	go run ./bench -write docs/benchmarks.md
-//	go run ./bench -only stack -profile /tmp/prof  # CPU and alloc profiles
+//	go run ./bench -only stack -profile DIR  # CPU and alloc profiles into DIR
+//	go run ./bench -render -write docs/benchmarks.md # the document from bench/results.json
 //
 // Sections (-only takes a comma-separated list):
 //
@@ -88,11 +89,13 @@ func env(name, def string) string {
 func parseFlags(args []string) (options, error) {
 	var o options
 	var only string
+	var render bool
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.BoolVar(&o.quick, "quick", false, "smaller runs (about 2 minutes in all)")
 	fs.StringVar(&only, "only", "", "comma-separated sections to run: "+strings.Join(sections, ","))
 	fs.StringVar(&o.write, "write", "", "regenerate this markdown file (docs/benchmarks.md) from the results")
 	fs.StringVar(&o.results, "results", "bench/results.json", "JSON file the results are merged into with -write")
+	fs.BoolVar(&render, "render", false, "run nothing: regenerate the -write file from the -results file")
 	fs.StringVar(&o.profile, "profile", "", "write CPU and alloc profiles of settle's runs into this directory")
 	fs.IntVar(&o.runs, "runs", 0, "runs per cell, the median is reported (default 3, 1 with -quick)")
 	fs.IntVar(&o.prefetch, "prefetch", 1, "RabbitMQ prefetch count per subscription (each has its own channel)")
@@ -104,7 +107,11 @@ func parseFlags(args []string) (options, error) {
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
 	o.only = map[string]bool{}
-	if only == "" {
+	if render {
+		if o.write == "" || only != "" {
+			return o, errors.New("-render needs -write and no -only")
+		}
+	} else if only == "" {
 		for _, s := range sections {
 			o.only[s] = true
 		}
@@ -155,8 +162,6 @@ func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
 	if o.maxLoad > 0 {
 		waitQuiet(ctx, o.maxLoad, stderr)
 	}
-	m := describeMachine(ctx, o)
-	fmt.Fprintln(stdout, m.String())
 	res := &Results{Runs: map[string]RunAt{}}
 	if o.write != "" {
 		if b, err := os.ReadFile(o.results); err == nil {
@@ -168,7 +173,10 @@ func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
 			}
 		}
 	}
-	res.Machine = m
+	if len(o.only) > 0 || res.Machine.CPUs == 0 {
+		res.Machine = describeMachine(ctx, o)
+		fmt.Fprintln(stdout, res.Machine.String())
+	}
 	type section struct {
 		name string
 		run  func() error
