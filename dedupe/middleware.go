@@ -237,7 +237,7 @@ func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Conte
 	claim := st.claim
 	hctx, cancel := context.WithCancelCause(st)
 	msg.SetContext(hctx)
-	st.renewal = m.renew(hctx, cancel, msg.UUID, claim)
+	st.renewal = m.renew(hctx, &st.ren, cancel, msg.UUID, claim)
 
 	settled := false
 	defer func() {
@@ -279,7 +279,8 @@ type held struct {
 	context.Context // the message's context before the claim
 	claim           Claim
 	store           Store
-	renewal         *renewal // set while the handler runs
+	renewal         *renewal // set while the handler runs (to &ren)
+	ren             renewal  // allocated with the holder
 	confirmedInTx   bool
 }
 
@@ -377,12 +378,14 @@ func (m *mw) settle(ctx context.Context, claim Claim, ok bool) error {
 	return nil
 }
 
-// renew keeps the claim alive until its stop method is called. stop waits for a renewal in flight to finish and may be called twice.
+// renew keeps the claim alive, with r (the holder's renewal), until r.stop
+// is called. stop waits for a renewal in flight to finish and may be called
+// twice.
 //
 // It runs on a timer rather than a goroutine of its own: most handlers
 // finish before the first renewal is due, and then renewal costs one timer.
-func (m *mw) renew(ctx context.Context, cancel context.CancelCauseFunc, uuid string, claim Claim) *renewal {
-	r := &renewal{m: m, ctx: ctx, cancel: cancel, uuid: uuid, claim: claim, expires: claim.ExpiresAt}
+func (m *mw) renew(ctx context.Context, r *renewal, cancel context.CancelCauseFunc, uuid string, claim Claim) *renewal {
+	r.m, r.ctx, r.cancel, r.uuid, r.claim, r.expires = m, ctx, cancel, uuid, claim, claim.ExpiresAt
 	if r.expires.IsZero() {
 		r.expires = time.Now().Add(m.cfg.ClaimTimeout)
 	}
