@@ -70,8 +70,21 @@ func renderDoc(res *Results) (string, error) {
 	if t := res.TxCost; t != nil {
 		d["TxSeconds"] = strconv.FormatFloat(t.Seconds, 'f', 0, 64)
 	}
+	d["OneRawRange"], d["SeriesRange"] = "–", "–"
+	if t := res.TxCost; t != nil {
+		var rs []float64
+		for _, r := range t.Rows {
+			rs = append(rs, ratio(r.Rate[txOne], r.Rate[txRaw]))
+		}
+		d["OneRawRange"] = span(rs)
+	}
 	if a := res.AMQP; a != nil {
 		d["Prefetch"], d["RawN"], d["TxN"] = a.Prefetch, num(float64(a.RawN)), num(float64(a.TxN))
+		var rs []float64
+		for _, r := range a.Rows {
+			rs = append(rs, ratio(r.Rate[settleOne], 1/(1/r.Rate[amqpRaw]+1/r.Rate[pgRaw])))
+		}
+		d["SeriesRange"] = span(rs)
 	}
 	if o := res.Outbox; o != nil {
 		d["Outbox"], d["OutboxTitle"], d["OutboxArgs"] = strings.TrimSpace(o.Table), o.Title, strings.Join(o.Args, " ")
@@ -207,4 +220,12 @@ func stackVerdict(s *StackResults) string {
 		return "Both targets are met in this run."
 	}
 	return strings.Join(out, "\n\n")
+}
+
+// span formats the range of ratios, "0.75x–0.82x".
+func span(rs []float64) string {
+	if len(rs) == 0 {
+		return "–"
+	}
+	return x(slices.Min(rs)) + "–" + x(slices.Max(rs))
 }
