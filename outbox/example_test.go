@@ -8,9 +8,9 @@ import (
 	"path/filepath"
 	"time"
 
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	_ "modernc.org/sqlite"
 
 	"github.com/settle-go/settle/dedupe"

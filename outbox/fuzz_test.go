@@ -5,8 +5,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
