@@ -51,6 +51,7 @@ var commands = []command{
 	{"dedupe schema", runDedupeSchema},
 	{"outbox schema", runOutboxSchema},
 	{"outbox status", runOutboxStatus},
+	{"outbox prune", runOutboxPrune},
 }
 
 // synopses are the usage lines of the commands, after "settle ".
@@ -62,6 +63,7 @@ var synopses = map[string]string{
 	"dedupe schema": "dedupe schema -dialect postgres|mysql|sqlite [-table T]",
 	"outbox schema": "outbox schema -dialect postgres|mysql|sqlite [-topic T]",
 	"outbox status": "outbox status -db URL [-topic T] [-group G] [-json]",
+	"outbox prune":  "outbox prune -db URL [-topic T] [-group G] -older-than DURATION",
 }
 
 func usage() string {

@@ -142,6 +142,40 @@ func runOutboxStatus(e *env, args []string) (err error) {
 	return nil
 }
 
+func runOutboxPrune(e *env, args []string) (err error) {
+	const name = "outbox prune"
+	fs := newFlagSet(name)
+	dbURL := fs.String("db", "", "database URL: postgres://, mysql:// or sqlite:// (default $"+envDBURL+")")
+	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
+	group := fs.String("group", "", "the relays' consumer group; with several groups, the slowest")
+	olderThan := fs.Duration("older-than", 0, "remove forwarded rows written longer ago than this, e.g. 168h (required)")
+	pos, err := parse(e, fs, name, args)
+	if err != nil {
+		return err
+	}
+	switch {
+	case len(pos) > 0:
+		return usagef(fs, name, "unexpected argument %q", pos[0])
+	case *olderThan <= 0:
+		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 168h)")
+	}
+	db, dialect, err := openDB(e, *dbURL)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, db.Close()) }()
+	ob, err := outbox.New(outbox.Config{Dialect: dialect, Topic: *topic})
+	if err != nil {
+		return fmt.Errorf("-topic: %w", err)
+	}
+	n, err := ob.Prune(e.ctx, wsql.BeginnerFromStdSQL(db), *group, *olderThan)
+	if err != nil {
+		return fmt.Errorf("prune outbox %s (%d rows removed before the error): %w", *topic, n, err)
+	}
+	fmt.Fprintf(e.stdout, "pruned %d forwarded rows from outbox %s (written more than %s ago)\n", n, *topic, *olderThan)
+	return nil
+}
+
 // writeSQL writes statements for migration tools: a comment header, then
 // each statement with its indentation tidied, ending with ';', separated by
 // blank lines.

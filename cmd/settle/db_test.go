@@ -5,6 +5,8 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -169,5 +171,23 @@ func TestOutboxStatus(t *testing.T) {
 	r = mustRun(t, exitFail, "outbox", "status", "-db", u, "-topic", topic+"_none")
 	if !strings.Contains(r.stderr, "settle: outbox: status: ") {
 		t.Errorf("status of a missing outbox:\n%v", r)
+	}
+	// Forward the two rows, then prune: the older one goes, the newest
+	// forwarded row stays as the relay's bookmark.
+	n, err := ob.Forward(t.Context(), wsql.BeginnerFromStdSQL(db.DB), gochannel.NewGoChannel(gochannel.Config{}, nil), outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
+	if err != nil || n != 2 {
+		t.Fatalf("Forward = %d, %v", n, err)
+	}
+	r = mustRun(t, exitUsage, "outbox", "prune", "-db", u, "-topic", topic)
+	if !strings.Contains(r.stderr, "-older-than is required") {
+		t.Errorf("prune without -older-than:\n%v", r)
+	}
+	r = mustRun(t, exitOK, "outbox", "prune", "-db", u, "-topic", topic, "-older-than", "1ns")
+	if !strings.Contains(r.stdout, "pruned 1 forwarded rows from outbox "+topic) {
+		t.Errorf("prune:\n%v", r)
+	}
+	var rows int
+	if err := db.QueryRowContext(t.Context(), `SELECT COUNT(*) FROM "watermill_`+topic+`"`).Scan(&rows); err != nil || rows != 1 {
+		t.Errorf("%d rows left after prune, %v; want 1", rows, err)
 	}
 }

@@ -8,6 +8,7 @@
 //	settle dedupe schema -dialect postgres|mysql|sqlite [-table T]
 //	settle outbox schema -dialect postgres|mysql|sqlite [-topic T]
 //	settle outbox status -db URL [-topic T] [-group G] [-json]
+//	settle outbox prune -db URL [-topic T] [-group G] -older-than 168h
 //
 // -amqp defaults to $SETTLE_AMQP_URL and -db to $SETTLE_DB_URL. Listing and
 // showing never remove a message from a queue; replay is a dry run unless
