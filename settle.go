@@ -15,6 +15,12 @@
 // See docs/settlement.md for the outcomes and the order of the middleware.
 package settle
 
+import (
+	"strconv"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
 // Outcome is how one delivery of a message ended. Every delivery ends with
 // exactly one outcome; spans and metrics are keyed on it.
 type Outcome string
@@ -94,3 +100,13 @@ const (
 	// message failed before it was replayed.
 	MetaReplayReason = "settle_replay_reason"
 )
+
+// Attempt returns the attempt number settle's retry middleware recorded on
+// msg (MetaAttempt) for the run in progress, or 1 when none is recorded.
+func Attempt(msg *message.Message) int {
+	n, err := strconv.Atoi(msg.Metadata.Get(MetaAttempt))
+	if err != nil || n < 1 {
+		return 1
+	}
+	return n
+}

@@ -173,11 +173,10 @@ func run(ctx context.Context, cfg config) error {
 	if _, err := pipeline.Handle(p, "email", topics.charged, br.sub, nil, func(ctx context.Context, m pipeline.Message[orderCharged]) error {
 		var n int
 		_, _ = fmt.Sscanf(m.Body.OrderID, "A-%d", &n)
-		attempt := m.Metadata.Get(settle.MetaAttempt)
 		switch {
 		case bouncingMail(n):
 			return fmt.Errorf("smtp: 450 mailbox %s unavailable", m.Body.Email)
-		case flakyMail(n) && attempt == "1":
+		case flakyMail(n) && settle.Attempt(m.Message) == 1:
 			return errors.New("smtp: connection reset by peer")
 		}
 		if _, err := db.ExecContext(ctx, "INSERT INTO "+s.emails+" (order_id) VALUES ("+s.ph(1)+")", m.Body.OrderID); err != nil {
