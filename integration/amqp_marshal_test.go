@@ -114,7 +114,7 @@ func (e *marshalEnv) start(marshaler amqp.Marshaler, logger watermill.LoggerAdap
 	cfg := amqp.NewDurableQueueConfig(e.url)
 	cfg.Marshaler = marshaler
 	cfg.Queue.Arguments = e.queueArgs()
-	sub, err := amqp.NewSubscriber(cfg, logger)
+	sub, err := amqp.NewSubscriber(cfg, testenv.AMQPLogger(e.t, logger))
 	if err != nil {
 		e.t.Fatalf("new subscriber: %v", err)
 	}

@@ -108,7 +108,7 @@ func TestCrashMessageIsDeadLetteredAfterMaxAttempts(t *testing.T) {
 	pubCfg := amqp.NewDurableQueueConfig(url)
 	pubCfg.Marshaler = marshaler
 	pubCfg.Publish.ConfirmDelivery = true
-	pub, err := amqp.NewPublisher(pubCfg, watermill.NopLogger{})
+	pub, err := amqp.NewPublisher(pubCfg, testenv.AMQPLogger(t, nil))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -79,7 +79,7 @@ func (e *dedupeAMQP) start(h message.NoPublishHandlerFunc, mw message.HandlerMid
 	t := e.t
 	t.Helper()
 	cfg := amqp.NewDurableQueueConfig(e.url)
-	pub, err := amqp.NewPublisher(cfg, watermill.NopLogger{})
+	pub, err := amqp.NewPublisher(cfg, testenv.AMQPLogger(t, nil))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -89,7 +89,7 @@ func (e *dedupeAMQP) start(h message.NoPublishHandlerFunc, mw message.HandlerMid
 			t.Errorf("close publisher: %v", err)
 		}
 	})
-	sub, err := amqp.NewSubscriber(cfg, watermill.NopLogger{})
+	sub, err := amqp.NewSubscriber(cfg, testenv.AMQPLogger(t, nil))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -107,7 +107,7 @@ func (e *obEnv) amqpConfig() amqp.Config {
 // returns only once the broker holds the message.
 func (e *obEnv) newPublisher() *amqp.Publisher {
 	e.t.Helper()
-	pub, err := amqp.NewPublisher(e.amqpConfig(), watermill.NopLogger{})
+	pub, err := amqp.NewPublisher(e.amqpConfig(), testenv.AMQPLogger(e.t, nil))
 	saMust(e.t, err)
 	e.t.Cleanup(func() {
 		if err := pub.Close(); err != nil {
@@ -272,7 +272,7 @@ func (e *obEnv) startConsumer() *obConsumer {
 	})
 	saMust(t, err)
 
-	sub, err := amqp.NewSubscriber(e.amqpConfig(), watermill.NopLogger{})
+	sub, err := amqp.NewSubscriber(e.amqpConfig(), testenv.AMQPLogger(t, nil))
 	saMust(t, err)
 	t.Cleanup(func() {
 		if err := sub.Close(); err != nil {

@@ -155,7 +155,7 @@ func (e *saEnv) start(handler func(call int64, msg *message.Message) error) {
 	t := e.t
 	t.Helper()
 	logger := watermill.NopLogger{}
-	pub, err := amqp.NewPublisher(e.amqpConfig(), logger)
+	pub, err := amqp.NewPublisher(e.amqpConfig(), testenv.AMQPLogger(t, logger))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -165,7 +165,7 @@ func (e *saEnv) start(handler func(call int64, msg *message.Message) error) {
 			t.Errorf("close publisher: %v", err)
 		}
 	})
-	sub, err := amqp.NewSubscriber(e.amqpConfig(), logger)
+	sub, err := amqp.NewSubscriber(e.amqpConfig(), testenv.AMQPLogger(t, logger))
 	if err != nil {
 		t.Fatal(err)
 	}

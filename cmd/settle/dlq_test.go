@@ -128,7 +128,7 @@ func deadLetter(t *testing.T, b broker, dlq string, failures []failure) {
 	}
 	cfg := amqp.NewDurableQueueConfig(b.url)
 	cfg.Marshaler = marshaler
-	pub, err := amqp.NewPublisher(cfg, logger)
+	pub, err := amqp.NewPublisher(cfg, testenv.AMQPLogger(t, logger))
 	if err != nil {
 		t.Fatal(err)
 	}
