@@ -95,9 +95,19 @@ func TestTracingOutcomes(t *testing.T) {
 			s := newStack(t, stackOpts{retry: fastRetry(2, 0), outer: tr.mw}, c.handler)
 			s.publish(message.NewMessage(watermill.NewUUID(), []byte("{}")))
 			s.waitAcked(1)
-			spans := tr.spans(t, 2)
-			procs := byName(spans, topic+" process")
-			last := procs[len(procs)-1]
+			// The process span ends just after the chain returns: wait for
+			// the one with the expected outcome.
+			var last sdktrace.ReadOnlySpan
+			eventually(t, 5*time.Second, "the process span of the last delivery", func() bool {
+				for _, sp := range byName(tr.rec.Ended(), topic+" process") {
+					if attr(sp, middleware.OutcomeKey).AsString() == string(c.outcome) {
+						last = sp
+						return true
+					}
+				}
+				return false
+			})
+			spans := tr.rec.Ended()
 			if last.SpanKind() != trace.SpanKindConsumer {
 				t.Fatalf("process span kind %v", last.SpanKind())
 			}
