@@ -94,7 +94,7 @@ type Outbox struct {
 	cfg     Config
 	schema  wsql.SchemaAdapter
 	offsets wsql.OffsetsAdapter
-	status  statusQuery
+	q       tableQueries
 }
 
 // New checks cfg and returns an Outbox. It touches no database.
@@ -114,7 +114,7 @@ func New(cfg Config) (*Outbox, error) {
 			o.schema, o.offsets = SQLiteSchema{SubscribeBatchSize: 10}, SQLiteOffsetsAdapter{}
 		}
 	}
-	o.status = newStatusQuery(cfg.Dialect, o.schema, o.offsets, cfg.Topic)
+	o.q = newTableQueries(cfg.Dialect, o.schema, o.offsets, cfg.Topic)
 	return o, nil
 }
 

@@ -2,7 +2,6 @@ package outbox
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
@@ -51,19 +50,16 @@ func (o *Outbox) Prune(ctx context.Context, db wsql.ContextExecutor, consumerGro
 	if olderThan < 0 {
 		return 0, fmt.Errorf("outbox: prune: olderThan must be >= 0, got %v", olderThan)
 	}
-	namer, ok := o.schema.(tableNamer)
-	onamer, ok2 := o.offsets.(offsetsNamer)
-	if !ok || !ok2 {
-		return 0, errors.New("outbox: prune: the configured adapters do not name their tables (MessagesTable, MessagesOffsetsTable)")
+	if o.q.prune == "" {
+		return 0, fmt.Errorf("outbox: prune: %w", errUnnamedTables)
 	}
-	q := pruneQuery(o.cfg.Dialect, namer.MessagesTable(o.cfg.Topic), onamer.MessagesOffsetsTable(o.cfg.Topic))
 	var secs any = olderThan.Seconds()
 	if o.cfg.Dialect == dedupe.MySQL {
 		secs = int64(olderThan / time.Second) // INTERVAL takes whole seconds
 	}
 	var total int64
 	for {
-		res, err := db.ExecContext(ctx, q, consumerGroup, secs, pruneBatch)
+		res, err := db.ExecContext(ctx, o.q.prune, consumerGroup, secs, pruneBatch)
 		if err != nil {
 			return total, fmt.Errorf("outbox: prune: %w", err)
 		}
