@@ -2,7 +2,6 @@ package middleware
 
 import (
 	"errors"
-	"fmt"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -26,25 +25,12 @@ type DeadLetterConfig struct {
 }
 
 func (c *DeadLetterConfig) setDefaults() {
-	if c.NackDelay == 0 {
-		c.NackDelay = time.Second
-	}
-	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
-	}
+	park.Defaults(&c.NackDelay, &c.Logger)
 }
 
 // Validate reports the first invalid field.
 func (c DeadLetterConfig) Validate() error {
-	switch {
-	case c.Publisher == nil:
-		return errors.New("middleware: DeadLetterConfig.Publisher is required")
-	case c.Topic == "":
-		return errors.New("middleware: DeadLetterConfig.Topic is required")
-	case c.NackDelay < 0:
-		return fmt.Errorf("middleware: DeadLetterConfig.NackDelay must be >= 0, got %v", c.NackDelay)
-	}
-	return nil
+	return park.Validate("middleware: DeadLetterConfig", c.Publisher, c.Topic, c.NackDelay)
 }
 
 // NewDeadLetter returns middleware that parks messages whose attempts are

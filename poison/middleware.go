@@ -1,7 +1,6 @@
 package poison
 
 import (
-	"errors"
 	"fmt"
 	"time"
 
@@ -36,25 +35,12 @@ func (c *Config) setDefaults() {
 	if c.IsPermanent == nil {
 		c.IsPermanent = IsPermanent
 	}
-	if c.NackDelay == 0 {
-		c.NackDelay = time.Second
-	}
-	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
-	}
+	park.Defaults(&c.NackDelay, &c.Logger)
 }
 
 // Validate reports the first invalid field.
 func (c Config) Validate() error {
-	switch {
-	case c.Publisher == nil:
-		return errors.New("poison: Config.Publisher is required")
-	case c.Topic == "":
-		return errors.New("poison: Config.Topic is required")
-	case c.NackDelay < 0:
-		return fmt.Errorf("poison: Config.NackDelay must be >= 0, got %v", c.NackDelay)
-	}
-	return nil
+	return park.Validate("poison: Config", c.Publisher, c.Topic, c.NackDelay)
 }
 
 // NewMiddleware returns middleware that parks messages failing with a

@@ -80,6 +80,31 @@ type Config struct {
 	Name string
 }
 
+// Defaults fills the NackDelay (1s) and Logger (watermill.NopLogger) that
+// every terminal middleware's config shares, where they are zero.
+func Defaults(nackDelay *time.Duration, logger *watermill.LoggerAdapter) {
+	if *nackDelay == 0 {
+		*nackDelay = time.Second
+	}
+	if *logger == nil {
+		*logger = watermill.NopLogger{}
+	}
+}
+
+// Validate checks the fields every terminal middleware's config shares.
+// cfgName prefixes the field names in the errors ("poison: Config").
+func Validate(cfgName string, pub message.Publisher, topic string, nackDelay time.Duration) error {
+	switch {
+	case pub == nil:
+		return errors.New(cfgName + ".Publisher is required")
+	case topic == "":
+		return errors.New(cfgName + ".Topic is required")
+	case nackDelay < 0:
+		return fmt.Errorf("%s.NackDelay must be >= 0, got %v", cfgName, nackDelay)
+	}
+	return nil
+}
+
 // ErrPublish is wrapped when the copy could not be published; the original
 // is then nacked.
 var ErrPublish = errors.New("publishing the parked copy failed; message nacked")
