@@ -1,7 +1,9 @@
 package main
 
 import (
+	"database/sql"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"strings"
@@ -16,7 +18,7 @@ import (
 func runDedupePrune(e *env, args []string) (err error) {
 	const name = "dedupe prune"
 	fs := newFlagSet(name)
-	dbURL := fs.String("db", "", "database URL: postgres://, mysql:// or sqlite:// (default $"+envDBURL+")")
+	dbURL := dbFlag(fs)
 	table := fs.String("table", dedupe.DefaultTable, "the dedupe table")
 	olderThan := fs.Duration("older-than", 0, "remove confirmed and released keys last touched longer ago than this, e.g. 168h (required)")
 	pos, err := parse(e, fs, name, args)
@@ -102,7 +104,7 @@ func runOutboxSchema(e *env, args []string) error {
 func runOutboxStatus(e *env, args []string) (err error) {
 	const name = "outbox status"
 	fs := newFlagSet(name)
-	dbURL := fs.String("db", "", "database URL: postgres://, mysql:// or sqlite:// (default $"+envDBURL+")")
+	dbURL := dbFlag(fs)
 	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
 	group := fs.String("group", "", "the relays' consumer group (outbox.RelayConfig.ConsumerGroup); default the default group")
 	asJSON := fs.Bool("json", false, "write JSON")
@@ -113,15 +115,11 @@ func runOutboxStatus(e *env, args []string) (err error) {
 	if len(pos) > 0 {
 		return usagef(fs, name, "unexpected argument %q", pos[0])
 	}
-	db, dialect, err := openDB(e, *dbURL)
+	db, ob, err := openOutbox(e, *dbURL, *topic)
 	if err != nil {
 		return err
 	}
 	defer func() { err = errors.Join(err, db.Close()) }()
-	ob, err := outbox.New(outbox.Config{Dialect: dialect, Topic: *topic})
-	if err != nil {
-		return fmt.Errorf("-topic: %w", err)
-	}
 	st, err := ob.Status(e.ctx, wsql.BeginnerFromStdSQL(db), *group)
 	if err != nil {
 		return err
@@ -145,7 +143,7 @@ func runOutboxStatus(e *env, args []string) (err error) {
 func runOutboxPrune(e *env, args []string) (err error) {
 	const name = "outbox prune"
 	fs := newFlagSet(name)
-	dbURL := fs.String("db", "", "database URL: postgres://, mysql:// or sqlite:// (default $"+envDBURL+")")
+	dbURL := dbFlag(fs)
 	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
 	group := fs.String("group", "", "the relays' consumer group; with several groups, the slowest")
 	olderThan := fs.Duration("older-than", 0, "remove forwarded rows written longer ago than this, e.g. 168h (required)")
@@ -159,21 +157,36 @@ func runOutboxPrune(e *env, args []string) (err error) {
 	case *olderThan <= 0:
 		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 168h)")
 	}
-	db, dialect, err := openDB(e, *dbURL)
+	db, ob, err := openOutbox(e, *dbURL, *topic)
 	if err != nil {
 		return err
 	}
 	defer func() { err = errors.Join(err, db.Close()) }()
-	ob, err := outbox.New(outbox.Config{Dialect: dialect, Topic: *topic})
-	if err != nil {
-		return fmt.Errorf("-topic: %w", err)
-	}
 	n, err := ob.Prune(e.ctx, wsql.BeginnerFromStdSQL(db), *group, *olderThan)
 	if err != nil {
 		return fmt.Errorf("prune outbox %s (%d rows removed before the error): %w", *topic, n, err)
 	}
 	fmt.Fprintf(e.stdout, "pruned %d forwarded rows from outbox %s (written more than %s ago)\n", n, *topic, *olderThan)
 	return nil
+}
+
+// dbFlag defines the -db flag of the commands that work on a database.
+func dbFlag(fs *flag.FlagSet) *string {
+	return fs.String("db", "", "database URL: postgres://, mysql:// or sqlite:// (default $"+envDBURL+")")
+}
+
+// openOutbox opens the database at dbURL and the outbox of topic on it. The
+// caller closes the database.
+func openOutbox(e *env, dbURL, topic string) (*sql.DB, *outbox.Outbox, error) {
+	db, dialect, err := openDB(e, dbURL)
+	if err != nil {
+		return nil, nil, err
+	}
+	ob, err := outbox.New(outbox.Config{Dialect: dialect, Topic: topic})
+	if err != nil {
+		return nil, nil, errors.Join(fmt.Errorf("-topic: %w", err), db.Close())
+	}
+	return db, ob, nil
 }
 
 // writeSQL writes statements for migration tools: a comment header, then
