@@ -237,7 +237,7 @@ func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Conte
 	claim := st.claim
 	hctx, cancel := context.WithCancelCause(st)
 	msg.SetContext(hctx)
-	st.renewal = m.renew(hctx, &st.ren, cancel, msg.UUID, claim)
+	m.renew(hctx, &st.ren, cancel, msg.UUID, claim)
 
 	settled := false
 	defer func() {
@@ -279,8 +279,7 @@ type held struct {
 	context.Context // the message's context before the claim
 	claim           Claim
 	store           Store
-	renewal         *renewal // set while the handler runs (to &ren)
-	ren             renewal  // allocated with the holder
+	ren             renewal // allocated with the holder; started while the handler runs
 	confirmedInTx   bool
 }
 
@@ -293,11 +292,7 @@ func (h *held) Value(key any) any {
 }
 
 // stopRenew stops the renewal of the claim, if any; it may be called twice.
-func (h *held) stopRenew() {
-	if h.renewal != nil {
-		h.renewal.stop()
-	}
-}
+func (h *held) stopRenew() { h.ren.stop() }
 
 // txStore is a store whose statements can run on a caller's transaction.
 type txStore interface {
@@ -379,18 +374,17 @@ func (m *mw) settle(ctx context.Context, claim Claim, ok bool) error {
 }
 
 // renew keeps the claim alive, with r (the holder's renewal), until r.stop
-// is called. stop waits for a renewal in flight to finish and may be called
+// is called; r.stop of a renewal never started does nothing. stop waits for a renewal in flight to finish and may be called
 // twice.
 //
 // It runs on a timer rather than a goroutine of its own: most handlers
 // finish before the first renewal is due, and then renewal costs one timer.
-func (m *mw) renew(ctx context.Context, r *renewal, cancel context.CancelCauseFunc, uuid string, claim Claim) *renewal {
+func (m *mw) renew(ctx context.Context, r *renewal, cancel context.CancelCauseFunc, uuid string, claim Claim) {
 	r.m, r.ctx, r.cancel, r.uuid, r.claim, r.expires = m, ctx, cancel, uuid, claim, claim.ExpiresAt
 	if r.expires.IsZero() {
 		r.expires = time.Now().Add(m.cfg.ClaimTimeout)
 	}
 	r.timer = time.AfterFunc(m.cfg.RenewInterval, r.fire)
-	return r
 }
 
 type renewal struct {
@@ -465,7 +459,9 @@ func (r *renewal) stop() {
 	r.mu.Lock()
 	if !r.stopped {
 		r.stopped = true
-		r.timer.Stop()
+		if r.timer != nil { // nil: never started
+			r.timer.Stop()
+		}
 		if r.rcancel != nil {
 			r.rcancel()
 		}
