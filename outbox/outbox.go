@@ -12,7 +12,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
@@ -218,13 +217,7 @@ func (p *publisher) Publish(topic string, msgs ...*message.Message) error {
 		spans[i] = p.o.startCreate(topic, m)
 	}
 	err := p.out.Publish(topic, msgs...)
-	for _, s := range spans {
-		if err != nil {
-			s.RecordError(err)
-			s.SetStatus(codes.Error, err.Error())
-		}
-		s.End()
-	}
+	endSpans(spans, err)
 	if err != nil {
 		return fmt.Errorf("outbox: publish to %q: %w", topic, err)
 	}

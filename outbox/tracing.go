@@ -73,6 +73,12 @@ func (p *tracedPublisher) Publish(topic string, msgs ...*message.Message) error 
 		spans[i] = span
 	}
 	err := p.Publisher.Publish(topic, msgs...)
+	endSpans(spans, err)
+	return err
+}
+
+// endSpans ends the spans of one publish, recording its error on each.
+func endSpans(spans []trace.Span, err error) {
 	for _, s := range spans {
 		if err != nil {
 			s.RecordError(err)
@@ -80,5 +86,4 @@ func (p *tracedPublisher) Publish(topic string, msgs ...*message.Message) error 
 		}
 		s.End()
 	}
-	return err
 }
