@@ -1,7 +1,6 @@
 package integration_test
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"maps"
@@ -47,8 +46,7 @@ type marshalEnv struct {
 	mu    sync.Mutex
 	calls []received
 
-	router *message.Router
-	done   chan error
+	stopRouter func() // set once the router runs
 }
 
 func newMarshalEnv(t *testing.T, quorum bool) *marshalEnv {
@@ -129,37 +127,15 @@ func (e *marshalEnv) start(marshaler amqp.Marshaler, logger watermill.LoggerAdap
 		e.mu.Unlock()
 		return handler(n, msg)
 	})
-	e.router = router
-	e.done = make(chan error, 1)
-	go func() { e.done <- router.Run(context.Background()) }()
-	e.t.Cleanup(e.stop)
-	select {
-	case <-router.Running():
-	case err := <-e.done:
-		e.t.Fatalf("router stopped at start: %v", err)
-	case <-time.After(marshalWait):
-		e.t.Fatal("router did not start")
-	}
+	e.stopRouter = runRouter(e.t, router, marshalWait)
 }
 
 // stop closes the router (which closes the subscriber) and waits for Run to
 // return. Safe to call twice.
 func (e *marshalEnv) stop() {
-	if e.router == nil {
-		return
+	if e.stopRouter != nil {
+		e.stopRouter()
 	}
-	if err := e.router.Close(); err != nil {
-		e.t.Errorf("close router: %v", err)
-	}
-	select {
-	case err := <-e.done:
-		if err != nil {
-			e.t.Errorf("router run: %v", err)
-		}
-	case <-time.After(marshalWait):
-		e.t.Error("router did not stop")
-	}
-	e.router = nil
 }
 
 func (e *marshalEnv) received() []received {

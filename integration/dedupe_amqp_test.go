@@ -25,14 +25,13 @@ const dedupeWait = 20 * time.Second
 // dedupeAMQP is one test's RabbitMQ queue, PostgreSQL effects table and a
 // router consuming the queue.
 type dedupeAMQP struct {
-	t       *testing.T
-	url     string
-	db      testenv.DB
-	queue   string
-	effects string // business table: one row per effect
-	pub     *amqp.Publisher
-	router  *message.Router
-	runErr  chan error
+	t          *testing.T
+	url        string
+	db         testenv.DB
+	queue      string
+	effects    string // business table: one row per effect
+	pub        *amqp.Publisher
+	stopRouter func() // set once the router runs
 
 	mu         sync.Mutex
 	deliveries []error // what each delivery returned: nil is ack, an error nack
@@ -104,30 +103,14 @@ func (e *dedupeAMQP) start(h message.NoPublishHandlerFunc, mw message.HandlerMid
 	}
 	r.AddMiddleware(e.record, mw)
 	r.AddConsumerHandler("dedupe_amqp", e.queue, sub, h)
-	e.router = r
-	e.runErr = make(chan error, 1)
-	go func() { e.runErr <- r.Run(context.Background()) }()
-	t.Cleanup(e.stop)
-	select {
-	case <-r.Running():
-	case err := <-e.runErr:
-		t.Fatalf("router stopped before running: %v", err)
-	case <-time.After(dedupeWait):
-		t.Fatal("router did not start")
-	}
+	e.stopRouter = runRouter(t, r, dedupeWait)
 }
 
 // stop closes the router and waits for Run to return. It may be called
 // twice.
 func (e *dedupeAMQP) stop() {
-	if e.router.IsClosed() {
-		return
-	}
-	if err := e.router.Close(); err != nil {
-		e.t.Errorf("close router: %v", err)
-	}
-	if err := <-e.runErr; err != nil {
-		e.t.Errorf("router run: %v", err)
+	if e.stopRouter != nil {
+		e.stopRouter()
 	}
 }
 

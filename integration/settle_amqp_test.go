@@ -1,7 +1,6 @@
 package integration_test
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"strconv"
@@ -76,8 +75,7 @@ type saEnv struct {
 	ch                *amqp091.Channel // raw channel: declare, inspect, get, delete
 	marshaler         amqpmarshal.Marshaler
 	pub               *amqp.Publisher
-	router            *message.Router
-	runErr            chan error
+	stopRouter        func() // set once the router runs
 
 	calls     atomic.Int64 // handler calls
 	deadTries atomic.Int64 // publishes to the dead-letter topic, failed ones included
@@ -205,30 +203,14 @@ func (e *saEnv) start(handler func(call int64, msg *message.Message) error) {
 		e.mu.Unlock()
 		return handler(n, msg)
 	}).AddMiddleware(mws...)
-	e.router = r
-	e.runErr = make(chan error, 1)
-	go func() { e.runErr <- r.Run(context.Background()) }()
-	t.Cleanup(e.stop)
-	select {
-	case <-r.Running():
-	case err := <-e.runErr:
-		t.Fatalf("router stopped before running: %v", err)
-	case <-time.After(saWait):
-		t.Fatal("router did not start")
-	}
+	e.stopRouter = runRouter(t, r, saWait)
 }
 
 // stop closes the router and waits for Run to return. It may be called
 // twice.
 func (e *saEnv) stop() {
-	if e.router.IsClosed() {
-		return
-	}
-	if err := e.router.Close(); err != nil {
-		e.t.Errorf("close router: %v", err)
-	}
-	if err := <-e.runErr; err != nil {
-		e.t.Errorf("router run: %v", err)
+	if e.stopRouter != nil {
+		e.stopRouter()
 	}
 }
 
