@@ -124,94 +124,142 @@ func (d Dialect) schema(table string) []string {
 }
 
 // queries holds the statements of one dialect for one table, built once.
+//
+// PostgreSQL and MySQL/MariaDB read the time from the database's clock (the
+// now expression below), so the workers sharing a table need not agree on
+// the time. SQLite is one file on one machine: its statements take the time
+// from the caller, the clock of that machine.
 type queries struct {
-	// claim inserts a new claimed row or takes over a released or expired one.
-	// Args: key, token, expires_at, now (see claimArgs).
+	// claim inserts a new claimed row or takes over a released or expired
+	// one. Args: key, token, ttl in µs (SQLite: key, token, expires_at, now).
+	// On PostgreSQL and SQLite it returns the row it wrote (attempts,
+	// expires_at) and nothing when it wrote none; MySQL has no RETURNING, so
+	// the row is read back with readBack.
 	claim string
 	// insert (SQLite only) inserts a new claimed row unless the key exists;
 	// takeover then takes over a released or expired row. On the happy path
 	// this is one plain insert, which SQLite parses, plans and runs (holding
-	// the write lock) faster than the upsert. Args: see claimArgs; takeover:
+	// the write lock) faster than the upsert. Args: see claim; takeover:
 	// token, expires_at, now, key.
 	insert   string
 	takeover string
 	// claimDone inserts a confirmed row, or confirms a released or expired
-	// one, for ClaimConfirmed. Args: key, now.
+	// one, for ClaimConfirmed. Args: key, token (SQLite: key, token, now).
+	// Returns attempts where the dialect can.
 	claimDone string
-	// lookup reads state and attempts of a key. Args: key.
-	lookup  string
-	renew   string // args: expires_at, key, token
-	confirm string // args: now, key, token
-	release string // args: now, key, token
-	owner   string // args: key, token; one row if the token still holds the key
-	prune   string // args: cutoff, min(cutoff, now), limit
+	// readBack reads a key's row as it is now, with the database's clock:
+	// state, token, attempts, expires_at, now. Args: key. On MySQL it is a
+	// locking read, so that inside a transaction it sees the latest
+	// committed row rather than the transaction's snapshot.
+	readBack string
+	renew    string // args: ttl in µs (SQLite: expires_at), key, token
+	confirm  string // args: key, token (SQLite: now, key, token)
+	release  string // args: key, token (SQLite: now, key, token)
+	owner    string // args: key, token; one row if the token still holds the key
+	// prune deletes at most a batch of rows that are confirmed or released
+	// and older than the cutoff, or claims that expired before both the
+	// cutoff and now. Args: cutoff, limit (SQLite: cutoff, min(cutoff, now),
+	// limit).
+	prune string
+}
+
+// nowMicros is the database's clock in Unix microseconds, one value per
+// statement (statement_timestamp, NOW(6)), so that a statement that reads it
+// twice compares with the time it writes.
+func (d Dialect) nowMicros() string {
+	switch d {
+	case Postgres:
+		return `(extract(epoch from statement_timestamp()) * 1000000)::bigint`
+	case MySQL:
+		return `CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)`
+	}
+	return ""
 }
 
 func (d Dialect) queries(table string) queries {
 	t := d.quote(table)
+	now := d.nowMicros()
 	var q queries
 	switch d {
-	case Postgres, SQLite:
-		p := placeholders(d)
+	case Postgres:
 		q.claim = `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
-VALUES (` + p(1) + `, 1, ` + p(2) + `, 1, ` + p(3) + `, ` + p(4) + `)
+VALUES ($1, 1, $2, 1, ` + now + ` + $3, ` + now + `)
 ON CONFLICT (key) DO UPDATE SET state = 1, token = excluded.token, attempts = cur.attempts + 1,
 	expires_at = excluded.expires_at, updated_at = excluded.updated_at
 WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
-RETURNING attempts`
-		q.lookup = `SELECT state, attempts FROM ` + t + ` WHERE key = ` + p(1)
+RETURNING attempts, expires_at`
 		q.claimDone = `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
-VALUES (` + p(1) + `, 2, '', 1, 0, ` + p(2) + `)
-ON CONFLICT (key) DO UPDATE SET state = 2, token = '', attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
-WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)`
-		if d == SQLite {
-			q.insert = `INSERT INTO ` + t + ` (key, state, token, attempts, expires_at, updated_at)
-VALUES (?, 1, ?, 1, ?, ?) ON CONFLICT (key) DO NOTHING`
-			q.takeover = `UPDATE ` + t + ` SET state = 1, token = ?1, attempts = attempts + 1, expires_at = ?2, updated_at = ?3
+VALUES ($1, 2, $2, 1, 0, ` + now + `)
+ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
+WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
+RETURNING attempts`
+		q.readBack = `SELECT state, token, attempts, expires_at, ` + now + ` FROM ` + t + ` WHERE key = $1`
+		q.renew = `UPDATE ` + t + ` SET expires_at = ` + now + ` + $1 WHERE key = $2 AND state = 1 AND token = $3`
+		q.confirm = `UPDATE ` + t + ` SET state = 2, token = '', expires_at = 0, updated_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
+		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
+		q.owner = `SELECT 1 FROM ` + t + ` WHERE key = $1 AND state = 1 AND token = $2`
+		// The filter is repeated outside the subquery: when a selected row is
+		// changed by a concurrent claim before the DELETE reaches it, PostgreSQL
+		// re-evaluates only the outer WHERE on the new row version, so without
+		// it a freshly taken claim would be deleted under its holder. SKIP
+		// LOCKED leaves rows that a transaction is changing right now to the
+		// next prune.
+		pruneCond := `updated_at < $1 AND (state <> 1 OR expires_at < LEAST($1, ` + now + `))`
+		q.prune = `DELETE FROM ` + t + ` WHERE key IN (SELECT key FROM ` + t + ` WHERE ` + pruneCond +
+			` LIMIT $2 FOR UPDATE SKIP LOCKED) AND ` + pruneCond
+	case SQLite:
+		q.insert = `INSERT INTO ` + t + ` (key, state, token, attempts, expires_at, updated_at)
+VALUES (?, 1, ?, 1, ?, ?) ON CONFLICT (key) DO NOTHING RETURNING attempts`
+		q.takeover = `UPDATE ` + t + ` SET state = 1, token = ?1, attempts = attempts + 1, expires_at = ?2, updated_at = ?3
 WHERE key = ?4 AND (state = 0 OR (state = 1 AND expires_at <= ?3))
 RETURNING attempts`
-		}
-		q.renew = `UPDATE ` + t + ` SET expires_at = ` + p(1) + ` WHERE key = ` + p(2) + ` AND state = 1 AND token = ` + p(3)
-		q.confirm = `UPDATE ` + t + ` SET state = 2, token = '', expires_at = 0, updated_at = ` + p(1) + ` WHERE key = ` + p(2) + ` AND state = 1 AND token = ` + p(3)
-		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ` + p(1) + ` WHERE key = ` + p(2) + ` AND state = 1 AND token = ` + p(3)
-		q.owner = `SELECT 1 FROM ` + t + ` WHERE key = ` + p(1) + ` AND state = 1 AND token = ` + p(2)
-		rowID := "key"
-		if d == SQLite {
-			rowID = "rowid"
-		}
-		q.prune = `DELETE FROM ` + t + ` WHERE ` + rowID + ` IN (SELECT ` + rowID + ` FROM ` + t +
-			` WHERE updated_at < ` + p(1) + ` AND (state <> 1 OR expires_at < ` + p(2) + `) LIMIT ` + p(3) + `)`
+		q.claimDone = `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
+VALUES (?1, 2, ?2, 1, 0, ?3)
+ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
+WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
+RETURNING attempts`
+		q.readBack = `SELECT state, token, attempts, expires_at, 0 FROM ` + t + ` WHERE key = ?`
+		q.renew = `UPDATE ` + t + ` SET expires_at = ? WHERE key = ? AND state = 1 AND token = ?`
+		q.confirm = `UPDATE ` + t + ` SET state = 2, token = '', expires_at = 0, updated_at = ? WHERE key = ? AND state = 1 AND token = ?`
+		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ? WHERE key = ? AND state = 1 AND token = ?`
+		q.owner = `SELECT 1 FROM ` + t + ` WHERE key = ? AND state = 1 AND token = ?`
+		// One writer at a time: the DELETE cannot race a claim, but the filter
+		// is repeated outside anyway so the statement is safe on its own.
+		pruneCond := `updated_at < ?1 AND (state <> 1 OR expires_at < ?2)`
+		q.prune = `DELETE FROM ` + t + ` WHERE rowid IN (SELECT rowid FROM ` + t + ` WHERE ` + pruneCond +
+			` LIMIT ?3) AND ` + pruneCond
 	case MySQL:
 		// MySQL has no conditional ON DUPLICATE KEY UPDATE, so every column is
 		// set to itself unless the row may be taken over. Assignments run left
 		// to right and see earlier ones, so state and expires_at, which the
-		// condition reads, are assigned last.
+		// condition reads, are assigned last. NOW(6) is fixed for the
+		// statement, so both reads of the clock agree.
+		//
+		// Whether the statement took the key is decided by reading the row
+		// back (readBack) and comparing its token with ours, never from the
+		// affected-row count, which the DSN option clientFoundRows changes.
 		cond := "(state = 0 OR (state = 1 AND expires_at <= VALUES(updated_at)))"
-		q.claim = "INSERT INTO " + t + " (`key`, state, token, attempts, expires_at, updated_at) VALUES (?, 1, ?, 1, ?, ?)\n" +
+		q.claim = "INSERT INTO " + t + " (`key`, state, token, attempts, expires_at, updated_at) VALUES (?, 1, ?, 1, " + now + " + ?, " + now + ")\n" +
 			"ON DUPLICATE KEY UPDATE attempts = IF(" + cond + ", attempts + 1, attempts),\n" +
 			"\ttoken = IF(" + cond + ", VALUES(token), token),\n" +
 			"\tupdated_at = IF(" + cond + ", VALUES(updated_at), updated_at),\n" +
 			"\tstate = IF(" + cond + ", 1, state),\n" +
 			"\texpires_at = IF(state = 1 AND token = VALUES(token), VALUES(expires_at), expires_at)"
-		q.lookup = "SELECT state, attempts FROM " + t + " WHERE `key` = ?"
-		q.claimDone = "INSERT INTO " + t + " (`key`, state, token, attempts, expires_at, updated_at) VALUES (?, 2, '', 1, 0, ?)\n" +
+		q.claimDone = "INSERT INTO " + t + " (`key`, state, token, attempts, expires_at, updated_at) VALUES (?, 2, ?, 1, 0, " + now + ")\n" +
 			"ON DUPLICATE KEY UPDATE attempts = IF(" + cond + ", attempts + 1, attempts),\n" +
-			"\ttoken = IF(" + cond + ", '', token),\n" +
+			"\ttoken = IF(" + cond + ", VALUES(token), token),\n" +
 			"\tupdated_at = IF(" + cond + ", VALUES(updated_at), updated_at),\n" +
 			"\texpires_at = IF(" + cond + ", 0, expires_at),\n" +
 			"\tstate = IF(" + cond + ", 2, state)"
-		q.renew = "UPDATE " + t + " SET expires_at = ? WHERE `key` = ? AND state = 1 AND token = ?"
-		q.confirm = "UPDATE " + t + " SET state = 2, token = '', expires_at = 0, updated_at = ? WHERE `key` = ? AND state = 1 AND token = ?"
-		q.release = "UPDATE " + t + " SET state = 0, token = '', expires_at = 0, updated_at = ? WHERE `key` = ? AND state = 1 AND token = ?"
+		q.readBack = "SELECT state, token, attempts, expires_at, " + now + " FROM " + t + " WHERE `key` = ? FOR UPDATE"
+		q.renew = "UPDATE " + t + " SET expires_at = " + now + " + ? WHERE `key` = ? AND state = 1 AND token = ?"
+		q.confirm = "UPDATE " + t + " SET state = 2, token = '', expires_at = 0, updated_at = " + now + " WHERE `key` = ? AND state = 1 AND token = ?"
+		q.release = "UPDATE " + t + " SET state = 0, token = '', expires_at = 0, updated_at = " + now + " WHERE `key` = ? AND state = 1 AND token = ?"
 		q.owner = "SELECT 1 FROM " + t + " WHERE `key` = ? AND state = 1 AND token = ?"
-		q.prune = "DELETE FROM " + t + " WHERE updated_at < ? AND (state <> 1 OR expires_at < ?) LIMIT ?"
+		// A single DELETE with its filter and LIMIT: InnoDB evaluates the
+		// filter on the latest row version under the row lock, so a claim
+		// taken while the prune runs is never deleted.
+		q.prune = "DELETE FROM " + t + " WHERE updated_at < ? AND (state <> 1 OR expires_at < LEAST(?, " + now + ")) LIMIT ?"
 	}
 	return q
-}
-
-func placeholders(d Dialect) func(int) string {
-	if d == Postgres {
-		return func(i int) string { return fmt.Sprintf("$%d", i) }
-	}
-	return func(int) string { return "?" }
 }

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/go-sql-driver/mysql"
 )
 
 // DB is what a [SQLStore] runs its statements on. *sql.DB, *sql.Tx and
@@ -132,6 +134,15 @@ func (s *SQLStore) Schema() []string { return s.dialect.schema(s.table) }
 
 func micros(t time.Time) int64 { return t.UnixMicro() }
 
+// fromMicros turns a stored time back into a time.Time.
+func fromMicros(us int64) time.Time { return time.UnixMicro(us) }
+
+// claimRetries bounds how often Claim tries again when the key changed
+// between its write and its read-back (released, expired or pruned in
+// between). Each retry means another worker moved the key meanwhile; after
+// this many the answer is Busy, which only defers the delivery.
+const claimRetries = 4
+
 // Claim implements Store.
 func (s *SQLStore) Claim(ctx context.Context, key string, ttl time.Duration) (Claim, error) {
 	if err := ValidateKey(key); err != nil {
@@ -140,109 +151,116 @@ func (s *SQLStore) Claim(ctx context.Context, key string, ttl time.Duration) (Cl
 	if err := checkTTL(ttl); err != nil {
 		return Claim{}, err
 	}
-	now := s.now()
-	token := newToken()
-	expires := now.Add(ttl)
 	k := []byte(key)
-	acquired := Claim{Key: key, Result: Acquired, Token: token, ExpiresAt: expires}
-
-	if s.dialect == MySQL {
-		res, err := s.db.ExecContext(ctx, s.q.claim, k, token, micros(expires), micros(now))
+	for range claimRetries {
+		token := newToken()
+		c, took, err := s.tryClaim(ctx, k, token, ttl)
+		if err != nil && s.deadlocked(err) {
+			continue // rolled back whole: nothing was written, try again
+		}
 		if err != nil {
 			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
 		}
-		n, err := res.RowsAffected()
+		if took {
+			c.Key, c.Result, c.Token = key, Acquired, token
+			return c, nil
+		}
+		r, err := s.readBack(ctx, k)
 		if err != nil {
 			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
 		}
-		switch n {
-		case 1: // inserted
-			acquired.Attempt = 1
-			return acquired, nil
-		case 2: // took over a released or expired claim
-			st, attempts, err := s.lookup(ctx, k)
-			if err != nil {
-				return Claim{}, err
-			}
-			if st != stateClaimed {
-				return Claim{}, fmt.Errorf("dedupe: claim: row of taken-over key is in state %d", st)
-			}
-			acquired.Attempt = attempts
-			return acquired, nil
+		if s.dialect == MySQL && r.found && r.state == stateClaimed && r.token == token {
+			// The statement took the key: its token is ours.
+			return Claim{Key: key, Result: Acquired, Token: token, Attempt: r.attempts, ExpiresAt: fromMicros(r.expires)}, nil
 		}
-	} else if s.dialect == SQLite {
-		res, err := s.db.ExecContext(ctx, s.q.insert, k, token, micros(expires), micros(now))
-		if err != nil {
-			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
+		if res, ok := r.settled(); ok {
+			return Claim{Key: key, Result: res, Attempt: r.attempts}, nil
 		}
-		n, err := res.RowsAffected()
-		if err != nil {
-			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
-		}
-		if n == 1 {
-			acquired.Attempt = 1
-			return acquired, nil
-		}
-		var attempts int
-		err = s.db.QueryRowContext(ctx, s.q.takeover, token, micros(expires), micros(now), k).Scan(&attempts)
-		if err == nil {
-			acquired.Attempt = attempts
-			return acquired, nil
-		}
-		if !errors.Is(err, sql.ErrNoRows) {
-			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
-		}
-	} else {
-		var attempts int
-		err := s.db.QueryRowContext(ctx, s.q.claim, k, token, micros(expires), micros(now)).Scan(&attempts)
-		if err == nil {
-			acquired.Attempt = attempts
-			return acquired, nil
-		}
-		if !errors.Is(err, sql.ErrNoRows) {
-			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
-		}
+		// Released, expired or gone since the write: try again.
 	}
-
-	return s.notTaken(ctx, key, k)
+	return Claim{Key: key, Result: Busy}, nil
 }
 
-// notTaken reads why an existing key could not be taken: Duplicate
-// (confirmed) or Busy (held).
-func (s *SQLStore) notTaken(ctx context.Context, key string, k []byte) (Claim, error) {
-	st, attempts, err := s.lookup(ctx, k)
-	if err != nil {
-		return Claim{}, err
-	}
-	c := Claim{Key: key, Attempt: attempts, Result: Busy}
-	if st == stateConfirmed {
-		c.Result = Duplicate
-	}
-	return c, nil
-}
-
-func (s *SQLStore) lookup(ctx context.Context, key []byte) (state, int, error) {
-	var st state
+// tryClaim runs the claim statement once. took reports that it wrote the
+// key for token; on MySQL it is never set, the caller reads the row back.
+func (s *SQLStore) tryClaim(ctx context.Context, k []byte, token string, ttl time.Duration) (c Claim, took bool, err error) {
 	var attempts int
-	err := s.db.QueryRowContext(ctx, s.q.lookup, key).Scan(&st, &attempts)
+	var expires int64
+	switch s.dialect {
+	case MySQL:
+		_, err := s.db.ExecContext(ctx, s.q.claim, k, token, ttl.Microseconds())
+		return Claim{}, false, err
+	case SQLite:
+		now := s.now()
+		exp := micros(now.Add(ttl))
+		err = s.db.QueryRowContext(ctx, s.q.insert, k, token, exp, micros(now)).Scan(&attempts)
+		if errors.Is(err, sql.ErrNoRows) {
+			err = s.db.QueryRowContext(ctx, s.q.takeover, token, exp, micros(now), k).Scan(&attempts)
+		}
+		expires = exp
+	default:
+		err = s.db.QueryRowContext(ctx, s.q.claim, k, token, ttl.Microseconds()).Scan(&attempts, &expires)
+	}
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return Claim{}, false, nil
+	case err != nil:
+		return Claim{}, false, err
+	}
+	return Claim{Attempt: attempts, ExpiresAt: fromMicros(expires)}, true, nil
+}
+
+// row is a key's row as read back after a write that did not take it.
+type row struct {
+	found    bool
+	state    state
+	token    string
+	attempts int
+	expires  int64 // µs
+	now      int64 // µs, the clock the store compares expiries with
+}
+
+// settled reports the result a claim of r's key gets without writing:
+// Duplicate for a confirmed key, Busy for a live claim. Anything else (a
+// released key, an expired claim, no row) can be taken, so ok is false.
+func (r row) settled() (Result, bool) {
+	switch {
+	case !r.found:
+		return 0, false
+	case r.state == stateConfirmed:
+		return Duplicate, true
+	case r.state == stateClaimed && r.expires > r.now:
+		return Busy, true
+	}
+	return 0, false
+}
+
+func (s *SQLStore) readBack(ctx context.Context, k []byte) (row, error) {
+	var r row
+	err := s.db.QueryRowContext(ctx, s.q.readBack, k).Scan(&r.state, &r.token, &r.attempts, &r.expires, &r.now)
 	if errors.Is(err, sql.ErrNoRows) {
-		// Released and pruned between our insert attempt and this read; the
-		// caller may simply try again.
-		return stateClaimed, 0, nil
+		return row{}, nil
 	}
 	if err != nil {
-		return 0, 0, fmt.Errorf("dedupe: claim lookup: %w", err)
+		return row{}, fmt.Errorf("read back: %w", err)
 	}
-	return st, attempts, nil
+	r.found = true
+	if s.dialect == SQLite {
+		r.now = micros(s.now())
+	}
+	return r, nil
 }
 
 // update runs one owner-checked UPDATE and maps "no row" to ErrClaimLost.
-func (s *SQLStore) update(ctx context.Context, op, query string, c Claim, first any) error {
+// The WHERE clause (key, state, token) is what decides ownership: a row
+// counted as found or changed was the caller's.
+func (s *SQLStore) update(ctx context.Context, op, query string, c Claim, args ...any) error {
 	if err := checkOwned(c); err != nil {
 		return err
 	}
 	k := []byte(c.Key)
-	res, err := s.db.ExecContext(ctx, query, first, k, c.Token)
+	args = append(args, k, c.Token)
+	res, err := s.db.ExecContext(ctx, query, args...)
 	if err != nil {
 		return fmt.Errorf("dedupe: %s: %w", op, err)
 	}
@@ -254,8 +272,9 @@ func (s *SQLStore) update(ctx context.Context, op, query string, c Claim, first 
 		return nil
 	}
 	if s.dialect == MySQL {
-		// MySQL counts changed rows, not matched ones: an UPDATE that writes
-		// the values already there reports 0. Ask whether we still own it.
+		// Without clientFoundRows MySQL counts changed rows, not matched ones:
+		// an UPDATE that writes the values already there reports 0. Ask
+		// whether we still own it.
 		var one int
 		err := s.db.QueryRowContext(ctx, s.q.owner, k, c.Token).Scan(&one)
 		if err == nil {
@@ -273,28 +292,51 @@ func (s *SQLStore) Renew(ctx context.Context, c Claim, ttl time.Duration) error 
 	if err := checkTTL(ttl); err != nil {
 		return err
 	}
-	return s.update(ctx, "renew", s.q.renew, c, micros(s.now().Add(ttl)))
+	if s.dialect == SQLite {
+		return s.update(ctx, "renew", s.q.renew, c, micros(s.now().Add(ttl)))
+	}
+	return s.update(ctx, "renew", s.q.renew, c, ttl.Microseconds())
 }
 
 // Confirm implements Store.
 func (s *SQLStore) Confirm(ctx context.Context, c Claim) error {
-	return s.update(ctx, "confirm", s.q.confirm, c, micros(s.now()))
+	if s.dialect == SQLite {
+		return s.update(ctx, "confirm", s.q.confirm, c, micros(s.now()))
+	}
+	return s.update(ctx, "confirm", s.q.confirm, c)
 }
 
 // Release implements Store.
 func (s *SQLStore) Release(ctx context.Context, c Claim) error {
-	return s.update(ctx, "release", s.q.release, c, micros(s.now()))
+	if s.dialect == SQLite {
+		return s.update(ctx, "release", s.q.release, c, micros(s.now()))
+	}
+	return s.update(ctx, "release", s.q.release, c)
 }
 
 // Prune implements Store. It deletes in batches of SQLConfig.PruneBatch rows
 // until none is left, so it may take several statements on a large table.
+// Each statement re-checks its filter on the row it deletes, under the row's
+// lock, so a key claimed or confirmed while the prune runs is kept.
 func (s *SQLStore) Prune(ctx context.Context, before time.Time) (int64, error) {
 	cutoff := micros(before)
-	// A claim that has not expired yet is live whatever the cutoff says.
-	expired := min(cutoff, micros(s.now()))
+	var args []any
+	switch s.dialect {
+	case Postgres:
+		args = []any{cutoff, s.batch}
+	case MySQL:
+		args = []any{cutoff, cutoff, s.batch}
+	default:
+		// A claim that has not expired yet is live whatever the cutoff says.
+		args = []any{cutoff, min(cutoff, micros(s.now())), s.batch}
+	}
 	var total int64
-	for {
-		res, err := s.db.ExecContext(ctx, s.q.prune, cutoff, expired, s.batch)
+	for deadlocks := 0; ; {
+		res, err := s.db.ExecContext(ctx, s.q.prune, args...)
+		if err != nil && s.deadlocked(err) && deadlocks < claimRetries {
+			deadlocks++
+			continue
+		}
 		if err != nil {
 			return total, fmt.Errorf("dedupe: prune: %w", err)
 		}
@@ -326,16 +368,67 @@ func (s *SQLStore) ClaimConfirmed(ctx context.Context, key string) (Claim, error
 		return Claim{}, err
 	}
 	k := []byte(key)
-	res, err := s.db.ExecContext(ctx, s.q.claimDone, k, micros(s.now()))
-	if err != nil {
-		return Claim{}, fmt.Errorf("dedupe: claim confirmed: %w", err)
+	for range claimRetries {
+		token := newToken()
+		took, attempts, err := s.tryClaimDone(ctx, k, token)
+		if err != nil && s.deadlocked(err) {
+			continue
+		}
+		if err != nil {
+			return Claim{}, fmt.Errorf("dedupe: claim confirmed: %w", err)
+		}
+		if took {
+			return Claim{Key: key, Result: Acquired, Attempt: attempts}, nil
+		}
+		r, err := s.readBack(ctx, k)
+		if err != nil {
+			return Claim{}, fmt.Errorf("dedupe: claim confirmed: %w", err)
+		}
+		if s.dialect == MySQL && r.found && r.state == stateConfirmed && r.token == token {
+			return Claim{Key: key, Result: Acquired, Attempt: r.attempts}, nil
+		}
+		if res, ok := r.settled(); ok {
+			return Claim{Key: key, Result: res, Attempt: r.attempts}, nil
+		}
 	}
-	n, err := res.RowsAffected()
-	if err != nil {
-		return Claim{}, fmt.Errorf("dedupe: claim confirmed: %w", err)
+	return Claim{Key: key, Result: Busy}, nil
+}
+
+// tryClaimDone runs the claimDone statement once; took as for tryClaim.
+func (s *SQLStore) tryClaimDone(ctx context.Context, k []byte, token string) (took bool, attempts int, err error) {
+	switch s.dialect {
+	case MySQL:
+		_, err := s.db.ExecContext(ctx, s.q.claimDone, k, token)
+		return false, 0, err
+	case SQLite:
+		err = s.db.QueryRowContext(ctx, s.q.claimDone, k, token, micros(s.now())).Scan(&attempts)
+	default:
+		err = s.db.QueryRowContext(ctx, s.q.claimDone, k, token).Scan(&attempts)
 	}
-	if n > 0 {
-		return Claim{Key: key, Result: Acquired}, nil
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return false, 0, nil
+	case err != nil:
+		return false, 0, err
 	}
-	return s.notTaken(ctx, key, k)
+	return true, attempts, nil
+}
+
+// deadlocked reports an error that the database raised to break a deadlock
+// (InnoDB error 1213, PostgreSQL 40P01), when the statement ran outside a
+// caller's transaction. The database rolled the statement back whole, so it
+// can simply run again. Claims racing a prune on MySQL meet it: the prune
+// walks the updated_at index while a claim holds the row and moves its entry.
+// Inside a caller's transaction the whole transaction was rolled back, and the
+// error goes to the caller.
+func (s *SQLStore) deadlocked(err error) bool {
+	if _, inTx := s.db.(*sql.Tx); inTx {
+		return false
+	}
+	var me *mysql.MySQLError
+	if errors.As(err, &me) {
+		return me.Number == 1213
+	}
+	var pe interface{ SQLState() string }
+	return errors.As(err, &pe) && pe.SQLState() == "40P01"
 }

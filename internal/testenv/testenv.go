@@ -64,11 +64,24 @@ func SQLite(t testing.TB) DB {
 	return open(t, "sqlite://"+filepath.Join(t.TempDir(), "settle.db"))
 }
 
+// MySQLFoundRows opens SETTLE_MYSQL_URL with the go-sql-driver option
+// clientFoundRows=true, under which an UPDATE reports the rows it matched
+// rather than the rows it changed. Users set it; stores must not care.
+func MySQLFoundRows(t testing.TB) DB {
+	u := Require(t, MySQLURLEnv)
+	sep := "?"
+	if strings.Contains(u, "?") {
+		sep = "&"
+	}
+	return open(t, u+sep+"clientFoundRows=true")
+}
+
 // AMQPURL returns SETTLE_AMQP_URL.
 func AMQPURL(t testing.TB) string { return Require(t, AMQPURLEnv) }
 
 // Databases returns every database this run can reach: SQLite always, and
-// PostgreSQL and MySQL when configured. Unconfigured ones become skipped (or
+// PostgreSQL and MySQL when configured, MySQL both with and without the
+// clientFoundRows DSN option. Unconfigured ones become skipped (or
 // failed) subtests through Require when the caller runs them.
 func Databases() []struct {
 	Name string
@@ -81,6 +94,7 @@ func Databases() []struct {
 		{"sqlite", SQLite},
 		{"postgres", Postgres},
 		{"mysql", MySQL},
+		{"mysql-foundrows", MySQLFoundRows},
 	}
 }
 
