@@ -41,6 +41,13 @@ type Config struct {
 	Store Store
 	// Key derives the key from a message. Defaults to MessageUUID.
 	Key KeyFunc
+	// Scope names the logical handler the key belongs to; the stored key is
+	// ScopedKey(Scope(msg), Key(msg)), so each handler of a message does its
+	// work once even when several handlers consume the same message.
+	// Defaults to HandlerScope (the Watermill handler's name, competing
+	// subscriptions name#2... included in name's scope). Use SharedScope to
+	// make handlers share keys on purpose.
+	Scope ScopeFunc
 	// ClaimTimeout is how long a claim lives without renewal: how soon a
 	// crashed worker's message can be taken over by another. The claim of a
 	// running handler is renewed, so it does not limit handler duration.
@@ -71,6 +78,9 @@ type Config struct {
 func (c *Config) setDefaults() {
 	if c.Key == nil {
 		c.Key = MessageUUID
+	}
+	if c.Scope == nil {
+		c.Scope = HandlerScope
 	}
 	if c.ClaimTimeout == 0 {
 		c.ClaimTimeout = 30 * time.Second
@@ -183,11 +193,8 @@ type inProcess interface{ inProcess() }
 
 func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		key, err := m.cfg.Key(msg)
+		key, err := messageKey(msg, m.cfg.Key, m.cfg.Scope)
 		if err != nil {
-			return nil, fmt.Errorf("dedupe: key of message %s: %w", msg.UUID, err)
-		}
-		if err := ValidateKey(key); err != nil {
 			return nil, fmt.Errorf("dedupe: key of message %s: %w", msg.UUID, err)
 		}
 		orig := msg.Context()
@@ -195,7 +202,7 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 		if err != nil {
 			return nil, fmt.Errorf("dedupe: claim for message %s: %w", msg.UUID, err)
 		}
-		st := &held{Context: orig, claim: claim, store: m.cfg.Store}
+		st := &held{Context: orig, claim: claim, store: m.cfg.Store, ttl: m.cfg.ClaimTimeout}
 		msg.SetContext(st)
 		if claim.Result != Acquired {
 			return nil, m.notAcquired(msg, orig, claim)
@@ -252,6 +259,13 @@ func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Conte
 	}()
 
 	out, err = h(msg)
+	if err != nil && !errors.Is(err, ErrClaimLost) {
+		// A handler cancelled because its claim was lost often returns just
+		// its context's error (context.Canceled, or a driver's word for it).
+		if cause := context.Cause(hctx); errors.Is(cause, ErrClaimLost) {
+			err = fmt.Errorf("%w: %w", cause, err)
+		}
+	}
 	if err == nil && len(out) > 0 {
 		err = m.publish(msg, out)
 		out = nil
@@ -279,6 +293,7 @@ type held struct {
 	context.Context // the message's context before the claim
 	claim           Claim
 	store           Store
+	ttl             time.Duration // the claim timeout, for HoldTx
 	ren             renewal // allocated with the holder; started while the handler runs
 	confirmedInTx   bool
 }
@@ -333,6 +348,36 @@ func ConfirmTx(ctx context.Context, tx DB) error {
 		return fmt.Errorf("dedupe: confirm in transaction: %w", err)
 	}
 	st.confirmedInTx = true
+	return nil
+}
+
+// HoldTx hands the protection of the claim of the message being handled to
+// tx, the handler's own transaction. Call it from a handler behind the dedupe
+// middleware, with msg.Context(), right after beginning tx; RunTx (and so
+// every pipeline transactional handler) does.
+//
+// On SQLite it matters: a transaction that writes holds the database's only
+// write lock until it ends, so the middleware's renewal, which runs on
+// another connection, cannot land, and a handler running longer than the
+// claim timeout would be cancelled as if its claim were lost. HoldTx renews
+// the claim inside tx instead, taking the write lock at once, and stops the
+// background renewal: while tx is open no other writer, and so no other
+// worker's takeover, can touch the key, however long the handler runs. On
+// PostgreSQL and MySQL the renewal lands beside the transaction, and HoldTx
+// does nothing.
+func HoldTx(ctx context.Context, tx DB) error {
+	st, ok := ctx.Value(heldCtxKey{}).(*held)
+	if !ok {
+		return ErrNoClaim
+	}
+	ss, ok := st.store.(*SQLStore)
+	if !ok || ss.dialect != SQLite {
+		return nil
+	}
+	st.stopRenew()
+	if err := ss.WithTx(tx).Renew(ctx, st.claim, st.ttl); err != nil {
+		return fmt.Errorf("dedupe: hold claim in transaction: %w", err)
+	}
 	return nil
 }
 

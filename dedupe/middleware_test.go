@@ -179,7 +179,7 @@ func TestMiddlewareRunsSameMessageOnce(t *testing.T) {
 			if got := rec.deliveries(); fmt.Sprint(got) != fmt.Sprint(want) {
 				t.Errorf("deliveries = %v, want %v (both acked)", got, want)
 			}
-			c, err := store.Claim(t.Context(), uuid, time.Minute)
+			c, err := store.Claim(t.Context(), dedupe.ScopedKey("dedupe_test", uuid), time.Minute)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -229,7 +229,7 @@ func TestMiddlewareRedeliveryOfFailedMessageDoesTheWork(t *testing.T) {
 				got[1].err != nil || got[1].result != dedupe.Acquired || got[1].attempt != 2 {
 				t.Errorf("deliveries = %v, want [nacked acquired attempt 1, acked acquired attempt 2]", got)
 			}
-			c, err := store.Claim(t.Context(), uuid, time.Minute)
+			c, err := store.Claim(t.Context(), dedupe.ScopedKey("dedupe_test", uuid), time.Minute)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -81,9 +81,9 @@ func TestProducedMessagesArePublishedBeforeConfirm(t *testing.T) {
 	// The confirmation follows the publish; poll while the claim is held.
 	var c dedupe.Claim
 	deadline := time.Now().Add(5 * time.Second)
-	for c, err = store.Claim(t.Context(), "order-1", time.Minute); err == nil && c.Result == dedupe.Busy && time.Now().Before(deadline); {
+	for c, err = store.Claim(t.Context(), dedupe.ScopedKey("ship", "order-1"), time.Minute); err == nil && c.Result == dedupe.Busy && time.Now().Before(deadline); {
 		time.Sleep(time.Millisecond)
-		c, err = store.Claim(t.Context(), "order-1", time.Minute)
+		c, err = store.Claim(t.Context(), dedupe.ScopedKey("ship", "order-1"), time.Minute)
 	}
 	if err != nil || c.Result != dedupe.Duplicate || c.Attempt != 2 {
 		t.Fatalf("claim after = %+v, %v; want Duplicate after 2 attempts", c, err)

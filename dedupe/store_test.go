@@ -3,6 +3,7 @@ package dedupe_test
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/dedupe/dedupetest"
@@ -37,6 +38,9 @@ func sqlHarness(t *testing.T, db testenv.DB) dedupetest.Harness {
 	}
 	return dedupetest.Harness{
 		Store: store,
+		// Round trips to a server on a loaded machine take milliseconds, and
+		// a renewal must land well within the claim's lifetime.
+		ClaimTTL: 600 * time.Millisecond,
 		BeginTx: func(ctx context.Context) (dedupetest.Tx, error) {
 			tx, err := db.BeginTx(ctx, nil)
 			if err != nil {

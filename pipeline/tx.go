@@ -40,6 +40,10 @@ type TxConfig struct {
 	Store *dedupe.SQLStore
 	// Key derives the key for OneStatement. Defaults to the message UUID.
 	Key dedupe.KeyFunc
+	// Scope names the logical handler of the key for OneStatement, as
+	// dedupe.Config.Scope does for the middleware. Defaults to
+	// dedupe.HandlerScope.
+	Scope dedupe.ScopeFunc
 }
 
 // Validate reports the first invalid field.
@@ -83,26 +87,30 @@ func NewTxHandler(cfg TxConfig, fn TxFunc) (message.HandlerFunc, error) {
 
 // RunTx runs one message through fn in a transaction, as the handler of
 // NewTxHandler does. ctx must carry the dedupe middleware's claim.
+//
+// The transaction is always ended: committed when fn returns nil, rolled
+// back when it returns an error or panics (the panic then goes on, to the
+// router's recoverer, and the dedupe middleware releases the claim so the
+// message is retried as after any failure).
 func RunTx(ctx context.Context, cfg TxConfig, msg *message.Message, fn TxFunc) (err error) {
 	tx, err := cfg.DB.BeginTx(ctx, cfg.TxOptions)
 	if err != nil {
 		return fmt.Errorf("pipeline: begin: %w", err)
 	}
 	defer func() {
-		if err != nil {
-			if rerr := tx.Rollback(); rerr != nil && !errors.Is(rerr, sql.ErrTxDone) {
-				err = errors.Join(err, fmt.Errorf("pipeline: rollback: %w", rerr))
-			}
+		// After a commit this is a no-op (sql.ErrTxDone); after an error or
+		// a panic it is what frees the transaction's locks.
+		if rerr := tx.Rollback(); rerr != nil && !errors.Is(rerr, sql.ErrTxDone) && err != nil {
+			err = errors.Join(err, fmt.Errorf("pipeline: rollback: %w", rerr))
 		}
 	}()
 	if cfg.OneStatement {
 		done, err := claimInTx(ctx, cfg, tx, msg)
 		if err != nil || done {
-			if done { // a duplicate: nothing to do, nothing to commit
-				_ = tx.Rollback()
-			}
-			return err
+			return err // a duplicate has nothing to commit: the rollback ends it
 		}
+	} else if err = dedupe.HoldTx(ctx, tx); err != nil {
+		return err
 	}
 	var out message.Publisher
 	if cfg.Outbox != nil {
@@ -127,11 +135,7 @@ func RunTx(ctx context.Context, cfg TxConfig, msg *message.Message, fn TxFunc) (
 // claimInTx takes msg's key in tx as confirmed. It reports done for a
 // duplicate, and an error wrapping dedupe.ErrBusy for a key held elsewhere.
 func claimInTx(ctx context.Context, cfg TxConfig, tx *sql.Tx, msg *message.Message) (done bool, err error) {
-	keyFn := cfg.Key
-	if keyFn == nil {
-		keyFn = dedupe.MessageUUID
-	}
-	key, err := keyFn(msg)
+	key, err := dedupe.MessageKey(msg, cfg.Key, cfg.Scope)
 	if err != nil {
 		return false, fmt.Errorf("pipeline: key of message %s: %w", msg.UUID, err)
 	}

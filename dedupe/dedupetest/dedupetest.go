@@ -208,12 +208,12 @@ func testExpiryTakeover(t *testing.T, h Harness) {
 func testRenewal(t *testing.T, h Harness) {
 	ttl := h.ClaimTTL
 	c := claim(t, h.Store, "renewed", ttl, dedupe.Acquired)
-	// Renew at a third of the TTL for three TTLs, claiming from "another
+	// Renew at a quarter of the TTL for three TTLs, claiming from "another
 	// worker" in between: it must never get the key.
 	end := time.Now().Add(3 * ttl)
 	lastRenew := time.Now()
 	for time.Now().Before(end) {
-		if time.Since(lastRenew) >= ttl/3 {
+		if time.Since(lastRenew) >= ttl/4 {
 			mustOK(t, "Renew", h.Store.Renew(t.Context(), c, ttl))
 			lastRenew = time.Now()
 		}

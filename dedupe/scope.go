@@ -1,0 +1,90 @@
+package dedupe
+
+import (
+	"strings"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// ScopeFunc names the scope of a delivery's key: the logical handler whose
+// work the key records. Two handlers that consume the same message (two
+// queues bound to one exchange, or GoChannel's fan-out) do two pieces of
+// work, so by default each has its own scope and each runs once; handlers
+// that return the same scope share the key and its attempt count, so only
+// one of them runs.
+type ScopeFunc func(msg *message.Message) string
+
+// HandlerScope is the default ScopeFunc: the name of the Watermill handler
+// the message is running in (message.HandlerNameFromCtx), without a trailing
+// "#N". pipeline names a handler's competing subscriptions name, name#2,
+// name#3 and so on, and they are one logical handler, so they share a scope.
+// Outside a router, where the context names no handler, the scope is empty
+// and the key is stored as it is.
+func HandlerScope(msg *message.Message) string {
+	return LogicalHandler(message.HandlerNameFromCtx(msg.Context()))
+}
+
+// LogicalHandler returns the logical handler of a Watermill handler name:
+// the name without a trailing "#N" (N a positive decimal number).
+func LogicalHandler(name string) string {
+	i := strings.LastIndexByte(name, '#')
+	if i <= 0 || i == len(name)-1 {
+		return name
+	}
+	for _, r := range name[i+1:] {
+		if r < '0' || r > '9' {
+			return name
+		}
+	}
+	return name[:i]
+}
+
+// SharedScope returns a ScopeFunc that gives every handler it is used on the
+// same scope, name. Use it to make handlers share keys on purpose: for
+// example two handlers that are alternative routes to one effect, of which
+// exactly one should run per message. An empty name stores keys unscoped, as
+// before scopes existed.
+func SharedScope(name string) ScopeFunc {
+	return func(*message.Message) string { return name }
+}
+
+// ScopedKey returns the key stored for key in scope: the scope, a NUL byte
+// and the key, or the key alone when scope is empty. The NUL keeps scopes
+// apart from keys that contain the scope's name.
+func ScopedKey(scope, key string) string {
+	if scope == "" {
+		return key
+	}
+	return scope + "\x00" + key
+}
+
+// messageKey derives the stored key of msg: keyFn's key in scope's scope,
+// validated.
+func messageKey(msg *message.Message, keyFn KeyFunc, scope ScopeFunc) (string, error) {
+	key, err := keyFn(msg)
+	if err != nil {
+		return "", err
+	}
+	if err := ValidateKey(key); err != nil {
+		return "", err
+	}
+	key = ScopedKey(scope(msg), key)
+	if err := ValidateKey(key); err != nil {
+		return "", err
+	}
+	return key, nil
+}
+
+// MessageKey returns the key under which the dedupe middleware (and
+// pipeline's one-statement transactional handlers) record msg's work: keyFn's
+// key (MessageUUID when nil) in scope's scope (HandlerScope when nil). Use it
+// to look a delivery's claim up in the store, or to claim it yourself.
+func MessageKey(msg *message.Message, keyFn KeyFunc, scope ScopeFunc) (string, error) {
+	if keyFn == nil {
+		keyFn = MessageUUID
+	}
+	if scope == nil {
+		scope = HandlerScope
+	}
+	return messageKey(msg, keyFn, scope)
+}
