@@ -42,15 +42,25 @@ type harness struct {
 
 func newHarness(t *testing.T, store dedupe.Store) *harness {
 	t.Helper()
+	return newHarnessWith(t, store, nil)
+}
+
+// newHarnessWith is newHarness with a change to the pipeline's config.
+func newHarnessWith(t *testing.T, store dedupe.Store, change func(*pipeline.Config)) *harness {
+	t.Helper()
 	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
 	must(t, err)
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	p, err := pipeline.New(router, pipeline.Config{
+	cfg := pipeline.Config{
 		Publisher: ps, Store: store, Retry: fastRetry(),
 		Tracing: []middleware.Option{middleware.WithTracerProvider(tp)},
-	})
+	}
+	if change != nil {
+		change(&cfg)
+	}
+	p, err := pipeline.New(router, cfg)
 	must(t, err)
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 	return &harness{pubsub: ps, router: router, p: p, spans: rec}

@@ -23,6 +23,7 @@ import (
 
 type txEnv struct {
 	db      testenv.DB
+	claims  string // the claims table
 	store   *dedupe.SQLStore
 	ob      *outbox.Outbox
 	charges string
@@ -46,7 +47,7 @@ func newTxEnv(t *testing.T, db testenv.DB) *txEnv {
 			_, _ = db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+tbl)
 		}
 	})
-	return &txEnv{db: db, store: store, ob: ob, charges: charges}
+	return &txEnv{db: db, claims: claims, store: store, ob: ob, charges: charges}
 }
 
 func quote(db testenv.DB, s string) string {
