@@ -659,3 +659,28 @@ func TestClaimFromContext(t *testing.T) {
 		t.Errorf("outer middleware saw %+v (ok %v) for the duplicate, want a duplicate claim", outer, outerOK)
 	}
 }
+
+// renewFails is a store whose renewals fail as a database outage would.
+type renewFails struct{ dedupe.Store }
+
+func (renewFails) Renew(context.Context, dedupe.Claim, time.Duration) error {
+	return errors.New("connection refused")
+}
+
+// A claim can be lost two ways: a renewal finds another owner, or renewals
+// fail until the claim expires. Either way the handler is cancelled, and
+// whatever it returns (often just its context's error), the middleware's
+// error is ErrClaimLost.
+func TestLostClaimIsErrClaimLostWhateverTheHandlerReturns(t *testing.T) {
+	t.Parallel()
+	store := renewFails{dedupe.NewMemoryStore()}
+	h := newMiddleware(t, dedupe.Config{Store: store, ClaimTimeout: 100 * time.Millisecond, RenewInterval: 20 * time.Millisecond})(
+		func(msg *message.Message) ([]*message.Message, error) {
+			<-msg.Context().Done()
+			return nil, msg.Context().Err() // a bare context.Canceled
+		})
+	_, err := h(newMsg(t, "expires"))
+	if !errors.Is(err, dedupe.ErrClaimLost) {
+		t.Fatalf("err = %v, want one that is ErrClaimLost", err)
+	}
+}
