@@ -27,8 +27,9 @@
 // # Middleware
 //
 // [NewMiddleware] wraps a Watermill handler: it claims the message's key
-// (the UUID by default, or any [KeyFunc]), runs the handler while renewing the
-// claim, and confirms or releases. A duplicate is acked without running the
+// (the UUID by default, or any [KeyFunc]) in the scope of the handler (two
+// handlers of one message each do their work once; see [ScopeFunc]), runs
+// the handler while renewing the claim, and confirms or releases. A duplicate is acked without running the
 // handler; a busy key returns [ErrBusy] so that the broker redelivers the
 // message later. It is a plain message.HandlerMiddleware and can be added to
 // any router.

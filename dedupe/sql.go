@@ -66,9 +66,14 @@ func (c SQLConfig) Validate() error {
 // same table. It never creates the table: run the statements of [Schema] with
 // your migration tool first.
 //
-// Times are written from the worker's clock as Unix microseconds, so the
-// clocks of workers sharing a table must agree to well within the claim
-// timeout (NTP does this).
+// Times are stored as Unix microseconds. On PostgreSQL and MySQL/MariaDB they
+// come from the database server's clock, in the statement that writes them,
+// so workers sharing a table need not agree on the time. On SQLite they come
+// from the calling process, that is from the one machine the file is on.
+//
+// Whether a statement took a key is decided from what it wrote (the row it
+// returns, or on MySQL the row read back and its token), never from
+// affected-row counts, which driver options such as clientFoundRows change.
 //
 // A SQLStore built on a *sql.Tx (directly or with [SQLStore.WithTx]) makes
 // the claim part of that transaction: commit it and the claim, the handler's

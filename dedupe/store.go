@@ -58,8 +58,9 @@ type Claim struct {
 	// Result is Acquired. It survives Release and process crashes, so it
 	// counts how many times the work was started.
 	Attempt int
-	// ExpiresAt is when the claim lapses unless renewed. Zero unless Result
-	// is Acquired.
+	// ExpiresAt is when the claim lapses unless renewed, by the store's clock
+	// (the database server's for PostgreSQL and MySQL). Zero unless Result is
+	// Acquired.
 	ExpiresAt time.Time
 }
 
@@ -82,8 +83,10 @@ type Store interface {
 	// The attempt count is kept.
 	Release(ctx context.Context, c Claim) error
 	// Prune deletes confirmed keys confirmed before the cutoff and released
-	// or expired keys last touched before it. A live claim is never deleted.
-	// It returns the number of keys deleted.
+	// or expired keys last touched before it. A live claim is never deleted,
+	// nor a key confirmed or released after the cutoff, even when workers
+	// claim and confirm while Prune runs: each key is judged as it is when
+	// it is deleted. It returns the number of keys deleted.
 	Prune(ctx context.Context, before time.Time) (int64, error)
 }
 
