@@ -146,3 +146,16 @@ func ExampleSchema() {
 	// 	updated_at BIGINT   NOT NULL
 	// )
 }
+
+// Keys are scoped to the logical handler: pipeline's competing subscriptions
+// charge, charge#2, ... are one handler, and its keys are stored under it.
+func ExampleScopedKey() {
+	scope := dedupe.LogicalHandler("charge#2")
+	fmt.Println(scope)
+	fmt.Printf("%q\n", dedupe.ScopedKey(scope, "order-17"))
+	fmt.Printf("%q\n", dedupe.ScopedKey("", "order-17")) // no handler: unscoped
+	// Output:
+	// charge
+	// "charge\x00order-17"
+	// "order-17"
+}
