@@ -64,6 +64,7 @@ func Run(t *testing.T, setup func(t *testing.T) Harness) {
 		{"PruneRacesConfirms", testPruneRacesConfirms},
 		{"Linearizable", testLinearizable},
 		{"LinearizablePruneRace", testLinearizablePruneRace},
+		{"MiddlewareScopesKeysPerHandler", testHandlerScopes},
 		{"OddKeys", testOddKeys},
 		{"KeyLimits", testKeyLimits},
 		{"CancelledContext", testCancelled},
