@@ -240,7 +240,14 @@ func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *d
 	if !ok {
 		return nil, fmt.Errorf("pipeline: HandleTx %q needs a *dedupe.SQLStore, got %T", name, s)
 	}
-	if cfg.OneStatement {
+	if cfg.Batch.enabled() && cfg.Batch.MaxSize > p.cfg.Concurrency {
+		// No more deliveries can be in flight; a batch of one is the
+		// one-statement mode.
+		cfg.Batch.MaxSize = p.cfg.Concurrency
+		cfg.OneStatement = cfg.OneStatement || !cfg.Batch.enabled()
+	}
+	oneStatement := cfg.OneStatement || cfg.Batch.enabled()
+	if oneStatement {
 		cfg.Store = sqlStore
 		if cfg.Key == nil {
 			cfg.Key = p.cfg.Key
@@ -250,7 +257,7 @@ func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *d
 	if err != nil {
 		return nil, err
 	}
-	mws, err := p.stack(topic, "", s, cfg.OneStatement)
+	mws, err := p.stack(topic, "", s, oneStatement)
 	if err != nil {
 		return nil, err
 	}

@@ -40,6 +40,11 @@ type TxConfig struct {
 	Store *dedupe.SQLStore
 	// Key derives the key for OneStatement. Defaults to the message UUID.
 	Key dedupe.KeyFunc
+	// Batch turns on group commit: deliveries in flight at the same time
+	// share one transaction (see BatchConfig). Their keys are written as
+	// confirmed inside it, as with OneStatement, so it requires Store and
+	// needs no dedupe middleware.
+	Batch BatchConfig
 	// Scope names the logical handler of the key for OneStatement, as
 	// dedupe.Config.Scope does for the middleware. Defaults to
 	// dedupe.HandlerScope.
@@ -53,6 +58,12 @@ func (c TxConfig) Validate() error {
 	}
 	if c.OneStatement && c.Store == nil {
 		return errors.New("pipeline: TxConfig.Store is required with OneStatement")
+	}
+	if c.Batch.MaxSize < 0 {
+		return fmt.Errorf("pipeline: TxConfig.Batch.MaxSize must be >= 0, got %d", c.Batch.MaxSize)
+	}
+	if c.Batch.enabled() && c.Store == nil {
+		return errors.New("pipeline: TxConfig.Store is required with Batch")
 	}
 	return nil
 }
@@ -79,6 +90,12 @@ func NewTxHandler(cfg TxConfig, fn TxFunc) (message.HandlerFunc, error) {
 	}
 	if fn == nil {
 		return nil, errors.New("pipeline: NewTxHandler: fn is nil")
+	}
+	if cfg.Batch.enabled() {
+		b := newBatcher(cfg, fn)
+		return func(msg *message.Message) ([]*message.Message, error) {
+			return nil, b.handle(msg)
+		}, nil
 	}
 	return func(msg *message.Message) ([]*message.Message, error) {
 		return nil, RunTx(msg.Context(), cfg, msg, fn)

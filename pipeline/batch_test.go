@@ -1,0 +1,204 @@
+package pipeline_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/pipeline"
+)
+
+// batchEnv is a batched transactional handler on one database that records
+// which transaction each call ran in.
+type batchEnv struct {
+	*txEnv
+	h message.HandlerFunc
+
+	mu    sync.Mutex
+	txs   map[*sql.Tx]int // calls per transaction
+	calls map[string]int  // calls per message
+}
+
+func newBatchEnv(t *testing.T, e *txEnv, fn func(msg *message.Message, call int) error) *batchEnv {
+	t.Helper()
+	b := &batchEnv{txEnv: e, txs: map[*sql.Tx]int{}, calls: map[string]int{}}
+	h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB, Outbox: e.ob, Store: e.store,
+		Batch: pipeline.BatchConfig{MaxSize: 16, MaxWait: 50 * time.Millisecond}},
+		func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
+			b.mu.Lock()
+			b.txs[tx]++
+			b.calls[msg.UUID]++
+			call := b.calls[msg.UUID]
+			b.mu.Unlock()
+			if err := e.charge(nil)(ctx, tx, msg, out); err != nil {
+				return err
+			}
+			return fn(msg, call)
+		})
+	must(t, err)
+	b.h = h
+	return b
+}
+
+// deliver hands the messages to the handler all at once, as competing
+// subscriptions would, and returns each one's result.
+func (b *batchEnv) deliver(msgs ...*message.Message) []error {
+	errs := make([]error, len(msgs))
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i, m := range msgs {
+		wg.Go(func() {
+			<-start
+			_, errs[i] = b.h(m)
+		})
+	}
+	close(start)
+	wg.Wait()
+	return errs
+}
+
+func (b *batchEnv) transactions() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return len(b.txs)
+}
+
+func orders(n int, prefix string) []*message.Message {
+	var msgs []*message.Message
+	for i := range n {
+		msgs = append(msgs, message.NewMessage(fmt.Sprintf("%s-%d", prefix, i), []byte(fmt.Sprintf("%s-%d", prefix, i))))
+	}
+	return msgs
+}
+
+// One failing message in a batch: the others commit together, only it is
+// retried, and its redelivery does the work.
+func TestBatchIsolatesAFailingMessage(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *txEnv) {
+		declined := errors.New("card declined")
+		b := newBatchEnv(t, e, func(msg *message.Message, call int) error {
+			if msg.UUID == "batch-7" && call == 1 {
+				return declined
+			}
+			return nil
+		})
+		errs := b.deliver(orders(16, "batch")...)
+		for i, err := range errs {
+			if i == 7 {
+				if !errors.Is(err, declined) {
+					t.Fatalf("batch-7: %v, want the handler's error", err)
+				}
+				continue
+			}
+			if err != nil {
+				t.Fatalf("batch-%d: %v", i, err)
+			}
+		}
+		if n, p := e.rows(t), e.pending(t); n != 15 || p != 15 {
+			t.Fatalf("charges=%d outbox=%d after the batch; want 15 of each (all but the failing one)", n, p)
+		}
+		// 16 deliveries, but far fewer commits: the batch, run again without
+		// the failing message after it failed.
+		if n := b.transactions(); n > 4 {
+			t.Fatalf("%d transactions for 16 deliveries, want a few", n)
+		}
+		must(t, b.deliver(message.NewMessage("batch-7", []byte("batch-7")))[0])
+		if n := e.rows(t); n != 16 {
+			t.Fatalf("charges=%d after the retry, want 16", n)
+		}
+		c, err := e.store.Claim(t.Context(), "batch-3", time.Minute)
+		must(t, err)
+		if c.Result != dedupe.Duplicate {
+			t.Fatalf("a committed key is %v, want duplicate", c.Result)
+		}
+	})
+}
+
+// The same message twice in one batch, and again in a later batch: the work
+// is done once.
+func TestBatchRunsDuplicatesOnce(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *txEnv) {
+		b := newBatchEnv(t, e, func(*message.Message, int) error { return nil })
+		msgs := orders(8, "dup")
+		twice := append(append([]*message.Message{}, msgs...), orders(8, "dup")...)
+		settled := map[string]bool{}
+		for round := 0; len(settled) < 8 && round < 10; round++ {
+			var left []*message.Message
+			for _, m := range twice {
+				if !settled[m.UUID] {
+					left = append(left, m)
+				}
+			}
+			for i, err := range b.deliver(left...) {
+				switch {
+				case err == nil:
+					settled[left[i].UUID] = true
+				case !errors.Is(err, dedupe.ErrBusy):
+					t.Fatalf("%s: %v", left[i].UUID, err)
+				}
+			}
+		}
+		for _, err := range b.deliver(twice...) { // every one a duplicate now
+			must(t, err)
+		}
+		if n := e.rows(t); n != 8 {
+			t.Fatalf("charges=%d for 8 messages delivered 4 times each, want 8", n)
+		}
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		for uuid, n := range b.calls {
+			if n != 1 {
+				t.Errorf("%s: handler ran %d times, want 1", uuid, n)
+			}
+		}
+	})
+}
+
+// A panic in one handler call of a batch fails that message only.
+func TestBatchContainsAPanic(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *txEnv) {
+		var panics atomic.Int64
+		b := newBatchEnv(t, e, func(msg *message.Message, call int) error {
+			if msg.UUID == "p-3" {
+				panics.Add(1)
+				panic("bug")
+			}
+			return nil
+		})
+		errs := b.deliver(orders(8, "p")...)
+		var hp *pipeline.HandlerPanic
+		if !errors.As(errs[3], &hp) {
+			t.Fatalf("p-3: %v, want a HandlerPanic", errs[3])
+		}
+		for i, err := range errs {
+			if i != 3 && err != nil {
+				t.Fatalf("p-%d: %v", i, err)
+			}
+		}
+		if n := e.rows(t); n != 7 {
+			t.Fatalf("charges=%d, want 7", n)
+		}
+	})
+}
+
+func TestBatchConfigIsChecked(t *testing.T) {
+	t.Parallel()
+	fn := func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil }
+	if _, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: &sql.DB{}, Batch: pipeline.BatchConfig{MaxSize: 8}}, fn); err == nil {
+		t.Fatal("Batch without Store accepted")
+	}
+	if _, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: &sql.DB{}, Batch: pipeline.BatchConfig{MaxSize: -1}}, fn); err == nil {
+		t.Fatal("negative Batch.MaxSize accepted")
+	}
+}
