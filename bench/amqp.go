@@ -105,6 +105,12 @@ func runAMQP(ctx context.Context, o options, log io.Writer) (*AMQPResults, error
 }
 
 func (b *amqpBench) close() {
+	b.closeQueues()
+	b.p.close()
+}
+
+// closeQueues deletes the queues the runs declared.
+func (b *amqpBench) closeQueues() {
 	if len(b.queues) > 0 {
 		if conn, err := amqp091.Dial(b.o.amqpURL); err == nil {
 			if ch, err := conn.Channel(); err == nil {
@@ -115,7 +121,6 @@ func (b *amqpBench) close() {
 			_ = conn.Close()
 		}
 	}
-	b.p.close()
 }
 
 func (b *amqpBench) config(m amqp.Marshaler) amqp.Config {

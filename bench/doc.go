@@ -54,6 +54,7 @@ func renderDoc(res *Results) (string, error) {
 		"RawN":              "–",
 		"TxN":               "–",
 		"AMQP":              amqpTable(res.AMQP),
+		"Batch":             batchTable(res.Batch),
 		"Outbox":            "(not measured)",
 		"OutboxTitle":       "",
 		"OutboxArgs":        "",

@@ -22,6 +22,10 @@
 //   - amqp: RabbitMQ end to end: raw watermill-amqp consume vs settle's stack
 //     with a PostgreSQL transactional handler, at Concurrency 1..16, with an
 //     exactly-once check of the effect rows.
+//   - batch: RabbitMQ + PostgreSQL and + MariaDB, 16 deliveries in flight:
+//     raw BEGIN; INSERT; COMMIT vs settle's transactional handler with one
+//     commit per message vs with group commit (TxConfig.Batch), throughput
+//     and publish-to-commit latency, with an exactly-once check.
 //   - outbox: runs bench/outbox (a separate command) and includes its table.
 //   - growth: per-message cost as the message count and the dedupe table
 //     grow, and the cost of Prune on a million confirmed keys.
@@ -49,7 +53,7 @@ import (
 )
 
 // sections in the order they run and appear in the document.
-var sections = []string{"stack", "stores", "txcost", "amqp", "outbox", "growth"}
+var sections = []string{"stack", "stores", "txcost", "amqp", "batch", "outbox", "growth"}
 
 type options struct {
 	quick    bool
@@ -145,6 +149,7 @@ type Results struct {
 	Stores  *StoresResults   `json:"stores,omitempty"`
 	TxCost  *TxCostResults   `json:"txcost,omitempty"`
 	AMQP    *AMQPResults     `json:"amqp,omitempty"`
+	Batch   *BatchResults    `json:"batch,omitempty"`
 	Outbox  *OutboxResults   `json:"outbox,omitempty"`
 	Growth  *GrowthResults   `json:"growth,omitempty"`
 	Runs    map[string]RunAt `json:"runs"` // section -> when and how it ran
@@ -186,6 +191,7 @@ func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		{"stores", func() (err error) { res.Stores, err = runStores(ctx, o, stderr); return }},
 		{"txcost", func() (err error) { res.TxCost, err = runTxCost(ctx, o, stderr); return }},
 		{"amqp", func() (err error) { res.AMQP, err = runAMQP(ctx, o, stderr); return }},
+		{"batch", func() (err error) { res.Batch, err = runBatch(ctx, o, stderr); return }},
 		{"outbox", func() (err error) { res.Outbox, err = runOutbox(ctx, o, stderr); return }},
 		{"growth", func() (err error) { res.Growth, err = runGrowth(ctx, o, stderr); return }},
 	}

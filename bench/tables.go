@@ -52,6 +52,8 @@ func sectionTables(res *Results, name string) string {
 		return txCostTable(res.TxCost)
 	case "amqp":
 		return amqpTable(res.AMQP)
+	case "batch":
+		return batchTable(res.Batch)
 	case "outbox":
 		if res.Outbox == nil {
 			return ""

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/go-sql-driver/mysql"
@@ -436,4 +437,151 @@ func (s *SQLStore) deadlocked(err error) bool {
 	}
 	var pe interface{ SQLState() string }
 	return errors.As(err, &pe) && pe.SQLState() == "40P01"
+}
+
+// ClaimConfirmedAll is ClaimConfirmed for many keys in one statement (plus,
+// on MySQL, one read-back): the keys of a batch that commits together. The
+// claims come back in the order of keys. Keys must be distinct.
+func (s *SQLStore) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Claim, error) {
+	claims := make([]Claim, len(keys))
+	if len(keys) == 0 {
+		return claims, nil
+	}
+	bk := make([][]byte, len(keys))
+	index := make(map[string]int, len(keys))
+	for i, k := range keys {
+		if err := ValidateKey(k); err != nil {
+			return nil, err
+		}
+		if _, dup := index[k]; dup {
+			return nil, fmt.Errorf("dedupe: claim confirmed: key %q given twice", k)
+		}
+		index[k] = i
+		bk[i] = []byte(k)
+		claims[i].Key = k
+	}
+	token := newToken()
+	taken, err := s.claimDoneAll(ctx, bk, token)
+	if err != nil {
+		return nil, fmt.Errorf("dedupe: claim confirmed: %w", err)
+	}
+	for k, attempts := range taken {
+		i := index[k]
+		claims[i].Result, claims[i].Attempt = Acquired, attempts
+	}
+	// The rest were confirmed or held already, or changed under the
+	// statement: settle each on its own.
+	for i := range claims {
+		if claims[i].Result != 0 {
+			continue
+		}
+		c, err := s.ClaimConfirmed(ctx, keys[i])
+		if err != nil {
+			return nil, err
+		}
+		claims[i] = c
+	}
+	return claims, nil
+}
+
+// claimDoneAll runs the many-key claimDone and returns the attempts of each
+// key it wrote.
+func (s *SQLStore) claimDoneAll(ctx context.Context, keys [][]byte, token string) (map[string]int, error) {
+	taken := make(map[string]int, len(keys))
+	t := s.dialect.quote(s.table)
+	var q string
+	args := make([]any, 0, 2*len(keys)+2)
+	switch s.dialect {
+	case Postgres:
+		q = `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
+SELECT k, 2, $2, 1, 0, ` + s.dialect.nowMicros() + ` FROM unnest($1::bytea[]) AS k
+ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
+WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
+RETURNING key, attempts`
+		args = append(args, keys, token)
+	case SQLite:
+		now := micros(s.now())
+		var b strings.Builder
+		b.WriteString(`INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at) VALUES `)
+		for i, k := range keys {
+			if i > 0 {
+				b.WriteString(", ")
+			}
+			b.WriteString("(?, 2, ?, 1, 0, ?)")
+			args = append(args, k, token, now)
+		}
+		b.WriteString(`
+ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
+WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
+RETURNING key, attempts`)
+		q = b.String()
+	case MySQL:
+		return s.claimDoneAllMySQL(ctx, keys, token)
+	}
+	rows, err := s.db.QueryContext(ctx, q, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var k []byte
+		var attempts int
+		if err := rows.Scan(&k, &attempts); err != nil {
+			return nil, err
+		}
+		taken[string(k)] = attempts
+	}
+	return taken, rows.Err()
+}
+
+// claimDoneAllMySQL writes every key it may with one multi-row upsert, then
+// reads the rows back to see which carry its token.
+func (s *SQLStore) claimDoneAllMySQL(ctx context.Context, keys [][]byte, token string) (map[string]int, error) {
+	t := s.dialect.quote(s.table)
+	now := s.dialect.nowMicros()
+	cond := "(state = 0 OR (state = 1 AND expires_at <= VALUES(updated_at)))"
+	var b strings.Builder
+	args := make([]any, 0, 2*len(keys))
+	b.WriteString("INSERT INTO " + t + " (`key`, state, token, attempts, expires_at, updated_at) VALUES ")
+	for i, k := range keys {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString("(?, 2, ?, 1, 0, " + now + ")")
+		args = append(args, k, token)
+	}
+	b.WriteString("\nON DUPLICATE KEY UPDATE attempts = IF(" + cond + ", attempts + 1, attempts),\n" +
+		"\ttoken = IF(" + cond + ", VALUES(token), token),\n" +
+		"\tupdated_at = IF(" + cond + ", VALUES(updated_at), updated_at),\n" +
+		"\texpires_at = IF(" + cond + ", 0, expires_at),\n" +
+		"\tstate = IF(" + cond + ", 2, state)")
+	if _, err := s.db.ExecContext(ctx, b.String(), args...); err != nil {
+		return nil, err
+	}
+	b.Reset()
+	b.WriteString("SELECT `key`, attempts FROM " + t + " WHERE state = 2 AND token = ? AND `key` IN (")
+	args = append(args[:0], token)
+	for i, k := range keys {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString("?")
+		args = append(args, k)
+	}
+	b.WriteString(") FOR UPDATE")
+	rows, err := s.db.QueryContext(ctx, b.String(), args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	taken := make(map[string]int, len(keys))
+	for rows.Next() {
+		var k []byte
+		var attempts int
+		if err := rows.Scan(&k, &attempts); err != nil {
+			return nil, err
+		}
+		taken[string(k)] = attempts
+	}
+	return taken, rows.Err()
 }

@@ -3,7 +3,6 @@ package pipeline
 import (
 	"context"
 	"database/sql"
-	"errors"
 	"fmt"
 	"runtime/debug"
 	"slices"
@@ -25,7 +24,8 @@ import (
 // exactly-once gets faster than the one-commit-per-message floor.
 //
 // Each message keeps its own settlement. The batch's keys are written as
-// confirmed inside the transaction (as with OneStatement), every handler
+// confirmed inside the transaction in one statement (as with OneStatement,
+// see dedupe.SQLStore.ClaimConfirmedAll), every handler
 // call of the batch runs in it, in the order of the keys (so that two
 // batches claiming the same keys lock them in the same order instead of
 // deadlocking), and every delivery is acked only after the commit. A message whose handler fails (or panics)
@@ -81,7 +81,7 @@ type job struct {
 
 	// Per run of the batch:
 	claimed bool  // the key was written as confirmed in this run
-	err     error // a result decided without running fn (busy), or fn's error
+	err     error // a result decided without running fn (busy)
 }
 
 func newBatcher(cfg TxConfig, fn TxFunc) *batcher {
@@ -214,15 +214,22 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err err
 			return -1, err
 		}
 	}
+	keys := make([]string, len(jobs))
 	for i, j := range jobs {
+		keys[i] = j.key
 		j.claimed, j.err = false, nil
-		done, err := claimInTx(j.ctx, b.cfg, tx, j.msg)
+	}
+	// All keys in one statement; a batch whose claims fail fails whole.
+	claims, err := b.cfg.Store.WithTx(tx).ClaimConfirmedAll(ctx, keys)
+	if err != nil {
+		return -1, err
+	}
+	for i, j := range jobs {
+		done, err := claimResult(j.ctx, claims[i], j.msg)
 		switch {
-		case errors.Is(err, dedupe.ErrBusy):
-			j.err = err // nothing written for it: the others go on
+		case err != nil: // busy: nothing written for it, the others go on
+			j.err = err
 			continue
-		case err != nil:
-			return i, err
 		case done:
 			continue // a duplicate: acked with the batch
 		}

@@ -160,6 +160,13 @@ func claimInTx(ctx context.Context, cfg TxConfig, tx *sql.Tx, msg *message.Messa
 	if err != nil {
 		return false, err
 	}
+	return claimResult(ctx, c, msg)
+}
+
+// claimResult settles what a claim in the transaction found: done for a
+// duplicate (acked, nothing to run), an error wrapping dedupe.ErrBusy for a
+// key held elsewhere (deferred), neither for an acquired key.
+func claimResult(ctx context.Context, c dedupe.Claim, msg *message.Message) (done bool, err error) {
 	switch c.Result {
 	case dedupe.Duplicate:
 		settle.SettlementFromContext(ctx).SetOutcome(settle.Duplicate)

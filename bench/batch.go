@@ -1,0 +1,326 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"io"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/settle-go/settle/amqpmarshal"
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/sqlurl"
+	"github.com/settle-go/settle/pipeline"
+)
+
+// Batch cells: RabbitMQ + a database, 16 deliveries in flight.
+const (
+	batchRawTx   = "raw-tx"      // BEGIN; INSERT; COMMIT from 16 goroutines, no broker
+	batchPerMsg  = "per-message" // settle HandleTx, one-statement, one commit per message
+	batchGrouped = "batched"     // settle HandleTx with Batch: one commit per batch
+)
+
+var batchCells = []string{batchRawTx, batchPerMsg, batchGrouped}
+
+// batchInFlight is the concurrency of the batch section: competing
+// subscriptions, and goroutines for the raw floor.
+const batchInFlight = 16
+
+// BatchResults: section batch.
+type BatchResults struct {
+	Messages    int        `json:"messages"`
+	InFlight    int        `json:"in_flight"`
+	LatencyRate int        `json:"latency_msgs_per_s"` // publish rate of the latency runs
+	Rows        []BatchRow `json:"rows"`
+}
+
+// BatchRow is one database: median msgs/s of each cell, and the latency from
+// publish to commit of the settle cells.
+type BatchRow struct {
+	DB      string             `json:"db"`
+	Rate    map[string]float64 `json:"msgs_per_s"`
+	P50     map[string]float64 `json:"p50_ms"`
+	P99     map[string]float64 `json:"p99_ms"`
+	Checked int                `json:"effects_checked"`
+}
+
+// batchDB is the database of one row: its handle, the SQL it needs, and the
+// tables to drop.
+type batchDB struct {
+	name    string
+	db      *sql.DB
+	dialect dedupe.Dialect
+	tables  []string
+}
+
+func (d *batchDB) ph(n int) string {
+	if d.dialect == dedupe.Postgres {
+		return "$" + strconv.Itoa(n)
+	}
+	return "?"
+}
+
+func (d *batchDB) effectTable(ctx context.Context) (string, error) {
+	name := "bench_effects_" + randomID()
+	d.tables = append(d.tables, name)
+	_, err := d.db.ExecContext(ctx, "CREATE TABLE "+name+" (id BIGINT NOT NULL, msg VARCHAR(64) NOT NULL)")
+	return name, err
+}
+
+func (d *batchDB) store(ctx context.Context) (*dedupe.SQLStore, error) {
+	name := "bench_claims_" + randomID()
+	ddl, err := dedupe.Schema(d.dialect, name)
+	if err != nil {
+		return nil, err
+	}
+	d.tables = append(d.tables, name)
+	for _, s := range ddl {
+		if _, err := d.db.ExecContext(ctx, s); err != nil {
+			return nil, err
+		}
+	}
+	return dedupe.NewSQLStore(d.db, dedupe.SQLConfig{Dialect: d.dialect, Table: name})
+}
+
+func (d *batchDB) checkEffects(ctx context.Context, table string, want int) error {
+	var rows, distinct int
+	if err := d.db.QueryRowContext(ctx, "SELECT COUNT(*), COUNT(DISTINCT msg) FROM "+table).Scan(&rows, &distinct); err != nil {
+		return err
+	}
+	if rows != want || distinct != want {
+		return fmt.Errorf("%s: %d effect rows for %d distinct messages, want exactly one for each of %d", table, rows, distinct, want)
+	}
+	return nil
+}
+
+func (d *batchDB) close() {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for _, t := range d.tables {
+		_, _ = d.db.ExecContext(ctx, "DROP TABLE IF EXISTS "+t)
+	}
+	_ = d.db.Close()
+}
+
+func runBatch(ctx context.Context, o options, log io.Writer) (*BatchResults, error) {
+	res := &BatchResults{Messages: 8_000, InFlight: batchInFlight, LatencyRate: 500}
+	if o.quick {
+		res.Messages = 2_000
+	}
+	b := &amqpBench{o: o, log: log}
+	defer b.closeQueues()
+	for _, target := range []struct{ name, url string }{{"postgres", o.pgURL}, {"mariadb", o.mysqlURL}} {
+		db, dialect, err := sqlurl.Open(target.url)
+		if err != nil {
+			return nil, err
+		}
+		db.SetMaxOpenConns(batchInFlight + 8)
+		db.SetMaxIdleConns(batchInFlight + 8)
+		d := &batchDB{name: target.name, db: db, dialect: dialect}
+		row, err := b.batchRow(ctx, d, res)
+		d.close()
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", target.name, err)
+		}
+		res.Rows = append(res.Rows, row)
+	}
+	return res, nil
+}
+
+func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults) (BatchRow, error) {
+	row := BatchRow{DB: d.name, Rate: map[string]float64{}, P50: map[string]float64{}, P99: map[string]float64{}}
+	rates := map[string][]float64{}
+	for r := range b.o.runs {
+		for _, cell := range batchCells {
+			var rate float64
+			var err error
+			if cell == batchRawTx {
+				rate, err = b.rawTx(ctx, d)
+			} else {
+				rate, _, err = b.batchSettle(ctx, d, cell, res.Messages, 0)
+				row.Checked += res.Messages
+			}
+			if err != nil {
+				return row, fmt.Errorf("%s: %w", cell, err)
+			}
+			fmt.Fprintf(b.log, "run %d %s %s: %.0f msgs/s\n", r+1, d.name, cell, rate)
+			rates[cell] = append(rates[cell], rate)
+		}
+	}
+	for _, c := range batchCells {
+		row.Rate[c] = median(rates[c])
+	}
+	// Latency at a steady publish rate well below either mode's capacity.
+	n := res.LatencyRate * 4
+	for _, cell := range []string{batchPerMsg, batchGrouped} {
+		_, lat, err := b.batchSettle(ctx, d, cell, n, res.LatencyRate)
+		if err != nil {
+			return row, fmt.Errorf("%s latency: %w", cell, err)
+		}
+		row.Checked += n
+		row.P50[cell], row.P99[cell] = percentile(lat, 50), percentile(lat, 99)
+		fmt.Fprintf(b.log, "%s %s at %d msgs/s: publish to commit p50 %.1f ms, p99 %.1f ms\n", d.name, cell, res.LatencyRate, row.P50[cell], row.P99[cell])
+	}
+	return row, nil
+}
+
+// rawTx measures BEGIN; INSERT; COMMIT from batchInFlight goroutines.
+func (b *amqpBench) rawTx(ctx context.Context, d *batchDB) (float64, error) {
+	effects, err := d.effectTable(ctx)
+	if err != nil {
+		return 0, err
+	}
+	insert := "INSERT INTO " + effects + " (id, msg) VALUES (" + d.ph(1) + ", " + d.ph(2) + ")"
+	dur := 3 * time.Second
+	if b.o.quick {
+		dur = time.Second
+	}
+	var id atomic.Int64
+	n, el, err := forDuration(ctx, batchInFlight, dur, "raw-"+randomID()+"-", func(ctx context.Context, key string) error {
+		tx, err := d.db.BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, insert, id.Add(1), key); err != nil {
+			_ = tx.Rollback()
+			return err
+		}
+		return tx.Commit()
+	})
+	if err != nil {
+		return 0, err
+	}
+	return float64(n) / el.Seconds(), d.checkEffects(ctx, effects, n)
+}
+
+// batchSettle consumes n messages from RabbitMQ with a settle transactional
+// handler (one-statement per message, or batched) at batchInFlight
+// subscriptions, then checks one effect row per message. With rate 0 the
+// queue is prefilled and the result is the throughput; with a rate the
+// messages are published at that rate while the router runs, and the
+// latencies from publish to commit are returned.
+func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, cell string, n, rate int) (float64, []float64, error) {
+	m, err := amqpmarshal.New(amqpmarshal.Config{})
+	if err != nil {
+		return 0, nil, err
+	}
+	queue := "bench_batch_" + randomID()
+	if rate == 0 {
+		if err := b.prefill(ctx, queue, m, n); err != nil {
+			return 0, nil, err
+		}
+	} else if err := b.prefill(ctx, queue, m, 0); err != nil {
+		return 0, nil, err
+	}
+	store, err := d.store(ctx)
+	if err != nil {
+		return 0, nil, err
+	}
+	effects, err := d.effectTable(ctx)
+	if err != nil {
+		return 0, nil, err
+	}
+	cfg := b.config(m)
+	sub, err := amqp.NewSubscriber(cfg, watermill.NopLogger{})
+	if err != nil {
+		return 0, nil, err
+	}
+	defer sub.Close()
+	pub, err := amqp.NewPublisher(cfg, watermill.NopLogger{})
+	if err != nil {
+		return 0, nil, err
+	}
+	defer pub.Close()
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		return 0, nil, err
+	}
+	p, err := pipeline.New(router, pipeline.Config{Publisher: pub, Store: store, Concurrency: batchInFlight, DisableTracing: true})
+	if err != nil {
+		return 0, nil, err
+	}
+	txc := pipeline.TxConfig{DB: d.db, OneStatement: true}
+	if cell == batchGrouped {
+		txc = pipeline.TxConfig{DB: d.db, Batch: pipeline.BatchConfig{MaxSize: batchInFlight}}
+	}
+	insert := "INSERT INTO " + effects + " (id, msg) VALUES (" + d.ph(1) + ", " + d.ph(2) + ")"
+	var (
+		count, first, id atomic.Int64
+		mu               sync.Mutex
+		lat              []float64
+	)
+	hs, err := p.HandleTx("tx", queue, sub, nil, txc, func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
+		markFirst(&first)
+		_, err := tx.ExecContext(ctx, insert, id.Add(1), msg.UUID)
+		return err
+	})
+	if err != nil {
+		return 0, nil, err
+	}
+	// Innermost: the handler has returned, so its transaction committed.
+	hs.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if err == nil {
+				if sent, perr := strconv.ParseInt(msg.Metadata.Get("bench_sent_ns"), 10, 64); perr == nil {
+					mu.Lock()
+					lat = append(lat, float64(time.Now().UnixNano()-sent)/1e6)
+					mu.Unlock()
+				}
+				count.Add(1)
+			}
+			return out, err
+		}
+	})
+	if rate > 0 {
+		go func() {
+			tick := time.NewTicker(time.Second / time.Duration(rate))
+			defer tick.Stop()
+			for i := 0; i < n && ctx.Err() == nil; i++ {
+				<-tick.C
+				msg := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
+				msg.Metadata.Set("bench_sent_ns", strconv.FormatInt(time.Now().UnixNano(), 10))
+				_ = pub.Publish(queue, msg)
+			}
+		}()
+	}
+	r, err := consume(ctx, router, &count, &first, n, "")
+	if err != nil {
+		return 0, nil, err
+	}
+	return r, lat, d.checkEffects(ctx, effects, n)
+}
+
+func percentile(xs []float64, p float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	i := int(float64(len(s)-1) * p / 100)
+	return s[i]
+}
+
+func batchTable(t *BatchResults) string {
+	if t == nil {
+		return "(not measured)\n"
+	}
+	var b strings.Builder
+	b.WriteString("| database | raw BEGIN; INSERT; COMMIT (16 goroutines) | settle per message | settle batched | batched / per message | batched / raw tx | per message p50 / p99 | batched p50 / p99 | effects checked |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, r := range t.Rows {
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %.1f / %.1f ms | %.1f / %.1f ms | %s |\n", r.DB,
+			num(r.Rate[batchRawTx]), num(r.Rate[batchPerMsg]), num(r.Rate[batchGrouped]),
+			x(ratio(r.Rate[batchGrouped], r.Rate[batchPerMsg])), x(ratio(r.Rate[batchGrouped], r.Rate[batchRawTx])),
+			r.P50[batchPerMsg], r.P99[batchPerMsg], r.P50[batchGrouped], r.P99[batchGrouped], num(float64(r.Checked)))
+	}
+	return b.String()
+}
