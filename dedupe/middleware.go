@@ -294,7 +294,7 @@ type held struct {
 	claim           Claim
 	store           Store
 	ttl             time.Duration // the claim timeout, for HoldTx
-	ren             renewal // allocated with the holder; started while the handler runs
+	ren             renewal       // allocated with the holder; started while the handler runs
 	confirmedInTx   bool
 }
 
