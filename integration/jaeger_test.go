@@ -217,7 +217,7 @@ func TestOrdersTraceInJaeger(t *testing.T) {
 	place := one(first, "place order", "")
 	create := one(first, "create orders.placed", "")
 	send := one(first, "send orders.placed", "")
-	process := one(first, "orders.placed", " process")
+	process := one(first, "process orders.placed", "")
 	ack := one(first, "ack orders.placed", "")
 	for _, link := range []struct {
 		child, parent jaegerSpan
@@ -235,7 +235,7 @@ func TestOrdersTraceInJaeger(t *testing.T) {
 	}
 
 	// Order A-007: the e-mail's attempts and its dead-letter publish.
-	emails := bounced.find("orders.charged", " process")
+	emails := bounced.find("process orders.charged", "")
 	outcomes := map[string]int{}
 	events := 0
 	var deadProcess jaegerSpan

@@ -169,6 +169,11 @@ func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store, noDedup
 		}
 		mws = append(mws, dd)
 	}
+	if p.tracing != nil && publishTopic != "" {
+		// The dedupe middleware publishes the output itself: its messages
+		// get their trace context before that, right at the handler.
+		mws = append(mws, middleware.TraceProduced)
+	}
 	return mws, nil
 }
 

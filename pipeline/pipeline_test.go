@@ -154,7 +154,7 @@ func TestPipelineSettlesEachOutcome(t *testing.T) {
 	}
 	outcomes := map[string]int{}
 	for _, s := range h.spans.Ended() {
-		if s.Name() == "orders process" {
+		if s.Name() == "process orders" {
 			for _, kv := range s.Attributes() {
 				if kv.Key == middleware.OutcomeKey {
 					outcomes[kv.Value.AsString()]++

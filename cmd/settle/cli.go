@@ -77,12 +77,6 @@ func usage() string {
 	return b.String()
 }
 
-// run runs the command line args (without the program name) and returns the
-// exit code.
-func run(args []string, stdout, stderr io.Writer) int {
-	return runContext(context.Background(), args, stdout, stderr)
-}
-
 func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return runEnv(&env{ctx: ctx, stdout: stdout, stderr: stderr, getenv: osGetenv}, args)
 }
