@@ -21,15 +21,17 @@ import (
 	"testing"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/settleenv"
 	"github.com/settle-go/settle/internal/sqlurl"
 )
 
-// Environment variable names.
+// Environment variable names, the same as the examples' and the settle
+// command's (internal/settleenv).
 const (
-	PostgresURLEnv = "SETTLE_POSTGRES_URL"
-	MySQLURLEnv    = "SETTLE_MYSQL_URL"
-	AMQPURLEnv     = "SETTLE_AMQP_URL"
-	RequireEnv     = "SETTLE_REQUIRE_INTEGRATION"
+	PostgresURLEnv = settleenv.PostgresURL
+	MySQLURLEnv    = settleenv.MySQLURL
+	AMQPURLEnv     = settleenv.AMQPURL
+	RequireEnv     = settleenv.RequireIntegration
 )
 
 // Require returns the value of the environment variable name, or skips the
