@@ -168,7 +168,7 @@ func TestOrdersTraceInJaeger(t *testing.T) {
 	cmd.Env = append(os.Environ(),
 		"OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318",
 		"OTEL_SERVICE_NAME="+service,
-		"SETTLE_DB_URL=", "SETTLE_AMQP_URL=", // the embedded default
+		"SETTLE_POSTGRES_URL=", "SETTLE_MYSQL_URL=", "SETTLE_AMQP_URL=", // the embedded default
 	)
 	if out, err := cmd.CombinedOutput(); err != nil || !strings.Contains(string(out), "every order charged exactly once") {
 		t.Fatalf("the example failed: %v\n%s", err, out)

@@ -54,6 +54,7 @@ var commands = []command{
 	{"outbox schema", runOutboxSchema},
 	{"outbox status", runOutboxStatus},
 	{"outbox prune", runOutboxPrune},
+	{"trace", runTrace},
 }
 
 // synopses are the usage lines of the commands, after "settle ".
@@ -66,6 +67,7 @@ var synopses = map[string]string{
 	"outbox schema": "outbox schema -dialect postgres|mysql|sqlite [-topic T]",
 	"outbox status": "outbox status -db URL [-topic T] [-group G] [-json]",
 	"outbox prune":  "outbox prune -db URL [-topic T] [-group G] -older-than AGE",
+	"trace":         "trace [-jaeger URL] (-id TRACE | -service S [-tag KEY=VALUE]) [-svg FILE]",
 }
 
 // usage is the usage of every command, or of those of one group ("dlq")
@@ -131,19 +133,20 @@ func runEnv(e *env, args []string) int {
 		return exitOK
 	}
 	var cmd *command
-	if len(args) >= 2 {
-		name := args[0] + " " + args[1]
-		for i := range commands {
-			if commands[i].name == name {
-				cmd = &commands[i]
-			}
+	rest := args
+	for i := range commands {
+		switch n := commands[i].name; {
+		case n == args[0]:
+			cmd, rest = &commands[i], args[1:]
+		case len(args) >= 2 && n == args[0]+" "+args[1]:
+			cmd, rest = &commands[i], args[2:]
 		}
 	}
 	if cmd == nil {
 		fmt.Fprintf(e.stderr, "settle: unknown command %q\n\n%s", strings.Join(args[:min(2, len(args))], " "), usage())
 		return exitUsage
 	}
-	err := cmd.run(e, args[2:])
+	err := cmd.run(e, rest)
 	var ue *usageError
 	switch {
 	case err == nil:
