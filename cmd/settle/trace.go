@@ -114,7 +114,7 @@ type jResponse struct {
 }
 
 type jTrace struct {
-	TraceID   string `json:"traceID"`
+	TraceID   string  `json:"traceID"`
 	Spans     []jSpan `json:"spans"`
 	Processes map[string]struct {
 		ServiceName string `json:"serviceName"`
