@@ -19,7 +19,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m,
+	testenv.Main(m,
 		// watermill-amqp v3.0.2 can redial a connection while its publisher
 		// or subscriber is being closed (a select in its ConnectionWrapper
 		// between "closing" and "connection closed"; internal/testenv's
