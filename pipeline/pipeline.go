@@ -259,11 +259,7 @@ func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *d
 	if err != nil {
 		return nil, err
 	}
-	consume := func(msg *message.Message) error {
-		_, err := h(msg)
-		return err
-	}
 	return p.add(name, sub, mws, func(n string) *message.Handler {
-		return p.router.AddConsumerHandler(n, topic, sub, consume)
+		return p.router.AddConsumerHandler(n, topic, sub, h)
 	})
 }

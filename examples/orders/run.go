@@ -237,7 +237,7 @@ func run(parent context.Context, cfg config) (err error) {
 		return err
 	}
 	// email: a flaky mail server; one address always bounces.
-	if _, err := pipeline.Handle(p, "email", topics.charged, br.sub, nil, func(ctx context.Context, m pipeline.Message[orderCharged]) error {
+	if _, err := pipeline.HandleTyped(p, "email", topics.charged, br.sub, nil, func(ctx context.Context, m pipeline.Message[orderCharged]) error {
 		var n int
 		_, _ = fmt.Sscanf(m.Body.OrderID, "A-%d", &n)
 		switch {
