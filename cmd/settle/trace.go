@@ -162,7 +162,7 @@ func decodeTraces(r io.Reader) ([]jTrace, error) {
 		return nil, fmt.Errorf("decoding Jaeger's answer: %w", err)
 	}
 	if len(res.Errors) > 0 {
-		return nil, fmt.Errorf("Jaeger: %s", res.Errors[0].Msg)
+		return nil, fmt.Errorf("the query API answered: %s", res.Errors[0].Msg)
 	}
 	return res.Data, nil
 }
@@ -206,22 +206,22 @@ func (q jaegerQuery) fetch(ctx context.Context) ([]jTrace, error) {
 	defer resp.Body.Close()
 	switch {
 	case resp.StatusCode == http.StatusNotFound && q.id != "":
-		return nil, fmt.Errorf("Jaeger at %s has no trace %s", q.base, q.id)
+		return nil, fmt.Errorf("no trace %s in the Jaeger at %s", q.id, q.base)
 	case resp.StatusCode == http.StatusBadRequest && q.id == "":
 		// Jaeger answers 400 for a service it has never seen.
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
-		return nil, fmt.Errorf("Jaeger at %s: %s (has service %q sent any span? its services: %s)",
+		return nil, fmt.Errorf("the Jaeger at %s: %s (has service %q sent any span? its services: %s)",
 			q.base, strings.TrimSpace(string(b)), q.service, q.services(ctx))
 	case resp.StatusCode != http.StatusOK:
-		return nil, fmt.Errorf("Jaeger at %s: %s", u, resp.Status)
+		return nil, fmt.Errorf("the Jaeger at %s: %s", u, resp.Status)
 	}
 	traces, err := decodeTraces(resp.Body)
 	if err != nil {
 		return nil, err
 	}
 	if len(traces) == 0 && q.id == "" {
-		return nil, fmt.Errorf("Jaeger at %s has no trace of service %q in the last %s matching %q (its services: %s)",
-			q.base, q.service, q.lookback, q.tag, q.services(ctx))
+		return nil, fmt.Errorf("no trace of service %q in the last %s matching %q in the Jaeger at %s (its services: %s)",
+			q.service, q.lookback, q.tag, q.base, q.services(ctx))
 	}
 	return traces, nil
 }
