@@ -205,7 +205,7 @@ func TestTraceCommandShowsADeliveryFromJaeger(t *testing.T) {
 		t.Errorf("columns: process orders %d, create %d, process shipments %d, send %d, ack %d; want each under the one before, send and ack siblings:\n%s",
 			in, create, mid, send, ack, r.stdout)
 	}
-	for _, want := range []string{"[handler notify, poisoned, parked to shipments.poison, ERROR no such customer]", "└─ ", "├─ "} {
+	for _, want := range []string{"[handler notify, poisoned, attempt 1, parked to shipments.poison, ERROR permanent: no such customer]", "└─ ", "├─ "} {
 		if !strings.Contains(r.stdout, want) {
 			t.Errorf("the tree lacks %q:\n%s", want, r.stdout)
 		}
