@@ -81,7 +81,7 @@ func usage(group ...string) string {
 		}
 	}
 	b.WriteString("\n" + envHelp + "\n")
-	b.WriteString("Run 'settle <group> <command> -h' for the flags of a command.\n")
+	b.WriteString("Run 'settle <command> -h' for the flags of a command, 'settle <group> --help' for the commands of a group.\n")
 	return b.String()
 }
 

@@ -248,3 +248,37 @@ func TestTraceUsageErrors(t *testing.T) {
 		t.Errorf("unreachable Jaeger:\n%v", r)
 	}
 }
+
+// -in reads a saved answer of the query API: the newest matching trace is
+// shown, and the command says how many others matched.
+func TestTraceFromASavedResponse(t *testing.T) {
+	t.Parallel()
+	saved := `{"data":[
+ {"traceID":"aa","processes":{"p1":{"serviceName":"svc"}},"spans":[
+  {"spanID":"1","operationName":"process orders","startTime":1000,"duration":50,"processID":"p1",
+   "tags":[{"key":"settle.outcome","value":"done"},{"key":"settle.handler","value":"charge"},{"key":"messaging.operation.type","value":"process"},{"key":"order.id","value":"A-1"}]},
+  {"spanID":"2","operationName":"ack orders","startTime":1040,"duration":5,"processID":"p1","references":[{"refType":"CHILD_OF","spanID":"1"}]}]},
+ {"traceID":"bb","processes":{"p1":{"serviceName":"svc"}},"spans":[
+  {"spanID":"3","operationName":"process orders","startTime":5000,"duration":70,"processID":"p1",
+   "tags":[{"key":"settle.outcome","value":"retry"},{"key":"otel.status_code","value":"ERROR"},{"key":"otel.status_description","value":"boom"},{"key":"order.id","value":"A-1"}],
+   "logs":[{"timestamp":5010,"fields":[{"key":"event","value":"settle.attempt_failed"},{"key":"settle.attempt","value":1}]}]},
+  {"spanID":"4","operationName":"nack orders","startTime":5060,"duration":5,"processID":"p1","references":[{"refType":"CHILD_OF","spanID":"3"}]}]}]}`
+	path := filepath.Join(t.TempDir(), "traces.json")
+	if err := os.WriteFile(path, []byte(saved), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r := mustRun(t, exitOK, "trace", "-in", path, "-tag", "order.id=A-1")
+	want := "trace bb: 2 spans in 70µs, service svc\n\n" +
+		"    start  duration  span\n" +
+		"      0µs      70µs  process orders  [retry, ERROR boom]\n" +
+		"     10µs               · settle.attempt_failed settle.attempt=1\n" +
+		"     60µs       5µs  └─ nack orders\n"
+	if r.stdout != want || !strings.Contains(r.stderr, "1 more traces match; showing the newest") {
+		t.Errorf("got\n%s\nwant\n%s\nstderr: %s", r.stdout, want, r.stderr)
+	}
+	r = mustRun(t, exitOK, "trace", "-in", path, "-id", "aa")
+	if !strings.Contains(r.stdout, "process orders  [handler charge, done]") || !strings.Contains(r.stdout, "└─ ack orders") {
+		t.Errorf("-id aa:\n%v", r)
+	}
+	mustRun(t, exitFail, "trace", "-in", path, "-tag", "order.id=A-2")
+}
