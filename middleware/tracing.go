@@ -217,8 +217,12 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 		ctx, span := t.tracer.Start(parent, spanName("process", topic), opts...)
 		ctx, rec := settle.WithSettlement(ctx, t.cfg.prop)
 		rec.SpanAttributes = ids
-		out := &output{t: t, ctx: ctx, ids: ids, topic: message.PublishTopicFromCtx(orig)}
-		ctx = context.WithValue(ctx, outputKey{}, out)
+		var out *output
+		if pub := message.PublishTopicFromCtx(orig); pub != "" {
+			// Only a handler with a publish topic has output to trace.
+			out = &output{t: t, ctx: ctx, ids: ids, topic: pub}
+			ctx = context.WithValue(ctx, outputKey{}, out)
+		}
 		msg.SetContext(ctx)
 
 		var (
@@ -236,7 +240,7 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 			}()
 			produced, err = h(msg)
 		}()
-		if err == nil {
+		if err == nil && out != nil {
 			// The router publishes what the chain returns after this
 			// middleware returns: give each message its create span now.
 			out.trace(produced)
