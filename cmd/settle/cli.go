@@ -67,7 +67,7 @@ var synopses = map[string]string{
 	"outbox schema": "outbox schema -dialect postgres|mysql|sqlite [-topic T]",
 	"outbox status": "outbox status -db URL [-topic T] [-group G] [-json]",
 	"outbox prune":  "outbox prune -db URL [-topic T] [-group G] -older-than AGE",
-	"trace":         "trace [-jaeger URL] (-id TRACE | -service S [-tag KEY=VALUE]) [-svg FILE]",
+	"trace":         "trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag KEY=VALUE]) [-svg FILE]",
 }
 
 // usage is the usage of every command, or of those of one group ("dlq")

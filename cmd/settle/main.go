@@ -9,7 +9,7 @@
 //	settle outbox schema -dialect postgres|mysql|sqlite [-topic T]
 //	settle outbox status -db URL [-topic T] [-group G] [-json]
 //	settle outbox prune -db URL [-topic T] [-group G] -older-than 7d
-//	settle trace [-jaeger URL] (-id TRACE | -service S [-tag K=V]) [-svg FILE]
+//	settle trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag K=V]) [-svg FILE]
 //
 // -db defaults to $SETTLE_POSTGRES_URL, else $SETTLE_MYSQL_URL, and -amqp to
 // $SETTLE_AMQP_URL, the variables the tests and examples read. Listing and

@@ -27,13 +27,20 @@ func runTrace(e *env, args []string) (err error) {
 	api := fs.String("jaeger", "", "Jaeger query API base URL (default $"+envJaegerURL+", else "+defaultJaegerURL+")")
 	id := fs.String("id", "", "the trace ID")
 	service := fs.String("service", "", "search the traces of this service (OTEL_SERVICE_NAME of the program)")
-	tag := fs.String("tag", "", "with -service: the trace with a span tagged key=value, e.g. messaging.message.id=UUID or order.id=A-007")
+	tag := fs.String("tag", "", "with -service: the trace with a span tagged key=value, e.g. order.id=A-007")
+	msgID := fs.String("message", "", "with -service: the trace of the message with this UUID (-tag messaging.message.id=UUID)")
 	lookback := fs.Duration("lookback", time.Hour, "with -service: search traces that started this long ago at most")
 	svg := fs.String("svg", "", "write the trace as an SVG picture to this file (- for stdout) instead of the tree")
 	in := fs.String("in", "", "read a saved response of Jaeger's /api/traces instead of asking Jaeger")
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
+	}
+	if *msgID != "" {
+		if *tag != "" {
+			return usagef(fs, name, "-message cannot be combined with -tag")
+		}
+		*tag = "messaging.message.id=" + *msgID
 	}
 	switch {
 	case len(pos) == 1 && *id == "":

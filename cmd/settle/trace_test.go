@@ -175,7 +175,7 @@ func TestTraceCommandShowsADeliveryFromJaeger(t *testing.T) {
 	var r result
 	deadline := time.Now().Add(20 * time.Second)
 	for {
-		r = runCmd(t.Context(), nil, "trace", "-jaeger", j.query, "-service", service, "-tag", "messaging.message.id="+uuid)
+		r = runCmd(t.Context(), nil, "trace", "-jaeger", j.query, "-service", service, "-message", uuid)
 		if r.code == exitOK && strings.Contains(r.stdout, "ack shipments") {
 			break
 		}
@@ -236,6 +236,7 @@ func TestTraceUsageErrors(t *testing.T) {
 		{[]string{"trace"}, "say which trace"},
 		{[]string{"trace", "-id", "abc", "-service", "s"}, "-id cannot be combined"},
 		{[]string{"trace", "-service", "s", "-tag", "novalue"}, "-tag wants key=value"},
+		{[]string{"trace", "-service", "s", "-tag", "a=b", "-message", "m"}, "-message cannot be combined with -tag"},
 		{[]string{"trace", "-jaeger", "127.0.0.1:16686", "-id", "abc"}, "is not an http:// URL"},
 	} {
 		r := mustRun(t, exitUsage, tc.args...)
