@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync"
 
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
 )
 
@@ -16,6 +17,10 @@ type Settlement struct {
 	// settling (dead-letter and poison copies). Set by the tracing
 	// middleware; nil means none.
 	Propagator propagation.TextMapPropagator
+	// SpanAttributes identify the delivery on every span settle starts while
+	// settling it (messaging.system, settle.handler). Set by the tracing
+	// middleware; nil means none.
+	SpanAttributes []attribute.KeyValue
 
 	mu       sync.Mutex
 	outcome  Outcome

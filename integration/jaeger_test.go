@@ -168,7 +168,7 @@ func TestOrdersTraceInJaeger(t *testing.T) {
 	cmd.Env = append(os.Environ(),
 		"OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318",
 		"OTEL_SERVICE_NAME="+service,
-		"SETTLE_DB_URL=", "SETTLE_AMQP_URL=", // the embedded default
+		"SETTLE_POSTGRES_URL=", "SETTLE_MYSQL_URL=", "SETTLE_AMQP_URL=", // the embedded default
 	)
 	if out, err := cmd.CombinedOutput(); err != nil || !strings.Contains(string(out), "every order charged exactly once") {
 		t.Fatalf("the example failed: %v\n%s", err, out)
@@ -217,7 +217,7 @@ func TestOrdersTraceInJaeger(t *testing.T) {
 	place := one(first, "place order", "")
 	create := one(first, "create orders.placed", "")
 	send := one(first, "send orders.placed", "")
-	process := one(first, "orders.placed", " process")
+	process := one(first, "process orders.placed", "")
 	ack := one(first, "ack orders.placed", "")
 	for _, link := range []struct {
 		child, parent jaegerSpan
@@ -235,7 +235,7 @@ func TestOrdersTraceInJaeger(t *testing.T) {
 	}
 
 	// Order A-007: the e-mail's attempts and its dead-letter publish.
-	emails := bounced.find("orders.charged", " process")
+	emails := bounced.find("process orders.charged", "")
 	outcomes := map[string]int{}
 	events := 0
 	var deadProcess jaegerSpan

@@ -8,10 +8,12 @@ import (
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/settle-go/settle/internal/testenv"
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m,
+	testenv.Main(m,
 		// Watermill's own middleware.NewMapExpiringKeyRepository (the default
 		// repository of middleware.Deduplicator, used to show how it loses
 		// messages) starts a cleaner goroutine on context.Background() that

@@ -282,7 +282,7 @@ func (e *obEnv) startConsumer() *obConsumer {
 	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: obWait}, watermill.NopLogger{})
 	saMust(t, err)
 	r.AddConsumerHandler("outbox_effect", e.queue, sub, func(msg *message.Message) error {
-		_, err := h(msg)
+		err := h(msg)
 		return err
 	}).AddMiddleware(c.observe, dd)
 	c.router = r

@@ -112,28 +112,40 @@ func WithSettleWait(d time.Duration) Option {
 }
 
 type tracing struct {
-	cfg       tracingConfig
-	mattrs    sync.Map // metricKey -> metric.MeasurementOption, built once per outcome and handler
-	consumer  trace.SpanStartOption
-	client    trace.SpanStartOption
-	tracer    trace.Tracer
-	settled   metric.Int64Counter
-	duration  metric.Float64Histogram
-	retries   metric.Int64Counter
-	systemKV  attribute.KeyValue
-	scopeOpts []trace.SpanStartOption
+	cfg      tracingConfig
+	mattrs   sync.Map // metricKey -> metric.MeasurementOption, built once per outcome and handler
+	consumer trace.SpanStartOption
+	client   trace.SpanStartOption
+	tracer   trace.Tracer
+	settled  metric.Int64Counter
+	duration metric.Float64Histogram
+	retries  metric.Int64Counter
+	producer trace.SpanStartOption
+	systemKV attribute.KeyValue
 }
 
 // NewTracing returns the settlement tracing middleware. It must be the
 // outermost of settle's middleware: it records how each delivery settled.
 //
-// Per delivery it makes a consumer span "<topic> process" (messaging
-// semantic conventions v1.43.0, plus settle.outcome, settle.attempt,
-// settle.handler), whose parent is the producer's context read from the
-// message's metadata, and a client span "ack <topic>" or "nack <topic>"
-// (operation type settle) that ends when the router has really acked or
-// nacked the message, not when the middleware returned. Dead-letter and
-// poison copies get producer spans "send <topic>" under the process span.
+// Span names follow the messaging semantic conventions (v1.43.0),
+// "{operation} {destination}". Per delivery it makes:
+//
+//   - a consumer span "process <topic>" (operation type process, plus
+//     settle.outcome, settle.attempt), whose parent is the producer's
+//     context read from the message's metadata;
+//   - a client span "ack <topic>" or "nack <topic>" (operation type settle)
+//     under it, that ends when the router has really acked or nacked the
+//     message, not when the middleware returned;
+//   - a producer span "create <topic>" under it for each message the handler
+//     returns, whose context is written into that message's metadata, so
+//     the consumers of the handler's output continue the same trace (see
+//     TraceProduced when the output is published inside the chain);
+//   - a producer span "send <topic>" under it for a dead-letter or poison
+//     copy, whose context the copy carries.
+//
+// Every one of them has messaging.system, messaging.destination.name,
+// messaging.message.id and settle.handler; on a create or send span the
+// destination and the message ID are those of the message it sends.
 // The process span has error status only when the handler really failed
 // (retry, dead_lettered, poisoned), never for a duplicate or a deferral.
 //
@@ -159,6 +171,7 @@ func NewTracing(opts ...Option) (message.HandlerMiddleware, error) {
 		systemKV: semconv.MessagingSystemKey.String(cfg.system),
 		consumer: trace.WithSpanKind(trace.SpanKindConsumer),
 		client:   trace.WithSpanKind(trace.SpanKindClient),
+		producer: trace.WithSpanKind(trace.SpanKindProducer),
 	}
 	meter := cfg.mp.Meter(ScopeName, metric.WithInstrumentationVersion(Version), metric.WithSchemaURL(semconv.SchemaURL))
 	var err error
@@ -182,15 +195,15 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 		start := time.Now()
 
 		producer := trace.SpanContextFromContext(t.cfg.prop.Extract(orig, settle.MetadataCarrier(msg.Metadata)))
+		ids := []attribute.KeyValue{t.systemKV, HandlerKey.String(handler)}
 		opts := []trace.SpanStartOption{
 			t.consumer,
+			trace.WithAttributes(ids...),
 			trace.WithAttributes(
-				t.systemKV,
 				semconv.MessagingDestinationName(topic),
 				semconv.MessagingMessageID(msg.UUID),
 				semconv.MessagingOperationTypeProcess,
 				semconv.MessagingOperationName("process"),
-				HandlerKey.String(handler),
 			),
 		}
 		parent := orig
@@ -201,13 +214,20 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 				parent = trace.ContextWithRemoteSpanContext(orig, producer)
 			}
 		}
-		ctx, span := t.tracer.Start(parent, spanName(topic, "process"), opts...)
+		ctx, span := t.tracer.Start(parent, spanName("process", topic), opts...)
 		ctx, rec := settle.WithSettlement(ctx, t.cfg.prop)
+		rec.SpanAttributes = ids
+		var out *output
+		if pub := message.PublishTopicFromCtx(orig); pub != "" {
+			// Only a handler with a publish topic has output to trace.
+			out = &output{t: t, ctx: ctx, ids: ids, topic: pub}
+			ctx = context.WithValue(ctx, outputKey{}, out)
+		}
 		msg.SetContext(ctx)
 
 		var (
-			out []*message.Message
-			err error
+			produced []*message.Message
+			err      error
 		)
 		func() {
 			defer func() {
@@ -218,19 +238,97 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 					panic(p)
 				}
 			}()
-			out, err = h(msg)
+			produced, err = h(msg)
 		}()
+		if err == nil && out != nil {
+			// The router publishes what the chain returns after this
+			// middleware returns: give each message its create span now.
+			out.trace(produced)
+		}
 		t.finish(msg, span, rec, handler, topic, start, err)
 		msg.SetContext(orig)
-		return out, err
+		return produced, err
 	}
 }
 
-func spanName(topic, op string) string {
+// spanName is "{operation} {destination}", or the operation alone when the
+// destination is unknown.
+func spanName(op, topic string) string {
 	if topic == "" {
 		return op
 	}
-	return topic + " " + op
+	return op + " " + topic
+}
+
+type outputKey struct{}
+
+// output gives the messages a handler produces in one delivery their create
+// spans, once each, whichever of TraceProduced and the tracing middleware
+// sees them first.
+type output struct {
+	t     *tracing
+	ctx   context.Context // the process span's
+	ids   []attribute.KeyValue
+	topic string // the handler's publish topic
+
+	mu   sync.Mutex
+	done map[*message.Message]struct{}
+}
+
+func (o *output) trace(msgs []*message.Message) {
+	if len(msgs) == 0 {
+		return
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for _, m := range msgs {
+		if m == nil {
+			continue
+		}
+		if _, ok := o.done[m]; ok {
+			continue
+		}
+		if o.done == nil {
+			o.done = make(map[*message.Message]struct{}, len(msgs))
+		}
+		o.done[m] = struct{}{}
+		ctx, span := o.t.tracer.Start(o.ctx, spanName("create", o.topic),
+			o.t.producer,
+			trace.WithAttributes(o.ids...),
+			trace.WithAttributes(
+				semconv.MessagingDestinationName(o.topic),
+				semconv.MessagingMessageID(m.UUID),
+				semconv.MessagingOperationTypeCreate,
+				semconv.MessagingOperationName("create"),
+			))
+		o.t.cfg.prop.Inject(ctx, settle.MetadataCarrier(m.Metadata))
+		if !trace.SpanContextFromContext(m.Context()).IsValid() {
+			// A publisher that traces by the message's context (settle's
+			// outbox) continues from the create span too.
+			m.SetContext(trace.ContextWithSpan(m.Context(), span))
+		}
+		span.End()
+	}
+}
+
+// TraceProduced is middleware that writes the trace context of the tracing
+// middleware's process span into each message the handler returns, under a
+// "create <publish topic>" span, so that their consumers continue the trace.
+// The tracing middleware does this itself for messages the router publishes;
+// TraceProduced is needed only when a middleware between the two publishes
+// the handler's output itself (dedupe.Config.Publisher does, before it
+// confirms the key): add it innermost, right around the handler. pipeline
+// does. Without the tracing middleware outside it, it does nothing.
+func TraceProduced(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		produced, err := h(msg)
+		if err == nil {
+			if o, ok := msg.Context().Value(outputKey{}).(*output); ok {
+				o.trace(produced)
+			}
+		}
+		return produced, err
+	}
 }
 
 // finish decides the outcome, ends the process span and starts the settle
@@ -283,14 +381,10 @@ func (t *tracing) finish(msg *message.Message, span trace.Span, rec *settle.Sett
 	if err != nil {
 		op = "nack"
 	}
-	name := op
-	if topic != "" {
-		name = op + " " + topic
-	}
-	_, settleSpan := t.tracer.Start(trace.ContextWithSpan(ctx, span), name,
+	_, settleSpan := t.tracer.Start(trace.ContextWithSpan(ctx, span), spanName(op, topic),
 		t.client,
+		trace.WithAttributes(rec.SpanAttributes...),
 		trace.WithAttributes(
-			t.systemKV,
 			semconv.MessagingDestinationName(topic),
 			semconv.MessagingMessageID(msg.UUID),
 			semconv.MessagingOperationTypeSettle,

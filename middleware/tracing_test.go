@@ -10,6 +10,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
@@ -20,6 +21,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/poison"
 )
@@ -99,7 +101,7 @@ func TestTracingOutcomes(t *testing.T) {
 			// the one with the expected outcome.
 			var last sdktrace.ReadOnlySpan
 			eventually(t, 5*time.Second, "the process span of the last delivery", func() bool {
-				for _, sp := range byName(tr.rec.Ended(), topic+" process") {
+				for _, sp := range byName(tr.rec.Ended(), "process "+topic) {
 					if attr(sp, middleware.OutcomeKey).AsString() == string(c.outcome) {
 						last = sp
 						return true
@@ -107,7 +109,6 @@ func TestTracingOutcomes(t *testing.T) {
 				}
 				return false
 			})
-			spans := tr.rec.Ended()
 			if last.SpanKind() != trace.SpanKindConsumer {
 				t.Fatalf("process span kind %v", last.SpanKind())
 			}
@@ -126,7 +127,7 @@ func TestTracingOutcomes(t *testing.T) {
 				t.Errorf("status %v, want error=%v", last.Status(), c.statusErr)
 			}
 			eventually(t, 5*time.Second, "the settle span", func() bool { return len(byName(tr.rec.Ended(), c.settleOp+" "+topic)) > 0 })
-			spans = tr.rec.Ended()
+			spans := tr.rec.Ended()
 			settles := byName(spans, c.settleOp+" "+topic)
 			if len(settles) == 0 {
 				t.Fatalf("no %q span among %d", c.settleOp+" "+topic, len(spans))
@@ -137,6 +138,7 @@ func TestTracingOutcomes(t *testing.T) {
 				t.Fatalf("settle span kind=%v op=%q parent=%v; want a client settle span under the process span",
 					st.SpanKind(), attr(st, "messaging.operation.type").AsString(), st.Parent().SpanID())
 			}
+			checkIdentified(t, spans, "gochannel")
 			if c.wantParked != "" {
 				sends := byName(spans, "send "+c.wantParked)
 				if len(sends) != 1 || sends[0].SpanKind() != trace.SpanKindProducer || sends[0].Parent().SpanID() != last.SpanContext().SpanID() {
@@ -165,7 +167,7 @@ func TestTracingRetryAndDuplicate(t *testing.T) {
 	s.waitAcked(2)
 	eventually(t, 5*time.Second, "settle spans", func() bool { return len(byName(tr.rec.Ended(), "ack "+topic)) == 2 })
 	spans := tr.spans(t, 6)
-	procs := byName(spans, topic+" process")
+	procs := byName(spans, "process "+topic)
 	sort.Slice(procs, func(i, j int) bool { return procs[i].StartTime().Before(procs[j].StartTime()) })
 	var outcomes []string
 	for _, p := range procs {
@@ -273,7 +275,7 @@ func TestTracingDeferred(t *testing.T) {
 	uuid := watermill.NewUUID()
 	s.publish(message.NewMessage(uuid, nil), message.NewMessage(uuid, nil))
 	eventually(t, 5*time.Second, "a deferred delivery", func() bool {
-		for _, sp := range byName(tr.rec.Ended(), topic+" process") {
+		for _, sp := range byName(tr.rec.Ended(), "process "+topic) {
 			if attr(sp, middleware.OutcomeKey).AsString() == "deferred" {
 				return true
 			}
@@ -282,10 +284,120 @@ func TestTracingDeferred(t *testing.T) {
 	})
 	close(release)
 	s.waitAcked(2)
-	for _, sp := range byName(tr.rec.Ended(), topic+" process") {
+	for _, sp := range byName(tr.rec.Ended(), "process "+topic) {
 		if attr(sp, middleware.OutcomeKey).AsString() == "deferred" && sp.Status().Code == codes.Error {
 			t.Fatalf("a deferral has error status: %v", sp.Status())
 		}
 	}
 	eventually(t, 5*time.Second, "a nack span for the deferral", func() bool { return len(byName(tr.rec.Ended(), "nack "+topic)) > 0 })
+}
+
+// checkIdentified fails unless every span has the attributes that identify
+// the delivery it belongs to.
+func checkIdentified(t *testing.T, spans []sdktrace.ReadOnlySpan, system string) {
+	t.Helper()
+	for _, s := range spans {
+		if got := attr(s, "messaging.system").AsString(); got != system {
+			t.Errorf("span %q: messaging.system = %q, want %q", s.Name(), got, system)
+		}
+		for _, k := range []attribute.Key{"messaging.destination.name", "messaging.message.id", middleware.HandlerKey} {
+			if attr(s, k).AsString() == "" {
+				t.Errorf("span %q has no %s", s.Name(), k)
+			}
+		}
+	}
+}
+
+// A handler's output continues the handler's trace through a real router:
+// the consumer of a produced message processes it under the producer's
+// create span, which is under the producing delivery's process span. Both
+// ways the output is published are covered: by the router after the
+// middleware returned, and by the dedupe middleware inside the chain (with
+// TraceProduced innermost).
+func TestProducedMessagesContinueTheTrace(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name          string
+		dedupePublish bool
+	}{{"router publishes", false}, {"dedupe publishes", true}} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			tr := newTraced(t)
+			logger := watermill.NopLogger{}
+			ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, logger)
+			router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
+			must(t, err)
+			in := router.AddHandler("in", "in", ps, "mid", ps, func(msg *message.Message) ([]*message.Message, error) {
+				// The output is made without the delivery's context, as
+				// handlers usually make it.
+				return []*message.Message{message.NewMessage("out-of-"+msg.UUID, nil)}, nil
+			})
+			in.AddMiddleware(tr.mw)
+			if c.dedupePublish {
+				dd, err := dedupe.NewMiddleware(dedupe.Config{Store: dedupe.NewMemoryStore(), Publisher: ps})
+				must(t, err)
+				in.AddMiddleware(dd, middleware.TraceProduced)
+			}
+			var consumed atomic.Int64
+			router.AddConsumerHandler("mid", "mid", ps, func(*message.Message) error {
+				consumed.Add(1)
+				return nil
+			}).AddMiddleware(tr.mw)
+			done := make(chan error, 1)
+			go func() { done <- router.Run(context.Background()) }()
+			<-router.Running()
+			t.Cleanup(func() {
+				must(t, router.Close())
+				must(t, <-done)
+				must(t, ps.Close())
+			})
+			must(t, ps.Publish("in", message.NewMessage("m-1", nil)))
+			eventually(t, 5*time.Second, "both deliveries acked", func() bool {
+				return len(byName(tr.rec.Ended(), "ack in")) == 1 && len(byName(tr.rec.Ended(), "ack mid")) == 1
+			})
+			spans := tr.rec.Ended()
+			one := func(name string) sdktrace.ReadOnlySpan {
+				t.Helper()
+				got := byName(spans, name)
+				if len(got) != 1 {
+					var names []string
+					for _, s := range spans {
+						names = append(names, s.Name())
+					}
+					t.Fatalf("%d spans %q, want 1; spans: %v", len(got), name, names)
+				}
+				return got[0]
+			}
+			procIn, create, procMid := one("process in"), one("create mid"), one("process mid")
+			if create.SpanKind() != trace.SpanKindProducer || attr(create, "messaging.operation.type").AsString() != "create" ||
+				attr(create, "messaging.message.id").AsString() != "out-of-m-1" || attr(create, "messaging.destination.name").AsString() != "mid" {
+				t.Errorf("create span: kind %v, attributes %v", create.SpanKind(), create.Attributes())
+			}
+			if create.Parent().SpanID() != procIn.SpanContext().SpanID() {
+				t.Errorf("the create span's parent is %v, want the producing process span %v", create.Parent().SpanID(), procIn.SpanContext().SpanID())
+			}
+			if procMid.SpanContext().TraceID() != procIn.SpanContext().TraceID() || procMid.Parent().SpanID() != create.SpanContext().SpanID() {
+				t.Errorf("process mid: trace %s parent %s; want trace %s under the create span %s",
+					procMid.SpanContext().TraceID(), procMid.Parent().SpanID(), procIn.SpanContext().TraceID(), create.SpanContext().SpanID())
+			}
+			checkIdentified(t, spans, "gochannel")
+			if attr(procMid, middleware.HandlerKey).AsString() != "mid" || attr(create, middleware.HandlerKey).AsString() != "in" {
+				t.Errorf("settle.handler: process mid %q, create %q", attr(procMid, middleware.HandlerKey).AsString(), attr(create, middleware.HandlerKey).AsString())
+			}
+		})
+	}
+}
+
+// Without the tracing middleware outside it, TraceProduced leaves the
+// output alone.
+func TestTraceProducedAloneDoesNothing(t *testing.T) {
+	t.Parallel()
+	h := middleware.TraceProduced(func(*message.Message) ([]*message.Message, error) {
+		return []*message.Message{message.NewMessage("o", nil)}, nil
+	})
+	out, err := h(message.NewMessage("m", nil))
+	must(t, err)
+	if len(out) != 1 || len(out[0].Metadata) != 0 {
+		t.Fatalf("output %v with metadata %v; want it untouched", out, out[0].Metadata)
+	}
 }

@@ -3,9 +3,9 @@ package outbox_test
 import (
 	"testing"
 
-	"go.uber.org/goleak"
+	"github.com/settle-go/settle/internal/testenv"
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m)
+	testenv.Main(m)
 }

@@ -20,7 +20,7 @@ import (
 // which transaction each call ran in.
 type batchEnv struct {
 	*txEnv
-	h message.HandlerFunc
+	h message.NoPublishHandlerFunc
 
 	mu    sync.Mutex
 	txs   map[*sql.Tx]int // calls per transaction
@@ -57,7 +57,7 @@ func (b *batchEnv) deliver(msgs ...*message.Message) []error {
 	for i, m := range msgs {
 		wg.Go(func() {
 			<-start
-			_, errs[i] = b.h(m)
+			errs[i] = b.h(m)
 		})
 	}
 	close(start)

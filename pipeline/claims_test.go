@@ -231,7 +231,7 @@ func TestTxHandlerLostClaimIsErrClaimLost(t *testing.T) {
 		return err
 	})
 	must(t, err)
-	_, err = dd(txh)(message.NewMessage("lost-1", nil))
+	_, err = dd(func(msg *message.Message) ([]*message.Message, error) { return nil, txh(msg) })(message.NewMessage("lost-1", nil))
 	if !errors.Is(err, dedupe.ErrClaimLost) {
 		t.Fatalf("err = %v, want one that is ErrClaimLost", err)
 	}

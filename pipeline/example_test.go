@@ -33,7 +33,7 @@ func Example() {
 		panic(err)
 	}
 	charged := make(chan string, 10)
-	_, err = pipeline.Handle(p, "charge", "orders", pubsub, nil, func(ctx context.Context, m pipeline.Message[OrderPlaced]) error {
+	_, err = pipeline.HandleTyped(p, "charge", "orders", pubsub, nil, func(ctx context.Context, m pipeline.Message[OrderPlaced]) error {
 		charged <- fmt.Sprintf("charged %s: %d cents", m.Body.ID, m.Body.Cents)
 		return nil
 	})

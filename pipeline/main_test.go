@@ -3,7 +3,7 @@ package pipeline_test
 import (
 	"testing"
 
-	"go.uber.org/goleak"
+	"github.com/settle-go/settle/internal/testenv"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { testenv.Main(m) }

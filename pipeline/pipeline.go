@@ -169,6 +169,11 @@ func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store, noDedup
 		}
 		mws = append(mws, dd)
 	}
+	if p.tracing != nil && publishTopic != "" {
+		// The dedupe middleware publishes the output itself: its messages
+		// get their trace context before that, right at the handler.
+		mws = append(mws, middleware.TraceProduced)
+	}
 	return mws, nil
 }
 
@@ -229,7 +234,8 @@ func (p *Pipeline) HandleProducing(name, topic string, sub message.Subscriber, p
 
 // HandleTx adds a transactional handler (see NewTxHandler): fn's writes, the
 // messages it publishes through the outbox and the dedupe confirmation commit
-// together. store must be a SQLStore on cfg.DB's database; nil means
+// together. The messages continue the delivery's trace unless they carry a
+// trace context of their own. store must be a SQLStore on cfg.DB's database; nil means
 // Config.Store, which must then be one.
 func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore, cfg TxConfig, fn TxFunc) (Handlers, error) {
 	var s dedupe.Store = p.cfg.Store
@@ -253,7 +259,7 @@ func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *d
 			cfg.Key = p.cfg.Key
 		}
 	}
-	h, err := NewTxHandler(cfg, fn)
+	h, err := NewTxHandler(cfg, publishInContext(fn))
 	if err != nil {
 		return nil, err
 	}
@@ -261,11 +267,7 @@ func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *d
 	if err != nil {
 		return nil, err
 	}
-	consume := func(msg *message.Message) error {
-		_, err := h(msg)
-		return err
-	}
 	return p.add(name, sub, mws, func(n string) *message.Handler {
-		return p.router.AddConsumerHandler(n, topic, sub, consume)
+		return p.router.AddConsumerHandler(n, topic, sub, h)
 	})
 }

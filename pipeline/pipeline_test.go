@@ -117,7 +117,7 @@ func TestPipelineSettlesEachOutcome(t *testing.T) {
 	var mu sync.Mutex
 	charged := map[string]int{}
 	var flaky atomic.Int64
-	_, err := pipeline.Handle(h.p, "charge", "orders", h.pubsub, nil, func(ctx context.Context, m pipeline.Message[order]) error {
+	_, err := pipeline.HandleTyped(h.p, "charge", "orders", h.pubsub, nil, func(ctx context.Context, m pipeline.Message[order]) error {
 		switch m.Body.ID {
 		case "always-fails":
 			return errors.New("payment provider down")
@@ -164,7 +164,7 @@ func TestPipelineSettlesEachOutcome(t *testing.T) {
 	}
 	outcomes := map[string]int{}
 	for _, s := range h.spans.Ended() {
-		if s.Name() == "orders process" {
+		if s.Name() == "process orders" {
 			for _, kv := range s.Attributes() {
 				if kv.Key == middleware.OutcomeKey {
 					outcomes[kv.Value.AsString()]++

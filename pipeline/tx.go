@@ -68,14 +68,16 @@ func (c TxConfig) Validate() error {
 	return nil
 }
 
-// NewTxHandler returns a handler that runs fn in a transaction and commits
-// the handler's writes, its outbox messages and the dedupe confirmation of
-// the message's key together, or none of them. It must sit behind the dedupe
-// middleware with a dedupe.SQLStore on the same database:
+// NewTxHandler returns a consumer handler that runs fn in a transaction and
+// commits the handler's writes, its outbox messages and the dedupe
+// confirmation of the message's key together, or none of them. It publishes
+// through the outbox, never through the router, so it is a
+// message.NoPublishHandlerFunc. It must sit behind the dedupe middleware with
+// a dedupe.SQLStore on the same database:
 //
 //	dd, _ := dedupe.NewMiddleware(dedupe.Config{Store: store})
 //	h, _ := pipeline.NewTxHandler(pipeline.TxConfig{DB: db, Outbox: ob}, charge)
-//	router.AddConsumerHandler("charge", "orders", sub, noPublish(h)).AddMiddleware(dd)
+//	router.AddConsumerHandler("charge", "orders", sub, h).AddMiddleware(dd)
 //
 // The flow of one delivery: the middleware claims the key (outside the
 // transaction, so the attempt count survives rollbacks and crashes); the
@@ -84,7 +86,7 @@ func (c TxConfig) Validate() error {
 // failed commit releases the claim and the message is retried; a successful
 // one makes every later delivery of the key a duplicate. The effect inside the
 // database happens exactly once.
-func NewTxHandler(cfg TxConfig, fn TxFunc) (message.HandlerFunc, error) {
+func NewTxHandler(cfg TxConfig, fn TxFunc) (message.NoPublishHandlerFunc, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -92,13 +94,10 @@ func NewTxHandler(cfg TxConfig, fn TxFunc) (message.HandlerFunc, error) {
 		return nil, errors.New("pipeline: NewTxHandler: fn is nil")
 	}
 	if cfg.Batch.enabled() {
-		b := newBatcher(cfg, fn)
-		return func(msg *message.Message) ([]*message.Message, error) {
-			return nil, b.handle(msg)
-		}, nil
+		return newBatcher(cfg, fn).handle, nil
 	}
-	return func(msg *message.Message) ([]*message.Message, error) {
-		return nil, RunTx(msg.Context(), cfg, msg, fn)
+	return func(msg *message.Message) error {
+		return RunTx(msg.Context(), cfg, msg, fn)
 	}, nil
 }
 

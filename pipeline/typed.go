@@ -100,8 +100,10 @@ func TypedTx[T any](codec Codec, fn func(ctx context.Context, tx *sql.Tx, m Mess
 	}
 }
 
-// Handle adds a typed handler to p: Typed + Pipeline.Handle.
-func Handle[T any](p *Pipeline, name, topic string, sub message.Subscriber, codec Codec, fn func(ctx context.Context, m Message[T]) error) (Handlers, error) {
+// HandleTyped adds a handler of decoded messages to p: Typed, then
+// Pipeline.Handle. (Go methods take no type parameters, so it is a function
+// and not a method of Pipeline.)
+func HandleTyped[T any](p *Pipeline, name, topic string, sub message.Subscriber, codec Codec, fn func(ctx context.Context, m Message[T]) error) (Handlers, error) {
 	return p.Handle(name, topic, sub, Typed(codec, fn))
 }
 

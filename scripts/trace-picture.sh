@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates docs/images/orders-trace.svg: runs Jaeger (loopback only),
 # runs the orders example exporting to it, and draws the trace of order A-007
-# (charged once, e-mail dead-lettered) from Jaeger's HTTP API.
+# (charged once, e-mail dead-lettered) from Jaeger's query API with the settle
+# command, which also prints it as a tree.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -16,12 +17,12 @@ for _ in $(seq 1 100); do
 done
 service="settle-orders-$(date +%s)"
 OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 OTEL_SERVICE_NAME="$service" \
-	go run ./examples/orders -orders 10 -quiet
+	SETTLE_POSTGRES_URL= SETTLE_MYSQL_URL= SETTLE_AMQP_URL= go run ./examples/orders -orders 10 -quiet
 for _ in $(seq 1 100); do
 	n=$(curl -fsS "http://127.0.0.1:16686/api/traces?service=$service&limit=100" | grep -o '"traceID"' | wc -l || true)
 	[ "$n" -ge 10 ] && break
 	sleep 0.1
 done
 mkdir -p docs/images
-go run ./internal/cmd/tracesvg -service "$service" -tag order.id=A-007 -o docs/images/orders-trace.svg
-echo "wrote docs/images/orders-trace.svg"
+go run ./cmd/settle trace -jaeger http://127.0.0.1:16686 -service "$service" -tag order.id=A-007
+go run ./cmd/settle trace -jaeger http://127.0.0.1:16686 -service "$service" -tag order.id=A-007 -svg docs/images/orders-trace.svg

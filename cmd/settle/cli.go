@@ -6,7 +6,9 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
+	"time"
 )
 
 // Exit codes.
@@ -52,6 +54,7 @@ var commands = []command{
 	{"outbox schema", runOutboxSchema},
 	{"outbox status", runOutboxStatus},
 	{"outbox prune", runOutboxPrune},
+	{"trace", runTrace},
 }
 
 // synopses are the usage lines of the commands, after "settle ".
@@ -59,28 +62,45 @@ var synopses = map[string]string{
 	"dlq list":      "dlq list -queue Q [-json] [-limit N]",
 	"dlq show":      "dlq show -queue Q [-json] ID",
 	"dlq replay":    "dlq replay -queue Q [-id ID ...] [-handler H] [-reason SUBSTR] [-all] [-to Q] [-yes]",
-	"dedupe prune":  "dedupe prune -db URL [-table T] -older-than DURATION",
+	"dedupe prune":  "dedupe prune -db URL [-table T] -older-than AGE",
 	"dedupe schema": "dedupe schema -dialect postgres|mysql|sqlite [-table T]",
 	"outbox schema": "outbox schema -dialect postgres|mysql|sqlite [-topic T]",
 	"outbox status": "outbox status -db URL [-topic T] [-group G] [-json]",
-	"outbox prune":  "outbox prune -db URL [-topic T] [-group G] -older-than DURATION",
+	"outbox prune":  "outbox prune -db URL [-topic T] [-group G] -older-than AGE",
+	"trace":         "trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag KEY=VALUE]) [-svg FILE]",
 }
 
-func usage() string {
+// usage is the usage of every command, or of those of one group ("dlq")
+// when group is not empty.
+func usage(group ...string) string {
 	var b strings.Builder
 	b.WriteString("usage:\n")
 	for _, c := range commands {
-		b.WriteString("  settle " + synopses[c.name] + "\n")
+		if len(group) == 0 || strings.HasPrefix(c.name, group[0]+" ") {
+			b.WriteString("  settle " + synopses[c.name] + "\n")
+		}
 	}
-	b.WriteString("\n-amqp defaults to $SETTLE_AMQP_URL, -db to $SETTLE_DB_URL.\n")
-	b.WriteString("Run 'settle <group> <command> -h' for the flags of a command.\n")
+	b.WriteString("\n" + envHelp + "\n")
+	b.WriteString("Run 'settle <command> -h' for the flags of a command, 'settle <group> --help' for the commands of a group.\n")
 	return b.String()
 }
 
-// run runs the command line args (without the program name) and returns the
-// exit code.
-func run(args []string, stdout, stderr io.Writer) int {
-	return runContext(context.Background(), args, stdout, stderr)
+// isGroup reports whether name is the first word of some command.
+func isGroup(name string) bool {
+	for _, c := range commands {
+		if strings.HasPrefix(c.name, name+" ") {
+			return true
+		}
+	}
+	return false
+}
+
+func isHelp(arg string) bool {
+	switch arg {
+	case "help", "-h", "-help", "--help":
+		return true
+	}
+	return false
 }
 
 func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -92,24 +112,41 @@ func runEnv(e *env, args []string) int {
 		fmt.Fprint(e.stderr, usage())
 		return exitUsage
 	}
-	if len(args) == 1 && (args[0] == "help" || args[0] == "-h" || args[0] == "-help" || args[0] == "--help") {
+	if len(args) == 1 && isHelp(args[0]) {
 		fmt.Fprint(e.stdout, usage())
 		return exitOK
 	}
+	if isGroup(args[0]) {
+		// "settle dlq --help" and "settle help dlq" show the group's commands;
+		// "settle dlq" alone shows them as a usage error.
+		if len(args) == 2 && isHelp(args[1]) {
+			fmt.Fprint(e.stdout, usage(args[0]))
+			return exitOK
+		}
+		if len(args) == 1 {
+			fmt.Fprintf(e.stderr, "settle %s: which command?\n\n%s", args[0], usage(args[0]))
+			return exitUsage
+		}
+	}
+	if len(args) == 2 && args[0] == "help" && isGroup(args[1]) {
+		fmt.Fprint(e.stdout, usage(args[1]))
+		return exitOK
+	}
 	var cmd *command
-	if len(args) >= 2 {
-		name := args[0] + " " + args[1]
-		for i := range commands {
-			if commands[i].name == name {
-				cmd = &commands[i]
-			}
+	rest := args
+	for i := range commands {
+		switch n := commands[i].name; {
+		case n == args[0]:
+			cmd, rest = &commands[i], args[1:]
+		case len(args) >= 2 && n == args[0]+" "+args[1]:
+			cmd, rest = &commands[i], args[2:]
 		}
 	}
 	if cmd == nil {
 		fmt.Fprintf(e.stderr, "settle: unknown command %q\n\n%s", strings.Join(args[:min(2, len(args))], " "), usage())
 		return exitUsage
 	}
-	err := cmd.run(e, args[2:])
+	err := cmd.run(e, rest)
 	var ue *usageError
 	switch {
 	case err == nil:
@@ -120,6 +157,8 @@ func runEnv(e *env, args []string) int {
 		fmt.Fprintf(e.stderr, "settle %s: %s\n", cmd.name, ue.msg)
 		if ue.usage != "" {
 			fmt.Fprint(e.stderr, ue.usage)
+		} else {
+			fmt.Fprintf(e.stderr, "usage: settle %s\nRun 'settle %s -h' for its flags.\n", synopses[cmd.name], cmd.name)
 		}
 		return exitUsage
 	default:
@@ -173,4 +212,46 @@ func parse(e *env, fs *flag.FlagSet, name string, args []string) ([]string, erro
 
 func usagef(fs *flag.FlagSet, name, format string, args ...any) error {
 	return &usageError{msg: fmt.Sprintf(format, args...), usage: flagUsage(fs, name)}
+}
+
+// age is a duration flag that also takes days, as retentions are usually
+// said: "7d", "1d12h", or anything time.ParseDuration takes ("168h").
+type age time.Duration
+
+func (a *age) String() string { return time.Duration(*a).String() }
+
+func (a *age) Set(v string) error {
+	d, err := parseAge(v)
+	if err != nil {
+		return err
+	}
+	*a = age(d)
+	return nil
+}
+
+func parseAge(v string) (time.Duration, error) {
+	days, rest, ok := strings.Cut(v, "d")
+	if !ok {
+		return time.ParseDuration(v)
+	}
+	n, err := strconv.Atoi(days)
+	if err != nil || n < 0 || n > 100*365 {
+		return 0, fmt.Errorf("%q: want a number of days before the d, like 7d or 1d12h", v)
+	}
+	d := time.Duration(n) * 24 * time.Hour
+	if rest != "" {
+		r, err := time.ParseDuration(rest)
+		if err != nil || r < 0 {
+			return 0, fmt.Errorf("%q: after the days, want a duration like 12h", v)
+		}
+		d += r
+	}
+	return d, nil
+}
+
+// ageFlag defines a flag of type age.
+func ageFlag(fs *flag.FlagSet, name, usage string) *time.Duration {
+	var a age
+	fs.Var(&a, name, usage)
+	return (*time.Duration)(&a)
 }

@@ -6,8 +6,10 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/settleenv"
 	"github.com/settle-go/settle/outbox"
 )
 
@@ -21,7 +23,7 @@ func TestRunUsageErrors(t *testing.T) {
 		{"no arguments", nil, "usage:"},
 		{"unknown group", []string{"queue", "list"}, `unknown command "queue list"`},
 		{"unknown subcommand", []string{"dlq", "frob"}, `unknown command "dlq frob"`},
-		{"group only", []string{"dlq"}, `unknown command "dlq"`},
+		{"group only", []string{"dlq"}, "settle dlq: which command?"},
 		{"list without queue", []string{"dlq", "list"}, "-queue is required"},
 		{"list with argument", []string{"dlq", "list", "-queue", "q", "extra"}, `unexpected argument "extra"`},
 		{"list negative limit", []string{"dlq", "list", "-queue", "q", "-limit", "-1"}, "-limit must be >= 0"},
@@ -33,6 +35,13 @@ func TestRunUsageErrors(t *testing.T) {
 		{"replay to itself", []string{"dlq", "replay", "-queue", "q", "-all", "-to", "q"}, "-to is the queue being replayed"},
 		{"prune without older-than", []string{"dedupe", "prune", "-db", "sqlite://x.db"}, "-older-than is required"},
 		{"prune bad duration", []string{"dedupe", "prune", "-older-than", "a week"}, "invalid value"},
+		{"prune bad days", []string{"dedupe", "prune", "-older-than", "7days"}, "after the days, want a duration"},
+		{"db unsupported scheme", []string{"dedupe", "prune", "-db", "oracle://h/db", "-older-than", "1h"}, `-db: unsupported scheme "oracle"`},
+		{"db not a URL", []string{"outbox", "status", "-db", "just-a-name"}, "-db: "},
+		{"db missing", []string{"outbox", "status"}, "-db: no database URL (set -db, SETTLE_POSTGRES_URL or SETTLE_MYSQL_URL)"},
+		{"amqp missing", []string{"dlq", "list", "-queue", "q"}, "-amqp: no broker URL (set -amqp or SETTLE_AMQP_URL)"},
+		{"amqp bad scheme", []string{"dlq", "list", "-queue", "q", "-amqp", "http://h/"}, "-amqp: "},
+		{"amqp host and port only", []string{"dlq", "list", "-queue", "q", "-amqp", "localhost:5672"}, "want amqp://user:password@host:5672/"},
 		{"dedupe schema without dialect", []string{"dedupe", "schema"}, "-dialect is required"},
 		{"dedupe schema bad dialect", []string{"dedupe", "schema", "-dialect", "oracle"}, `unknown dialect "oracle"`},
 		{"dedupe schema bad table", []string{"dedupe", "schema", "-dialect", "sqlite", "-table", "a;b"}, "not a valid identifier"},
@@ -70,6 +79,37 @@ func TestRunHelp(t *testing.T) {
 	}
 }
 
+// "settle dlq --help" and its spellings show the group's commands.
+func TestGroupHelp(t *testing.T) {
+	t.Parallel()
+	for _, args := range [][]string{{"dlq", "--help"}, {"dlq", "-h"}, {"dlq", "help"}, {"help", "dlq"}} {
+		r := mustRun(t, exitOK, args...)
+		if !strings.Contains(r.stdout, "settle dlq replay -queue Q") || strings.Contains(r.stdout, "settle dedupe") || r.stderr != "" {
+			t.Errorf("%v: want the dlq commands only on stdout:\n%v", args, r)
+		}
+	}
+	r := mustRun(t, exitOK, "outbox", "--help")
+	if !strings.Contains(r.stdout, "settle outbox status") || strings.Contains(r.stdout, "settle dlq") {
+		t.Errorf("outbox --help:\n%v", r)
+	}
+}
+
+func TestParseAge(t *testing.T) {
+	t.Parallel()
+	for in, want := range map[string]time.Duration{
+		"7d": 7 * 24 * time.Hour, "1d12h": 36 * time.Hour, "168h": 168 * time.Hour, "90m": 90 * time.Minute, "0d": 0,
+	} {
+		if got, err := parseAge(in); err != nil || got != want {
+			t.Errorf("parseAge(%q) = %v, %v; want %v", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"d", "7days", "x7d", "-1d", "1d-2h", "1w", ""} {
+		if got, err := parseAge(in); err == nil {
+			t.Errorf("parseAge(%q) = %v; want an error", in, got)
+		}
+	}
+}
+
 func TestRunConnectionErrors(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
@@ -78,16 +118,12 @@ func TestRunConnectionErrors(t *testing.T) {
 		args   []string
 		stderr string
 	}{
-		{"db unsupported scheme", nil, []string{"dedupe", "prune", "-db", "oracle://h/db", "-older-than", "1h"},
-			`settle: -db: unsupported scheme "oracle"`},
-		{"db not a URL", nil, []string{"outbox", "status", "-db", "just-a-name"}, "settle: -db: "},
-		{"db missing", nil, []string{"outbox", "status"}, "settle: -db: no database URL (set -db or SETTLE_DB_URL)"},
-		{"db from environment", map[string]string{"SETTLE_DB_URL": "redis://h"}, []string{"outbox", "status"},
-			`settle: -db: unsupported scheme "redis"`},
+		{"db from environment", map[string]string{"SETTLE_POSTGRES_URL": "postgres://u:secret@127.0.0.1:1/db?sslmode=disable"},
+			[]string{"outbox", "status"}, "settle: $SETTLE_POSTGRES_URL: cannot reach the postgres database at postgres://u:xxxxx@127.0.0.1:1/db"},
+		{"db from the second variable", map[string]string{"SETTLE_MYSQL_URL": "mysql://u:secret@127.0.0.1:1/db"},
+			[]string{"outbox", "status"}, "settle: $SETTLE_MYSQL_URL: cannot reach the mysql database"},
 		{"db unreachable", nil, []string{"outbox", "status", "-db", "postgres://u:secret@127.0.0.1:1/db?sslmode=disable"},
 			"settle: -db: cannot reach the postgres database at postgres://u:xxxxx@127.0.0.1:1/db"},
-		{"amqp missing", nil, []string{"dlq", "list", "-queue", "q"}, "settle: -amqp: no broker URL (set -amqp or SETTLE_AMQP_URL)"},
-		{"amqp bad scheme", nil, []string{"dlq", "list", "-queue", "q", "-amqp", "http://h/"}, "settle: -amqp: "},
 		{"amqp unreachable", nil, []string{"dlq", "list", "-queue", "q", "-amqp", "amqp://guest:guest@127.0.0.1:1/"},
 			"settle: -amqp: cannot connect to the broker at 127.0.0.1:1"},
 		{"amqp from environment", map[string]string{"SETTLE_AMQP_URL": "amqp://guest:guest@127.0.0.1:1/"},
@@ -108,7 +144,7 @@ func TestRunConnectionErrors(t *testing.T) {
 
 func TestHelpHidesEnvironmentURL(t *testing.T) {
 	t.Parallel()
-	vars := map[string]string{envAMQPURL: "amqp://u:hunter2@h/", envDBURL: "postgres://u:hunter2@h/db"}
+	vars := map[string]string{envAMQPURL: "amqp://u:hunter2@h/", settleenv.PostgresURL: "postgres://u:hunter2@h/db"}
 	for _, args := range [][]string{{"dlq", "list", "-h"}, {"outbox", "status", "-h"}, {"dedupe", "prune", "-h"}} {
 		r := runCmd(t.Context(), vars, args...)
 		if r.code != exitOK || strings.Contains(r.stdout, "hunter2") {

@@ -14,14 +14,15 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/settleenv"
 	"github.com/settle-go/settle/internal/sqlurl"
 )
 
 // Environment variables read for connection settings, the same as the
-// examples'.
+// examples' and the tests' (internal/settleenv).
 const (
-	envDBURL   = "SETTLE_DB_URL"
-	envAMQPURL = "SETTLE_AMQP_URL"
+	envAMQPURL = settleenv.AMQPURL
+	envHelp    = settleenv.Help
 )
 
 // connectTimeout bounds dialling the broker and the first ping of a database.
@@ -29,25 +30,41 @@ const connectTimeout = 10 * time.Second
 
 var osGetenv = os.Getenv
 
-// openDB opens and pings the database at rawURL, or at $SETTLE_DB_URL when
-// rawURL is empty. The caller closes it.
+// openDB opens and pings the database at rawURL, or at the one the
+// environment names (settleenv.DatabaseURL) when rawURL is empty. The
+// caller closes it. A URL that cannot be parsed is a usage error; a SQLite
+// file that does not exist is an error, and is not created.
 func openDB(e *env, rawURL string) (*sql.DB, dedupe.Dialect, error) {
 	ctx := e.ctx
+	from := "-db"
 	if rawURL == "" {
-		rawURL = e.getenv(envDBURL)
+		rawURL, from = settleenv.DatabaseURL(e.getenv)
+		from = "$" + from
 	}
 	if rawURL == "" {
-		return nil, "", fmt.Errorf("-db: no database URL (set -db or %s)", envDBURL)
+		return nil, "", &usageError{msg: fmt.Sprintf("-db: no database URL (set -db, %s or %s)", settleenv.PostgresURL, settleenv.MySQLURL)}
+	}
+	_, _, dialect, err := sqlurl.Parse(rawURL)
+	if err != nil {
+		return nil, "", &usageError{msg: fmt.Sprintf("%s: %s", from, strings.TrimPrefix(err.Error(), "sqlurl: "))}
+	}
+	if dialect == dedupe.SQLite {
+		// Opening a SQLite file creates it: an operator's typo would leave
+		// an empty database behind and report empty tables.
+		path := sqlurl.SQLitePath(rawURL)
+		if _, err := os.Stat(path); err != nil {
+			return nil, "", fmt.Errorf("%s: no SQLite database at %s: %w", from, path, err)
+		}
 	}
 	db, dialect, err := sqlurl.Open(rawURL)
 	if err != nil {
-		return nil, "", fmt.Errorf("-db: %s", strings.TrimPrefix(err.Error(), "sqlurl: "))
+		return nil, "", fmt.Errorf("%s: %s", from, strings.TrimPrefix(err.Error(), "sqlurl: "))
 	}
 	pctx, cancel := context.WithTimeout(ctx, connectTimeout)
 	defer cancel()
 	if err := db.PingContext(pctx); err != nil {
 		_ = db.Close()
-		return nil, "", fmt.Errorf("-db: cannot reach the %s database at %s: %w", dialect, redact(rawURL), err)
+		return nil, "", fmt.Errorf("%s: cannot reach the %s database at %s: %w", from, dialect, redact(rawURL), err)
 	}
 	return db, dialect, nil
 }
@@ -56,11 +73,11 @@ func openDB(e *env, rawURL string) (*sql.DB, dedupe.Dialect, error) {
 // connection.
 func dialAMQP(ctx context.Context, rawURL string) (*amqp091.Connection, error) {
 	if rawURL == "" {
-		return nil, fmt.Errorf("-amqp: no broker URL (set -amqp or %s)", envAMQPURL)
+		return nil, &usageError{msg: fmt.Sprintf("-amqp: no broker URL (set -amqp or %s)", envAMQPURL)}
 	}
 	uri, err := amqp091.ParseURI(rawURL)
 	if err != nil {
-		return nil, fmt.Errorf("-amqp: %q: %w", redact(rawURL), err)
+		return nil, &usageError{msg: fmt.Sprintf("-amqp: %q: %v (want amqp://user:password@host:5672/)", redact(rawURL), err)}
 	}
 	addr := net.JoinHostPort(uri.Host, fmt.Sprint(uri.Port))
 	dialer := &net.Dialer{Timeout: connectTimeout}

@@ -12,6 +12,7 @@ import (
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/settleenv"
 	"github.com/settle-go/settle/outbox"
 )
 
@@ -20,7 +21,7 @@ func runDedupePrune(e *env, args []string) (err error) {
 	fs := newFlagSet(name)
 	dbURL := dbFlag(fs)
 	table := fs.String("table", dedupe.DefaultTable, "the dedupe table")
-	olderThan := fs.Duration("older-than", 0, "remove confirmed and released keys last touched longer ago than this, e.g. 168h (required)")
+	olderThan := ageFlag(fs, "older-than", "remove confirmed and released keys last touched longer ago than this, e.g. 7d or 36h (required)")
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
@@ -29,7 +30,7 @@ func runDedupePrune(e *env, args []string) (err error) {
 	case len(pos) > 0:
 		return usagef(fs, name, "unexpected argument %q", pos[0])
 	case *olderThan <= 0:
-		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 168h)")
+		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 7d)")
 	}
 	db, dialect, err := openDB(e, *dbURL)
 	if err != nil {
@@ -146,7 +147,7 @@ func runOutboxPrune(e *env, args []string) (err error) {
 	dbURL := dbFlag(fs)
 	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
 	group := fs.String("group", "", "the relays' consumer group; with several groups, the slowest")
-	olderThan := fs.Duration("older-than", 0, "remove forwarded rows written longer ago than this, e.g. 168h (required)")
+	olderThan := ageFlag(fs, "older-than", "remove forwarded rows written longer ago than this, e.g. 7d or 36h (required)")
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
@@ -155,7 +156,7 @@ func runOutboxPrune(e *env, args []string) (err error) {
 	case len(pos) > 0:
 		return usagef(fs, name, "unexpected argument %q", pos[0])
 	case *olderThan <= 0:
-		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 168h)")
+		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 7d)")
 	}
 	db, ob, err := openOutbox(e, *dbURL, *topic)
 	if err != nil {
@@ -172,7 +173,7 @@ func runOutboxPrune(e *env, args []string) (err error) {
 
 // dbFlag defines the -db flag of the commands that work on a database.
 func dbFlag(fs *flag.FlagSet) *string {
-	return fs.String("db", "", "database URL: postgres://, mysql:// or sqlite:// (default $"+envDBURL+")")
+	return fs.String("db", "", "database URL: postgres://, mysql:// or sqlite:///path (default $"+settleenv.PostgresURL+", else $"+settleenv.MySQLURL+")")
 }
 
 // openOutbox opens the database at dbURL and the outbox of topic on it. The

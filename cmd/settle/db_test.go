@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -27,7 +28,15 @@ func TestDedupePrune(t *testing.T) {
 		url  func(t *testing.T) string
 	}{
 		{"postgres", func(t *testing.T) string { return testenv.Require(t, testenv.PostgresURLEnv) }},
-		{"sqlite", func(t *testing.T) string { return "sqlite://" + filepath.Join(t.TempDir(), "settle.db") }},
+		{"sqlite", func(t *testing.T) string {
+			// The command opens only an existing file: an empty one is an
+			// empty SQLite database.
+			path := filepath.Join(t.TempDir(), "settle.db")
+			if err := os.WriteFile(path, nil, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			return "sqlite://" + path
+		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -64,7 +73,7 @@ func TestDedupePrune(t *testing.T) {
 				}
 			}
 
-			r := mustRun(t, exitOK, "dedupe", "prune", "-db", u, "-table", table, "-older-than", "168h")
+			r := mustRun(t, exitOK, "dedupe", "prune", "-db", u, "-table", table, "-older-than", "7d")
 			if !strings.HasPrefix(r.stdout, "pruned 4 rows from "+table+" ") {
 				t.Errorf("prune output:\n%v", r)
 			}
@@ -189,5 +198,24 @@ func TestOutboxStatus(t *testing.T) {
 	var rows int
 	if err := db.QueryRowContext(t.Context(), `SELECT COUNT(*) FROM "watermill_`+topic+`"`).Scan(&rows); err != nil || rows != 1 {
 		t.Errorf("%d rows left after prune, %v; want 1", rows, err)
+	}
+}
+
+// A SQLite URL naming a file that does not exist is refused, and the file is
+// not created: opening it would make an empty database.
+func TestMissingSQLiteFileIsNotCreated(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "missing.db")
+	for _, args := range [][]string{
+		{"outbox", "status", "-db", "sqlite://" + path},
+		{"dedupe", "prune", "-db", "sqlite://" + path, "-older-than", "7d"},
+	} {
+		r := mustRun(t, exitFail, args...)
+		if !strings.Contains(r.stderr, "no SQLite database at "+path) {
+			t.Errorf("%v:\n%v", args, r)
+		}
+		if _, err := os.Stat(path); !os.IsNotExist(err) {
+			t.Fatalf("%v created %s (stat: %v)", args, path, err)
+		}
 	}
 }

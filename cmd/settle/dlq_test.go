@@ -406,3 +406,27 @@ func TestDLQReplayMissingDestination(t *testing.T) {
 		t.Errorf("-to: %d messages on %s", len(got), target)
 	}
 }
+
+// A -handler that no message has selects nothing, and says which handlers
+// the queue does have.
+func TestDLQReplayUnknownHandler(t *testing.T) {
+	t.Parallel()
+	b := setupBroker(t)
+	dlq := b.queue(t, "dlq")
+	orders, emails := b.queue(t, "orders"), b.queue(t, "emails")
+	deadLetter(t, b, dlq, []failure{
+		{watermill.NewUUID(), emails, "email", "smtp"},
+		{watermill.NewUUID(), orders, "charge", "declined"},
+		{watermill.NewUUID(), emails, "email", "smtp"},
+	})
+	r := mustRun(t, exitOK, "dlq", "replay", "-amqp", b.url, "-queue", dlq, "-handler", "emial")
+	if !strings.Contains(r.stdout, "0 of 3 examined messages selected") ||
+		!strings.Contains(r.stdout, `no examined message has handler "emial"; the handlers on `+dlq+": email (2), charge (1)") {
+		t.Errorf("replay -handler emial:\n%v", r)
+	}
+	r = mustRun(t, exitOK, "dlq", "replay", "-amqp", b.url, "-queue", dlq, "-handler", "email")
+	if strings.Contains(r.stdout, "no examined message has handler") || !strings.Contains(r.stdout, "2 of 3 examined messages selected") {
+		t.Errorf("replay -handler email:\n%v", r)
+	}
+	b.waitDepth(t, dlq, 3)
+}

@@ -4,16 +4,19 @@
 //	settle dlq list     -queue Q [-json] [-limit N]
 //	settle dlq show     -queue Q ID
 //	settle dlq replay   -queue Q [-id ID ...] [-handler H] [-reason SUBSTR] [-all] [-yes]
-//	settle dedupe prune -db URL [-table T] -older-than 168h
+//	settle dedupe prune -db URL [-table T] -older-than 7d
 //	settle dedupe schema -dialect postgres|mysql|sqlite [-table T]
 //	settle outbox schema -dialect postgres|mysql|sqlite [-topic T]
 //	settle outbox status -db URL [-topic T] [-group G] [-json]
-//	settle outbox prune -db URL [-topic T] [-group G] -older-than 168h
+//	settle outbox prune -db URL [-topic T] [-group G] -older-than 7d
+//	settle trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag K=V]) [-svg FILE]
 //
-// -amqp defaults to $SETTLE_AMQP_URL and -db to $SETTLE_DB_URL. Listing and
+// -db defaults to $SETTLE_POSTGRES_URL, else $SETTLE_MYSQL_URL, and -amqp to
+// $SETTLE_AMQP_URL, the variables the tests and examples read. Listing and
 // showing never remove a message from a queue; replay is a dry run unless
 // -yes is given, and removes a message from the dead-letter queue only after
-// the broker has confirmed its republished copy. See docs/cli.md.
+// the broker has confirmed its republished copy. trace prints one trace from
+// Jaeger's query API as a tree. See docs/cli.md.
 //
 // Install it with
 //

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sort"
+	"strings"
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
@@ -86,6 +88,7 @@ type replayer struct {
 
 	progress                              *progress
 	examined, selected, replayed, skipped int
+	handlers                              map[string]int // settle_handler of the examined messages -> how many
 }
 
 func (r *replayer) openPublisher() error {
@@ -117,6 +120,10 @@ func (r *replayer) run(bound int) error {
 			break
 		}
 		r.examined++
+		if r.handlers == nil {
+			r.handlers = map[string]int{}
+		}
+		r.handlers[en.Handler]++
 		if r.sel.match(en) {
 			r.selected++
 			if err := r.one(d, en); err != nil {
@@ -213,10 +220,37 @@ func (r *replayer) summary() {
 	if !r.act {
 		fmt.Fprintf(r.e.stdout, "dry run: %d of %d examined messages selected, %d would be replayed; nothing changed (add -yes to replay)\n",
 			r.selected, r.examined, r.selected-r.skipped)
-		return
+	} else {
+		fmt.Fprintf(r.e.stdout, "replayed %d of %d examined messages (%d selected, %d skipped); about %d left on %s\n",
+			r.replayed, r.examined, r.selected, r.skipped, left, r.s.queue)
 	}
-	fmt.Fprintf(r.e.stdout, "replayed %d of %d examined messages (%d selected, %d skipped); about %d left on %s\n",
-		r.replayed, r.examined, r.selected, r.skipped, left, r.s.queue)
+	if r.selected == 0 && r.sel.handler != "" && r.examined > 0 && r.handlers[r.sel.handler] == 0 {
+		fmt.Fprintf(r.e.stdout, "no examined message has handler %q; the handlers on %s: %s\n", r.sel.handler, r.s.queue, r.handlerList())
+	}
+}
+
+// handlerList is the settle_handler values of the examined messages with
+// their counts, most frequent first: "charge (2), email (1)".
+func (r *replayer) handlerList() string {
+	names := make([]string, 0, len(r.handlers))
+	for h := range r.handlers {
+		names = append(names, h)
+	}
+	sort.Slice(names, func(i, j int) bool {
+		if r.handlers[names[i]] != r.handlers[names[j]] {
+			return r.handlers[names[i]] > r.handlers[names[j]]
+		}
+		return names[i] < names[j]
+	})
+	parts := make([]string, len(names))
+	for i, h := range names {
+		label := h
+		if h == "" {
+			label = "(none)"
+		}
+		parts[i] = fmt.Sprintf("%s (%d)", label, r.handlers[h])
+	}
+	return strings.Join(parts, ", ")
 }
 
 func dash(s string) string {

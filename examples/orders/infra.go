@@ -2,10 +2,17 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
 	"database/sql"
-	"errors"
+	"encoding/hex"
 	"fmt"
+	"io"
 	"os"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -28,12 +35,15 @@ import (
 // endpoint when the standard OTEL_EXPORTER_OTLP_* variables name one, and
 // the settlement metrics are read in process for the final table.
 type telemetry struct {
-	tp     *sdktrace.TracerProvider
-	mp     *sdkmetric.MeterProvider
-	reader *sdkmetric.ManualReader
+	tp       *sdktrace.TracerProvider
+	mp       *sdkmetric.MeterProvider
+	reader   *sdkmetric.ManualReader
+	exporter *watchedExporter // nil when traces are not exported
+	warn     io.Writer
 }
 
-func newTelemetry(ctx context.Context) (*telemetry, error) {
+// newTelemetry sets up the providers and says on out where the traces go.
+func newTelemetry(ctx context.Context, out, warn io.Writer) (*telemetry, error) {
 	name := os.Getenv("OTEL_SERVICE_NAME")
 	if name == "" {
 		name = "settle-orders"
@@ -42,32 +52,187 @@ func newTelemetry(ctx context.Context) (*telemetry, error) {
 	if err != nil {
 		return nil, err
 	}
+	t := &telemetry{reader: sdkmetric.NewManualReader(), warn: warn}
 	opts := []sdktrace.TracerProviderOption{sdktrace.WithResource(res)}
-	if os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT") != "" || os.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") != "" {
-		exp, err := otlptracehttp.New(ctx) // configured by the OTEL_EXPORTER_OTLP_* variables
+	if endpoint := otlpEndpoint(); endpoint != "" {
+		// Configured by the OTEL_EXPORTER_OTLP_* variables; retries are
+		// kept short so that an endpoint with nothing behind it is
+		// reported within seconds, not after the exporter's minute.
+		exp, err := otlptracehttp.New(ctx, otlptracehttp.WithRetry(otlptracehttp.RetryConfig{
+			Enabled: true, InitialInterval: 100 * time.Millisecond, MaxInterval: time.Second, MaxElapsedTime: 3 * time.Second,
+		}))
 		if err != nil {
 			return nil, fmt.Errorf("OTLP exporter: %w", err)
 		}
-		opts = append(opts, sdktrace.WithBatcher(exp, sdktrace.WithBatchTimeout(200*time.Millisecond)))
+		t.exporter = &watchedExporter{SpanExporter: exp, endpoint: endpoint, warn: warn}
+		opts = append(opts, sdktrace.WithBatcher(t.exporter, sdktrace.WithBatchTimeout(200*time.Millisecond)))
+		fmt.Fprintf(out, "traces: exported over OTLP/HTTP to %s as service %q\n", endpoint, name)
+	} else {
+		fmt.Fprintf(out, "traces: not exported; set OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 to send them to a local Jaeger (docs/tracing.md)\n")
 	}
-	reader := sdkmetric.NewManualReader()
-	return &telemetry{
-		tp:     sdktrace.NewTracerProvider(opts...),
-		mp:     sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader), sdkmetric.WithResource(res)),
-		reader: reader,
-	}, nil
+	t.tp = sdktrace.NewTracerProvider(opts...)
+	t.mp = sdkmetric.NewMeterProvider(sdkmetric.WithReader(t.reader), sdkmetric.WithResource(res))
+	return t, nil
+}
+
+// otlpEndpoint is where the OTLP/HTTP exporter sends traces by the
+// standard variables, or "" when they name none.
+func otlpEndpoint() string {
+	if e := os.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"); e != "" {
+		return e
+	}
+	if e := os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT"); e != "" {
+		return strings.TrimRight(e, "/") + "/v1/traces"
+	}
+	return ""
+}
+
+// watchedExporter counts what its exporter sent and failed to send, and
+// warns at the first failure: an exporter on its own drops spans silently.
+type watchedExporter struct {
+	sdktrace.SpanExporter
+	endpoint string
+	warn     io.Writer
+
+	mu               sync.Mutex
+	exported, failed int
+}
+
+func (w *watchedExporter) ExportSpans(ctx context.Context, spans []sdktrace.ReadOnlySpan) error {
+	err := w.SpanExporter.ExportSpans(ctx, spans)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if err != nil {
+		if w.failed == 0 {
+			fmt.Fprintf(w.warn, "orders: warning: exporting traces to %s failed: %v\n", w.endpoint, err)
+		}
+		w.failed += len(spans)
+		// Counted and reported here: returning the error would only have
+		// the batch processor log it again, batch after batch.
+		return nil
+	}
+	w.exported += len(spans)
+	return nil
 }
 
 func (t *telemetry) outcomes(ctx context.Context) (outcomeCounts, error) {
 	return readOutcomes(ctx, t.reader)
 }
 
-// shutdown flushes the spans still batched.
+// shutdown flushes the spans still batched and says how many spans could
+// not be exported.
 func (t *telemetry) shutdown() {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	_ = t.tp.Shutdown(ctx)
+	err := t.tp.Shutdown(ctx)
 	_ = t.mp.Shutdown(ctx)
+	if w := t.exporter; w != nil {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		switch {
+		case w.failed > 0:
+			fmt.Fprintf(t.warn, "orders: warning: %d spans were not exported to %s (%d were)\n", w.failed, w.endpoint, w.exported)
+		case err != nil:
+			fmt.Fprintf(t.warn, "orders: warning: flushing the last traces to %s: %v\n", w.endpoint, err)
+		}
+	}
+}
+
+// newRunID returns the ID that names a run's tables and queues: "r", the
+// start time in seconds (base 36) and 4 random hex digits, so that a later
+// run can tell how old leftovers are.
+func newRunID(now time.Time) string {
+	var b [2]byte
+	_, _ = rand.Read(b[:])
+	return "r" + strconv.FormatInt(now.Unix(), 36) + hex.EncodeToString(b[:])
+}
+
+// runIDPattern matches a run ID; runStart returns the time it was made.
+const runIDPattern = `r[0-9a-z]{6,}[0-9a-f]{4}`
+
+func runStart(id string) (time.Time, bool) {
+	if len(id) < 11 || id[0] != 'r' {
+		return time.Time{}, false
+	}
+	secs, err := strconv.ParseInt(id[1:len(id)-4], 36, 64)
+	if err != nil {
+		return time.Time{}, false
+	}
+	return time.Unix(secs, 0), true
+}
+
+// tableNames are the tables of a run: its own and its outbox's.
+func tableNames(runID string) []string {
+	return []string{
+		"orders_claims_" + runID, "orders_" + runID, "orders_charges_" + runID, "orders_emails_" + runID,
+		"watermill_orders_outbox_" + runID, "watermill_offsets_orders_outbox_" + runID,
+	}
+}
+
+var leftoverTable = regexp.MustCompile(`^(?:orders|orders_claims|orders_charges|orders_emails|watermill_orders_outbox|watermill_offsets_orders_outbox)_(` + runIDPattern + `)$`)
+
+// leftovers are the tables and queues earlier runs did not remove.
+type leftovers struct {
+	runs           []string
+	tables, queues []string
+}
+
+// removeLeftovers drops the tables of earlier runs that started more than
+// minAge ago, and, when amqpURL is set, their queues. Younger ones may
+// belong to a run still going on.
+func removeLeftovers(ctx context.Context, db *sql.DB, d dedupe.Dialect, amqpURL string, now time.Time, minAge time.Duration) (leftovers, error) {
+	var q string
+	switch d {
+	case dedupe.Postgres:
+		q = "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()"
+	case dedupe.MySQL:
+		q = "SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE()"
+	default:
+		q = "SELECT name FROM sqlite_master WHERE type = 'table'"
+	}
+	rows, err := db.QueryContext(ctx, q)
+	if err != nil {
+		return leftovers{}, fmt.Errorf("listing tables: %w", err)
+	}
+	var l leftovers
+	seen := map[string]bool{}
+	for rows.Next() {
+		var name string
+		if err := rows.Scan(&name); err != nil {
+			_ = rows.Close()
+			return leftovers{}, err
+		}
+		m := leftoverTable.FindStringSubmatch(name)
+		if m == nil {
+			continue
+		}
+		if start, ok := runStart(m[1]); !ok || now.Sub(start) < minAge {
+			continue
+		}
+		l.tables = append(l.tables, name)
+		if !seen[m[1]] {
+			seen[m[1]] = true
+			l.runs = append(l.runs, m[1])
+		}
+	}
+	_ = rows.Close()
+	if err := rows.Err(); err != nil {
+		return leftovers{}, err
+	}
+	sort.Strings(l.runs)
+	sort.Strings(l.tables)
+	for _, t := range l.tables {
+		if _, err := db.ExecContext(ctx, "DROP TABLE IF EXISTS "+t); err != nil {
+			return l, fmt.Errorf("dropping %s: %w", t, err)
+		}
+	}
+	if amqpURL != "" {
+		for _, id := range l.runs {
+			l.queues = append(l.queues, newTopicNames(id).all...)
+		}
+		deleteQueues(amqpURL, l.queues)
+	}
+	return l, nil
 }
 
 // schema holds the run's table names: fresh ones per run, dropped at the end.
@@ -82,12 +247,13 @@ type schema struct {
 }
 
 func newSchema(ctx context.Context, db *sql.DB, d dedupe.Dialect, runID string) (*schema, error) {
+	t := tableNames(runID)
 	s := &schema{
 		db: db, dialect: d,
-		claims:      "orders_claims_" + runID,
-		orders:      "orders_" + runID,
-		charges:     "orders_charges_" + runID,
-		emails:      "orders_emails_" + runID,
+		claims:      t[0],
+		orders:      t[1],
+		charges:     t[2],
+		emails:      t[3],
 		outboxTopic: "orders_outbox_" + runID,
 	}
 	// A real service runs these in its migrations.
@@ -147,13 +313,26 @@ type broker struct {
 	pub    message.Publisher
 	sub    message.Subscriber
 	topics topicNames
+	url    string // RabbitMQ's; "" for GoChannel
 	close  func()
 }
 
-func newBroker(amqpURL, runID string) (*broker, error) {
+// deleteQueues removes the run's queues, if it has any.
+func (b *broker) deleteQueues() {
+	if b.url != "" {
+		deleteQueues(b.url, b.topics.all)
+	}
+}
+
+func newTopicNames(runID string) topicNames {
 	t := topicNames{placed: "orders.placed." + runID, charged: "orders.charged." + runID}
 	t.all = []string{t.placed, t.charged,
 		t.placed + ".dead_letter", t.placed + ".poison", t.charged + ".dead_letter", t.charged + ".poison"}
+	return t
+}
+
+func newBroker(amqpURL, runID string) (*broker, error) {
+	t := newTopicNames(runID)
 	logger := watermill.NopLogger{}
 	if amqpURL == "" {
 		ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64, Persistent: true}, logger)
@@ -185,10 +364,9 @@ func newBroker(amqpURL, runID string) (*broker, error) {
 			return nil, fmt.Errorf("rabbitmq: declare %s: %w", q, err)
 		}
 	}
-	return &broker{system: "rabbitmq", pub: pub, sub: sub, topics: t, close: func() {
+	return &broker{system: "rabbitmq", pub: pub, sub: sub, topics: t, url: amqpURL, close: func() {
 		_ = pub.Close()
 		_ = sub.Close()
-		deleteQueues(amqpURL, t.all)
 	}}, nil
 }
 
@@ -203,12 +381,13 @@ func deleteQueues(url string, queues []string) {
 	if err != nil {
 		return
 	}
-	defer ch.Close()
-	var errs []error
+	defer func() { _ = ch.Close() }()
 	for _, q := range queues {
 		if _, err := ch.QueueDelete(q, false, false, false); err != nil {
-			errs = append(errs, err)
+			// An error closes the channel: go on with a new one.
+			if ch, err = conn.Channel(); err != nil {
+				return
+			}
 		}
 	}
-	_ = errors.Join(errs...)
 }

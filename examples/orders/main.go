@@ -13,31 +13,72 @@
 //
 //	go run ./examples/orders -db 'postgres://postgres@127.0.0.1:5432/test?sslmode=disable' -amqp 'amqp://guest:guest@127.0.0.1:5672/'
 //
-// (or SETTLE_DB_URL and SETTLE_AMQP_URL). With OTEL_EXPORTER_OTLP_ENDPOINT set
-// (for example http://127.0.0.1:4318 for a local Jaeger) it exports a trace
-// per order: placing it, the outbox relay, the charge, the e-mail, and how
-// each delivery settled. See docs/tracing.md.
+// -db defaults to $SETTLE_POSTGRES_URL, else $SETTLE_MYSQL_URL, and -amqp to
+// $SETTLE_AMQP_URL: the variables the tests and the settle command read.
+// With OTEL_EXPORTER_OTLP_ENDPOINT set (for example http://127.0.0.1:4318 for
+// a local Jaeger) it exports a trace per order: placing it, the outbox relay,
+// the charge, the e-mail, and how each delivery settled. See docs/tracing.md.
+//
+// Each run makes its own tables and queues, named after its run ID, and
+// removes them when it ends; with -keep, or when it times out, it leaves them
+// for a look and prints their names. A run removes what earlier runs left
+// behind (killed, timed out, -keep) more than 10 minutes ago, and says so.
 package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
 	"os/signal"
+	"syscall"
+
+	"github.com/settle-go/settle/internal/settleenv"
 )
 
 func main() {
-	cfg := config{Out: os.Stdout}
+	cfg := config{Out: os.Stdout, Err: os.Stderr}
 	flag.IntVar(&cfg.Orders, "orders", 20, "number of orders to place")
-	flag.StringVar(&cfg.DB, "db", os.Getenv("SETTLE_DB_URL"), "database URL: postgres://, mysql:// or sqlite://; default a new SQLite file")
-	flag.StringVar(&cfg.AMQP, "amqp", os.Getenv("SETTLE_AMQP_URL"), "RabbitMQ URL; default Watermill's in-process GoChannel")
+	flag.StringVar(&cfg.DB, "db", "", "database URL: postgres://, mysql:// or sqlite:///path; default $"+settleenv.PostgresURL+", else $"+settleenv.MySQLURL+", else a new SQLite file")
+	flag.StringVar(&cfg.AMQP, "amqp", "", "RabbitMQ URL; default $"+settleenv.AMQPURL+", else Watermill's in-process GoChannel")
 	flag.BoolVar(&cfg.Quiet, "quiet", false, "print only the final table")
-	flag.Parse()
+	flag.BoolVar(&cfg.Keep, "keep", false, "keep this run's tables and queues, and earlier runs' leftovers, instead of removing them")
+	flag.DurationVar(&cfg.Timeout, "timeout", 0, "give up when the pipeline has not settled after this long (default 60s)")
+	flag.Usage = func() {
+		fmt.Fprintf(flag.CommandLine.Output(), `usage: orders [flags]
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+Runs an order pipeline through settle: the outbox, a transactional charge that
+runs once per order however often it is delivered, a flaky e-mail handler with
+retries and a dead-letter, and a poison message. Prints a table of how every
+delivery settled.
+
+Environment: %s
+OTEL_EXPORTER_OTLP_ENDPOINT (e.g. http://127.0.0.1:4318) sends the traces to an
+OTLP receiver such as Jaeger; OTEL_SERVICE_NAME names the service (default
+settle-orders).
+
+`, settleenv.Help)
+		flag.PrintDefaults()
+	}
+	flag.Parse()
+	// The environment is read after parsing, so that -h prints no password.
+	if cfg.DB == "" {
+		cfg.DB, _ = settleenv.DatabaseURL(os.Getenv)
+	}
+	if cfg.AMQP == "" {
+		cfg.AMQP = os.Getenv(settleenv.AMQPURL)
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, cfg); err != nil {
+	err := run(ctx, cfg)
+	switch {
+	case err == nil:
+	case errors.Is(err, errInterrupted):
+		fmt.Fprintln(os.Stderr, "orders:", err)
+		os.Exit(130)
+	default:
 		fmt.Fprintln(os.Stderr, "orders:", err)
 		os.Exit(1)
 	}

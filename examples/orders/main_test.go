@@ -2,9 +2,16 @@ package main
 
 import (
 	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"go.uber.org/goleak"
 
@@ -12,7 +19,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m,
+	testenv.Main(m,
 		// watermill-amqp v3.0.2 can redial a connection while its publisher
 		// or subscriber is being closed (a select in its ConnectionWrapper
 		// between "closing" and "connection closed"; internal/testenv's
@@ -88,5 +95,167 @@ func TestOrdersRefusesBadInput(t *testing.T) {
 	}
 	if err := run(t.Context(), config{Orders: 1, DB: "oracle://x", Out: &out}); err == nil || !strings.Contains(err.Error(), "unsupported scheme") {
 		t.Fatalf("run with an unsupported database URL: %v", err)
+	}
+}
+
+// cancelOn is an output that cancels a context when a line containing
+// trigger is written.
+type cancelOn struct {
+	bytes.Buffer
+	trigger string
+	cancel  context.CancelFunc
+}
+
+func (c *cancelOn) Write(p []byte) (int, error) {
+	n, err := c.Buffer.Write(p)
+	if strings.Contains(string(p), c.trigger) {
+		c.cancel()
+	}
+	return n, err
+}
+
+// Ctrl-C says that the run was interrupted and prints the table so far.
+func TestOrdersInterruptedShowsTheTableSoFar(t *testing.T) {
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	out := &cancelOn{trigger: "orders: gochannel + sqlite", cancel: cancel}
+	err := run(ctx, config{Orders: 20, Out: out})
+	if !errors.Is(err, errInterrupted) {
+		t.Fatalf("run = %v; want errInterrupted\n%s", err, out.String())
+	}
+	for _, want := range []string{"interrupted: placed 0 of 20 orders", "deliveries by outcome", "charges applied"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("output lacks %q:\n%s", want, out.String())
+		}
+	}
+	if strings.Contains(out.String(), "kept for a look") {
+		t.Errorf("an interrupted run kept its tables:\n%s", out.String())
+	}
+}
+
+// With OTEL_EXPORTER_OTLP_ENDPOINT pointing at nothing, the run says where
+// the traces go and warns that they could not be exported.
+func TestOrdersWarnsWhenTracesCannotBeExported(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	_ = l.Close() // nothing listens there now
+	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://"+addr)
+	t.Setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
+	var out, warn bytes.Buffer
+	if err := run(t.Context(), config{Orders: 3, Out: &out, Err: &warn}); err != nil {
+		t.Fatalf("run: %v\n%s", err, out.String())
+	}
+	if want := "traces: exported over OTLP/HTTP to http://" + addr + "/v1/traces"; !strings.Contains(out.String(), want) {
+		t.Errorf("output lacks %q:\n%s", want, out.String())
+	}
+	for _, want := range []string{"warning: exporting traces to http://" + addr + "/v1/traces failed", "spans were not exported"} {
+		if !strings.Contains(warn.String(), want) {
+			t.Errorf("warnings lack %q:\n%s", want, warn.String())
+		}
+	}
+}
+
+func TestOrdersSaysTracesAreNotExported(t *testing.T) {
+	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+	t.Setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
+	var out bytes.Buffer
+	if err := run(t.Context(), config{Orders: 1, Out: &out}); err != nil {
+		t.Fatalf("run: %v\n%s", err, out.String())
+	}
+	if !strings.Contains(out.String(), "traces: not exported; set OTEL_EXPORTER_OTLP_ENDPOINT") {
+		t.Errorf("output does not say where traces go:\n%s", out.String())
+	}
+}
+
+// On PostgreSQL and RabbitMQ: a run removes the tables and queues of an
+// earlier run older than leftoverAge and says so, leaves a younger run's
+// alone, and a run that times out keeps its own and names them.
+func TestOrdersLeftoversAndTimeout(t *testing.T) {
+	dbURL, amqpURL := testenv.Require(t, testenv.PostgresURLEnv), testenv.AMQPURL(t)
+	db := testenv.Postgres(t)
+	now := time.Now()
+	old, young := newRunID(now.Add(-leftoverAge-time.Minute)), newRunID(now.Add(-time.Minute))
+	for _, id := range []string{old, young} {
+		for _, table := range tableNames(id) {
+			if _, err := db.ExecContext(t.Context(), "CREATE TABLE "+table+" (id INT)"); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+table) })
+		}
+	}
+	conn, err := amqp091.Dial(amqpURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	queue := newTopicNames(old).placed
+	if _, err := ch.QueueDeclare(queue, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { deleteQueues(amqpURL, []string{queue}) })
+	exists := func(table string) bool {
+		var n int
+		if err := db.QueryRowContext(t.Context(), "SELECT COUNT(*) FROM information_schema.tables WHERE table_name = $1", table).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n == 1
+	}
+
+	var out bytes.Buffer
+	err = run(t.Context(), config{Orders: 5, DB: dbURL, AMQP: amqpURL, Out: &out, Timeout: time.Nanosecond})
+	if err == nil || !strings.Contains(err.Error(), "did not settle within 1ns") {
+		t.Fatalf("run with a 1ns timeout: %v\n%s", err, out.String())
+	}
+	if want := fmt.Sprintf("removed what 1 earlier runs left behind (%s): 6 tables, 6 queues", old); !strings.Contains(out.String(), want) {
+		t.Errorf("output lacks %q:\n%s", want, out.String())
+	}
+	for _, table := range tableNames(old) {
+		if exists(table) {
+			t.Errorf("the old run's table %s is still there", table)
+		}
+	}
+	if _, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil); err == nil {
+		t.Errorf("the old run's queue %s is still there", queue)
+	}
+	for _, table := range tableNames(young) {
+		if !exists(table) {
+			t.Errorf("a younger run's table %s was removed", table)
+		}
+	}
+
+	// The timed-out run kept its tables and queues, and named them.
+	m := regexp.MustCompile(`kept for a look \(run (` + runIDPattern + `)\): tables ([^;]+); queues (.+)\.`).FindStringSubmatch(out.String())
+	if m == nil || !strings.Contains(out.String(), "timed out after 1ns: placed 0 of 5 orders") || !strings.Contains(out.String(), "deliveries by outcome") {
+		t.Fatalf("the timed-out run does not say what it kept, or shows no table:\n%s", out.String())
+	}
+	id := m[1]
+	t.Cleanup(func() {
+		for _, table := range tableNames(id) {
+			_, _ = db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+table)
+		}
+		deleteQueues(amqpURL, newTopicNames(id).all)
+	})
+	for _, table := range tableNames(id) {
+		if !exists(table) {
+			t.Errorf("the timed-out run's table %s is gone", table)
+		}
+	}
+	ch2, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch2.Close()
+	for _, q := range newTopicNames(id).all {
+		if _, err := ch2.QueueDeclarePassive(q, true, false, false, false, nil); err != nil {
+			t.Errorf("the timed-out run's queue %s is gone: %v", q, err)
+			break
+		}
 	}
 }

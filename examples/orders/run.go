@@ -36,10 +36,23 @@ type config struct {
 	DB     string
 	AMQP   string
 	Quiet  bool
-	Out    io.Writer
-	// Timeout bounds the whole run. Defaults to 60s.
+	// Keep leaves the run's tables and queues, and earlier runs' leftovers,
+	// in place.
+	Keep bool
+	// Out receives the progress and the table; Err the warnings. Nil
+	// discards.
+	Out, Err io.Writer
+	// Timeout bounds the time from placing the first order to the last
+	// settlement. Defaults to 60s.
 	Timeout time.Duration
 }
+
+// errInterrupted is returned when the run was cancelled (Ctrl-C).
+var errInterrupted = errors.New("interrupted")
+
+// leftoverAge is how old an earlier run's tables and queues must be before
+// a run removes them: a younger run may still be going on.
+const leftoverAge = 10 * time.Minute
 
 // The example's business events.
 type orderPlaced struct {
@@ -58,31 +71,47 @@ func redelivered(n int) bool  { return n%5 == 0 } // the broker delivers it twic
 func flakyMail(n int) bool    { return n%3 == 0 } // the mail server fails once
 func bouncingMail(n int) bool { return n == 7 }   // the mail server always fails
 
-func run(ctx context.Context, cfg config) error {
+func run(parent context.Context, cfg config) (err error) {
 	if cfg.Orders <= 0 {
 		return fmt.Errorf("-orders must be > 0, got %d", cfg.Orders)
 	}
 	if cfg.Out == nil {
 		cfg.Out = io.Discard
 	}
+	if cfg.Err == nil {
+		cfg.Err = io.Discard
+	}
 	if cfg.Timeout == 0 {
 		cfg.Timeout = 60 * time.Second
 	}
-	ctx, cancel := context.WithTimeout(ctx, cfg.Timeout)
-	defer cancel()
-	say := func(format string, args ...any) {
-		if !cfg.Quiet {
-			fmt.Fprintf(cfg.Out, format+"\n", args...)
+	ctx := parent // the setup's; the pipeline's own has the timeout
+	defer func() {
+		if err != nil && parent.Err() != nil && !errors.Is(err, errInterrupted) {
+			err = fmt.Errorf("%w: %v", errInterrupted, err)
 		}
+	}()
+	progress := cfg.Out
+	if cfg.Quiet {
+		progress = io.Discard
 	}
+	say := func(format string, args ...any) { fmt.Fprintf(progress, format+"\n", args...) }
+	// keep is set when the run's tables and queues are to stay: -keep, or a
+	// timeout, whose evidence is worth a look.
+	keep := cfg.Keep
+	sqliteFile := "" // the embedded default's
 
 	if cfg.DB == "" {
 		dir, err := os.MkdirTemp("", "settle-orders")
 		if err != nil {
 			return err
 		}
-		defer os.RemoveAll(dir)
-		cfg.DB = "sqlite://" + filepath.Join(dir, "orders.db")
+		sqliteFile = filepath.Join(dir, "orders.db")
+		cfg.DB = "sqlite://" + sqliteFile
+		defer func() {
+			if !keep {
+				_ = os.RemoveAll(dir)
+			}
+		}()
 	}
 	db, dialect, err := sqlurl.Open(cfg.DB)
 	if err != nil {
@@ -93,25 +122,59 @@ func run(ctx context.Context, cfg config) error {
 		return fmt.Errorf("database %s: %w", dialect, err)
 	}
 
-	tel, err := newTelemetry(ctx)
+	tel, err := newTelemetry(ctx, progress, cfg.Err)
 	if err != nil {
 		return err
 	}
 	defer tel.shutdown()
 
-	runID := fmt.Sprintf("%x", time.Now().UnixNano()&0xffffffff)
+	if !cfg.Keep {
+		l, err := removeLeftovers(ctx, db, dialect, cfg.AMQP, time.Now(), leftoverAge)
+		if err != nil {
+			return fmt.Errorf("removing earlier runs' leftovers: %w", err)
+		}
+		if len(l.runs) > 0 {
+			say("removed what %d earlier runs left behind (%s): %d tables, %d queues", len(l.runs), strings.Join(l.runs, ", "), len(l.tables), len(l.queues))
+		}
+	}
+
+	runID := newRunID(time.Now())
 	s, err := newSchema(ctx, db, dialect, runID)
 	if err != nil {
 		return err
 	}
-	defer s.drop()
+	defer func() {
+		if !keep {
+			s.drop()
+		}
+	}()
 
 	br, err := newBroker(cfg.AMQP, runID)
 	if err != nil {
 		return err
 	}
+	defer func() {
+		if !keep {
+			br.deleteQueues()
+		}
+	}()
 	defer br.close()
-	say("orders: %s + %s, %d orders (run %s)", br.system, dialect, cfg.Orders, runID)
+	defer func() {
+		if !keep {
+			return
+		}
+		kept := []string{"tables " + strings.Join(tableNames(runID), ", ")}
+		if sqliteFile != "" {
+			kept = []string{"the SQLite file " + sqliteFile + " with " + kept[0]}
+		}
+		if br.url != "" {
+			kept = append(kept, "queues "+strings.Join(br.topics.all, ", "))
+		}
+		fmt.Fprintf(cfg.Out, "kept for a look (run %s): %s.\n", runID, strings.Join(kept, "; "))
+		if sqliteFile == "" {
+			fmt.Fprintf(cfg.Out, "The next run removes them once they are %s old, unless it has -keep.\n", leftoverAge)
+		}
+	}()
 
 	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: s.claims})
 	if err != nil {
@@ -124,7 +187,11 @@ func run(ctx context.Context, cfg config) error {
 	if err := ob.InitSchema(ctx, db); err != nil {
 		return err
 	}
-	defer s.dropOutbox(ob)
+	defer func() {
+		if !keep {
+			s.dropOutbox(ob)
+		}
+	}()
 
 	logger := watermill.NopLogger{}
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
@@ -170,7 +237,7 @@ func run(ctx context.Context, cfg config) error {
 		return err
 	}
 	// email: a flaky mail server; one address always bounces.
-	if _, err := pipeline.Handle(p, "email", topics.charged, br.sub, nil, func(ctx context.Context, m pipeline.Message[orderCharged]) error {
+	if _, err := pipeline.HandleTyped(p, "email", topics.charged, br.sub, nil, func(ctx context.Context, m pipeline.Message[orderCharged]) error {
 		var n int
 		_, _ = fmt.Sscanf(m.Body.OrderID, "A-%d", &n)
 		switch {
@@ -214,14 +281,50 @@ func run(ctx context.Context, cfg config) error {
 	}
 	defer func() { _ = stop() }()
 
+	// early stops the run on Ctrl-C or at the timeout, and shows what had
+	// settled by then. A timeout keeps the tables and queues.
+	early := func(where string) error {
+		stopErr := stop()
+		fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer fcancel()
+		var what error
+		if parent.Err() != nil {
+			what = fmt.Errorf("%w: stopped before the pipeline settled; the table shows the deliveries settled so far", errInterrupted)
+			fmt.Fprintf(cfg.Out, "\ninterrupted: %s\n", where)
+		} else {
+			keep = true // the evidence of what did not settle
+			what = fmt.Errorf("the pipeline did not settle within %s (-timeout); the table shows the deliveries settled so far", cfg.Timeout)
+			fmt.Fprintf(cfg.Out, "\ntimed out after %s: %s\n", cfg.Timeout, where)
+		}
+		counts, err := tel.outcomes(fctx)
+		if err != nil {
+			return errors.Join(what, stopErr, err)
+		}
+		charges, emails, err := s.counts(fctx)
+		fwd, failed := relay.Counts()
+		report(cfg.Out, counts, charges, emails, fwd, failed)
+		return errors.Join(what, stopErr, err)
+	}
+
 	// Place the orders: each in a transaction of its own, with its row and
 	// its "placed" event in the outbox.
+	say("orders: %s + %s, %d orders (run %s)", br.system, dialect, cfg.Orders, runID)
+
+	// From here on the pipeline has cfg.Timeout to settle.
+	ctx, cancel := context.WithTimeout(parent, cfg.Timeout)
+	defer cancel()
 	tracer := tel.tp.Tracer("settle-orders")
 	placed := map[string]*message.Message{}
 	for i := 1; i <= cfg.Orders; i++ {
 		o := orderPlaced{OrderID: fmt.Sprintf("A-%03d", i), Cents: 1000 + i, Email: fmt.Sprintf("customer%d@example.com", i)}
+		if ctx.Err() != nil {
+			return early(fmt.Sprintf("placed %d of %d orders", i-1, cfg.Orders))
+		}
 		msg, err := placeOrder(ctx, tracer, db, ob, s, topics.placed, o)
 		if err != nil {
+			if ctx.Err() != nil {
+				return early(fmt.Sprintf("placed %d of %d orders", i-1, cfg.Orders))
+			}
 			return err
 		}
 		placed[o.OrderID] = msg
@@ -276,11 +379,14 @@ func run(ctx context.Context, cfg config) error {
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("the pipeline did not settle in time: %w", ctx.Err())
+			return early(line)
 		case <-tick.C:
 		}
 	}
 	if err := relay.Drain(ctx); err != nil {
+		if ctx.Err() != nil {
+			return early("every delivery settled; the outbox was still draining")
+		}
 		return err
 	}
 	if err := stop(); err != nil {
@@ -290,11 +396,8 @@ func run(ctx context.Context, cfg config) error {
 		return err
 	}
 
-	var charges, emails int
-	if err := db.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+s.charges).Scan(&charges); err != nil {
-		return err
-	}
-	if err := db.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+s.emails).Scan(&emails); err != nil {
+	charges, emails, err := s.counts(ctx)
+	if err != nil {
 		return err
 	}
 	fwd, failed := relay.Counts()
@@ -307,6 +410,17 @@ func run(ctx context.Context, cfg config) error {
 	}
 	fmt.Fprintln(cfg.Out, "every order charged exactly once")
 	return nil
+}
+
+// counts returns how many charges and e-mails the run's tables hold.
+func (s *schema) counts(ctx context.Context) (charges, emails int, err error) {
+	if err := s.db.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+s.charges).Scan(&charges); err != nil {
+		return 0, 0, err
+	}
+	if err := s.db.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+s.emails).Scan(&emails); err != nil {
+		return 0, 0, err
+	}
+	return charges, emails, nil
 }
 
 func placeOrder(ctx context.Context, tracer trace.Tracer, db *sql.DB, ob *outbox.Outbox, s *schema, topic string, o orderPlaced) (*message.Message, error) {

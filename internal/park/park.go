@@ -164,8 +164,14 @@ func publish(ctx context.Context, pub message.Publisher, topic string, cp *messa
 	if !parent.SpanContext().IsValid() {
 		return pub.Publish(topic, cp)
 	}
+	s := settle.SettlementFromContext(ctx)
+	var ids []attribute.KeyValue
+	if s != nil {
+		ids = s.SpanAttributes
+	}
 	ctx, span := parent.TracerProvider().Tracer(ScopeName).Start(ctx, "send "+topic,
 		trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(ids...),
 		trace.WithAttributes(
 			semconv.MessagingOperationTypeSend,
 			semconv.MessagingOperationName("send"),
@@ -174,7 +180,7 @@ func publish(ctx context.Context, pub message.Publisher, topic string, cp *messa
 			attribute.String("settle.outcome", cp.Metadata.Get(settle.MetaOutcome)),
 		))
 	defer span.End()
-	if s := settle.SettlementFromContext(ctx); s != nil && s.Propagator != nil {
+	if s != nil && s.Propagator != nil {
 		s.Propagator.Inject(ctx, settle.MetadataCarrier(cp.Metadata))
 	}
 	cp.SetContext(ctx)

@@ -268,10 +268,9 @@ type driver struct {
 
 	topic, outboxTopic, claims, effects, placed string
 
-	appName  string // PostgreSQL application_name of every connection of the run
-	next     int    // sequence of the next logical message
-	res      Result
-	unexpect []string
+	appName string // PostgreSQL application_name of every connection of the run
+	next    int    // sequence of the next logical message
+	res     Result
 }
 
 func newDriver(ctx context.Context, cfg Config) (d *driver, err error) {

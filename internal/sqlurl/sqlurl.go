@@ -79,6 +79,13 @@ func Parse(u string) (driver, dsn string, dialect dedupe.Dialect, err error) {
 	return "", "", "", fmt.Errorf("sqlurl: unsupported scheme %q (want postgres, mysql or sqlite)", scheme)
 }
 
+// SQLitePath returns the file path of a sqlite:// URL (sqlite:///abs/path,
+// sqlite://relative/path).
+func SQLitePath(u string) string {
+	_, rest, _ := strings.Cut(u, "://")
+	return rest
+}
+
 // SQLiteDSN returns a modernc.org/sqlite DSN for the file at path, with the
 // settings settle needs: WAL, a busy timeout so concurrent writers wait
 // instead of failing, and BEGIN IMMEDIATE so a transaction takes the write

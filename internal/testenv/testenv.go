@@ -6,7 +6,9 @@
 //	SETTLE_AMQP_URL      amqp://guest:guest@127.0.0.1:5672/
 //
 // A test whose variable is unset is skipped with a message naming it, unless
-// SETTLE_REQUIRE_INTEGRATION=1, when it fails instead.
+// SETTLE_REQUIRE_INTEGRATION=1, when it fails instead. A package's TestMain
+// calls Main, which says after the tests which services they used and how
+// many skipped for lack of which variable.
 package testenv
 
 import (
@@ -21,15 +23,17 @@ import (
 	"testing"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/settleenv"
 	"github.com/settle-go/settle/internal/sqlurl"
 )
 
-// Environment variable names.
+// Environment variable names, the same as the examples' and the settle
+// command's (internal/settleenv).
 const (
-	PostgresURLEnv = "SETTLE_POSTGRES_URL"
-	MySQLURLEnv    = "SETTLE_MYSQL_URL"
-	AMQPURLEnv     = "SETTLE_AMQP_URL"
-	RequireEnv     = "SETTLE_REQUIRE_INTEGRATION"
+	PostgresURLEnv = settleenv.PostgresURL
+	MySQLURLEnv    = settleenv.MySQLURL
+	AMQPURLEnv     = settleenv.AMQPURL
+	RequireEnv     = settleenv.RequireIntegration
 )
 
 // Require returns the value of the environment variable name, or skips the
@@ -38,11 +42,17 @@ func Require(t testing.TB, name string) string {
 	t.Helper()
 	v := os.Getenv(name)
 	if v != "" {
+		if s, ok := services[name]; ok {
+			noteUsed(s)
+		} else {
+			noteUsed(name)
+		}
 		return v
 	}
 	if os.Getenv(RequireEnv) == "1" {
 		t.Fatalf("%s is not set and %s=1: integration tests may not skip", name, RequireEnv)
 	}
+	noteSkipped(name)
 	t.Skipf("set %s to run this test against a real service", name)
 	return ""
 }
@@ -61,6 +71,7 @@ func MySQL(t testing.TB) DB { return open(t, Require(t, MySQLURLEnv)) }
 
 // SQLite opens a new SQLite file in the test's temporary directory.
 func SQLite(t testing.TB) DB {
+	noteUsed("SQLite")
 	return open(t, "sqlite://"+filepath.Join(t.TempDir(), "settle.db"))
 }
 
