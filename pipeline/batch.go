@@ -3,6 +3,7 @@ package pipeline
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"runtime/debug"
 	"slices"
@@ -59,9 +60,10 @@ func (c BatchConfig) enabled() bool { return c.MaxSize > 1 }
 // running the whole batch on its own goroutine, and the others wait for
 // their result.
 type batcher struct {
-	cfg  TxConfig
-	fn   TxFunc
-	wait time.Duration
+	cfg     TxConfig
+	fn      TxFunc      // per message; or
+	batchFn BatchTxFunc // once per batch
+	wait    time.Duration
 
 	mu   sync.Mutex
 	open *batch // the batch deliveries join now; nil when none is open
@@ -84,12 +86,12 @@ type job struct {
 	err     error // a result decided without running fn (busy)
 }
 
-func newBatcher(cfg TxConfig, fn TxFunc) *batcher {
+func newBatcher(cfg TxConfig, fn TxFunc, batchFn BatchTxFunc) *batcher {
 	wait := cfg.Batch.MaxWait
 	if wait == 0 {
 		wait = DefaultBatchWait
 	}
-	return &batcher{cfg: cfg, fn: fn, wait: wait}
+	return &batcher{cfg: cfg, fn: fn, batchFn: batchFn, wait: wait}
 }
 
 // handle settles msg as part of a batch and returns its result.
@@ -155,25 +157,8 @@ func (b *batcher) run(jobs []*job) {
 	}
 	slices.SortFunc(pending, func(a, b *job) int { return strings.Compare(a.key, b.key) })
 
-	// Optimistically run everything in one transaction; when a job fails,
-	// take it out and run the rest again. At most len(pending) runs.
 	result := make(map[string]error, len(pending))
-	for len(pending) > 0 {
-		failed, err := b.runOnce(ctx, pending)
-		if failed < 0 {
-			for _, j := range pending {
-				switch {
-				case err != nil: // begin or commit failed: nothing landed
-					result[j.key] = err
-				default:
-					result[j.key] = j.err
-				}
-			}
-			break
-		}
-		result[pending[failed].key] = err
-		pending = append(pending[:failed:failed], pending[failed+1:]...)
-	}
+	b.settle(ctx, pending, result)
 	for _, j := range jobs {
 		if j.key == "" {
 			continue // answered above
@@ -199,19 +184,66 @@ func (b *batcher) run(jobs []*job) {
 	}
 }
 
+// settle runs pending (jobs of distinct keys) and records each one's result.
+// Optimistically everything runs in one transaction; when a job fails it is
+// taken out and the rest run again. A batch function that fails without
+// naming its message (see MessageFailed) fails the whole run; then the batch
+// is split in two and each half settled on its own, until the message that
+// fails is alone.
+func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]error) {
+	for len(pending) > 0 {
+		failed, err := b.runOnce(ctx, pending)
+		switch {
+		case failed == runCommitted || failed == runNotStarted:
+			for _, j := range pending {
+				if err != nil { // begin, claims or commit failed: nothing landed
+					result[j.key] = err
+				} else {
+					result[j.key] = j.err
+				}
+			}
+			return
+		case failed == runBatchFailed:
+			var ran []*job
+			for _, j := range pending {
+				if j.claimed {
+					ran = append(ran, j)
+				}
+			}
+			if len(ran) == 1 {
+				failed = slices.Index(pending, ran[0])
+				break
+			}
+			h := len(pending) / 2
+			b.settle(ctx, pending[:h], result)
+			b.settle(ctx, pending[h:], result)
+			return
+		}
+		result[pending[failed].key] = err
+		pending = append(pending[:failed:failed], pending[failed+1:]...)
+	}
+}
+
+// Results of runOnce that name no job.
+const (
+	runCommitted   = -1 // err is nil
+	runNotStarted  = -2 // begin, claims or commit failed: err says why
+	runBatchFailed = -3 // the batch function failed without naming a message
+)
+
 // runOnce runs jobs in one transaction. It returns the index of a job that
-// failed, with its error (the transaction was rolled back), or -1 with the
-// error of begin or commit (nil when the batch committed).
+// failed, with its error (the transaction was rolled back), or one of the
+// run results above.
 func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err error) {
 	tx, err := b.cfg.DB.BeginTx(ctx, b.cfg.TxOptions)
 	if err != nil {
-		return -1, fmt.Errorf("pipeline: begin batch: %w", err)
+		return runNotStarted, fmt.Errorf("pipeline: begin batch: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }() // after Commit: sql.ErrTxDone
 	var out message.Publisher
 	if b.cfg.Outbox != nil {
 		if out, err = b.cfg.Outbox.TxPublisher(tx); err != nil {
-			return -1, err
+			return runNotStarted, err
 		}
 	}
 	keys := make([]string, len(jobs))
@@ -222,8 +254,9 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err err
 	// All keys in one statement; a batch whose claims fail fails whole.
 	claims, err := b.cfg.Store.WithTx(tx).ClaimConfirmedAll(ctx, keys)
 	if err != nil {
-		return -1, err
+		return runNotStarted, err
 	}
+	var ran []int // indexes of the jobs the batch function gets
 	for i, j := range jobs {
 		done, err := claimResult(j.ctx, claims[i], j.msg)
 		switch {
@@ -234,14 +267,31 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err err
 			continue // a duplicate: acked with the batch
 		}
 		j.claimed = true
+		if b.batchFn != nil {
+			ran = append(ran, i)
+			continue
+		}
 		if err := b.call(j, tx, out); err != nil {
 			return i, err
 		}
 	}
-	if err := tx.Commit(); err != nil {
-		return -1, fmt.Errorf("pipeline: commit batch: %w", err)
+	if b.batchFn != nil && len(ran) > 0 {
+		msgs := make([]*message.Message, len(ran))
+		for k, i := range ran {
+			msgs[k] = jobs[i].msg
+		}
+		if err := b.callBatch(ctx, tx, msgs, out); err != nil {
+			var me *MessageError
+			if errors.As(err, &me) && me.Index >= 0 && me.Index < len(ran) {
+				return ran[me.Index], me.Err
+			}
+			return runBatchFailed, err
+		}
 	}
-	return -1, nil
+	if err := tx.Commit(); err != nil {
+		return runNotStarted, fmt.Errorf("pipeline: commit batch: %w", err)
+	}
+	return runCommitted, nil
 }
 
 // call runs fn for one job, turning a panic into that job's error: the
@@ -253,6 +303,85 @@ func (b *batcher) call(j *job, tx *sql.Tx, out message.Publisher) (err error) {
 		}
 	}()
 	return b.fn(j.ctx, tx, j.msg, out)
+}
+
+// callBatch runs the batch function, turning a panic into the batch's
+// error, which splits the batch like any other failure.
+func (b *batcher) callBatch(ctx context.Context, tx *sql.Tx, msgs []*message.Message, out message.Publisher) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = &HandlerPanic{Value: p, Stack: debug.Stack()}
+		}
+	}()
+	return b.batchFn(ctx, tx, msgs, out)
+}
+
+// BatchTxFunc handles a batch of messages in one database transaction: for
+// bulk inserts, COPY, or one call of an API per batch. It does its writes on
+// tx and publishes on out, the outbox bound to tx (nil when TxConfig.Outbox
+// is nil); it must not commit or roll back tx. msgs holds only messages whose
+// work is not done yet: duplicates of earlier deliveries, and keys held by
+// another worker, were filtered out before. ctx belongs to the batch; each
+// message has its own context too.
+//
+// When it fails, no message of the batch is done. If the error names the
+// message that caused it (MessageFailed), that message alone is settled with
+// the error (retried, dead-lettered, or poisoned when the error is permanent)
+// and the rest of the batch runs again without it. Any other error, or a
+// panic, splits the batch in halves that run on their own, until the message
+// that fails is alone.
+type BatchTxFunc func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, out message.Publisher) error
+
+// MessageError is the error of one message of a batch; see MessageFailed.
+type MessageError struct {
+	Index int   // the message's index in the batch function's slice
+	Err   error // what is wrong with it
+}
+
+func (e *MessageError) Error() string { return fmt.Sprintf("message %d of the batch: %v", e.Index, e.Err) }
+
+// Unwrap returns Err.
+func (e *MessageError) Unwrap() error { return e.Err }
+
+// MessageFailed returns the error a batch function returns when it knows
+// which message failed: msgs[index], because of err. Only that message is
+// settled with err; the rest of the batch runs again without it.
+func MessageFailed(index int, err error) error { return &MessageError{Index: index, Err: err} }
+
+// NewBatchTxHandler returns a handler that gathers the deliveries in flight
+// into batches (cfg.Batch, whose MaxSize must be at least 2) and runs fn once
+// per batch, in one transaction with the batch's dedupe keys (cfg.Store) and
+// its outbox messages (cfg.Outbox). Each delivery is settled on its own: it
+// is acked after the commit, or fails alone as BatchTxFunc says.
+func NewBatchTxHandler(cfg TxConfig, fn BatchTxFunc) (message.NoPublishHandlerFunc, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if !cfg.Batch.enabled() {
+		return nil, fmt.Errorf("pipeline: NewBatchTxHandler needs TxConfig.Batch.MaxSize >= 2, got %d", cfg.Batch.MaxSize)
+	}
+	if fn == nil {
+		return nil, errors.New("pipeline: NewBatchTxHandler: fn is nil")
+	}
+	return newBatcher(cfg, nil, fn).handle, nil
+}
+
+// TypedBatchTx adapts fn to a BatchTxFunc that decodes every payload first.
+// A payload that does not decode names its message (MessageFailed) with a
+// permanent decode error, so that message is poisoned and the rest of the
+// batch runs without it.
+func TypedBatchTx[T any](codec Codec, fn func(ctx context.Context, tx *sql.Tx, msgs []Message[T], out message.Publisher) error) BatchTxFunc {
+	return func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, out message.Publisher) error {
+		ms := make([]Message[T], len(msgs))
+		for i, msg := range msgs {
+			m, err := Decode[T](codec, msg)
+			if err != nil {
+				return MessageFailed(i, err)
+			}
+			ms[i] = m
+		}
+		return fn(ctx, tx, ms, out)
+	}
 }
 
 // HandlerPanic is the error of a batched handler call that panicked. Only

@@ -14,6 +14,7 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/poison"
 )
 
 // batchEnv is a batched transactional handler on one database that records
@@ -201,4 +202,163 @@ func TestBatchConfigIsChecked(t *testing.T) {
 	if _, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: &sql.DB{}, Batch: pipeline.BatchConfig{MaxSize: -1}}, fn); err == nil {
 		t.Fatal("negative Batch.MaxSize accepted")
 	}
+}
+
+// batchHandlerEnv is a batch handler that writes its batch with one
+// multi-row insert and records the slices it was given.
+type batchHandlerEnv struct {
+	*txEnv
+	h message.NoPublishHandlerFunc
+
+	mu     sync.Mutex
+	slices [][]string
+}
+
+func newBatchHandlerEnv(t *testing.T, e *txEnv, fn pipeline.BatchTxFunc) *batchHandlerEnv {
+	t.Helper()
+	b := &batchHandlerEnv{txEnv: e}
+	h, err := pipeline.NewBatchTxHandler(pipeline.TxConfig{DB: e.db.DB, Store: e.store,
+		Batch: pipeline.BatchConfig{MaxSize: 16, MaxWait: 50 * time.Millisecond}},
+		func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, out message.Publisher) error {
+			var ids []string
+			for _, m := range msgs {
+				ids = append(ids, m.UUID)
+			}
+			b.mu.Lock()
+			b.slices = append(b.slices, ids)
+			b.mu.Unlock()
+			return fn(ctx, tx, msgs, out)
+		})
+	must(t, err)
+	b.h = h
+	return b
+}
+
+// insertAll writes one charge per message in one statement.
+func (e *txEnv) insertAll(ctx context.Context, tx *sql.Tx, msgs []*message.Message) error {
+	q := "INSERT INTO " + e.charges + " (order_id, cents) VALUES "
+	var args []any
+	for i, m := range msgs {
+		if i > 0 {
+			q += ", "
+		}
+		q += "(" + e.ph(2*i+1) + ", " + e.ph(2*i+2) + ")"
+		args = append(args, m.UUID, 1)
+	}
+	_, err := tx.ExecContext(ctx, q, args...)
+	return err
+}
+
+func (b *batchHandlerEnv) deliver(msgs ...*message.Message) []error {
+	errs := make([]error, len(msgs))
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i, m := range msgs {
+		wg.Go(func() {
+			<-start
+			errs[i] = b.h(m)
+		})
+	}
+	close(start)
+	wg.Wait()
+	return errs
+}
+
+// A batch handler whose batch fails without saying which message is to
+// blame: the batch is split until the bad message is alone; the others
+// commit, and only it fails.
+func TestBatchHandlerSplitsToFindTheFailingMessage(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *txEnv) {
+		bad := errors.New("provider refused the batch")
+		b := newBatchHandlerEnv(t, e, func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, _ message.Publisher) error {
+			for _, m := range msgs {
+				if m.UUID == "bh-5" {
+					return bad
+				}
+			}
+			return e.insertAll(ctx, tx, msgs)
+		})
+		errs := b.deliver(orders(16, "bh")...)
+		for i, err := range errs {
+			if (i == 5) != errors.Is(err, bad) || (i != 5 && err != nil) {
+				t.Fatalf("bh-%d: %v", i, err)
+			}
+		}
+		if n := e.rows(t); n != 15 {
+			t.Fatalf("charges=%d, want 15", n)
+		}
+		b.mu.Lock()
+		runs := len(b.slices)
+		b.mu.Unlock()
+		// The whole batch, then halves down to the bad message: a handful of
+		// runs, not one per message.
+		if runs > 12 {
+			t.Fatalf("%d runs of the batch function to isolate one message", runs)
+		}
+		// Delivered again: all duplicates but the bad one, which still fails,
+		// and the function sees only it.
+		b.mu.Lock()
+		b.slices = nil
+		b.mu.Unlock()
+		errs = b.deliver(orders(16, "bh")...)
+		for i, err := range errs {
+			if (i == 5) != errors.Is(err, bad) || (i != 5 && err != nil) {
+				t.Fatalf("again bh-%d: %v", i, err)
+			}
+		}
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		for _, s := range b.slices {
+			if len(s) != 1 || s[0] != "bh-5" {
+				t.Fatalf("second delivery: the batch function saw %v, want only bh-5 (duplicates filtered out)", s)
+			}
+		}
+	})
+}
+
+type charge struct {
+	Cents int `json:"cents"`
+}
+
+// A typed batch handler with one payload that does not decode: that message
+// fails with a permanent error (the poison middleware parks it), the rest
+// commit without a split.
+func TestTypedBatchHandlerPoisonsOneMessage(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *txEnv) {
+		b := newBatchHandlerEnv(t, e, pipeline.TypedBatchTx(nil, func(ctx context.Context, tx *sql.Tx, msgs []pipeline.Message[charge], _ message.Publisher) error {
+			raw := make([]*message.Message, len(msgs))
+			for i, m := range msgs {
+				raw[i] = m.Message
+			}
+			return e.insertAll(ctx, tx, raw)
+		}))
+		var msgs []*message.Message
+		for i := range 8 {
+			payload := []byte(`{"cents": 100}`)
+			if i == 2 {
+				payload = []byte(`not json`)
+			}
+			msgs = append(msgs, message.NewMessage(fmt.Sprintf("tb-%d", i), payload))
+		}
+		errs := b.deliver(msgs...)
+		for i, err := range errs {
+			if i == 2 {
+				if !poison.IsPermanent(err) {
+					t.Fatalf("tb-2: %v, want a permanent decode error", err)
+				}
+				continue
+			}
+			must(t, err)
+		}
+		if n := e.rows(t); n != 7 {
+			t.Fatalf("charges=%d, want 7", n)
+		}
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		if len(b.slices) > 2 {
+			t.Fatalf("%d runs; the named message should be taken out without a split", len(b.slices))
+		}
+	})
 }

@@ -238,13 +238,35 @@ func (p *Pipeline) HandleProducing(name, topic string, sub message.Subscriber, p
 // trace context of their own. store must be a SQLStore on cfg.DB's database; nil means
 // Config.Store, which must then be one.
 func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore, cfg TxConfig, fn TxFunc) (Handlers, error) {
+	return p.handleTx("HandleTx", name, topic, sub, store, cfg, func(cfg TxConfig) (message.NoPublishHandlerFunc, error) {
+		return NewTxHandler(cfg, publishInContext(fn))
+	})
+}
+
+// HandleBatchTx adds a batch handler (see NewBatchTxHandler and
+// BatchTxFunc): the deliveries in flight, up to cfg.Batch.MaxSize (capped at
+// Config.Concurrency, which must be at least 2), are handed to fn together,
+// and their writes, outbox messages and dedupe keys commit in one
+// transaction. store is as for HandleTx.
+func (p *Pipeline) HandleBatchTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore, cfg TxConfig, fn BatchTxFunc) (Handlers, error) {
+	if !cfg.Batch.enabled() || p.cfg.Concurrency < 2 {
+		return nil, fmt.Errorf("pipeline: HandleBatchTx %q needs TxConfig.Batch.MaxSize and Config.Concurrency >= 2 (got %d and %d): a batch is the deliveries in flight at once", name, cfg.Batch.MaxSize, p.cfg.Concurrency)
+	}
+	return p.handleTx("HandleBatchTx", name, topic, sub, store, cfg, func(cfg TxConfig) (message.NoPublishHandlerFunc, error) {
+		return NewBatchTxHandler(cfg, fn)
+	})
+}
+
+// handleTx adds a transactional handler built by build from cfg, completed
+// with the pipeline's store and key.
+func (p *Pipeline) handleTx(method, name, topic string, sub message.Subscriber, store *dedupe.SQLStore, cfg TxConfig, build func(TxConfig) (message.NoPublishHandlerFunc, error)) (Handlers, error) {
 	var s dedupe.Store = p.cfg.Store
 	if store != nil {
 		s = store
 	}
 	sqlStore, ok := s.(*dedupe.SQLStore)
 	if !ok {
-		return nil, fmt.Errorf("pipeline: HandleTx %q needs a *dedupe.SQLStore, got %T", name, s)
+		return nil, fmt.Errorf("pipeline: %s %q needs a *dedupe.SQLStore, got %T", method, name, s)
 	}
 	if cfg.Batch.enabled() && cfg.Batch.MaxSize > p.cfg.Concurrency {
 		// No more deliveries can be in flight; a batch of one is the
@@ -259,7 +281,7 @@ func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *d
 			cfg.Key = p.cfg.Key
 		}
 	}
-	h, err := NewTxHandler(cfg, publishInContext(fn))
+	h, err := build(cfg)
 	if err != nil {
 		return nil, err
 	}

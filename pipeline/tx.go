@@ -94,7 +94,7 @@ func NewTxHandler(cfg TxConfig, fn TxFunc) (message.NoPublishHandlerFunc, error)
 		return nil, errors.New("pipeline: NewTxHandler: fn is nil")
 	}
 	if cfg.Batch.enabled() {
-		return newBatcher(cfg, fn).handle, nil
+		return newBatcher(cfg, fn, nil).handle, nil
 	}
 	return func(msg *message.Message) error {
 		return RunTx(msg.Context(), cfg, msg, fn)
