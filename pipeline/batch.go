@@ -338,7 +338,9 @@ type MessageError struct {
 	Err   error // what is wrong with it
 }
 
-func (e *MessageError) Error() string { return fmt.Sprintf("message %d of the batch: %v", e.Index, e.Err) }
+func (e *MessageError) Error() string {
+	return fmt.Sprintf("message %d of the batch: %v", e.Index, e.Err)
+}
 
 // Unwrap returns Err.
 func (e *MessageError) Unwrap() error { return e.Err }
