@@ -362,7 +362,7 @@ func linPrune1(ctx context.Context, s dedupe.Store, rec *linRecorder, client int
 	n, err := s.Prune(ctx, cut)
 	in.ret = rec.now()
 	if err != nil {
-		return fmt.Errorf("Prune: %w", err)
+		return fmt.Errorf("prune: %w", err)
 	}
 	rec.add(client, in, linOut{pruned: n})
 	return nil
@@ -400,7 +400,7 @@ func linWorker(ctx context.Context, s dedupe.Store, rec *linRecorder, client int
 			got, err := s.Claim(ctx, keys[k], ttl)
 			in.ret = rec.now()
 			if err != nil {
-				return fmt.Errorf("Claim: %w", err)
+				return fmt.Errorf("claim: %w", err)
 			}
 			rec.add(client, in, linOut{res: got.Result, token: got.Token, attempt: got.Attempt})
 			if got.Result == dedupe.Acquired {

@@ -41,7 +41,7 @@ func testPruneRacesTakeovers(t *testing.T, h Harness) {
 		for !done.Load() {
 			m, err := h.Store.Prune(ctx, time.Now().Add(time.Hour))
 			if err != nil {
-				errs <- fmt.Errorf("Prune: %w", err)
+				errs <- fmt.Errorf("prune: %w", err)
 				return
 			}
 			pruned += m
@@ -53,7 +53,7 @@ func testPruneRacesTakeovers(t *testing.T, h Harness) {
 			for i := w; i < n; i += takers {
 				c, err := h.Store.Claim(ctx, keys[i], longTTL)
 				if err != nil {
-					errs <- fmt.Errorf("Claim: %w", err)
+					errs <- fmt.Errorf("claim: %w", err)
 					return
 				}
 				if c.Result != dedupe.Acquired {
@@ -121,7 +121,7 @@ func testPruneRacesConfirms(t *testing.T, h Harness) {
 	wg.Go(func() {
 		for !done.Load() {
 			if _, err := h.Store.Prune(ctx, cutoff); err != nil {
-				errs <- fmt.Errorf("Prune: %w", err)
+				errs <- fmt.Errorf("prune: %w", err)
 				return
 			}
 		}
@@ -135,7 +135,7 @@ func testPruneRacesConfirms(t *testing.T, h Harness) {
 					continue // pruned first: the expired claim was fair game
 				}
 				if err != nil {
-					errs <- fmt.Errorf("Confirm: %w", err)
+					errs <- fmt.Errorf("confirm: %w", err)
 					return
 				}
 				mu.Lock()
