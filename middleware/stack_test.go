@@ -14,7 +14,6 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/middleware"
-	"github.com/settle-go/settle/poison"
 )
 
 const (
@@ -54,7 +53,6 @@ func fastRetry(maxAttempts, inProcess int) middleware.RetryConfig {
 		InitialInterval: time.Millisecond,
 		MaxInterval:     5 * time.Millisecond,
 		RedeliveryDelay: time.Millisecond,
-		DeferDelay:      time.Millisecond,
 	}
 	if inProcess == 0 {
 		cfg.NoInProcessRetries = true
@@ -80,9 +78,9 @@ func newStack(t *testing.T, o stackOpts, handler func(msg *message.Message) erro
 	if o.republish {
 		o.retry.Republish = s.pubsub
 	}
-	ps, err := poison.NewMiddleware(poison.Config{Publisher: parkPub, Topic: poisonTopic, NackDelay: time.Millisecond})
+	ps, err := middleware.NewPoison(middleware.ParkConfig{Publisher: parkPub, Topic: poisonTopic, NackDelay: time.Millisecond})
 	must(t, err)
-	dl, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{Publisher: parkPub, Topic: deadTopic, NackDelay: time.Millisecond})
+	dl, err := middleware.NewDeadLetter(middleware.ParkConfig{Publisher: parkPub, Topic: deadTopic, NackDelay: time.Millisecond})
 	must(t, err)
 	rt, err := middleware.NewRetry(o.retry)
 	must(t, err)
@@ -91,7 +89,7 @@ func newStack(t *testing.T, o stackOpts, handler func(msg *message.Message) erro
 		mws = append([]message.HandlerMiddleware{o.outer}, mws...)
 	}
 	if !o.noDedupe {
-		dd, err := dedupe.NewMiddleware(dedupe.Config{Store: dedupe.NewMemoryStore(), Key: o.key})
+		dd, err := dedupe.NewMiddleware(dedupe.Config{Store: dedupe.NewMemoryStore(), Key: o.key, BusyDelay: time.Millisecond})
 		must(t, err)
 		mws = append(mws, dd)
 	}

@@ -5,11 +5,12 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/outbox"
 )
 
@@ -141,10 +142,11 @@ func claimInTx(ctx context.Context, cfg TxConfig, tx *sql.Tx, msg *message.Messa
 	}
 	switch c.Result {
 	case dedupe.Duplicate:
-		settle.SettlementFromContext(ctx).SetOutcome(settle.Duplicate)
+		settlement.FromContext(ctx).SetOutcome(settlement.Duplicate)
 		return true, nil
 	case dedupe.Busy:
-		settle.SettlementFromContext(ctx).SetOutcome(settle.Deferred)
+		settlement.FromContext(ctx).Defer() // not an attempt; wait as dedupe.Config.BusyDelay's default does
+		settlement.Sleep(ctx, time.Second)
 		return false, fmt.Errorf("%w (message %s)", dedupe.ErrBusy, msg.UUID)
 	}
 	return false, nil
