@@ -1,6 +1,7 @@
 package pipeline
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"time"
@@ -127,13 +128,19 @@ type Pipeline struct {
 }
 
 // New returns a Pipeline that adds handlers to router. It checks every part
-// of cfg now, so a bad configuration is refused before any message flows.
+// of cfg now, so a bad configuration is refused before any message flows;
+// for a *dedupe.SQLStore that includes its claims table
+// (dedupe.SQLStore.Check, within 10 seconds), so that a missing migration is
+// one clear error, with the DDL to run, instead of deferred deliveries.
 func New(router *message.Router, cfg Config) (*Pipeline, error) {
 	if router == nil {
 		return nil, errors.New("pipeline: New: router is nil")
 	}
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if err := checkStore(cfg.Store); err != nil {
 		return nil, err
 	}
 	p := &Pipeline{router: router, cfg: cfg}
@@ -206,6 +213,20 @@ func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store, noDedup
 		mws = append(mws, dd)
 	}
 	return mws, nil
+}
+
+// checkStore checks a SQL store's claims table.
+func checkStore(s dedupe.Store) error {
+	sql, ok := s.(*dedupe.SQLStore)
+	if !ok {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := sql.Check(ctx); err != nil {
+		return fmt.Errorf("pipeline: Config.Store: %w", err)
+	}
+	return nil
 }
 
 // storeCounts tells the retry middleware inside it that a dedupe store
@@ -292,6 +313,11 @@ func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *d
 	sqlStore, ok := s.(*dedupe.SQLStore)
 	if !ok {
 		return nil, fmt.Errorf("pipeline: HandleTx %q needs a *dedupe.SQLStore, got %T", name, s)
+	}
+	if store != nil {
+		if err := checkStore(store); err != nil {
+			return nil, err
+		}
 	}
 	if cfg.OneStatement {
 		cfg.Store = sqlStore
