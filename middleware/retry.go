@@ -310,10 +310,13 @@ func (r *retry) failed(ctx context.Context, h message.HandlerFunc, msg *message.
 		r.tracked.Update(d.key, func(f *failures, found bool) *failures {
 			now := time.Now()
 			if !found {
-				f = &failures{first: now}
-				if !d.firstHint.IsZero() && d.firstHint.Before(now) {
+				f = &failures{}
+				switch {
+				case !d.firstHint.IsZero() && d.firstHint.Before(now):
 					f.first = d.firstHint
-				}
+				case attempt == 1:
+					f.first = now
+				} // else earlier attempts failed where no one saw them: unknown
 			}
 			f.runs++
 			f.last, f.lastErr = now, err
