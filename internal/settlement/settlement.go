@@ -283,8 +283,10 @@ func Sleep(ctx context.Context, d time.Duration) bool {
 // handler's name from ctx, without the "#n" suffix that a pipeline gives its
 // handler's competing subscriptions (name, name#2, ...), which share one
 // scope. Attempts are counted per scope and message.
-func Scope(ctx context.Context) string {
-	h := message.HandlerNameFromCtx(ctx)
+func Scope(ctx context.Context) string { return ScopeOf(message.HandlerNameFromCtx(ctx)) }
+
+// ScopeOf returns the scope of the router handler named h.
+func ScopeOf(h string) string {
 	i := strings.LastIndexByte(h, '#')
 	if i <= 0 || i == len(h)-1 {
 		return h
