@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/settlement"
 )
 
@@ -211,6 +213,7 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 				return nil, m.overLimit(orig, claim, limit)
 			}
 			rec.Count(claim.Attempt)
+			msg.Metadata.Set(settle.MetaAttempt, strconv.Itoa(claim.Attempt)) // the handler sees the durable count
 		}
 		return m.run(h, msg, orig, st)
 	}
