@@ -36,43 +36,64 @@ func atRetry(maxAttempts, inProcess int) middleware.RetryConfig {
 	return cfg
 }
 
-// Item 1: the claims table is renamed away for 5 seconds while messages
-// flow. No message is dead-lettered or run while the store cannot answer;
-// afterwards every message is done once; settle logs the outage at a rate a
-// person can read.
+// Item 1: messages flow at a steady pace through two competing consumers
+// while the claims table is renamed away for 5 seconds. No message is
+// dead-lettered or run while the store cannot answer; afterwards every
+// message is done once; settle logs the outage at a rate a person can read.
 func TestAttemptsStoreOutageDefers(t *testing.T) {
 	t.Parallel()
 	e := newATEnv(t, atOpts{})
 	stop := e.run(pipeline.Config{
 		Retry: atRetry(3, 1), ClaimTimeout: 2 * time.Second, BusyDelay: 50 * time.Millisecond,
 		UnavailableDelay: 50 * time.Millisecond, MaxUnavailableDelay: 400 * time.Millisecond,
-		DisableTracing: true,
+		DisableTracing: true, Concurrency: 2,
 	}, nil, func(int64, *message.Message) error { return nil })
 
-	before := e.publish(10)
-	e.waitEffects(before)
-	time.Sleep(200 * time.Millisecond) // the last confirmation lands
+	// A message every 40 ms for 7 s: 1 s before the outage, 5 s in it, 1 s
+	// after.
+	var (
+		all      []string
+		pubDone  = make(chan struct{})
+		runsMid  atomic.Int64
+		runsLate atomic.Int64
+	)
+	go func() {
+		defer close(pubDone)
+		tick := time.NewTicker(40 * time.Millisecond)
+		defer tick.Stop()
+		end := time.Now().Add(7 * time.Second)
+		for time.Now().Before(end) {
+			<-tick.C
+			msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":42}`))
+			if err := e.pub.Publish(e.src, msg); err != nil {
+				t.Errorf("publish: %v", err)
+				return
+			}
+			all = append(all, msg.UUID)
+		}
+	}()
 	rename := func(from, to string) {
 		if _, err := e.db.ExecContext(t.Context(), `ALTER TABLE "`+from+`" RENAME TO "`+to+`"`); err != nil {
 			t.Fatal(err)
 		}
 	}
+	time.Sleep(time.Second)
 	away := e.claims + "_away"
 	rename(e.claims, away)
 	outageStart := time.Now()
-	during := e.publish(10)
-	runsBefore := e.runs.Load()
-	time.Sleep(5 * time.Second)
-	if r := e.runs.Load(); r != runsBefore {
-		t.Errorf("the handler ran %d times while the store could not answer", r-runsBefore)
-	}
+	time.Sleep(300 * time.Millisecond) // handlers already past their claim finish
+	runsMid.Store(e.runs.Load())
+	time.Sleep(4700 * time.Millisecond)
+	runsLate.Store(e.runs.Load())
 	rename(away, e.claims)
 	outage := time.Since(outageStart)
-	after := e.publish(10)
-	all := append(append(before, during...), after...)
+	<-pubDone
 	e.waitEffects(all)
 	dead, pois := e.ended(stop)
 
+	if r := runsLate.Load() - runsMid.Load(); r != 0 {
+		t.Errorf("the handler ran %d times while the store could not answer", r)
+	}
 	if len(dead) != 0 || len(pois) != 0 {
 		t.Fatalf("%d dead-lettered, %d poisoned; want none: a store outage is not a handler failure", len(dead), len(pois))
 	}
@@ -89,6 +110,7 @@ func TestAttemptsStoreOutageDefers(t *testing.T) {
 	if n := e.log.count("store cannot answer"); n < 1 || n > 1+int(outage/(5*time.Second))+1 {
 		t.Errorf("%d outage error lines in %v: %s", n, outage, e.log)
 	}
+	t.Logf("%d messages, %d published during the outage, %d error lines logged", len(all), int(5*time.Second/(40*time.Millisecond)), e.log.count("store cannot answer"))
 }
 
 // countingStore counts the claims of a store.
