@@ -188,6 +188,12 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 //     made in this process since it started, of messages among the
 //     TrackedMessages that failed most recently. A restart forgets it.
 //
+// Where a dedupe store counts, the broker's delivery count is not used. A
+// pipeline tells the retry middleware so from the start; on a router
+// assembled by hand it learns it from the first run of each handler, so the
+// first message a handler sees after a start, if its delivery count alone
+// says its runs are used up, is dead-lettered without a run.
+//
 // Permanent errors (settle.IsPermanent: see package poison) are returned at
 // once, not retried. A panic in the handler is recovered and treated as a
 // failure. A deferred delivery is returned at once: it is not an attempt,
