@@ -50,11 +50,11 @@ func newDeferral(log watermill.LoggerAdapter) *deferral {
 	return &deferral{log: settlement.NewRateLog(log, 5*time.Second)}
 }
 
-// delay returns the wait before nacking after n failed claims in a row:
+// unavailableDelay returns the wait before nacking after n failed claims in a row:
 // UnavailableDelay doubling up to MaxUnavailableDelay.
 func (c Config) unavailableDelay(n int64) time.Duration {
 	d := c.UnavailableDelay
-	for i := int64(1); i < n && d < c.MaxUnavailableDelay; i++ {
+	for i := int64(1); i < n && d > 0 && d < c.MaxUnavailableDelay; i++ {
 		d *= 2
 	}
 	return min(d, c.MaxUnavailableDelay)
