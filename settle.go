@@ -1,5 +1,6 @@
 // Package settle is the shared vocabulary of settle's packages: the outcomes a
-// delivery can settle with and the metadata keys settle writes on messages.
+// delivery can settle with, the metadata keys settle writes on messages, and
+// the Settlement record of one delivery.
 //
 // settle makes Watermill pipelines on at-least-once brokers produce effects
 // that happen once. The work is done by its sub-packages, each usable on its
@@ -7,8 +8,8 @@
 //
 //   - dedupe: claim/confirm/release of a stable message key, so a handler's
 //     work is done once per key however often the broker delivers it;
-//   - poison: errors no retry can fix, and the middleware that parks them;
-//   - middleware: bounded retry ending in a dead-letter, and tracing;
+//   - poison: the errors no retry can fix;
+//   - middleware: bounded retry, poison and dead-letter parking, and tracing;
 //   - outbox: the transactional outbox on Watermill's SQL forwarder;
 //   - pipeline: the whole stack assembled in the right order.
 //
