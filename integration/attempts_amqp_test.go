@@ -3,7 +3,9 @@ package integration_test
 import (
 	"context"
 	"errors"
+	"math/rand/v2"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -347,4 +349,68 @@ func waitQueue(t *testing.T, e *atEnv, queue string, n int) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// Items 1 and 4 under concurrency: two competing consumers, handlers that
+// fail at random after random delays, many messages. Every message ends
+// exactly one way: done once (one effect) within MaxAttempts runs, or
+// dead-lettered after exactly MaxAttempts failed runs with no effect;
+// nothing is left on the queue.
+func TestAttemptsBoundUnderConcurrency(t *testing.T) {
+	t.Parallel()
+	const maxAttempts, n = 3, 150
+	e := newATEnv(t, atOpts{})
+	var mu sync.Mutex
+	runs := map[string]int{}
+	stop := e.run(pipeline.Config{Retry: atRetry(maxAttempts, 1), Concurrency: 2, BusyDelay: 10 * time.Millisecond, DisableTracing: true}, nil,
+		func(_ int64, msg *message.Message) error {
+			mu.Lock()
+			runs[msg.UUID]++
+			mu.Unlock()
+			time.Sleep(time.Duration(rand.IntN(3)) * time.Millisecond)
+			if rand.IntN(2) == 0 {
+				return errSAFlaky
+			}
+			return nil
+		})
+	ids := e.publish(n)
+	deadline := time.Now().Add(atWait)
+	for {
+		q, err := e.ch.QueueDeclarePassive(e.dead(), true, false, false, false, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(e.effectCounts())+q.Messages == n {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d done, %d dead-lettered of %d within %v", len(e.effectCounts()), q.Messages, n, atWait)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	dead, pois := e.ended(stop)
+	deadIDs := map[string]bool{}
+	for _, d := range dead {
+		deadIDs[d.UUID] = true
+		if d.Metadata.Get(settle.MetaAttempt) != strconv.Itoa(maxAttempts) {
+			t.Errorf("dead-letter %s says %s attempts", d.UUID, d.Metadata.Get(settle.MetaAttempt))
+		}
+	}
+	effects := e.effectCounts()
+	mu.Lock()
+	defer mu.Unlock()
+	for _, id := range ids {
+		switch {
+		case runs[id] > maxAttempts:
+			t.Errorf("message %s ran %d times, MaxAttempts is %d", id, runs[id], maxAttempts)
+		case deadIDs[id] && (effects[id] != 0 || runs[id] != maxAttempts):
+			t.Errorf("dead-lettered message %s: %d effects, %d runs", id, effects[id], runs[id])
+		case !deadIDs[id] && effects[id] != 1:
+			t.Errorf("message %s: %d effects, not dead-lettered", id, effects[id])
+		}
+	}
+	if len(pois) != 0 || len(dead) != len(deadIDs) {
+		t.Errorf("%d poisoned, %d dead-letter copies for %d messages", len(pois), len(dead), len(deadIDs))
+	}
+	t.Logf("%d messages: %d done, %d dead-lettered", n, len(effects), len(deadIDs))
 }
