@@ -414,3 +414,41 @@ func TestAttemptsBoundUnderConcurrency(t *testing.T) {
 	}
 	t.Logf("%d messages: %d done, %d dead-lettered", n, len(effects), len(deadIDs))
 }
+
+// Without a store or a delivery count, the retry middleware's memory counts
+// the runs; a pipeline handler's competing subscriptions (charge, charge#2)
+// share one count, so a message failing on whichever of them still runs
+// MaxAttempts times in all. (RabbitMQ hands the requeued message to the
+// subscriptions in turn; with a count per subscription it ran 8 times.)
+func TestAttemptsCompetingSubscriptionsShareTheCount(t *testing.T) {
+	t.Parallel()
+	const maxAttempts, n = 5, 1
+	e := newATEnv(t, atOpts{noStore: true})
+	var mu sync.Mutex
+	runs := map[string]int{}
+	subs := map[string]bool{} // subscriptions that ran a message
+	stop := e.run(pipeline.Config{Retry: atRetry(maxAttempts, 0), Concurrency: 2, DisableTracing: true}, nil,
+		func(_ int64, msg *message.Message) error {
+			mu.Lock()
+			runs[msg.UUID]++
+			subs[message.HandlerNameFromCtx(msg.Context())] = true
+			mu.Unlock()
+			return errSAFlaky
+		})
+	ids := e.publish(n)
+	waitQueue(t, e, e.dead(), n)
+	dead, _ := e.ended(stop)
+	mu.Lock()
+	defer mu.Unlock()
+	for _, id := range ids {
+		if runs[id] != maxAttempts {
+			t.Errorf("message %s ran %d times, want MaxAttempts (%d)", id, runs[id], maxAttempts)
+		}
+	}
+	if len(dead) != n {
+		t.Errorf("%d dead-letter copies, want %d", len(dead), n)
+	}
+	if !subs["charge"] || !subs["charge#2"] {
+		t.Errorf("runs on subscriptions %v; the test needs both", subs)
+	}
+}
