@@ -1,5 +1,6 @@
 // Package settle is the shared vocabulary of settle's packages: the outcomes a
-// delivery can settle with and the metadata keys settle writes on messages.
+// delivery can settle with, the metadata keys settle writes on messages, and
+// the Settlement record of one delivery.
 //
 // settle makes Watermill pipelines on at-least-once brokers produce effects
 // that happen once. The work is done by its sub-packages, each usable on its
@@ -7,8 +8,8 @@
 //
 //   - dedupe: claim/confirm/release of a stable message key, so a handler's
 //     work is done once per key however often the broker delivers it;
-//   - poison: errors no retry can fix, and the middleware that parks them;
-//   - middleware: bounded retry ending in a dead-letter, and tracing;
+//   - poison: the errors no retry can fix;
+//   - middleware: bounded retry, poison and dead-letter parking, and tracing;
 //   - outbox: the transactional outbox on Watermill's SQL forwarder;
 //   - pipeline: the whole stack assembled in the right order.
 //
@@ -17,6 +18,7 @@ package settle
 
 import (
 	"strconv"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 )
@@ -31,10 +33,13 @@ const (
 	// Duplicate: the key was confirmed by an earlier delivery. Acked, the
 	// handler was not run.
 	Duplicate Outcome = "duplicate"
-	// Deferred: another worker holds a live claim on the key. Nacked so it
-	// is redelivered later; never acked, since the holder may die.
+	// Deferred: not settled now, and no attempt spent: another worker holds
+	// a live claim on the key, the dedupe store cannot answer, or a parked
+	// copy could not be published. Nacked after a delay so it is redelivered
+	// later; never acked, since that would lose the work.
 	Deferred Outcome = "deferred"
-	// Retry: the handler failed and attempts remain. Nacked after a backoff.
+	// Retry: the handler ran and failed, and attempts remain. Nacked after a
+	// backoff.
 	Retry Outcome = "retry"
 	// DeadLettered: attempts are exhausted. A copy was published to the
 	// dead-letter topic, then the original was acked.
@@ -103,6 +108,8 @@ const (
 
 // Attempt returns the attempt number settle's retry middleware recorded on
 // msg (MetaAttempt) for the run in progress, or 1 when none is recorded.
+// Inside settle's middleware, SettlementFromContext(msg.Context()).Attempt()
+// says the same.
 func Attempt(msg *message.Message) int {
 	n, err := strconv.Atoi(msg.Metadata.Get(MetaAttempt))
 	if err != nil || n < 1 {
@@ -110,3 +117,8 @@ func Attempt(msg *message.Message) int {
 	}
 	return n
 }
+
+// NoDelay, given to a delay field of a settle configuration whose zero value
+// means its default (RetryConfig.RedeliveryDelay, ParkConfig.NackDelay,
+// dedupe.Config.BusyDelay, ...), means no delay at all.
+const NoDelay time.Duration = -1

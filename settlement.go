@@ -2,87 +2,82 @@ package settle
 
 import (
 	"context"
-	"sync"
 
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/propagation"
+	"github.com/settle-go/settle/internal/settlement"
 )
 
-// Settlement is the record of how one delivery is settling. The outermost
-// middleware (settle's tracing) puts one in the message's context; the inner
-// middleware fill it in as they decide. Middleware that finds none in the
-// context simply records nothing.
+// Settlement is the record of how one delivery is settling: one per
+// delivery, created by the outermost of settle's middleware and written by
+// each one inside it (the retry middleware sets the attempt limit, the dedupe
+// middleware the durable attempt count, the parking middlewares where a copy
+// went). A handler may read it; only settle's middleware write it.
 type Settlement struct {
-	// Propagator writes trace context into messages settle publishes while
-	// settling (dead-letter and poison copies). Set by the tracing
-	// middleware; nil means none.
-	Propagator propagation.TextMapPropagator
-	// SpanAttributes identify the delivery on every span settle starts while
-	// settling it (messaging.system, settle.handler). Set by the tracing
-	// middleware; nil means none.
-	SpanAttributes []attribute.KeyValue
-
-	mu       sync.Mutex
-	outcome  Outcome
-	retries  int
-	parkedTo string
-	reason   error
+	r *settlement.Record
 }
 
-type settlementKey struct{}
-
-// WithSettlement returns a context carrying a new, empty Settlement.
-func WithSettlement(ctx context.Context, p propagation.TextMapPropagator) (context.Context, *Settlement) {
-	s := &Settlement{Propagator: p}
-	return context.WithValue(ctx, settlementKey{}, s), s
-}
-
-// SettlementFromContext returns the context's Settlement, or nil.
+// SettlementFromContext returns the settlement of the delivery whose context
+// ctx is (a handler's msg.Context()), or nil when no settle middleware runs
+// around the handler.
 func SettlementFromContext(ctx context.Context) *Settlement {
-	s, _ := ctx.Value(settlementKey{}).(*Settlement)
-	return s
+	r := settlement.FromContext(ctx)
+	if r == nil {
+		return nil
+	}
+	return &Settlement{r: r}
 }
 
-// SetOutcome records the outcome decided so far; a later call overrides an
-// earlier one, since outer middleware decide last. Nil-safe.
-func (s *Settlement) SetOutcome(o Outcome) {
+// Attempt returns the number of the attempt in progress: 1 for the first run
+// of this handler on this message. It is 0 when no settle middleware counts
+// attempts.
+func (s *Settlement) Attempt() int {
 	if s == nil {
-		return
+		return 0
 	}
-	s.mu.Lock()
-	s.outcome = o
-	s.mu.Unlock()
+	n, _, _ := s.r.Attempt()
+	return n
 }
 
-// Parked records that a copy was stored on topic with outcome o (dead-letter
-// or poison) because of reason. Nil-safe.
-func (s *Settlement) Parked(o Outcome, topic string, reason error) {
+// MaxAttempts returns the retry middleware's MaxAttempts: the runs of this
+// handler on this message it allows in all. 0 means no retry middleware runs
+// around the handler.
+func (s *Settlement) MaxAttempts() int {
 	if s == nil {
-		return
+		return 0
 	}
-	s.mu.Lock()
-	s.outcome, s.parkedTo, s.reason = o, topic, reason
-	s.mu.Unlock()
+	return s.r.Limit()
 }
 
-// Retried counts one in-process retry. Nil-safe.
-func (s *Settlement) Retried() {
+// Outcome returns the outcome decided so far ("" while none is).
+func (s *Settlement) Outcome() Outcome {
 	if s == nil {
-		return
+		return ""
 	}
-	s.mu.Lock()
-	s.retries++
-	s.mu.Unlock()
+	o, _, _, _ := s.r.Snapshot()
+	return Outcome(o)
 }
 
-// Outcome returns the recorded outcome ("" if none), the number of
-// in-process retries, and the topic a copy was parked on with the failure
-// that sent it there.
-func (s *Settlement) Outcome() (o Outcome, retries int, parkedTo string, reason error) {
-	if s == nil {
-		return "", 0, "", nil
+// IsPermanent reports whether err, or any error it wraps, reports itself
+// permanent through a Permanent() bool method that returns true (see
+// poison.Permanent). settle's retry middleware does not retry such an error,
+// and the poison parking middleware parks it.
+func IsPermanent(err error) bool {
+	for err != nil {
+		if p, ok := err.(interface{ Permanent() bool }); ok && p.Permanent() {
+			return true
+		}
+		switch u := err.(type) {
+		case interface{ Unwrap() error }:
+			err = u.Unwrap()
+		case interface{ Unwrap() []error }:
+			for _, e := range u.Unwrap() {
+				if IsPermanent(e) {
+					return true
+				}
+			}
+			return false
+		default:
+			return false
+		}
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.outcome, s.retries, s.parkedTo, s.reason
+	return false
 }

@@ -66,7 +66,7 @@
 // non-empty string, otherwise from the delivery's message-id property. When
 // both are missing the UUID stays empty: the message still reaches the
 // router, and settle's dedupe middleware, keyed on the UUID, rejects the
-// empty key with a permanent *dedupe.KeyError, which the poison middleware
+// empty key with a permanent *dedupe.KeyError, which the poison parking middleware
 // turns into a poisoned settlement (a copy on the poison topic, then ack)
 // instead of a redelivery loop. A UUID header that is not a string is kept as
 // metadata like any other non-string header.

@@ -40,6 +40,7 @@ func renderDoc(res *Results) (string, error) {
 		"Loads":             strings.Join(loads, ", "),
 		"Summary":           summary(res),
 		"Stack":             stackTable(res.Stack),
+		"Attempts":          attemptsTable(res.Attempts),
 		"StackN":            "–",
 		"BareAllocs":        "–",
 		"SettleExtraAllocs": "–",

@@ -29,6 +29,9 @@
 //   - outbox: runs bench/outbox (a separate command) and includes its table.
 //   - growth: per-message cost as the message count and the dedupe table
 //     grow, and the cost of Prune on a million confirmed keys.
+//   - attempts: the retry middleware's memory of failing messages, full at
+//     10,000 and 100,000 distinct messages: per-delivery latency, and the
+//     slowest successful delivery running beside them (no stall).
 //
 // The servers are read from SETTLE_POSTGRES_URL, SETTLE_MYSQL_URL and
 // SETTLE_AMQP_URL, defaulting to the local services on 127.0.0.1.
@@ -53,7 +56,7 @@ import (
 )
 
 // sections in the order they run and appear in the document.
-var sections = []string{"stack", "stores", "txcost", "amqp", "batch", "outbox", "growth"}
+var sections = []string{"stack", "stores", "txcost", "amqp", "batch", "outbox", "growth", "attempts"}
 
 type options struct {
 	quick    bool
@@ -144,15 +147,16 @@ func parseFlags(args []string) (options, error) {
 
 // Results is everything a run measured; the document is generated from it.
 type Results struct {
-	Machine Machine          `json:"machine"`
-	Stack   *StackResults    `json:"stack,omitempty"`
-	Stores  *StoresResults   `json:"stores,omitempty"`
-	TxCost  *TxCostResults   `json:"txcost,omitempty"`
-	AMQP    *AMQPResults     `json:"amqp,omitempty"`
-	Batch   *BatchResults    `json:"batch,omitempty"`
-	Outbox  *OutboxResults   `json:"outbox,omitempty"`
-	Growth  *GrowthResults   `json:"growth,omitempty"`
-	Runs    map[string]RunAt `json:"runs"` // section -> when and how it ran
+	Machine  Machine          `json:"machine"`
+	Stack    *StackResults    `json:"stack,omitempty"`
+	Stores   *StoresResults   `json:"stores,omitempty"`
+	TxCost   *TxCostResults   `json:"txcost,omitempty"`
+	AMQP     *AMQPResults     `json:"amqp,omitempty"`
+	Batch    *BatchResults    `json:"batch,omitempty"`
+	Outbox   *OutboxResults   `json:"outbox,omitempty"`
+	Growth   *GrowthResults   `json:"growth,omitempty"`
+	Attempts *AttemptsResults `json:"attempts,omitempty"`
+	Runs     map[string]RunAt `json:"runs"` // section -> when and how it ran
 }
 
 // RunAt records the conditions of one section's run.
@@ -194,6 +198,7 @@ func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		{"batch", func() (err error) { res.Batch, err = runBatch(ctx, o, stderr); return }},
 		{"outbox", func() (err error) { res.Outbox, err = runOutbox(ctx, o, stderr); return }},
 		{"growth", func() (err error) { res.Growth, err = runGrowth(ctx, o, stderr); return }},
+		{"attempts", func() (err error) { res.Attempts, err = runAttempts(ctx, o, stderr); return }},
 	}
 	for _, s := range all {
 		if !o.only[s.name] {

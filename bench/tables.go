@@ -61,6 +61,8 @@ func sectionTables(res *Results, name string) string {
 		return res.Outbox.Title + "\n\n" + res.Outbox.Table
 	case "growth":
 		return growthTables(res.Growth)
+	case "attempts":
+		return attemptsTable(res.Attempts)
 	}
 	return ""
 }

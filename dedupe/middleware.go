@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
@@ -11,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/settlement"
 )
 
 // KeyFunc returns the dedupe key of a message. An error from it fails the
@@ -73,9 +75,29 @@ type Config struct {
 	// released), never silently. Prefer the transactional outbox where the
 	// messages must commit with the handler's writes.
 	Publisher message.Publisher
+	// BusyDelay is how long a delivery whose key another worker holds is
+	// held before it is nacked, so that it does not spin; it is deferred, not
+	// an attempt. Defaults to 1s when zero; settle.NoDelay nacks at once.
+	// Must be >= 0 or settle.NoDelay.
+	BusyDelay time.Duration
+	// UnavailableDelay is how long a delivery whose claim the store could not
+	// answer (database down, claims table missing) is held before it is
+	// nacked; it is deferred, never an attempt and never dead-lettered for
+	// that reason. The delay doubles with each such claim in a row, up to
+	// MaxUnavailableDelay. Defaults to 1s when zero; settle.NoDelay nacks at
+	// once. Must be >= 0 or settle.NoDelay.
+	UnavailableDelay time.Duration
+	// MaxUnavailableDelay caps UnavailableDelay's growth. Defaults to 30s.
+	// Must be >= UnavailableDelay.
+	MaxUnavailableDelay time.Duration
 }
 
 func (c *Config) setDefaults() {
+	delayDefault(&c.BusyDelay, time.Second)
+	delayDefault(&c.UnavailableDelay, time.Second)
+	if c.MaxUnavailableDelay == 0 {
+		c.MaxUnavailableDelay = max(30*time.Second, c.UnavailableDelay)
+	}
 	if c.Key == nil {
 		c.Key = MessageUUID
 	}
@@ -107,6 +129,12 @@ func (c Config) Validate() error {
 		return fmt.Errorf("dedupe: Config.RenewInterval must be > 0 and < ClaimTimeout (%v), got %v", c.ClaimTimeout, c.RenewInterval)
 	case c.SettleTimeout <= 0:
 		return fmt.Errorf("dedupe: Config.SettleTimeout must be > 0, got %v", c.SettleTimeout)
+	case c.BusyDelay < 0:
+		return fmt.Errorf("dedupe: Config.BusyDelay must be >= 0 or settle.NoDelay, got %v", c.BusyDelay)
+	case c.UnavailableDelay < 0:
+		return fmt.Errorf("dedupe: Config.UnavailableDelay must be >= 0 or settle.NoDelay, got %v", c.UnavailableDelay)
+	case c.MaxUnavailableDelay < c.UnavailableDelay:
+		return fmt.Errorf("dedupe: Config.MaxUnavailableDelay must be >= UnavailableDelay (%v), got %v", c.UnavailableDelay, c.MaxUnavailableDelay)
 	}
 	return nil
 }
@@ -115,40 +143,9 @@ func (c Config) Validate() error {
 // Config.Publisher is not set; see Config.Publisher.
 var ErrOutputWithoutPublisher = errors.New("dedupe: handler returned messages but Config.Publisher is not set, so they could not be published before the key is confirmed")
 
-type limitCtxKey struct{}
-
-// WithAttemptLimit returns a context that tells the dedupe middleware not to
-// start the handler once a key has been acquired more than limit times. The
-// retry middleware sets it from its MaxAttempts, so a message that killed its
-// consumer on every attempt is handed to the dead-letter instead of being run
-// again. A limit <= 0 means no limit.
-func WithAttemptLimit(ctx context.Context, limit int) context.Context {
-	return context.WithValue(ctx, limitCtxKey{}, limit)
-}
-
-// AttemptLimitFromContext returns the limit set by WithAttemptLimit.
-func AttemptLimitFromContext(ctx context.Context) (int, bool) {
-	n, ok := ctx.Value(limitCtxKey{}).(int)
-	return n, ok && n > 0
-}
-
-// ExhaustedError is returned by the middleware, without running the handler,
-// when a key was acquired more times than the attempt limit in the message's
-// context. The claim is released, so a later delivery finds the same state.
-type ExhaustedError struct {
-	Key     string
-	Attempt int // the attempt that was refused
-	Limit   int
-}
-
-func (e *ExhaustedError) Error() string {
-	return fmt.Sprintf("dedupe: %d attempts made, limit is %d; handler not started again", e.Attempt-1, e.Limit)
-}
-
 // ClaimFromContext returns the claim the dedupe middleware took for the
 // message being handled. The handler sees it in msg.Context(); middleware
-// outside dedupe sees it there after the handler returns, which is how the
-// retry middleware learns the durable attempt count.
+// outside dedupe sees it there after the handler returns.
 func ClaimFromContext(ctx context.Context) (Claim, bool) {
 	h, ok := ctx.Value(heldCtxKey{}).(*held)
 	if !ok {
@@ -164,9 +161,17 @@ func ClaimFromContext(ctx context.Context) (Claim, bool) {
 //     background; on success the key is confirmed, on error (or panic) it is
 //     released so that a redelivery can do the work.
 //   - Duplicate: the message is acked without running the handler.
-//   - Busy: an error wrapping ErrBusy is returned so the message is nacked
-//     and redelivered later; it is never acked, because if the holder dies
-//     this delivery must do the work.
+//   - Busy: the delivery is deferred: held for BusyDelay, then an error
+//     wrapping ErrBusy is returned so the message is nacked and redelivered
+//     later; it is never acked, because if the holder dies this delivery
+//     must do the work.
+//
+// A claim the store cannot answer defers the delivery too (an error wrapping
+// ErrUnavailable, after UnavailableDelay growing to MaxUnavailableDelay).
+// Deferrals are not attempts. When the retry middleware runs outside, the
+// key's durable acquisition count is the attempt count, and a key acquired
+// more often than its MaxAttempts does not start the handler (an error
+// wrapping ErrAttemptsUsedUp) but goes to the dead-letter parking.
 //
 // If the claim is lost while the handler runs (a renewal finds another
 // owner, or renewals keep failing until the claim expires), the handler's
@@ -177,7 +182,7 @@ func NewMiddleware(cfg Config) (message.HandlerMiddleware, error) {
 		return nil, err
 	}
 	_, local := cfg.Store.(inProcess)
-	m := &mw{cfg: cfg, local: local}
+	m := &mw{cfg: cfg, local: local, health: newDeferral(cfg.Logger)}
 	return m.wrap, nil
 }
 
@@ -185,7 +190,8 @@ type mw struct {
 	cfg Config
 	// local: the store never waits on I/O (MemoryStore), so settling needs
 	// no timeout of its own.
-	local bool
+	local  bool
+	health *deferral
 }
 
 // inProcess is implemented by stores whose calls never wait on I/O.
@@ -200,15 +206,21 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 		orig := msg.Context()
 		claim, err := m.cfg.Store.Claim(orig, key, m.cfg.ClaimTimeout)
 		if err != nil {
-			return nil, fmt.Errorf("dedupe: claim for message %s: %w", msg.UUID, err)
+			return nil, m.unavailable(msg, orig, err)
 		}
+		m.health.claimed()
 		st := &held{Context: orig, claim: claim, store: m.cfg.Store, ttl: m.cfg.ClaimTimeout}
 		msg.SetContext(st)
 		if claim.Result != Acquired {
 			return nil, m.notAcquired(msg, orig, claim)
 		}
-		if limit, ok := AttemptLimitFromContext(orig); ok && claim.Attempt > limit {
-			return nil, m.overLimit(orig, claim, limit)
+		if rec := settlement.FromContext(orig); rec != nil {
+			if limit := rec.Limit(); limit > 0 && claim.Attempt > limit {
+				rec.Refuse(claim.Attempt)
+				return nil, m.overLimit(orig, claim, limit)
+			}
+			rec.Count(claim.Attempt)
+			msg.Metadata.Set(settle.MetaAttempt, strconv.Itoa(claim.Attempt)) // the handler sees the durable count
 		}
 		return m.run(h, msg, orig, st)
 	}
@@ -219,14 +231,13 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 // closure, to keep its stack frame small.
 func (m *mw) notAcquired(msg *message.Message, orig context.Context, claim Claim) error {
 	if claim.Result == Duplicate {
-		settle.SettlementFromContext(orig).SetOutcome(settle.Duplicate)
+		settlement.FromContext(orig).SetOutcome(settlement.Duplicate)
 		m.cfg.Logger.Debug("dedupe: duplicate acked without running the handler", watermill.LogFields{
 			"message_uuid": msg.UUID, "attempt": claim.Attempt,
 		})
 		return nil
 	}
-	settle.SettlementFromContext(orig).SetOutcome(settle.Deferred)
-	return fmt.Errorf("%w (message %s)", ErrBusy, msg.UUID)
+	return m.busy(msg, orig)
 }
 
 // overLimit releases a claim acquired beyond the attempt limit.
@@ -234,7 +245,7 @@ func (m *mw) overLimit(orig context.Context, claim Claim, limit int) error {
 	if err := m.settle(orig, claim, false); err != nil {
 		return err
 	}
-	return &ExhaustedError{Key: claim.Key, Attempt: claim.Attempt, Limit: limit}
+	return fmt.Errorf("%w: %d attempts made, limit is %d", ErrAttemptsUsedUp, claim.Attempt-1, limit)
 }
 
 // run runs the handler under an acquired claim. st is orig carrying the
@@ -279,6 +290,7 @@ func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Conte
 		if err != nil {
 			return nil, errors.Join(err, serr)
 		}
+		settlement.FromContext(orig).Defer() // the handler succeeded: not a failed attempt
 		return nil, serr
 	}
 	return out, err

@@ -109,7 +109,7 @@ var (
 )
 
 // KeyError reports a key that no store can accept. Retrying the same message
-// cannot fix it, so it reports itself as permanent: the poison middleware sends
+// cannot fix it, so it reports itself as permanent: the poison parking middleware sends
 // such a message to the poison topic instead of retrying it.
 type KeyError struct {
 	Err error // ErrEmptyKey or ErrKeyTooLong

@@ -24,7 +24,6 @@ import (
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/middleware"
-	"github.com/settle-go/settle/poison"
 )
 
 // The crash consumer is this test binary run again with crashHelperEnv=1:
@@ -191,7 +190,7 @@ func TestCrashMessageIsDeadLetteredAfterMaxAttempts(t *testing.T) {
 		t.Fatalf("dead-letter queue holds %d copies, want 1", len(copies))
 	}
 	md := copies[0].Metadata
-	reason := (&dedupe.ExhaustedError{Attempt: crashMaxAttempts + 1, Limit: crashMaxAttempts}).Error()
+	reason := fmt.Sprintf("%v: %d attempts made, limit is %d", dedupe.ErrAttemptsUsedUp, crashMaxAttempts, crashMaxAttempts)
 	for k, v := range map[string]string{
 		settle.MetaOutcome:       string(settle.DeadLettered),
 		settle.MetaAttempt:       strconv.Itoa(crashMaxAttempts),
@@ -299,11 +298,11 @@ func crashConsume() error {
 
 	w := &crashWatch{last: time.Now()}
 	deadPub := &crashDeadPublisher{Publisher: pub, w: w}
-	ps, err := poison.NewMiddleware(poison.Config{Publisher: deadPub, Topic: dead, NackDelay: 20 * time.Millisecond, Logger: logger})
+	ps, err := middleware.NewPoison(middleware.ParkConfig{Publisher: deadPub, Topic: dead, NackDelay: 20 * time.Millisecond, Logger: logger})
 	if err != nil {
 		return err
 	}
-	dl, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{Publisher: deadPub, Topic: dead, NackDelay: 20 * time.Millisecond, Logger: logger})
+	dl, err := middleware.NewDeadLetter(middleware.ParkConfig{Publisher: deadPub, Topic: dead, NackDelay: 20 * time.Millisecond, Logger: logger})
 	if err != nil {
 		return err
 	}
@@ -312,13 +311,12 @@ func crashConsume() error {
 		InitialInterval: time.Millisecond,
 		MaxInterval:     5 * time.Millisecond,
 		RedeliveryDelay: 5 * time.Millisecond,
-		DeferDelay:      20 * time.Millisecond,
 		Logger:          logger,
 	})
 	if err != nil {
 		return err
 	}
-	dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store, ClaimTimeout: 300 * time.Millisecond, Logger: logger})
+	dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store, ClaimTimeout: 300 * time.Millisecond, BusyDelay: 20 * time.Millisecond, Logger: logger})
 	if err != nil {
 		return err
 	}

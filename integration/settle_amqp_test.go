@@ -53,7 +53,6 @@ func saFastRetry(maxAttempts, inProcess int) middleware.RetryConfig {
 		InitialInterval: time.Millisecond,
 		MaxInterval:     5 * time.Millisecond,
 		RedeliveryDelay: 5 * time.Millisecond,
-		DeferDelay:      5 * time.Millisecond,
 	}
 	if inProcess == 0 {
 		cfg.NoInProcessRetries = true
@@ -174,9 +173,9 @@ func (e *saEnv) start(handler func(call int64, msg *message.Message) error) {
 	})
 
 	var deadPub message.Publisher = &saFailingPublisher{Publisher: pub, fail: e.opts.failDeadLetters, tries: &e.deadTries}
-	ps, err := poison.NewMiddleware(poison.Config{Publisher: pub, Topic: e.poison, NackDelay: 5 * time.Millisecond, Logger: logger})
+	ps, err := middleware.NewPoison(middleware.ParkConfig{Publisher: pub, Topic: e.poison, NackDelay: 5 * time.Millisecond, Logger: logger})
 	saMust(t, err)
-	dl, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{Publisher: deadPub, Topic: e.dead, NackDelay: 5 * time.Millisecond, Logger: logger})
+	dl, err := middleware.NewDeadLetter(middleware.ParkConfig{Publisher: deadPub, Topic: e.dead, NackDelay: 5 * time.Millisecond, Logger: logger})
 	saMust(t, err)
 	rt, err := middleware.NewRetry(e.opts.retry)
 	saMust(t, err)
@@ -185,7 +184,7 @@ func (e *saEnv) start(handler func(call int64, msg *message.Message) error) {
 		db := testenv.Postgres(t)
 		store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
 		saMust(t, err)
-		dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store, Logger: logger})
+		dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store, BusyDelay: 5 * time.Millisecond, Logger: logger})
 		saMust(t, err)
 		mws = append(mws, dd)
 	}

@@ -14,40 +14,61 @@ import (
 )
 
 // With only the broker's delivery count (RabbitMQ quorum queues, through
-// settle's AMQP marshaler), an attempt is a delivery: in-process retries do
-// not add to it, and a delivery arriving with MaxAttempts deliveries behind it
-// is not run at all, because the consumer died during each of those.
-func TestDeliveryCountIsTheAttempt(t *testing.T) {
+// settle's AMQP marshaler), MaxAttempts still bounds the runs of the
+// handler: each earlier delivery is taken to have used all its in-process
+// runs, so the handler never runs more than MaxAttempts times in all, even
+// when a consumer died during a delivery.
+func TestDeliveryCountBoundsRuns(t *testing.T) {
 	t.Parallel()
-	cfg := fastRetry(3, 2)
-	rt, err := middleware.NewRetry(cfg)
-	must(t, err)
 	cases := []struct {
 		deliveryCount int
 		wantCalls     int
 		wantExhausted bool
 	}{
-		{1, 3, false}, // first delivery: 1 run + 2 in-process retries, then back to the broker
-		{2, 3, false},
-		{3, 1, true}, // the third delivery is the last attempt: dead-lettered after its first failure
-		{4, 0, true}, // crashed during the third: not run again
+		{1, 2, false}, // runs 1-2: 1 run + 1 in-process retry, then back to the broker
+		{2, 2, false}, // runs 3-4
+		{3, 1, true},  // run 5 is the last: dead-lettered after it fails
+		{4, 0, true},  // crashed during the third: not run again
 	}
 	for _, c := range cases {
 		t.Run("delivery "+strconv.Itoa(c.deliveryCount), func(t *testing.T) {
 			t.Parallel()
+			rt, err := middleware.NewRetry(fastRetry(5, 1))
+			must(t, err)
 			calls := 0
 			h := rt(func(*message.Message) ([]*message.Message, error) { calls++; return nil, errFlaky })
 			msg := message.NewMessage("m", nil)
 			msg.Metadata.Set(settle.MetaDeliveryCount, strconv.Itoa(c.deliveryCount))
-			_, err := h(msg)
+			_, err = h(msg)
 			var ex *middleware.ExhaustedError
 			if calls != c.wantCalls || errors.As(err, &ex) != c.wantExhausted {
 				t.Fatalf("calls=%d err=%v; want %d calls, exhausted=%v", calls, err, c.wantCalls, c.wantExhausted)
 			}
-			if c.wantExhausted && ex.Attempts != 3 {
-				t.Fatalf("ExhaustedError.Attempts = %d, want 3", ex.Attempts)
+			if c.wantExhausted && ex.Attempts != 5 {
+				t.Fatalf("ExhaustedError.Attempts = %d, want 5", ex.Attempts)
 			}
 		})
+	}
+	// The whole life of one message, delivery after delivery: never more
+	// than MaxAttempts runs, whatever MaxAttempts and InProcessRetries are.
+	for maxAttempts := 1; maxAttempts <= 7; maxAttempts++ {
+		for inProcess := 0; inProcess <= 3; inProcess++ {
+			rt, err := middleware.NewRetry(fastRetry(maxAttempts, inProcess))
+			must(t, err)
+			calls := 0
+			h := rt(func(*message.Message) ([]*message.Message, error) { calls++; return nil, errFlaky })
+			for n := 1; n <= 3*maxAttempts; n++ {
+				msg := message.NewMessage("m", nil)
+				msg.Metadata.Set(settle.MetaDeliveryCount, strconv.Itoa(n))
+				var ex *middleware.ExhaustedError
+				if _, err := h(msg); errors.As(err, &ex) {
+					break
+				}
+			}
+			if calls > maxAttempts || calls < 1 {
+				t.Errorf("MaxAttempts %d, InProcessRetries %d: %d runs", maxAttempts, inProcess, calls)
+			}
+		}
 	}
 }
 

@@ -1,19 +1,27 @@
 // Package middleware holds settle's settlement middleware for Watermill
-// routers: bounded retry that ends in a dead-letter, and (with tracing) the
-// record of how each delivery settled.
+// routers: bounded retry, the two parking middlewares (poison and
+// dead-letter), and (with tracing) the record of how each delivery settled.
 //
 // The retry middleware runs a failing handler again a few times in process,
 // with exponential backoff and jitter, then hands the message back to the
-// broker after a delay (never a hot requeue loop), and after MaxAttempts
-// attempts in all returns an *ExhaustedError. The dead-letter middleware,
-// outside it, turns that error into a copy on the dead-letter topic and acks
-// the original, or nacks it if the copy could not be stored.
+// broker after a delay (never a hot requeue loop), and once MaxAttempts runs
+// of the handler have failed returns an *ExhaustedError. An attempt is one
+// run of one handler on one message: a delivery deferred by trouble in
+// settle's own dependencies (a busy key, a dedupe store that cannot answer, a
+// parked copy that could not be published) is not one.
+//
+// NewPoison and NewDeadLetter take one ParkConfig. The poison parking copies
+// a message that failed permanently to the poison topic; the dead-letter
+// parking copies a message out of attempts to the dead-letter topic; each
+// acks the original once its copy is stored, and defers it otherwise.
 //
 // The order matters. From the outside in:
 //
-//	poison -> dead-letter -> retry -> dedupe -> handler
+//	tracing -> poison parking -> dead-letter parking -> retry -> dedupe -> handler
 //
-// The poison and dead-letter middlewares are terminal: they only ever see
-// what the retry middleware gave up on. Placed inside the retry middleware,
-// a dead-letter would catch the first failure and nothing would be retried.
+// The parking middlewares only ever see what the retry middleware gave up
+// on. Placed inside the retry middleware, a dead-letter would catch the first
+// failure and nothing would be retried. The middlewares share one settlement
+// record per delivery (see package settle), created by the outermost of them,
+// so none needs to know another's errors.
 package middleware

@@ -21,7 +21,7 @@ func ExampleNewRetry() {
 	pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
 	defer pubsub.Close()
 
-	dl, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{Publisher: pubsub, Topic: "emails.dead"})
+	dl, err := middleware.NewDeadLetter(middleware.ParkConfig{Publisher: pubsub, Topic: "emails.dead"})
 	if err != nil {
 		panic(err)
 	}

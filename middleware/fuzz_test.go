@@ -23,7 +23,7 @@ func FuzzAttemptMetadata(f *testing.F) {
 	f.Fuzz(func(t *testing.T, attempt, deliveryCount, firstFailure string, republish, fail bool) {
 		cfg := middleware.RetryConfig{
 			MaxAttempts: 3, InProcessRetries: 1, InitialInterval: time.Microsecond, MaxInterval: time.Microsecond,
-			RedeliveryDelay: time.Microsecond, DeferDelay: time.Microsecond,
+			RedeliveryDelay: time.Microsecond,
 		}
 		if republish {
 			cfg.Republish = discard{}

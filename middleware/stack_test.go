@@ -14,7 +14,6 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/middleware"
-	"github.com/settle-go/settle/poison"
 )
 
 const (
@@ -46,6 +45,8 @@ type stackOpts struct {
 	republish  bool
 	extraInner message.HandlerMiddleware
 	outer      message.HandlerMiddleware // outside everything, e.g. tracing
+	store      dedupe.Store              // the dedupe store; defaults to a new MemoryStore
+	name       string                    // the handler's name; defaults to handlerName
 }
 
 func fastRetry(maxAttempts, inProcess int) middleware.RetryConfig {
@@ -54,7 +55,6 @@ func fastRetry(maxAttempts, inProcess int) middleware.RetryConfig {
 		InitialInterval: time.Millisecond,
 		MaxInterval:     5 * time.Millisecond,
 		RedeliveryDelay: time.Millisecond,
-		DeferDelay:      time.Millisecond,
 	}
 	if inProcess == 0 {
 		cfg.NoInProcessRetries = true
@@ -80,9 +80,9 @@ func newStack(t *testing.T, o stackOpts, handler func(msg *message.Message) erro
 	if o.republish {
 		o.retry.Republish = s.pubsub
 	}
-	ps, err := poison.NewMiddleware(poison.Config{Publisher: parkPub, Topic: poisonTopic, NackDelay: time.Millisecond})
+	ps, err := middleware.NewPoison(middleware.ParkConfig{Publisher: parkPub, Topic: poisonTopic, NackDelay: time.Millisecond})
 	must(t, err)
-	dl, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{Publisher: parkPub, Topic: deadTopic, NackDelay: time.Millisecond})
+	dl, err := middleware.NewDeadLetter(middleware.ParkConfig{Publisher: parkPub, Topic: deadTopic, NackDelay: time.Millisecond})
 	must(t, err)
 	rt, err := middleware.NewRetry(o.retry)
 	must(t, err)
@@ -91,14 +91,23 @@ func newStack(t *testing.T, o stackOpts, handler func(msg *message.Message) erro
 		mws = append([]message.HandlerMiddleware{o.outer}, mws...)
 	}
 	if !o.noDedupe {
-		dd, err := dedupe.NewMiddleware(dedupe.Config{Store: dedupe.NewMemoryStore(), Key: o.key})
+		store := o.store
+		if store == nil {
+			store = dedupe.NewMemoryStore()
+		}
+		dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store, Key: o.key, BusyDelay: time.Millisecond,
+			UnavailableDelay: time.Millisecond, MaxUnavailableDelay: 4 * time.Millisecond})
 		must(t, err)
 		mws = append(mws, dd)
 	}
 	if o.extraInner != nil {
 		mws = append(mws, o.extraInner)
 	}
-	router.AddConsumerHandler(handlerName, topic, s.pubsub, func(msg *message.Message) error {
+	name := o.name
+	if name == "" {
+		name = handlerName
+	}
+	router.AddConsumerHandler(name, topic, s.pubsub, func(msg *message.Message) error {
 		s.calls.Add(1)
 		if err := handler(msg); err != nil {
 			return err

@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/settlement"
 )
 
 // ScopeName is the instrumentation scope of settle's settlement spans and
@@ -215,7 +216,7 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 			}
 		}
 		ctx, span := t.tracer.Start(parent, spanName("process", topic), opts...)
-		ctx, rec := settle.WithSettlement(ctx, t.cfg.prop)
+		ctx, rec := settlement.New(ctx, t.cfg.prop)
 		rec.SpanAttributes = ids
 		var out *output
 		if pub := message.PublishTopicFromCtx(orig); pub != "" {
@@ -333,8 +334,9 @@ func TraceProduced(h message.HandlerFunc) message.HandlerFunc {
 
 // finish decides the outcome, ends the process span and starts the settle
 // span that ends on the router's ack or nack.
-func (t *tracing) finish(msg *message.Message, span trace.Span, rec *settle.Settlement, handler, topic string, start time.Time, err error) {
-	outcome, retries, parkedTo, reason := rec.Outcome()
+func (t *tracing) finish(msg *message.Message, span trace.Span, rec *settlement.Record, handler, topic string, start time.Time, err error) {
+	o, retries, parkedTo, reason := rec.Snapshot()
+	outcome := settle.Outcome(o)
 	switch {
 	case err == nil && outcome == "":
 		outcome = settle.Done

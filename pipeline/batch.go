@@ -13,8 +13,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/settlement"
 )
 
 // BatchConfig turns on group commit for a transactional handler: deliveries
@@ -128,7 +128,12 @@ func (b *batcher) handle(msg *message.Message) error {
 		b.mu.Unlock()
 		b.run(jobs)
 	}
-	return <-j.done
+	err := <-j.done
+	if errors.Is(err, dedupe.ErrBusy) || errors.Is(err, dedupe.ErrUnavailable) {
+		// Deferred: wait on this delivery's own goroutine, not the batch's.
+		settlement.Sleep(j.ctx, b.cfg.busyDelay())
+	}
+	return err
 }
 
 // run settles a closed batch and answers every job.
@@ -173,12 +178,12 @@ func (b *batcher) run(jobs []*job) {
 		case result[j.key] == nil:
 			// A twin of a job that settled (done, or a duplicate already):
 			// the key is confirmed, this delivery is a duplicate.
-			settle.SettlementFromContext(j.ctx).SetOutcome(settle.Duplicate)
+			settlement.FromContext(j.ctx).SetOutcome(settlement.Duplicate)
 			j.done <- nil
 		default:
 			// Its twin failed and left nothing durable: this delivery comes
 			// back later and finds the key as its twin left it.
-			settle.SettlementFromContext(j.ctx).SetOutcome(settle.Deferred)
+			settlement.FromContext(j.ctx).Defer()
 			j.done <- fmt.Errorf("%w (message %s, delivered twice in one batch)", dedupe.ErrBusy, j.msg.UUID)
 		}
 	}
@@ -194,13 +199,22 @@ func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]
 	for len(pending) > 0 {
 		failed, err := b.runOnce(ctx, pending)
 		switch {
-		case failed == runCommitted || failed == runNotStarted:
+		case failed == runCommitted:
 			for _, j := range pending {
-				if err != nil { // begin, claims or commit failed: nothing landed
-					result[j.key] = err
-				} else {
-					result[j.key] = j.err
-				}
+				result[j.key] = j.err
+			}
+			return
+		case failed == runNotStarted:
+			// Begin or the claims failed: the database is not answering,
+			// which is no attempt of any handler.
+			for _, j := range pending {
+				settlement.FromContext(j.ctx).Defer()
+				result[j.key] = fmt.Errorf("%w: %w", dedupe.ErrUnavailable, err)
+			}
+			return
+		case failed == runCommitFailed:
+			for _, j := range pending {
+				result[j.key] = err // nothing landed; each message is retried
 			}
 			return
 		case failed == runBatchFailed:
@@ -226,9 +240,10 @@ func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]
 
 // Results of runOnce that name no job.
 const (
-	runCommitted   = -1 // err is nil
-	runNotStarted  = -2 // begin, claims or commit failed: err says why
-	runBatchFailed = -3 // the batch function failed without naming a message
+	runCommitted    = -1 // err is nil
+	runNotStarted   = -2 // begin or the claims failed: err says why
+	runBatchFailed  = -3 // the batch function failed without naming a message
+	runCommitFailed = -4 // err says why
 )
 
 // runOnce runs jobs in one transaction. It returns the index of a job that
@@ -289,7 +304,7 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err err
 		}
 	}
 	if err := tx.Commit(); err != nil {
-		return runNotStarted, fmt.Errorf("pipeline: commit batch: %w", err)
+		return runCommitFailed, fmt.Errorf("pipeline: commit batch: %w", err)
 	}
 	return runCommitted, nil
 }

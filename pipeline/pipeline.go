@@ -1,6 +1,7 @@
 package pipeline
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"time"
@@ -10,8 +11,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/middleware"
-	"github.com/settle-go/settle/poison"
 )
 
 // Config configures a Pipeline: the settle stack that every handler added
@@ -35,9 +36,27 @@ type Config struct {
 	// ClaimTimeout is the dedupe claim lifetime without renewal. Defaults to
 	// 30s; see dedupe.Config.
 	ClaimTimeout time.Duration
+	// RenewInterval is how often a running handler's claim is renewed.
+	// Defaults to ClaimTimeout/3; see dedupe.Config.
+	RenewInterval time.Duration
+	// BusyDelay is how long a delivery whose key another worker holds waits
+	// before it is nacked (deferred, not an attempt). Defaults to 1s;
+	// settle.NoDelay for none. See dedupe.Config.
+	BusyDelay time.Duration
+	// UnavailableDelay is how long a delivery whose claim the store could not
+	// answer waits before it is nacked (deferred, not an attempt, never
+	// dead-lettered for it); it doubles while the store stays unavailable, up
+	// to MaxUnavailableDelay. Defaults to 1s and 30s; settle.NoDelay for
+	// none. See dedupe.Config.
+	UnavailableDelay    time.Duration
+	MaxUnavailableDelay time.Duration
+	// NackDelay is how long a message whose dead-letter or poison copy could
+	// not be published waits before it is nacked (deferred, not an attempt).
+	// Defaults to 1s; settle.NoDelay for none. See middleware.ParkConfig.
+	NackDelay time.Duration
 	// Retry bounds the attempts; its zero value means settle's defaults (5
-	// attempts, 2 in-process retries, backoff from 100ms). See
-	// middleware.RetryConfig.
+	// attempts, 2 in-process retries, backoff from 100ms, 1s before a failed
+	// message is nacked). See middleware.RetryConfig.
 	Retry middleware.RetryConfig
 	// Tracing options (tracer, meter, propagators, messaging system).
 	Tracing []middleware.Option
@@ -83,13 +102,21 @@ func (c Config) Validate() error {
 	if c.ClaimTimeout < 0 {
 		return fmt.Errorf("pipeline: Config.ClaimTimeout must be >= 0, got %v", c.ClaimTimeout)
 	}
+	if c.RenewInterval < 0 {
+		return fmt.Errorf("pipeline: Config.RenewInterval must be >= 0, got %v", c.RenewInterval)
+	}
 	return nil
 }
 
 // Pipeline adds handlers to a Watermill router with settle's stack in the
 // order of the design, from the outside in:
 //
-//	tracing -> poison -> dead-letter -> retry -> dedupe -> decode -> handler
+//	tracing -> poison parking -> dead-letter parking -> retry -> dedupe -> decode -> handler
+//
+// Attempts are counted per pipeline handler and message: with a Store, by
+// the store (exact across processes); without one, as the retry middleware
+// says (middleware.NewRetry). Trouble in the store or the parking topics
+// defers a delivery and never counts as an attempt.
 //
 // Each piece is also a plain message.HandlerMiddleware of its own package,
 // for routers assembled by hand.
@@ -101,13 +128,19 @@ type Pipeline struct {
 }
 
 // New returns a Pipeline that adds handlers to router. It checks every part
-// of cfg now, so a bad configuration is refused before any message flows.
+// of cfg now, so a bad configuration is refused before any message flows;
+// for a *dedupe.SQLStore that includes its claims table
+// (dedupe.SQLStore.Check, within 10 seconds), so that a missing migration is
+// one clear error, with the DDL to run, instead of deferred deliveries.
 func New(router *message.Router, cfg Config) (*Pipeline, error) {
 	if router == nil {
 		return nil, errors.New("pipeline: New: router is nil")
 	}
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if err := checkStore(cfg.Store); err != nil {
 		return nil, err
 	}
 	p := &Pipeline{router: router, cfg: cfg}
@@ -140,11 +173,14 @@ func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store, noDedup
 	if poisonTopic == "" {
 		poisonTopic = topic + ".poison"
 	}
-	ps, err := poison.NewMiddleware(poison.Config{Publisher: p.cfg.Publisher, Topic: poisonTopic, Logger: p.cfg.Logger})
+	parking := middleware.ParkConfig{Publisher: p.cfg.Publisher, NackDelay: p.cfg.NackDelay, Logger: p.cfg.Logger}
+	parking.Topic = poisonTopic
+	ps, err := middleware.NewPoison(parking)
 	if err != nil {
 		return nil, err
 	}
-	dl, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{Publisher: p.cfg.Publisher, Topic: dlTopic, Logger: p.cfg.Logger})
+	parking.Topic = dlTopic
+	dl, err := middleware.NewDeadLetter(parking)
 	if err != nil {
 		return nil, err
 	}
@@ -152,17 +188,24 @@ func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store, noDedup
 	if p.tracing != nil {
 		mws = append(mws, p.tracing)
 	}
-	mws = append(mws, ps, dl, p.retry)
+	mws = append(mws, ps, dl)
 	if store == nil {
 		store = p.cfg.Store
 	}
-	if store != nil && !noDedupe {
+	dedupeOn := store != nil && !noDedupe
+	if dedupeOn {
+		mws = append(mws, storeCounts)
+	}
+	mws = append(mws, p.retry)
+	if dedupeOn {
 		var pub message.Publisher
 		if publishTopic != "" {
 			pub = p.cfg.Publisher
 		}
 		dd, err := dedupe.NewMiddleware(dedupe.Config{
-			Store: store, Key: p.cfg.Key, ClaimTimeout: p.cfg.ClaimTimeout, Logger: p.cfg.Logger, Publisher: pub,
+			Store: store, Key: p.cfg.Key, ClaimTimeout: p.cfg.ClaimTimeout, RenewInterval: p.cfg.RenewInterval,
+			BusyDelay: p.cfg.BusyDelay, UnavailableDelay: p.cfg.UnavailableDelay, MaxUnavailableDelay: p.cfg.MaxUnavailableDelay,
+			Logger: p.cfg.Logger, Publisher: pub,
 		})
 		if err != nil {
 			return nil, err
@@ -175,6 +218,37 @@ func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store, noDedup
 		mws = append(mws, middleware.TraceProduced)
 	}
 	return mws, nil
+}
+
+// checkStore checks a SQL store's claims table.
+func checkStore(s dedupe.Store) error {
+	sql, ok := s.(*dedupe.SQLStore)
+	if !ok {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := sql.Check(ctx); err != nil {
+		return fmt.Errorf("pipeline: Config.Store: %w", err)
+	}
+	return nil
+}
+
+// storeCounts tells the retry middleware inside it that a dedupe store
+// counts the handler's attempts, so that it leaves the decision to start a
+// run to the store from the first delivery on.
+func storeCounts(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		orig := msg.Context()
+		ctx, rec, created := settlement.Ensure(orig)
+		rec.MarkDurable()
+		if !created {
+			return h(msg)
+		}
+		msg.SetContext(ctx)
+		defer msg.SetContext(orig)
+		return h(msg)
+	}
 }
 
 // Handlers are the router handlers of one Pipeline handler: one per
@@ -268,11 +342,19 @@ func (p *Pipeline) handleTx(method, name, topic string, sub message.Subscriber, 
 	if !ok {
 		return nil, fmt.Errorf("pipeline: %s %q needs a *dedupe.SQLStore, got %T", method, name, s)
 	}
+	if store != nil {
+		if err := checkStore(store); err != nil {
+			return nil, err
+		}
+	}
 	if cfg.Batch.enabled() && cfg.Batch.MaxSize > p.cfg.Concurrency {
 		// No more deliveries can be in flight; a batch of one is the
 		// one-statement mode.
 		cfg.Batch.MaxSize = p.cfg.Concurrency
 		cfg.OneStatement = cfg.OneStatement || !cfg.Batch.enabled()
+	}
+	if cfg.BusyDelay == 0 {
+		cfg.BusyDelay = p.cfg.BusyDelay
 	}
 	oneStatement := cfg.OneStatement || cfg.Batch.enabled()
 	if oneStatement {

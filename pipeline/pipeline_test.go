@@ -30,7 +30,7 @@ type order struct {
 
 func fastRetry() middleware.RetryConfig {
 	return middleware.RetryConfig{MaxAttempts: 3, InProcessRetries: 1, InitialInterval: time.Millisecond,
-		MaxInterval: 2 * time.Millisecond, RedeliveryDelay: time.Millisecond, DeferDelay: time.Millisecond}
+		MaxInterval: 2 * time.Millisecond, RedeliveryDelay: time.Millisecond}
 }
 
 type harness struct {

@@ -5,11 +5,13 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/outbox"
 )
 
@@ -40,6 +42,12 @@ type TxConfig struct {
 	Store *dedupe.SQLStore
 	// Key derives the key for OneStatement. Defaults to the message UUID.
 	Key dedupe.KeyFunc
+	// BusyDelay is how long a delivery whose key another worker holds waits
+	// before it is nacked, in OneStatement and Batch modes (the dedupe
+	// middleware's own BusyDelay covers the default mode): it is deferred,
+	// not an attempt. Defaults to 1s when zero; settle.NoDelay nacks at once.
+	// Pipeline.HandleTx sets it from Config.BusyDelay.
+	BusyDelay time.Duration
 	// Batch turns on group commit: deliveries in flight at the same time
 	// share one transaction (see BatchConfig). Their keys are written as
 	// confirmed inside it, as with OneStatement, so it requires Store and
@@ -58,6 +66,9 @@ func (c TxConfig) Validate() error {
 	}
 	if c.OneStatement && c.Store == nil {
 		return errors.New("pipeline: TxConfig.Store is required with OneStatement")
+	}
+	if c.BusyDelay < 0 && c.BusyDelay != settle.NoDelay {
+		return fmt.Errorf("pipeline: TxConfig.BusyDelay must be >= 0 or settle.NoDelay, got %v", c.BusyDelay)
 	}
 	if c.Batch.MaxSize < 0 {
 		return fmt.Errorf("pipeline: TxConfig.Batch.MaxSize must be >= 0, got %d", c.Batch.MaxSize)
@@ -111,7 +122,7 @@ func NewTxHandler(cfg TxConfig, fn TxFunc) (message.NoPublishHandlerFunc, error)
 func RunTx(ctx context.Context, cfg TxConfig, msg *message.Message, fn TxFunc) (err error) {
 	tx, err := cfg.DB.BeginTx(ctx, cfg.TxOptions)
 	if err != nil {
-		return fmt.Errorf("pipeline: begin: %w", err)
+		return unavailable(ctx, cfg, fmt.Errorf("pipeline: begin: %w", err))
 	}
 	defer func() {
 		// After a commit this is a no-op (sql.ErrTxDone); after an error or
@@ -122,6 +133,10 @@ func RunTx(ctx context.Context, cfg TxConfig, msg *message.Message, fn TxFunc) (
 	}()
 	if cfg.OneStatement {
 		done, err := claimInTx(ctx, cfg, tx, msg)
+		if errors.Is(err, dedupe.ErrBusy) {
+			_ = tx.Rollback() // hold no connection while waiting
+			settlement.Sleep(ctx, cfg.busyDelay())
+		}
 		if err != nil || done {
 			return err // a duplicate has nothing to commit: the rollback ends it
 		}
@@ -157,7 +172,7 @@ func claimInTx(ctx context.Context, cfg TxConfig, tx *sql.Tx, msg *message.Messa
 	}
 	c, err := cfg.Store.WithTx(tx).ClaimConfirmed(ctx, key)
 	if err != nil {
-		return false, err
+		return false, unavailable(ctx, cfg, err)
 	}
 	return claimResult(ctx, c, msg)
 }
@@ -168,11 +183,32 @@ func claimInTx(ctx context.Context, cfg TxConfig, tx *sql.Tx, msg *message.Messa
 func claimResult(ctx context.Context, c dedupe.Claim, msg *message.Message) (done bool, err error) {
 	switch c.Result {
 	case dedupe.Duplicate:
-		settle.SettlementFromContext(ctx).SetOutcome(settle.Duplicate)
+		settlement.FromContext(ctx).SetOutcome(settlement.Duplicate)
 		return true, nil
 	case dedupe.Busy:
-		settle.SettlementFromContext(ctx).SetOutcome(settle.Deferred)
+		settlement.FromContext(ctx).Defer() // not an attempt
 		return false, fmt.Errorf("%w (message %s)", dedupe.ErrBusy, msg.UUID)
 	}
 	return false, nil
+}
+
+// busyDelay is BusyDelay with its default applied.
+func (c TxConfig) busyDelay() time.Duration {
+	switch c.BusyDelay {
+	case 0:
+		return time.Second
+	case settle.NoDelay:
+		return 0
+	}
+	return c.BusyDelay
+}
+
+// unavailable defers a delivery whose transaction could not begin or whose
+// key could not be claimed: the database is not answering, and that is not
+// an attempt of the handler. It waits BusyDelay first, so that an outage is
+// not a hot loop of nacks.
+func unavailable(ctx context.Context, cfg TxConfig, err error) error {
+	settlement.FromContext(ctx).Defer()
+	settlement.Sleep(ctx, cfg.busyDelay())
+	return fmt.Errorf("%w: %w", dedupe.ErrUnavailable, err)
 }

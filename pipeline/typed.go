@@ -20,17 +20,26 @@ type Codec interface {
 	Unmarshal(data []byte, v any) error
 }
 
-// JSON is the default Codec, encoding/json. Unknown fields are refused, so
-// that a payload of the wrong type is poison rather than a zero value.
-type JSON struct{}
+// JSON is the default Codec, encoding/json. By default it is lenient as
+// encoding/json is: fields of the payload that the type does not have are
+// ignored, so that a producer may add an optional field before every
+// consumer knows it. With Strict, such a payload is refused (and so poisoned
+// by the typed handlers). Either way, a payload that is not one JSON value of
+// a compatible shape is refused.
+type JSON struct {
+	// Strict refuses payloads with fields the type does not have.
+	Strict bool
+}
 
 // Marshal implements Codec.
 func (JSON) Marshal(v any) ([]byte, error) { return json.Marshal(v) }
 
 // Unmarshal implements Codec.
-func (JSON) Unmarshal(data []byte, v any) error {
+func (c JSON) Unmarshal(data []byte, v any) error {
 	dec := json.NewDecoder(bytes.NewReader(data))
-	dec.DisallowUnknownFields()
+	if c.Strict {
+		dec.DisallowUnknownFields()
+	}
 	if err := dec.Decode(v); err != nil {
 		return err
 	}

@@ -10,16 +10,17 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/poison"
 )
 
-// A handler marks what no retry can fix; the middleware parks it on the
-// poison topic, with the reason, and acks the original.
-func ExampleNewMiddleware() {
+// A handler marks what no retry can fix; the poison parking middleware parks
+// it on the poison topic, with the reason, and acks the original.
+func ExamplePermanent() {
 	pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
 	defer pubsub.Close()
 
-	mw, err := poison.NewMiddleware(poison.Config{Publisher: pubsub, Topic: "orders.poison"})
+	mw, err := middleware.NewPoison(middleware.ParkConfig{Publisher: pubsub, Topic: "orders.poison"})
 	if err != nil {
 		panic(err)
 	}

@@ -3,6 +3,8 @@ package poison
 import (
 	"errors"
 	"fmt"
+
+	"github.com/settle-go/settle"
 )
 
 // ErrDecode is wrapped by every *DecodeError.
@@ -58,30 +60,7 @@ func (e *DecodeError) Unwrap() []error { return []error{ErrDecode, e.Err} }
 // Permanent reports true.
 func (e *DecodeError) Permanent() bool { return true }
 
-// permanent is the interface by which any package marks an error permanent
-// without importing this one (dedupe's *KeyError does).
-type permanent interface{ Permanent() bool }
-
 // IsPermanent reports whether err, or any error it wraps, reports itself
-// permanent through a Permanent() bool method that returns true.
-func IsPermanent(err error) bool {
-	for err != nil {
-		if p, ok := err.(permanent); ok && p.Permanent() {
-			return true
-		}
-		switch u := err.(type) {
-		case interface{ Unwrap() error }:
-			err = u.Unwrap()
-		case interface{ Unwrap() []error }:
-			for _, e := range u.Unwrap() {
-				if IsPermanent(e) {
-					return true
-				}
-			}
-			return false
-		default:
-			return false
-		}
-	}
-	return false
-}
+// permanent through a Permanent() bool method that returns true. It is
+// settle.IsPermanent, which the retry and poison parking middlewares use.
+func IsPermanent(err error) bool { return settle.IsPermanent(err) }

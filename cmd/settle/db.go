@@ -41,6 +41,9 @@ func runDedupePrune(e *env, args []string) (err error) {
 	if err != nil {
 		return fmt.Errorf("-table: %w", err)
 	}
+	if err := store.Check(e.ctx); err != nil {
+		return fmt.Errorf("prune %s: %w", *table, err)
+	}
 	cutoff := time.Now().Add(-*olderThan)
 	n, err := store.Prune(e.ctx, cutoff)
 	if err != nil {

@@ -140,7 +140,7 @@ func deadLetter(t *testing.T, b broker, dlq string, failures []failure) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dl, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{Publisher: pub, Topic: dlq})
+	dl, err := middleware.NewDeadLetter(middleware.ParkConfig{Publisher: pub, Topic: dlq})
 	if err != nil {
 		t.Fatal(err)
 	}

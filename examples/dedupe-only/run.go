@@ -94,6 +94,9 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 	if err != nil {
 		return err
 	}
+	if err := store.Check(ctx); err != nil { // the claims table is there, as the store needs it
+		return err
+	}
 	dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store})
 	if err != nil {
 		return err

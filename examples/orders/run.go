@@ -202,12 +202,12 @@ func run(parent context.Context, cfg config) (err error) {
 		Publisher:    br.pub,
 		Store:        store,
 		ClaimTimeout: 5 * time.Second,
+		BusyDelay:    100 * time.Millisecond,
 		Retry: middleware.RetryConfig{
 			MaxAttempts:      3,
 			InProcessRetries: 1,
 			InitialInterval:  20 * time.Millisecond,
 			RedeliveryDelay:  100 * time.Millisecond,
-			DeferDelay:       100 * time.Millisecond,
 		},
 		Tracing: []middleware.Option{
 			middleware.WithTracerProvider(tel.tp), middleware.WithMeterProvider(tel.mp),

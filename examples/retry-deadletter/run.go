@@ -62,13 +62,13 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 	pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
 	defer pubsub.Close()
 
-	// The terminal middleware first, then the retry: the poison and
-	// dead-letter middleware only park what the retry gave up on.
-	ps, err := poison.NewMiddleware(poison.Config{Publisher: pubsub, Topic: poisonTopic})
+	// The parking middleware first, then the retry: poison and dead-letter
+	// parking only park what the retry gave up on.
+	ps, err := middleware.NewPoison(middleware.ParkConfig{Publisher: pubsub, Topic: poisonTopic})
 	if err != nil {
 		return err
 	}
-	dl, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{Publisher: pubsub, Topic: deadLetterTopic})
+	dl, err := middleware.NewDeadLetter(middleware.ParkConfig{Publisher: pubsub, Topic: deadLetterTopic})
 	if err != nil {
 		return err
 	}

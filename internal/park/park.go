@@ -1,6 +1,7 @@
 // Package park publishes a copy of a failed message to a dead-letter or
 // poison topic, with metadata saying why, and acks the original only when the
-// copy is stored. The poison and dead-letter middlewares are both built on it.
+// copy is stored. The poison and dead-letter parking middlewares are both
+// built on it.
 package park
 
 import (
@@ -19,6 +20,8 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/lru"
+	"github.com/settle-go/settle/internal/settlement"
 )
 
 // Info is what a parked copy records about the failure.
@@ -26,7 +29,7 @@ type Info struct {
 	Outcome      settle.Outcome
 	Reason       string
 	Attempt      int       // 0 if unknown
-	FirstFailure time.Time // zero: the time of parking
+	FirstFailure time.Time // zero: unknown, the copy carries no first-failure time
 	LastFailure  time.Time // zero: the time of parking
 }
 
@@ -35,7 +38,8 @@ const TimeFormat = time.RFC3339Nano
 
 // Copy returns the copy of msg to publish: same UUID, payload and metadata,
 // plus settle's failure metadata. The original topic and handler come from
-// the router's context.
+// the router's context. A first-failure time that is not known is left out
+// rather than made up.
 func Copy(msg *message.Message, info Info) *message.Message {
 	now := time.Now().UTC()
 	cp := msg.Copy()
@@ -54,103 +58,140 @@ func Copy(msg *message.Message, info Info) *message.Message {
 	if info.Attempt > 0 {
 		md.Set(settle.MetaAttempt, strconv.Itoa(info.Attempt))
 	}
-	first, last := info.FirstFailure, info.LastFailure
-	if first.IsZero() {
-		first = now
-	}
+	last := info.LastFailure
 	if last.IsZero() {
 		last = now
 	}
-	md.Set(settle.MetaFirstFailure, first.UTC().Format(TimeFormat))
+	if first := info.FirstFailure; !first.IsZero() {
+		if first.After(last) {
+			first = last
+		}
+		md.Set(settle.MetaFirstFailure, first.UTC().Format(TimeFormat))
+	} else {
+		delete(md, settle.MetaFirstFailure)
+	}
 	md.Set(settle.MetaLastFailure, last.UTC().Format(TimeFormat))
 	return cp
 }
 
-// Config configures a terminal middleware.
+// Config configures a parking middleware.
 type Config struct {
 	Publisher message.Publisher
 	Topic     string
-	// Match says whether err is to be parked, and what to record.
-	Match func(msg *message.Message, err error) (Info, bool)
+	// Match says whether the failed run is to be parked, and what to record.
+	Match func(msg *message.Message, rec *settlement.Record, err error) (Info, bool)
 	// NackDelay is how long to wait before nacking when the publish failed,
-	// so that an unreachable dead-letter topic does not become a hot loop.
+	// so that an unreachable parking topic does not become a hot loop.
 	NackDelay time.Duration
 	Logger    watermill.LoggerAdapter
 	// Name prefixes errors and log lines ("poison", "deadletter").
 	Name string
+	// Pending bounds the messages remembered, per middleware, whose copy
+	// could not be published: their redelivery is parked again without
+	// running anything inside.
+	Pending int
 }
 
-// Defaults fills the NackDelay (1s) and Logger (watermill.NopLogger) that
-// every terminal middleware's config shares, where they are zero.
-func Defaults(nackDelay *time.Duration, logger *watermill.LoggerAdapter) {
-	if *nackDelay == 0 {
-		*nackDelay = time.Second
-	}
-	if *logger == nil {
-		*logger = watermill.NopLogger{}
-	}
-}
+// pendingKey names a message in the scope of one logical handler.
+type pendingKey struct{ scope, uuid string }
 
-// Validate checks the fields every terminal middleware's config shares.
-// cfgName prefixes the field names in the errors ("poison: Config").
-func Validate(cfgName string, pub message.Publisher, topic string, nackDelay time.Duration) error {
-	switch {
-	case pub == nil:
-		return errors.New(cfgName + ".Publisher is required")
-	case topic == "":
-		return errors.New(cfgName + ".Topic is required")
-	case nackDelay < 0:
-		return fmt.Errorf("%s.NackDelay must be >= 0, got %v", cfgName, nackDelay)
-	}
-	return nil
+// pendingCopy is what a redelivery needs to park its message again.
+type pendingCopy struct {
+	info   Info
+	reason error
 }
 
 // ErrPublish is wrapped when the copy could not be published; the original
 // is then nacked.
 var ErrPublish = errors.New("publishing the parked copy failed; message nacked")
 
-// Middleware returns the terminal middleware: a matching error is parked and
+type parker struct {
+	cfg     Config
+	pending *lru.Cache[pendingKey, pendingCopy]
+	log     *settlement.RateLog
+}
+
+// Middleware returns the parking middleware: a matching failure is parked and
 // the original acked; anything else passes through unchanged.
+//
+// A copy that cannot be published leaves the delivery deferred, not failed:
+// it is nacked after NackDelay, no attempt is counted for it, and its
+// redelivery is parked again at once, without running the middleware and
+// handler inside (the handler that returned a permanent error is not run
+// again; a message out of attempts is not claimed again). The middleware
+// remembers such messages in memory, so after a restart of the consumer the
+// redelivery goes through the stack again.
 func Middleware(cfg Config) message.HandlerMiddleware {
+	p := &parker{cfg: cfg, pending: lru.New[pendingKey, pendingCopy](cfg.Pending), log: settlement.NewRateLog(cfg.Logger, 5*time.Second)}
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
+			// The outermost settle middleware creates the delivery's
+			// settlement; tracing, when it runs, has done so already.
+			if ctx, _, created := settlement.Ensure(msg.Context()); created {
+				orig := msg.Context()
+				msg.SetContext(ctx)
+				defer msg.SetContext(orig)
+			}
+			if p.pending.Len() > 0 {
+				if pc, ok := p.pending.Get(pendingKey{settlement.Scope(msg.Context()), msg.UUID}); ok {
+					return p.again(msg, pc)
+				}
+			}
 			out, err := h(msg)
 			if err == nil {
 				return out, nil
 			}
-			return cfg.failed(msg, out, err)
+			return p.failed(msg, out, err)
 		}
 	}
 }
 
-// failed handles a handler error: parks a copy of msg when cfg.Match says
-// so. It is apart from the middleware's closure so that the closure's stack
-// frame, on every message's path, stays small.
-func (cfg *Config) failed(msg *message.Message, out []*message.Message, err error) ([]*message.Message, error) {
-	info, ok := cfg.Match(msg, err)
+// failed handles a failure: parks a copy of msg when cfg.Match says so. It
+// is apart from the middleware's closure so that the closure's stack frame,
+// on every message's path, stays small.
+func (p *parker) failed(msg *message.Message, out []*message.Message, err error) ([]*message.Message, error) {
+	rec := settlement.FromContext(msg.Context())
+	if rec.Deferred() {
+		return out, err // nothing was decided: the delivery comes back
+	}
+	info, ok := p.cfg.Match(msg, rec, err)
 	if !ok {
 		return out, err
 	}
+	return p.park(msg, pendingCopy{info: info, reason: err})
+}
+
+// again parks a redelivered message whose copy could not be published before.
+func (p *parker) again(msg *message.Message, pc pendingCopy) ([]*message.Message, error) {
+	return p.park(msg, pc) // the failure, its text and its times, are the ones recorded
+}
+
+func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message, error) {
+	ctx := msg.Context()
+	rec := settlement.FromContext(ctx)
+	key := pendingKey{settlement.Scope(ctx), msg.UUID}
+	info := pc.info
 	cp := Copy(msg, info)
-	perr := publish(msg.Context(), cfg.Publisher, cfg.Topic, cp)
+	perr := publish(ctx, p.cfg.Publisher, p.cfg.Topic, cp)
 	fields := watermill.LogFields{
-		"message_uuid": msg.UUID, "topic": cfg.Topic, "outcome": string(info.Outcome), "attempt": info.Attempt,
+		"message_uuid": msg.UUID, "topic": p.cfg.Topic, "outcome": string(info.Outcome), "attempt": info.Attempt,
 	}
 	if perr == nil {
-		settle.SettlementFromContext(msg.Context()).Parked(info.Outcome, cfg.Topic, err)
-		cfg.Logger.Info(cfg.Name+": message parked", fields.Add(watermill.LogFields{"reason": info.Reason}))
+		p.pending.Delete(key)
+		rec.Park(string(info.Outcome), p.cfg.Topic, pc.reason)
+		p.cfg.Logger.Info(p.cfg.Name+": message parked", fields.Add(watermill.LogFields{"reason": info.Reason}))
 		return nil, nil
 	}
-	cfg.Logger.Error(cfg.Name+": could not publish parked copy; nacking", perr, fields)
-	if cfg.NackDelay > 0 {
-		t := time.NewTimer(cfg.NackDelay)
-		select {
-		case <-t.C:
-		case <-msg.Context().Done():
-			t.Stop()
+	p.pending.Update(key, func(old pendingCopy, found bool) pendingCopy {
+		if found && !old.info.FirstFailure.IsZero() {
+			pc.info.FirstFailure = old.info.FirstFailure
 		}
-	}
-	return nil, errors.Join(err, fmt.Errorf("%s: %w: topic %q: %w", cfg.Name, ErrPublish, cfg.Topic, perr))
+		return pc
+	})
+	rec.Defer()
+	p.log.Error(p.cfg.Name+": could not publish parked copy; nacking, not counted as an attempt", perr, fields)
+	Sleep(ctx, p.cfg.NackDelay)
+	return nil, errors.Join(pc.reason, fmt.Errorf("%s: %w: topic %q: %w", p.cfg.Name, ErrPublish, p.cfg.Topic, perr))
 }
 
 // ScopeName is the instrumentation scope of the spans of parked copies.
@@ -164,7 +205,7 @@ func publish(ctx context.Context, pub message.Publisher, topic string, cp *messa
 	if !parent.SpanContext().IsValid() {
 		return pub.Publish(topic, cp)
 	}
-	s := settle.SettlementFromContext(ctx)
+	s := settlement.FromContext(ctx)
 	var ids []attribute.KeyValue
 	if s != nil {
 		ids = s.SpanAttributes
@@ -194,16 +235,4 @@ func publish(ctx context.Context, pub message.Publisher, topic string, cp *messa
 
 // Sleep waits for d or until ctx is done, and reports whether it waited the
 // whole time.
-func Sleep(ctx context.Context, d time.Duration) bool {
-	if d <= 0 {
-		return ctx.Err() == nil
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
-}
+func Sleep(ctx context.Context, d time.Duration) bool { return settlement.Sleep(ctx, d) }

@@ -287,13 +287,13 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 		ClaimTimeout:   spec.ClaimTimeout,
 		DisableTracing: true,
 		Logger:         logger,
+		BusyDelay:      50 * time.Millisecond,
 		Retry: middleware.RetryConfig{
 			MaxAttempts:      spec.MaxAttempts,
 			InProcessRetries: 1,
 			InitialInterval:  20 * time.Millisecond,
 			MaxInterval:      200 * time.Millisecond,
 			RedeliveryDelay:  50 * time.Millisecond,
-			DeferDelay:       50 * time.Millisecond,
 		},
 	})
 	if err != nil {

@@ -1,0 +1,154 @@
+package middleware
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/park"
+	"github.com/settle-go/settle/internal/settlement"
+)
+
+// ParkConfig configures the two parking middlewares, NewPoison and
+// NewDeadLetter: where the copies of the messages they park go.
+type ParkConfig struct {
+	// Publisher publishes the parked copies. Required. Poison and
+	// dead-letter parking may share one.
+	Publisher message.Publisher
+	// Topic receives the parked copies. Required. Poison and dead-letter
+	// parking may share one; settle_outcome tells the two kinds apart.
+	Topic string
+	// NackDelay is how long a message whose copy could not be published is
+	// held before it is nacked, so that an unreachable topic does not turn
+	// into a hot redelivery loop. Such a delivery is deferred: it is not an
+	// attempt. Defaults to 1s when zero; settle.NoDelay nacks at once. Must
+	// be >= 0 or settle.NoDelay.
+	NackDelay time.Duration
+	// PendingMessages bounds how many messages whose copy could not be
+	// published the middleware remembers, so that their redelivery is parked
+	// at once, without running the handler again. Defaults to 10000. Must be
+	// >= 1.
+	PendingMessages int
+	// Logger defaults to watermill.NopLogger. Publish failures are logged at
+	// most once per 5 seconds.
+	Logger watermill.LoggerAdapter
+}
+
+func (c *ParkConfig) setDefaults() {
+	c.NackDelay = defaultDelay(c.NackDelay, time.Second)
+	if c.PendingMessages == 0 {
+		c.PendingMessages = 10000
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// Validate reports the first invalid field.
+func (c ParkConfig) Validate() error {
+	switch {
+	case c.Publisher == nil:
+		return errors.New("middleware: ParkConfig.Publisher is required")
+	case c.Topic == "":
+		return errors.New("middleware: ParkConfig.Topic is required")
+	case c.NackDelay < 0 && c.NackDelay != settle.NoDelay:
+		return fmt.Errorf("middleware: ParkConfig.NackDelay must be >= 0 or settle.NoDelay, got %v", c.NackDelay)
+	case c.PendingMessages < 1:
+		return fmt.Errorf("middleware: ParkConfig.PendingMessages must be >= 1, got %d", c.PendingMessages)
+	}
+	return nil
+}
+
+// defaultDelay applies a duration's default when it is unset (zero), and
+// turns settle.NoDelay into zero.
+func defaultDelay(d, def time.Duration) time.Duration {
+	switch d {
+	case 0:
+		return def
+	case settle.NoDelay:
+		return 0
+	}
+	return d
+}
+
+func (c ParkConfig) park(name string, match func(*message.Message, *settlement.Record, error) (park.Info, bool)) (message.HandlerMiddleware, error) {
+	c.setDefaults()
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	return park.Middleware(park.Config{
+		Publisher: c.Publisher,
+		Topic:     c.Topic,
+		NackDelay: c.NackDelay,
+		Logger:    c.Logger,
+		Name:      name,
+		Match:     match,
+		Pending:   c.PendingMessages,
+	}), nil
+}
+
+// NewPoison returns the poison parking middleware: a message that failed
+// with a permanent error (see package poison: an undecodable payload, an
+// unusable dedupe key, an error marked poison.Permanent) is copied to the
+// poison topic with settle_outcome "poisoned", the error as settle_reason and
+// the original topic, handler and UUID, and the original is acked. It is
+// never retried, and its handler is never run again for it.
+//
+// If the copy cannot be published, the delivery is deferred: nacked after
+// NackDelay, not counted as an attempt, and parked again on redelivery
+// without running the handler (see ParkConfig.PendingMessages). Nothing is
+// acked that is not stored somewhere a person can find it.
+//
+// Place it outermost of settle's middleware after tracing; other errors pass
+// through it unchanged.
+func NewPoison(cfg ParkConfig) (message.HandlerMiddleware, error) {
+	return cfg.park("poison", func(msg *message.Message, rec *settlement.Record, err error) (park.Info, bool) {
+		if !rec.Permanent() && !settle.IsPermanent(err) {
+			return park.Info{}, false
+		}
+		now := time.Now()
+		return park.Info{Outcome: settle.Poisoned, Reason: err.Error(), Attempt: attemptOf(msg, rec), FirstFailure: now, LastFailure: now}, true
+	})
+}
+
+// NewDeadLetter returns the dead-letter parking middleware: a message whose
+// attempts are used up (an *ExhaustedError from the retry middleware inside
+// it) is copied to the dead-letter topic with settle_outcome
+// "dead_lettered", the last failure as settle_reason, the original topic,
+// handler and UUID, the attempt count and the first and last failure times,
+// and the original is acked.
+//
+// If the copy cannot be published, the delivery is deferred: nacked after
+// NackDelay, not counted as an attempt, and parked again on redelivery
+// without running the handler. Other errors pass through unchanged.
+func NewDeadLetter(cfg ParkConfig) (message.HandlerMiddleware, error) {
+	return cfg.park("deadletter", func(_ *message.Message, _ *settlement.Record, err error) (park.Info, bool) {
+		var ex *ExhaustedError
+		if !errors.As(err, &ex) {
+			return park.Info{}, false
+		}
+		return park.Info{
+			Outcome:      settle.DeadLettered,
+			Reason:       ex.Err.Error(),
+			Attempt:      ex.Attempts,
+			FirstFailure: ex.FirstFailure,
+			LastFailure:  ex.LastFailure,
+		}, true
+	})
+}
+
+// attemptOf returns the attempt of the failed run: the durable count the
+// settlement holds, else the one the retry middleware wrote on the message.
+func attemptOf(msg *message.Message, rec *settlement.Record) int {
+	if n, _, _ := rec.Attempt(); n > 0 {
+		return n
+	}
+	if msg.Metadata.Get(settle.MetaAttempt) == "" {
+		return 0
+	}
+	return settle.Attempt(msg)
+}
