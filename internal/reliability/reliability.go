@@ -93,11 +93,12 @@ type Config struct {
 	// carries. Defaults to 8. Must be >= 2.
 	BatchSize int
 	// BatchWait is, in ModeBatch, TxConfig.Batch.MaxWait: how long the first
-	// delivery of a batch waits for others. Defaults to 10ms; a negative
+	// delivery of a batch waits for others. Defaults to 50ms (the relay
+	// forwards one message at a time, so deliveries trickle in); a negative
 	// value means no wait.
 	BatchWait time.Duration
 	// Aim is, in ModeBatch, the share of consumer kills that wait (up to
-	// MaxDelay more) for the consumer to report a batch between its claim
+	// one more second) for the consumer to report a batch between its claim
 	// statement and its commit before the signal. 0 means none: every kill
 	// lands at a random moment. Must be in [0, 1].
 	Aim float64
@@ -150,7 +151,7 @@ func (c *Config) setDefaults() {
 		c.BatchSize = 8
 	}
 	if c.BatchWait == 0 {
-		c.BatchWait = 10 * time.Millisecond
+		c.BatchWait = 50 * time.Millisecond
 	}
 	if c.FaultHold == 0 {
 		c.FaultHold = 3 * time.Second
@@ -243,6 +244,8 @@ type Result struct {
 	// Batch mode only.
 	Transactions int // committed transactions that wrote effects
 	LargestBatch int // most effects one transaction committed
+	// BatchSizes counts the committed transactions by their effects.
+	BatchSizes map[int]int
 	// Aimed counts the consumer kills that waited for a batch (Config.Aim).
 	Aimed int
 	// BatchKills counts the kills whose process reported, just before the
@@ -787,11 +790,11 @@ type batchKill struct {
 	txs []int
 }
 
-// awaitBatch waits, up to MaxDelay, until the consumer p reports a batch
+// awaitBatch waits, up to a second, until the consumer p reports a batch
 // between its claim statement and its commit, and returns its status line
 // (whatever it is when the wait ends).
 func (d *driver) awaitBatch(ctx context.Context, p *proc) string {
-	deadline := time.Now().Add(d.cfg.MaxDelay)
+	deadline := time.Now().Add(time.Second)
 	for {
 		line := p.status()
 		if strings.HasPrefix(line, phaseBatch) || time.Now().After(deadline) || ctx.Err() != nil {
@@ -809,8 +812,22 @@ func (d *driver) awaitBatch(ctx context.Context, p *proc) string {
 // landed in a batch: did the transactions it reported commit?
 func (d *driver) countBatches(ctx context.Context) error {
 	r := &d.res
-	if err := d.db.QueryRowContext(ctx, "SELECT COUNT(*), COALESCE(MAX(n), 0) FROM (SELECT COUNT(*) AS n FROM "+d.effects+" GROUP BY pid, tx) x").
-		Scan(&r.Transactions, &r.LargestBatch); err != nil {
+	rows, err := d.db.QueryContext(ctx, "SELECT n, COUNT(*) FROM (SELECT COUNT(*) AS n FROM "+d.effects+" GROUP BY pid, tx) x GROUP BY n")
+	if err != nil {
+		return fmt.Errorf("reliability: count batches: %w", err)
+	}
+	r.BatchSizes = map[int]int{}
+	for rows.Next() {
+		var size, n int
+		if err := rows.Scan(&size, &n); err != nil {
+			_ = rows.Close()
+			return fmt.Errorf("reliability: count batches: %w", err)
+		}
+		r.BatchSizes[size] = n
+		r.Transactions += n
+		r.LargestBatch = max(r.LargestBatch, size)
+	}
+	if err := errors.Join(rows.Err(), rows.Close()); err != nil {
 		return fmt.Errorf("reliability: count batches: %w", err)
 	}
 	for _, k := range d.batchKills {
