@@ -12,10 +12,10 @@
 //	go run ./bench/reliability -db postgres://... -amqp amqp://... -cycles 0 -fault rabbitmq,postgres,pgterminate
 //
 // The exit code is 1 when anything was lost, dead-lettered or left behind,
-// when a process gave up by itself, when a fault was not recovered from, or
-// when tx or batch mode shows a message with two effects, or when batch mode
-// aimed kills at batches and none landed before a commit; 2 when the campaign could
-// not run.
+// when the drain did not finish in -drain-timeout, when a process gave up by
+// itself, when a fault was not recovered from, when tx or batch mode shows a
+// message with two effects, or when batch mode aimed kills at batches and
+// none landed before a commit; 2 when the campaign could not run.
 package main
 
 import (

@@ -259,14 +259,21 @@ type Result struct {
 
 	Duration  time.Duration
 	DrainTime time.Duration
+	// Unfinished says why the drain ended before everything settled
+	// (Config.DrainTimeout); the counts are then of an unfinished run.
+	Unfinished string
 }
 
-// Err reports why the campaign failed, or nil: anything lost, dead-lettered,
-// left on the queue or unrecovered, a process that gave up, in tx and batch
+// Err reports why the campaign failed, or nil: a drain that did not finish,
+// anything lost, dead-lettered, left on the queue or unrecovered, a process
+// that gave up, in tx and batch
 // mode any message with more than one effect, and in batch mode a campaign
 // that aimed kills at batches without one landing before a commit.
 func (r Result) Err() error {
 	var errs []error
+	if r.Unfinished != "" {
+		errs = append(errs, errors.New(r.Unfinished))
+	}
 	if r.Lost > 0 {
 		errs = append(errs, fmt.Errorf("%d messages lost", r.Lost))
 	}
@@ -500,7 +507,12 @@ func (d *driver) run(ctx context.Context) (Result, error) {
 	}
 	drainStart := time.Now()
 	if err := d.drain(ctx); err != nil {
-		return d.res, err
+		if ctx.Err() != nil {
+			return d.res, err
+		}
+		// Counted all the same: what is missing is the verdict.
+		d.res.Unfinished = err.Error()
+		d.say("%v", err)
 	}
 	d.res.DrainTime = time.Since(drainStart)
 	d.stopAll()
@@ -619,13 +631,18 @@ func (d *driver) placeOnce(ctx context.Context, n int) (err error) {
 
 // drain waits until every placed message has an effect, the outbox is
 // forwarded, the queue is empty and the effect count has not moved for two
-// seconds, restarting any process that exits.
+// seconds, restarting any process that exits. It gives up early when
+// messages are missing but nothing is left to bring them: the outbox is
+// forwarded, the queue is empty and no effect has come for a stall limit
+// (five claim timeouts, at least 15s, so that the claims of killed
+// consumers have lapsed and their deliveries come back).
 func (d *driver) drain(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.DrainTimeout)
 	defer cancel()
 	d.say("draining")
+	stallLimit := max(15*time.Second, 5*d.cfg.ClaimTimeout)
 	var last, missing, pending, ready int
-	var stable time.Time
+	var stable, stalled time.Time
 	for {
 		if err := d.checkExits(); err != nil {
 			return err
@@ -642,10 +659,17 @@ func (d *driver) drain(ctx context.Context) error {
 		if err == nil {
 			missing, pending, ready = m, int(st.Pending), depth[0]
 			switch {
-			case missing > 0 || pending > 0 || ready > 0 || effects != last:
+			case missing > 0 && pending == 0 && ready == 0 && effects == last:
 				stable = time.Time{}
+				if stalled.IsZero() {
+					stalled = time.Now()
+				} else if time.Since(stalled) >= stallLimit {
+					return fmt.Errorf("reliability: drain: %d messages without effect, the outbox forwarded and the queue empty, no effect for %v", missing, stallLimit)
+				}
+			case missing > 0 || pending > 0 || ready > 0 || effects != last:
+				stable, stalled = time.Time{}, time.Time{}
 			case stable.IsZero():
-				stable = time.Now()
+				stable, stalled = time.Now(), time.Time{}
 			case time.Since(stable) >= 2*time.Second:
 				return nil
 			}
