@@ -81,7 +81,8 @@ func TestReliabilityShort(t *testing.T) {
 // without the message). Afterwards the campaign checks, per kill, that the
 // batch it reported left no row: the kill landed before the commit. Every
 // placed message must have exactly one effect: a kill mid-batch loses
-// nothing and doubles nothing.
+// nothing and doubles nothing. Not parallel, like TestReliabilityShort; the
+// two databases run one after the other, about 10s each.
 func TestReliabilityShortBatch(t *testing.T) {
 	amqpURL := testenv.AMQPURL(t)
 	for _, db := range []struct{ name, env string }{
