@@ -266,9 +266,9 @@ type Result struct {
 
 // Err reports why the campaign failed, or nil: a drain that did not finish,
 // anything lost, dead-lettered, left on the queue or unrecovered, a process
-// that gave up, in tx and batch
-// mode any message with more than one effect, and in batch mode a campaign
-// that aimed kills at batches without one landing before a commit.
+// that gave up, in tx and batch mode any message with more than one effect,
+// and in batch mode a campaign that aimed kills at batches without one
+// landing before a commit.
 func (r Result) Err() error {
 	var errs []error
 	if r.Unfinished != "" {
@@ -507,7 +507,7 @@ func (d *driver) run(ctx context.Context) (Result, error) {
 	}
 	drainStart := time.Now()
 	if err := d.drain(ctx); err != nil {
-		if ctx.Err() != nil {
+		if !errors.Is(err, errUnfinished) || ctx.Err() != nil {
 			return d.res, err
 		}
 		// Counted all the same: what is missing is the verdict.
@@ -629,6 +629,9 @@ func (d *driver) placeOnce(ctx context.Context, n int) (err error) {
 	return tx.Commit()
 }
 
+// errUnfinished is the error of a drain that ended before everything settled.
+var errUnfinished = errors.New("reliability: drain did not finish")
+
 // drain waits until every placed message has an effect, the outbox is
 // forwarded, the queue is empty and the effect count has not moved for two
 // seconds, restarting any process that exits. It gives up early when
@@ -664,7 +667,7 @@ func (d *driver) drain(ctx context.Context) error {
 				if stalled.IsZero() {
 					stalled = time.Now()
 				} else if time.Since(stalled) >= stallLimit {
-					return fmt.Errorf("reliability: drain: %d messages without effect, the outbox forwarded and the queue empty, no effect for %v", missing, stallLimit)
+					return fmt.Errorf("%w: %d messages without effect, the outbox forwarded and the queue empty, no effect for %v", errUnfinished, missing, stallLimit)
 				}
 			case missing > 0 || pending > 0 || ready > 0 || effects != last:
 				stable, stalled = time.Time{}, time.Time{}
@@ -677,8 +680,8 @@ func (d *driver) drain(ctx context.Context) error {
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("reliability: drain: %d messages without effect, %d outbox rows pending, %d on the queue (last error: %v): %w",
-				missing, pending, ready, err, ctx.Err())
+			return fmt.Errorf("%w: %d messages without effect, %d outbox rows pending, %d on the queue (last error: %v): %w",
+				errUnfinished, missing, pending, ready, err, ctx.Err())
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
@@ -777,24 +780,35 @@ type proc struct {
 }
 
 // status returns the line the process last wrote in its status file: its
-// phase, and for mid-batch the numbers of its open transactions.
+// phase, and for mid-batch the numbers of its open transactions. A read can
+// overlap a write, so the line counts only when two reads in a row agree.
 func (p *proc) status() string {
-	b := make([]byte, statusWidth)
 	f, err := os.Open(p.spec.StatusFile)
 	if err != nil {
 		return phaseStarting
 	}
 	defer f.Close()
-	n, _ := f.ReadAt(b, 0)
-	if s := strings.TrimSpace(string(b[:n])); s != "" {
-		return s
+	read := func() string {
+		b := make([]byte, statusWidth)
+		n, _ := f.ReadAt(b, 0)
+		return strings.TrimSpace(string(b[:n]))
 	}
-	return phaseStarting
+	s := read()
+	for range 3 {
+		again := read()
+		if again == s {
+			break
+		}
+		s = again
+	}
+	if s == "" {
+		return phaseStarting
+	}
+	return s
 }
 
 // parseStatus splits a status line into the phase and the transaction
-// numbers that follow it. A number cut short by a concurrent write is
-// dropped.
+// numbers that follow it.
 func parseStatus(line string) (phase string, txs []int) {
 	fields := strings.Fields(line)
 	if len(fields) == 0 {
