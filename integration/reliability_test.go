@@ -71,6 +71,67 @@ func TestReliabilityShort(t *testing.T) {
 	}
 }
 
+// TestReliabilityShortBatch is the CI-sized run of the campaign in batch
+// mode (pipeline.TxConfig.Batch: the deliveries in flight in a consumer
+// share one transaction, their keys claimed as confirmed in one statement,
+// all acked after the commit), on PostgreSQL and on MariaDB: 20 SIGKILLs,
+// every one aimed at a consumer waiting until it reports a transaction of two
+// or more messages between its claim statement and its commit, and 5% of the
+// handler calls failing after writing their effect (the batch runs again
+// without the message). Afterwards the campaign checks, per kill, that the
+// batch it reported left no row: the kill landed before the commit. Every
+// placed message must have exactly one effect: a kill mid-batch loses
+// nothing and doubles nothing. Not parallel, like TestReliabilityShort; the
+// two databases run one after the other, about 10s each.
+func TestReliabilityShortBatch(t *testing.T) {
+	amqpURL := testenv.AMQPURL(t)
+	for _, db := range []struct{ name, env string }{
+		{"postgres", testenv.PostgresURLEnv},
+		{"mariadb", testenv.MySQLURLEnv},
+	} {
+		t.Run(db.name, func(t *testing.T) {
+			dbURL := testenv.Require(t, db.env)
+			ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
+			defer cancel()
+			var log strings.Builder
+			res, err := reliability.Run(ctx, reliability.Config{
+				DB:       dbURL,
+				AMQP:     amqpURL,
+				Mode:     reliability.ModeBatch,
+				Cycles:   20,
+				Messages: 200,
+				Aim:      1,
+				FailRate: 0.05,
+				Command: func() *exec.Cmd {
+					return exec.Command(os.Args[0], "-test.run=^TestReliabilityHelperProcess$", "-test.count=1")
+				},
+				DrainTimeout: 40 * time.Second,
+				Out:          &log,
+			})
+			var table strings.Builder
+			res.Print(&table)
+			t.Logf("campaign:\n%s\n%s", log.String(), table.String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := res.Err(); err != nil {
+				t.Fatal(err)
+			}
+			if res.Placed < 200 || res.Effects != res.Placed || res.Lost != 0 || res.Duplicated != 0 {
+				t.Errorf("placed %d, effects %d, lost %d, duplicated %d: want one effect per placed message", res.Placed, res.Effects, res.Lost, res.Duplicated)
+			}
+			if res.BatchKillsUncommitted == 0 {
+				t.Errorf("%d kills aimed, %d in a batch, none before its commit: the campaign did not kill mid-batch", res.Aimed, res.BatchKills)
+			}
+			// Batching happened: fewer transactions than effects, and some
+			// carried several messages.
+			if res.LargestBatch < 3 || res.Transactions*3 > res.Effects*2 {
+				t.Errorf("%d effects in %d transactions, at most %d in one: want batches", res.Effects, res.Transactions, res.LargestBatch)
+			}
+		})
+	}
+}
+
 // TestReliabilityHelperProcess is not a test: it is a process of
 // TestReliabilityShort's campaign (relay or consumer), run only when the
 // campaign starts this binary with reliability.ChildEnv set.

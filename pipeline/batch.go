@@ -265,6 +265,9 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err err
 	for i, j := range jobs {
 		keys[i] = j.key
 		j.claimed, j.err = false, nil
+		// The outcome a previous run's claim set (deferred for a busy key)
+		// is stale: this run's claim decides it again.
+		settlement.FromContext(j.ctx).Undecide()
 	}
 	// All keys in one statement; a batch whose claims fail fails whole.
 	claims, err := b.cfg.Store.WithTx(tx).ClaimConfirmedAll(ctx, keys)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/poison"
@@ -359,6 +360,45 @@ func TestTypedBatchHandlerPoisonsOneMessage(t *testing.T) {
 		defer b.mu.Unlock()
 		if len(b.slices) > 2 {
 			t.Fatalf("%d runs; the named message should be taken out without a split", len(b.slices))
+		}
+	})
+}
+
+// A delivery found busy in the first run of its batch and settled in a later
+// run (the batch ran again without a failing message, and the holder's claim
+// had lapsed by then) reports the later run's outcome, not "deferred".
+func TestBatchOutcomeIsTheLastRunsOutcome(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *txEnv) {
+		// Someone else holds "held", for a moment.
+		_, err := e.store.Claim(t.Context(), "held", 300*time.Millisecond)
+		must(t, err)
+		b := newBatchEnv(t, e, func(msg *message.Message, call int) error {
+			if msg.UUID == "slow" && call == 1 {
+				time.Sleep(time.Second) // the claim on "held" lapses meanwhile
+				return errors.New("declined")
+			}
+			return nil
+		})
+		held, slow := message.NewMessage("held", []byte("held")), message.NewMessage("slow", []byte("slow"))
+		var recs []*settlement.Record
+		for _, m := range []*message.Message{held, slow} {
+			ctx, rec := settlement.New(m.Context(), nil)
+			m.SetContext(ctx)
+			recs = append(recs, rec)
+		}
+		errs := b.deliver(held, slow)
+		if errs[0] != nil || errs[1] == nil {
+			t.Fatalf("held: %v, slow: %v; want held settled, slow failed", errs[0], errs[1])
+		}
+		b.mu.Lock()
+		heldRuns := b.calls["held"]
+		b.mu.Unlock()
+		if heldRuns != 1 || e.rows(t) != 1 {
+			t.Fatalf("held ran %d times, %d charges; want it run once, in the second run", heldRuns, e.rows(t))
+		}
+		if o, _, _, _ := recs[0].Snapshot(); o != "" || recs[0].Deferred() {
+			t.Fatalf("held: outcome %q after it was done; want none set (the tracing middleware then reports done)", o)
 		}
 	})
 }

@@ -8,12 +8,14 @@
 //	go run ./bench/reliability -db postgres://... -amqp amqp://... -cycles 200 -mode tx
 //	go run ./bench/reliability -db mysql://... -amqp amqp://... -cycles 200
 //	go run ./bench/reliability -db postgres://... -amqp amqp://... -mode plain -cycles 200
+//	go run ./bench/reliability -db postgres://... -amqp amqp://... -mode batch -cycles 200 -fail-rate 0.02
 //	go run ./bench/reliability -db postgres://... -amqp amqp://... -cycles 0 -fault rabbitmq,postgres,pgterminate
 //
 // The exit code is 1 when anything was lost, dead-lettered or left behind,
-// when a process gave up by itself, when a fault was not recovered from, or
-// when tx mode shows a message with two effects; 2 when the campaign could
-// not run.
+// when the drain did not finish in -drain-timeout, when a process gave up by
+// itself, when a fault was not recovered from, when tx or batch mode shows a
+// message with two effects, or when batch mode aimed kills at batches and
+// none landed before a commit; 2 when the campaign could not run.
 package main
 
 import (
@@ -39,13 +41,17 @@ func main() {
 	var seed int64
 	flag.StringVar(&cfg.DB, "db", os.Getenv("SETTLE_POSTGRES_URL"), "database URL: postgres://... or mysql://... (default $SETTLE_POSTGRES_URL)")
 	flag.StringVar(&cfg.AMQP, "amqp", os.Getenv("SETTLE_AMQP_URL"), "RabbitMQ URL (default $SETTLE_AMQP_URL)")
-	flag.StringVar(&cfg.Mode, "mode", reliability.ModeTx, "consumer mode: tx (HandleTx) or plain (dedupe middleware, effect outside a transaction)")
+	flag.StringVar(&cfg.Mode, "mode", reliability.ModeTx, "consumer mode: tx (HandleTx), plain (dedupe middleware, effect outside a transaction) or batch (HandleTx with group commit)")
 	flag.IntVar(&cfg.Cycles, "cycles", 200, "kill-and-restart cycles")
 	flag.IntVar(&cfg.Messages, "messages", 0, "logical messages placed during the kill cycles (default 5 per cycle, at least 100)")
 	flag.StringVar(&faults, "fault", "", "comma-separated service faults after the cycles: rabbitmq, postgres, pgterminate")
 	flag.Int64Var(&seed, "seed", 0, "seed of the kill schedule (default: the clock)")
 	flag.DurationVar(&cfg.MaxDelay, "max-delay", 100*time.Millisecond, "longest random wait before a kill")
 	flag.DurationVar(&cfg.MaxSleep, "max-sleep", 10*time.Millisecond, "longest random sleep of a process in its handler, before an ack and after a forward")
+	flag.IntVar(&cfg.BatchSize, "batch-size", 8, "batch mode: deliveries in flight per consumer and most per transaction")
+	flag.DurationVar(&cfg.BatchWait, "batch-wait", 50*time.Millisecond, "batch mode: how long a batch's first delivery waits for others")
+	flag.Float64Var(&cfg.Aim, "aim", 0.5, "batch mode: share of consumer kills that wait for a batch between its claim statement and its commit")
+	flag.Float64Var(&cfg.FailRate, "fail-rate", 0, "share of handler calls that fail on purpose (transient; tx and batch mode: after the effect row)")
 	flag.DurationVar(&cfg.FaultHold, "fault-hold", 3*time.Second, "how long RabbitMQ stays stopped")
 	flag.DurationVar(&cfg.DrainTimeout, "drain-timeout", 2*time.Minute, "bound of the final drain")
 	flag.BoolVar(&cfg.Keep, "keep", false, "keep the tables, queues and process logs")

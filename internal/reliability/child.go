@@ -9,6 +9,8 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/signal"
+	"slices"
+	"strconv"
 	"sync"
 	"syscall"
 	"time"
@@ -42,11 +44,12 @@ const (
 	phaseStarting   = "starting"
 	phaseIdle       = "idle"
 	phaseHandler    = "mid-handler"      // consumer: handler running, nothing committed
+	phaseBatch      = "mid-batch"        // batch consumer: keys claimed in a transaction of >= 2 messages, not committed
 	phaseEffect     = "effect-unconfirm" // plain consumer: effect written, key not confirmed
 	phaseCommitted  = "committed-unacked"
 	phasePublishing = "mid-forward" // relay: publishing to RabbitMQ
 	phasePublished  = "published-unmarked"
-	statusWidth     = 24
+	statusWidth     = 64 // a phase, and for mid-batch the open transactions
 )
 
 // childSpec is everything a child process needs; the driver passes it in
@@ -66,6 +69,9 @@ type childSpec struct {
 	MaxSleep     time.Duration `json:"max_sleep"`
 	ClaimTimeout time.Duration `json:"claim_timeout"`
 	MaxAttempts  int           `json:"max_attempts"`
+	BatchSize    int           `json:"batch_size"`
+	BatchWait    time.Duration `json:"batch_wait"`
+	FailRate     float64       `json:"fail_rate"`
 }
 
 // IsChild reports whether this process was started by the driver as one of
@@ -268,11 +274,25 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 	if err != nil {
 		return err
 	}
+	// In batch mode the phase is derived from all deliveries in flight
+	// (see batchStatus); in the other modes the last one to move sets it.
+	var bs *batchStatus
+	if spec.Mode == ModeBatch {
+		bs = newBatchStatus(st)
+	}
 	// Outermost: the phase between the handler's success (committed or
 	// confirmed) and the ack, with a random sleep to widen it.
 	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			out, err := h(msg)
+			if bs != nil {
+				bs.leave(msg, err == nil)
+				if err == nil {
+					sl.sleep(ctx)
+					bs.acked()
+				}
+				return out, err
+			}
 			if err == nil {
 				st.set(phaseCommitted)
 				sl.sleep(ctx)
@@ -281,6 +301,11 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 			return out, err
 		}
 	})
+	concurrency := 1
+	if spec.Mode == ModeBatch {
+		// As many subscriptions as a batch holds, so that batches can fill.
+		concurrency = spec.BatchSize
+	}
 	p, err := pipeline.New(router, pipeline.Config{
 		Publisher:      pub,
 		Store:          store,
@@ -288,6 +313,7 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 		DisableTracing: true,
 		Logger:         logger,
 		BusyDelay:      50 * time.Millisecond,
+		Concurrency:    concurrency,
 		Retry: middleware.RetryConfig{
 			MaxAttempts:      spec.MaxAttempts,
 			InProcessRetries: 1,
@@ -299,28 +325,59 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 	if err != nil {
 		return err
 	}
-	insert := "INSERT INTO " + spec.Effects + " (msg_id, pid) VALUES (?, ?)"
+	// tx identifies the transaction of an effect row in batch mode (0 in
+	// the other modes), so that the driver can tell which batches committed.
+	insert := "INSERT INTO " + spec.Effects + " (msg_id, pid, tx) VALUES (?, ?, ?)"
 	if dialect == dedupe.Postgres {
-		insert = "INSERT INTO " + spec.Effects + " (msg_id, pid) VALUES ($1, $2)"
+		insert = "INSERT INTO " + spec.Effects + " (msg_id, pid, tx) VALUES ($1, $2, $3)"
 	}
 	pid := os.Getpid()
+	fail := &failer{rnd: rand.New(rand.NewPCG(spec.Seed^0x5bd1e995, uint64(pid))), rate: spec.FailRate}
 	switch spec.Mode {
 	case ModeTx:
 		_, err = p.HandleTx("effect", spec.Topic, sub, nil, pipeline.TxConfig{DB: db},
 			func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 				st.set(phaseHandler)
 				sl.sleep(ctx)
-				if _, err := tx.ExecContext(ctx, insert, msg.UUID, pid); err != nil {
+				if _, err := tx.ExecContext(ctx, insert, msg.UUID, pid, 0); err != nil {
 					return err
+				}
+				if fail.now() { // after the effect: the rollback must undo it
+					return errInjected
 				}
 				return ctx.Err()
 			})
+	case ModeBatch:
+		_, err = p.HandleTx("effect", spec.Topic, sub, nil, pipeline.TxConfig{
+			DB:    db,
+			Batch: pipeline.BatchConfig{MaxSize: spec.BatchSize, MaxWait: spec.BatchWait},
+		}, func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
+			// Called after the batch's claim statement, before its commit.
+			seq := bs.enter(tx, msg)
+			sl.sleep(ctx)
+			_, err := tx.ExecContext(ctx, insert, msg.UUID, pid, seq)
+			if err == nil && fail.now() {
+				// After the effect: the batch is rolled back and run again
+				// without this message; its effect must go with the rollback.
+				err = errInjected
+			}
+			if err == nil {
+				err = ctx.Err()
+			}
+			if err != nil {
+				bs.failed(seq)
+			}
+			return err
+		})
 	case ModePlain:
 		_, err = p.Handle("effect", spec.Topic, sub, func(msg *message.Message) error {
 			ctx := msg.Context()
 			st.set(phaseHandler)
 			sl.sleep(ctx)
-			if _, err := db.ExecContext(ctx, insert, msg.UUID, pid); err != nil {
+			if fail.now() { // before the effect: plain mode has no rollback
+				return errInjected
+			}
+			if _, err := db.ExecContext(ctx, insert, msg.UUID, pid, 0); err != nil {
 				return err
 			}
 			// The documented window: the effect is written, the key is
@@ -343,4 +400,141 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 		}
 	}()
 	return router.Run(ctx)
+}
+
+// errInjected is the failure a consumer injects on purpose (Config.FailRate).
+var errInjected = errors.New("reliability: injected handler failure")
+
+// failer decides which handler calls fail on purpose.
+type failer struct {
+	mu   sync.Mutex
+	rnd  *rand.Rand
+	rate float64
+}
+
+func (f *failer) now() bool {
+	if f.rate <= 0 {
+		return false
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.rnd.Float64() < f.rate
+}
+
+// batchStatus derives a batch consumer's phase from every delivery in
+// flight, since a batch is many deliveries at once: mid-batch (followed by
+// the numbers of the open transactions) while a transaction holds at least
+// two deliveries whose handler ran in it, so the batch's claim statement has
+// run and its commit has not returned; mid-handler while a transaction holds
+// one; committed-unacked while a delivery has succeeded and waits for its
+// ack; idle otherwise.
+type batchStatus struct {
+	st *status
+
+	mu      sync.Mutex
+	next    int                      // number of the next transaction
+	txs     map[*sql.Tx]int          // number of each transaction seen
+	in      map[*message.Message]int // delivery -> transaction its handler last ran in
+	unacked int
+}
+
+func newBatchStatus(st *status) *batchStatus {
+	return &batchStatus{st: st, txs: map[*sql.Tx]int{}, in: map[*message.Message]int{}}
+}
+
+// enter records a handler call of msg in tx and returns tx's number.
+func (b *batchStatus) enter(tx *sql.Tx, msg *message.Message) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	seq, ok := b.txs[tx]
+	if !ok {
+		b.next++
+		seq = b.next
+		b.txs[tx] = seq
+	}
+	old, had := b.in[msg]
+	b.in[msg] = seq
+	if had && old != seq {
+		b.forget(old)
+	}
+	b.write()
+	return seq
+}
+
+// failed records that transaction seq is being rolled back: its deliveries
+// are out of it until the batch runs again.
+func (b *batchStatus) failed(seq int) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for m, s := range b.in {
+		if s == seq {
+			delete(b.in, m)
+		}
+	}
+	b.forget(seq)
+	b.write()
+}
+
+// leave records that msg's handler returned, successfully or not.
+func (b *batchStatus) leave(msg *message.Message, ok bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if seq, had := b.in[msg]; had {
+		delete(b.in, msg)
+		b.forget(seq)
+	}
+	if ok {
+		b.unacked++
+	}
+	b.write()
+}
+
+// acked records that a successful delivery is about to be acked.
+func (b *batchStatus) acked() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.unacked--
+	b.write()
+}
+
+// forget drops transaction seq once no delivery is in it.
+func (b *batchStatus) forget(seq int) {
+	for _, s := range b.in {
+		if s == seq {
+			return
+		}
+	}
+	for tx, s := range b.txs {
+		if s == seq {
+			delete(b.txs, tx)
+		}
+	}
+}
+
+func (b *batchStatus) write() {
+	per := map[int]int{}
+	for _, s := range b.in {
+		per[s]++
+	}
+	var open []int
+	for s, n := range per {
+		if n >= 2 {
+			open = append(open, s)
+		}
+	}
+	switch {
+	case len(open) > 0:
+		slices.Sort(open)
+		line := phaseBatch
+		for _, s := range open {
+			line += " " + strconv.Itoa(s)
+		}
+		b.st.set(line)
+	case len(b.in) > 0:
+		b.st.set(phaseHandler)
+	case b.unacked > 0:
+		b.st.set(phaseCommitted)
+	default:
+		b.st.set(phaseIdle)
+	}
 }

@@ -29,6 +29,10 @@ func TestRunRefusesBadConfig(t *testing.T) {
 		{"negative messages", func(c *reliability.Config) { c.Messages = -5 }, "Config.Messages"},
 		{"delays inverted", func(c *reliability.Config) { c.MinDelay, c.MaxDelay = time.Second, time.Millisecond }, "Config.MinDelay"},
 		{"negative sleep", func(c *reliability.Config) { c.MaxSleep = -time.Millisecond }, "Config.MaxSleep"},
+		{"batch of one", func(c *reliability.Config) { c.Mode, c.BatchSize = reliability.ModeBatch, 1 }, "Config.BatchSize"},
+		{"aim above one", func(c *reliability.Config) { c.Aim = 1.5 }, "Config.Aim"},
+		{"negative fail rate", func(c *reliability.Config) { c.FailRate = -0.1 }, "Config.FailRate"},
+		{"fail rate too high", func(c *reliability.Config) { c.FailRate = 0.9 }, "Config.FailRate"},
 		{"no command", func(c *reliability.Config) { c.Command = nil }, "Config.Command"},
 		{"unknown fault", func(c *reliability.Config) { c.Faults = []string{"disk"} }, "Config.Faults"},
 	} {
@@ -50,12 +54,20 @@ func TestResultErr(t *testing.T) {
 	if err := ok.Err(); err != nil {
 		t.Fatalf("clean result: %v", err)
 	}
+	batch := reliability.Result{Mode: reliability.ModeBatch, Placed: 10, Effects: 10, Aimed: 3, BatchKills: 2, BatchKillsUncommitted: 1}
+	if err := batch.Err(); err != nil {
+		t.Fatalf("clean batch result: %v", err)
+	}
 	plainDup := reliability.Result{Mode: reliability.ModePlain, Placed: 10, Effects: 11, Duplicated: 1, Extra: 1}
 	if err := plainDup.Err(); err != nil {
 		t.Fatalf("a duplicate in plain mode is the documented window, not a failure: %v", err)
 	}
 	for _, r := range []reliability.Result{
 		{Mode: reliability.ModeTx, Duplicated: 1},
+		{Mode: reliability.ModeBatch, Duplicated: 1},
+		// Kills aimed at batches, none of which landed before a commit: the
+		// campaign did not test what batch mode is for.
+		{Mode: reliability.ModeBatch, Aimed: 5, BatchKills: 2},
 		{Mode: reliability.ModePlain, Lost: 1},
 		{Mode: reliability.ModeTx, DeadLettered: 1},
 		{Mode: reliability.ModeTx, LeftOnQueue: 1},

@@ -182,6 +182,22 @@ func (r Result) Print(w io.Writer) {
 	fmt.Fprintf(tw, "dead-lettered/poisoned\t%d\n", r.DeadLettered)
 	fmt.Fprintf(tw, "left on queue\t%d\n", r.LeftOnQueue)
 	fmt.Fprintf(tw, "claims acquired\t%d\n", r.ClaimRuns)
+	if r.Mode == ModeBatch {
+		mean := 0.0
+		if r.Transactions > 0 {
+			mean = float64(r.Effects) / float64(r.Transactions)
+		}
+		fmt.Fprintf(tw, "committed transactions\t%d\t%.1f effects each on average, at most %d\n", r.Transactions, mean, r.LargestBatch)
+		var sizes []string
+		for size := 1; size <= r.LargestBatch; size++ {
+			if n := r.BatchSizes[size]; n > 0 {
+				sizes = append(sizes, fmt.Sprintf("%d×%d", n, size))
+			}
+		}
+		fmt.Fprintf(tw, "transactions by size\t\t%s\n", strings.Join(sizes, ", "))
+		fmt.Fprintf(tw, "kills in a batch\t%d\t%d aimed; %d before the commit (the batch left no row), %d raced the commit\n",
+			r.BatchKills, r.Aimed, r.BatchKillsUncommitted, r.BatchKills-r.BatchKillsUncommitted)
+	}
 	fmt.Fprintf(tw, "drain\t%v\n", r.DrainTime.Round(time.Millisecond))
 	fmt.Fprintf(tw, "total\t%v\n", r.Duration.Round(time.Millisecond))
 	verdict := "PASS"

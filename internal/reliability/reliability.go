@@ -20,6 +20,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -41,6 +42,10 @@ const (
 	// ModePlain: the dedupe middleware with a SQLStore and a handler that
 	// writes the effect on the plain *sql.DB, outside any transaction.
 	ModePlain = "plain"
+	// ModeBatch: pipeline.HandleTx with group commit (TxConfig.Batch): the
+	// deliveries in flight in a consumer share one transaction, their keys
+	// claimed as confirmed in one statement, and are acked after its commit.
+	ModeBatch = "batch"
 )
 
 // Faults the campaign can inject after its kill cycles.
@@ -61,7 +66,7 @@ type Config struct {
 	DB string
 	// AMQP is the RabbitMQ URL. Required.
 	AMQP string
-	// Mode is ModeTx or ModePlain. Defaults to ModeTx.
+	// Mode is ModeTx, ModePlain or ModeBatch. Defaults to ModeTx.
 	Mode string
 	// Cycles is the number of kill-and-restart cycles. Must be >= 0.
 	Cycles int
@@ -83,6 +88,26 @@ type Config struct {
 	// ClaimTimeout is the consumers' dedupe claim timeout: how soon the
 	// message of a killed consumer is taken over. Defaults to 2s.
 	ClaimTimeout time.Duration
+	// BatchSize is, in ModeBatch, each consumer's pipeline Concurrency and
+	// its TxConfig.Batch.MaxSize: the most deliveries one transaction
+	// carries. Defaults to 8. Must be >= 2.
+	BatchSize int
+	// BatchWait is, in ModeBatch, TxConfig.Batch.MaxWait: how long the first
+	// delivery of a batch waits for others. Defaults to 50ms (the relay
+	// forwards one message at a time, so deliveries trickle in); a negative
+	// value means no wait.
+	BatchWait time.Duration
+	// Aim is, in ModeBatch, the share of consumer kills that wait (up to
+	// one more second) for the consumer to report a batch between its claim
+	// statement and its commit before the signal. 0 means none: every kill
+	// lands at a random moment. Must be in [0, 1].
+	Aim float64
+	// FailRate is the share of handler calls that fail on purpose with a
+	// transient error: in tx and batch mode after the effect row is written
+	// (the rollback must take it away; in batch mode the rest of the batch
+	// runs again without the message), in plain mode before it. 0 means
+	// none. Must be in [0, 0.5].
+	FailRate float64
 	// FaultHold is how long RabbitMQ stays stopped. Defaults to 3s.
 	FaultHold time.Duration
 	// RecoverTimeout bounds the wait for the first effect after a fault.
@@ -122,6 +147,12 @@ func (c *Config) setDefaults() {
 	if c.ClaimTimeout == 0 {
 		c.ClaimTimeout = 2 * time.Second
 	}
+	if c.BatchSize == 0 {
+		c.BatchSize = 8
+	}
+	if c.BatchWait == 0 {
+		c.BatchWait = 50 * time.Millisecond
+	}
 	if c.FaultHold == 0 {
 		c.FaultHold = 3 * time.Second
 	}
@@ -143,8 +174,8 @@ func (c Config) Validate() error {
 		return errors.New("reliability: Config.DB is required")
 	case c.AMQP == "":
 		return errors.New("reliability: Config.AMQP is required")
-	case c.Mode != ModeTx && c.Mode != ModePlain:
-		return fmt.Errorf("reliability: Config.Mode must be %q or %q, got %q", ModeTx, ModePlain, c.Mode)
+	case c.Mode != ModeTx && c.Mode != ModePlain && c.Mode != ModeBatch:
+		return fmt.Errorf("reliability: Config.Mode must be %q, %q or %q, got %q", ModeTx, ModePlain, ModeBatch, c.Mode)
 	case c.Cycles < 0:
 		return fmt.Errorf("reliability: Config.Cycles must be >= 0, got %d", c.Cycles)
 	case c.Messages < 1:
@@ -153,6 +184,12 @@ func (c Config) Validate() error {
 		return fmt.Errorf("reliability: Config.MinDelay (%v) must be >= 0 and < MaxDelay (%v)", c.MinDelay, c.MaxDelay)
 	case c.MaxSleep < 0:
 		return fmt.Errorf("reliability: Config.MaxSleep must be >= 0, got %v", c.MaxSleep)
+	case c.BatchSize < 2:
+		return fmt.Errorf("reliability: Config.BatchSize must be >= 2, got %d", c.BatchSize)
+	case c.Aim < 0 || c.Aim > 1:
+		return fmt.Errorf("reliability: Config.Aim must be in [0, 1], got %v", c.Aim)
+	case c.FailRate < 0 || c.FailRate > 0.5:
+		return fmt.Errorf("reliability: Config.FailRate must be in [0, 0.5], got %v", c.FailRate)
 	case c.Command == nil:
 		return errors.New("reliability: Config.Command is required")
 	}
@@ -204,20 +241,47 @@ type Result struct {
 	LeftOnQueue  int // deliveries still on the queue after the consumers stopped
 	ClaimRuns    int // claims acquired (handler starts), summed over messages
 
+	// Batch mode only.
+	Transactions int // committed transactions that wrote effects
+	LargestBatch int // most effects one transaction committed
+	// BatchSizes counts the committed transactions by their effects.
+	BatchSizes map[int]int
+	// Aimed counts the consumer kills that waited for a batch (Config.Aim).
+	Aimed int
+	// BatchKills counts the kills whose process reported, just before the
+	// signal, a transaction of two or more messages between its claim
+	// statement and its commit.
+	BatchKills int
+	// BatchKillsUncommitted counts those of BatchKills whose reported
+	// transactions left no effect row: the kill really landed before the
+	// commit (the others raced it, and the commit won).
+	BatchKillsUncommitted int
+
 	Duration  time.Duration
 	DrainTime time.Duration
+	// Unfinished says why the drain ended before everything settled
+	// (Config.DrainTimeout); the counts are then of an unfinished run.
+	Unfinished string
 }
 
-// Err reports why the campaign failed, or nil: anything lost, dead-lettered,
-// left on the queue or unrecovered, a process that gave up, and in tx mode
-// any message with more than one effect.
+// Err reports why the campaign failed, or nil: a drain that did not finish,
+// anything lost, dead-lettered, left on the queue or unrecovered, a process
+// that gave up, in tx and batch mode any message with more than one effect,
+// and in batch mode a campaign that aimed kills at batches without one
+// landing before a commit.
 func (r Result) Err() error {
 	var errs []error
+	if r.Unfinished != "" {
+		errs = append(errs, errors.New(r.Unfinished))
+	}
 	if r.Lost > 0 {
 		errs = append(errs, fmt.Errorf("%d messages lost", r.Lost))
 	}
-	if r.Mode == ModeTx && r.Duplicated > 0 {
-		errs = append(errs, fmt.Errorf("%d messages have more than one effect in tx mode", r.Duplicated))
+	if r.Mode != ModePlain && r.Duplicated > 0 {
+		errs = append(errs, fmt.Errorf("%d messages have more than one effect in %s mode", r.Duplicated, r.Mode))
+	}
+	if r.Mode == ModeBatch && r.Aimed > 0 && r.BatchKillsUncommitted == 0 {
+		errs = append(errs, fmt.Errorf("%d kills aimed at batches, none landed between a claim statement and its commit", r.Aimed))
 	}
 	if r.Unplaced > 0 {
 		errs = append(errs, fmt.Errorf("%d effects of messages never placed", r.Unplaced))
@@ -269,8 +333,11 @@ type driver struct {
 	topic, outboxTopic, claims, effects, placed string
 
 	appName string // PostgreSQL application_name of every connection of the run
-	next    int    // sequence of the next logical message
-	res     Result
+	// batchKills are the kills that landed in a batch: the process and the
+	// open transactions it reported.
+	batchKills []batchKill
+	next       int // sequence of the next logical message
+	res        Result
 }
 
 func newDriver(ctx context.Context, cfg Config) (d *driver, err error) {
@@ -330,7 +397,8 @@ func newDriver(ctx context.Context, cfg Config) (d *driver, err error) {
 	}
 	ddl = append(ddl,
 		// No unique key: a second effect is counted, not refused.
-		"CREATE TABLE "+d.effects+" (msg_id VARCHAR(64) NOT NULL, pid INTEGER NOT NULL)",
+		// tx numbers the transactions of a batch consumer (0 otherwise).
+		"CREATE TABLE "+d.effects+" (msg_id VARCHAR(64) NOT NULL, pid INTEGER NOT NULL, tx INTEGER NOT NULL)",
 		"CREATE TABLE "+d.placed+" (seq INTEGER NOT NULL PRIMARY KEY, msg_id VARCHAR(64) NOT NULL)",
 	)
 	for _, q := range ddl {
@@ -413,6 +481,7 @@ func (d *driver) run(ctx context.Context) (Result, error) {
 		spec.Topic, spec.OutboxTopic, spec.Claims, spec.Effects = d.topic, d.outboxTopic, d.claims, d.effects
 		spec.StatusFile = filepath.Join(d.dir, spec.Name+".status")
 		spec.MaxSleep, spec.ClaimTimeout = d.cfg.MaxSleep, d.cfg.ClaimTimeout
+		spec.BatchSize, spec.BatchWait, spec.FailRate = d.cfg.BatchSize, d.cfg.BatchWait, d.cfg.FailRate
 		// Attempts are counted per claim, and every kill of a consumer in
 		// its handler costs one: keep dead-lettering out of the picture.
 		spec.MaxAttempts = 1000
@@ -438,7 +507,12 @@ func (d *driver) run(ctx context.Context) (Result, error) {
 	}
 	drainStart := time.Now()
 	if err := d.drain(ctx); err != nil {
-		return d.res, err
+		if !errors.Is(err, errUnfinished) || ctx.Err() != nil {
+			return d.res, err
+		}
+		// Counted all the same: what is missing is the verdict.
+		d.res.Unfinished = err.Error()
+		d.say("%v", err)
 	}
 	d.res.DrainTime = time.Since(drainStart)
 	d.stopAll()
@@ -470,9 +544,20 @@ func (d *driver) killCycles(ctx context.Context) error {
 			return err
 		}
 		p := d.procs[d.rnd.IntN(len(d.procs))]
-		phase := p.phase()
+		var line string
+		if d.cfg.Mode == ModeBatch && p.spec.Role == roleConsumer && d.cfg.Aim > 0 && d.rnd.Float64() < d.cfg.Aim {
+			d.res.Aimed++
+			line = d.awaitBatch(ctx, p)
+		} else {
+			line = p.status()
+		}
+		pid := p.cmd.Process.Pid
 		if err := d.kill(p); err != nil {
 			return err
+		}
+		phase, txs := parseStatus(line)
+		if phase == phaseBatch {
+			d.batchKills = append(d.batchKills, batchKill{pid: pid, txs: txs})
 		}
 		if d.res.Kills[p.spec.Role] == nil {
 			d.res.Kills[p.spec.Role] = map[string]int{}
@@ -544,15 +629,23 @@ func (d *driver) placeOnce(ctx context.Context, n int) (err error) {
 	return tx.Commit()
 }
 
+// errUnfinished is the error of a drain that ended before everything settled.
+var errUnfinished = errors.New("reliability: drain did not finish")
+
 // drain waits until every placed message has an effect, the outbox is
 // forwarded, the queue is empty and the effect count has not moved for two
-// seconds, restarting any process that exits.
+// seconds, restarting any process that exits. It gives up early when
+// messages are missing but nothing is left to bring them: the outbox is
+// forwarded, the queue is empty and no effect has come for a stall limit
+// (five claim timeouts, at least 15s, so that the claims of killed
+// consumers have lapsed and their deliveries come back).
 func (d *driver) drain(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.DrainTimeout)
 	defer cancel()
 	d.say("draining")
+	stallLimit := max(15*time.Second, 5*d.cfg.ClaimTimeout)
 	var last, missing, pending, ready int
-	var stable time.Time
+	var stable, stalled time.Time
 	for {
 		if err := d.checkExits(); err != nil {
 			return err
@@ -569,10 +662,17 @@ func (d *driver) drain(ctx context.Context) error {
 		if err == nil {
 			missing, pending, ready = m, int(st.Pending), depth[0]
 			switch {
-			case missing > 0 || pending > 0 || ready > 0 || effects != last:
+			case missing > 0 && pending == 0 && ready == 0 && effects == last:
 				stable = time.Time{}
+				if stalled.IsZero() {
+					stalled = time.Now()
+				} else if time.Since(stalled) >= stallLimit {
+					return fmt.Errorf("%w: %d messages without effect, the outbox forwarded and the queue empty, no effect for %v", errUnfinished, missing, stallLimit)
+				}
+			case missing > 0 || pending > 0 || ready > 0 || effects != last:
+				stable, stalled = time.Time{}, time.Time{}
 			case stable.IsZero():
-				stable = time.Now()
+				stable, stalled = time.Now(), time.Time{}
 			case time.Since(stable) >= 2*time.Second:
 				return nil
 			}
@@ -580,8 +680,8 @@ func (d *driver) drain(ctx context.Context) error {
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("reliability: drain: %d messages without effect, %d outbox rows pending, %d on the queue (last error: %v): %w",
-				missing, pending, ready, err, ctx.Err())
+			return fmt.Errorf("%w: %d messages without effect, %d outbox rows pending, %d on the queue (last error: %v): %w",
+				errUnfinished, missing, pending, ready, err, ctx.Err())
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
@@ -618,6 +718,11 @@ func (d *driver) count(ctx context.Context) error {
 	for _, q := range qs {
 		if err := d.db.QueryRowContext(ctx, q.q).Scan(q.dst); err != nil {
 			return fmt.Errorf("reliability: count: %w", err)
+		}
+	}
+	if d.cfg.Mode == ModeBatch {
+		if err := d.countBatches(ctx); err != nil {
+			return err
 		}
 	}
 	depth, err := d.queueDepth(d.queues()...)
@@ -674,18 +779,116 @@ type proc struct {
 	err    error
 }
 
-func (p *proc) phase() string {
-	b := make([]byte, statusWidth)
+// status returns the line the process last wrote in its status file: its
+// phase, and for mid-batch the numbers of its open transactions. A read can
+// overlap a write, so the line counts only when two reads in a row agree.
+func (p *proc) status() string {
 	f, err := os.Open(p.spec.StatusFile)
 	if err != nil {
 		return phaseStarting
 	}
 	defer f.Close()
-	n, _ := f.ReadAt(b, 0)
-	if s := strings.TrimSpace(string(b[:n])); s != "" {
-		return s
+	read := func() string {
+		b := make([]byte, statusWidth)
+		n, _ := f.ReadAt(b, 0)
+		return strings.TrimSpace(string(b[:n]))
 	}
-	return phaseStarting
+	s := read()
+	for range 3 {
+		again := read()
+		if again == s {
+			break
+		}
+		s = again
+	}
+	if s == "" {
+		return phaseStarting
+	}
+	return s
+}
+
+// parseStatus splits a status line into the phase and the transaction
+// numbers that follow it.
+func parseStatus(line string) (phase string, txs []int) {
+	fields := strings.Fields(line)
+	if len(fields) == 0 {
+		return phaseStarting, nil
+	}
+	for _, f := range fields[1:] {
+		if n, err := strconv.Atoi(f); err == nil && n > 0 {
+			txs = append(txs, n)
+		}
+	}
+	return fields[0], txs
+}
+
+// batchKill is a kill that landed while the process reported open batches.
+type batchKill struct {
+	pid int
+	txs []int
+}
+
+// awaitBatch waits, up to a second, until the consumer p reports a batch
+// between its claim statement and its commit, and returns its status line
+// (whatever it is when the wait ends).
+func (d *driver) awaitBatch(ctx context.Context, p *proc) string {
+	deadline := time.Now().Add(time.Second)
+	for {
+		line := p.status()
+		if strings.HasPrefix(line, phaseBatch) || time.Now().After(deadline) || ctx.Err() != nil {
+			return line
+		}
+		select {
+		case <-p.done:
+			return line
+		case <-time.After(500 * time.Microsecond):
+		}
+	}
+}
+
+// countBatches counts the committed transactions and checks each kill that
+// landed in a batch: did the transactions it reported commit?
+func (d *driver) countBatches(ctx context.Context) error {
+	r := &d.res
+	rows, err := d.db.QueryContext(ctx, "SELECT n, COUNT(*) FROM (SELECT COUNT(*) AS n FROM "+d.effects+" GROUP BY pid, tx) x GROUP BY n")
+	if err != nil {
+		return fmt.Errorf("reliability: count batches: %w", err)
+	}
+	r.BatchSizes = map[int]int{}
+	for rows.Next() {
+		var size, n int
+		if err := rows.Scan(&size, &n); err != nil {
+			_ = rows.Close()
+			return fmt.Errorf("reliability: count batches: %w", err)
+		}
+		r.BatchSizes[size] = n
+		r.Transactions += n
+		r.LargestBatch = max(r.LargestBatch, size)
+	}
+	if err := errors.Join(rows.Err(), rows.Close()); err != nil {
+		return fmt.Errorf("reliability: count batches: %w", err)
+	}
+	for _, k := range d.batchKills {
+		r.BatchKills++
+		if len(k.txs) == 0 {
+			continue // the numbers were cut short: cannot tell
+		}
+		q := "SELECT COUNT(*) FROM " + d.effects + " WHERE pid = " + strconv.Itoa(k.pid) + " AND tx IN ("
+		for i, tx := range k.txs {
+			if i > 0 {
+				q += ", "
+			}
+			q += strconv.Itoa(tx)
+		}
+		var n int
+		if err := d.db.QueryRowContext(ctx, q+")").Scan(&n); err != nil {
+			return fmt.Errorf("reliability: count batches: %w", err)
+		}
+		if n == 0 {
+			r.BatchKillsUncommitted++
+		}
+	}
+	return nil
 }
 
 func (d *driver) start(p *proc) error {
@@ -776,7 +979,7 @@ func sleepCtx(ctx context.Context, d time.Duration) error {
 }
 
 // phases lists the phases in a fixed order for the summary.
-var phases = []string{phaseStarting, phaseIdle, phaseHandler, phaseEffect, phaseCommitted, phasePublishing, phasePublished}
+var phases = []string{phaseStarting, phaseIdle, phaseHandler, phaseBatch, phaseEffect, phaseCommitted, phasePublishing, phasePublished}
 
 func sortedPhases(m map[string]int) []string {
 	var out []string

@@ -90,6 +90,18 @@ func (r *Record) SetOutcome(o string) {
 	r.mu.Unlock()
 }
 
+// Undecide forgets the outcome decided so far and a deferral: for a delivery
+// whose settlement is decided again, as a batch run again without a failing
+// message decides each of its deliveries again.
+func (r *Record) Undecide() {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	r.outcome, r.deferred = "", false
+	r.mu.Unlock()
+}
+
 // Park records that a copy was stored on topic with outcome o because of
 // reason.
 func (r *Record) Park(o, topic string, reason error) {
