@@ -155,7 +155,7 @@ func TestAttemptsBusyKeyWithoutRetry(t *testing.T) {
 	stop := runRouter(t, router, atWait)
 
 	uuid := watermill.NewUUID()
-	held, err := e.store().Claim(t.Context(), uuid, time.Minute) // another worker's live claim
+	held, err := e.store().Claim(t.Context(), dedupe.ScopedKey("welcome", uuid), time.Minute) // another worker's live claim
 	if err != nil || held.Result != dedupe.Acquired {
 		t.Fatalf("hold the key: %+v, %v", held, err)
 	}
@@ -213,12 +213,12 @@ func TestAttemptsFailedPoisonParkIsNotAnAttempt(t *testing.T) {
 		t.Errorf("poison copy %s has reason %q; want the handler's", pois[0].UUID, got)
 	}
 	var attempts int
-	if err := e.db.QueryRowContext(t.Context(), `SELECT attempts FROM "`+e.claims+`" WHERE key = $1`, []byte(ids[0])).Scan(&attempts); err != nil || attempts != 1 {
+	if err := e.db.QueryRowContext(t.Context(), `SELECT attempts FROM "`+e.claims+`" WHERE key = $1`, []byte(dedupe.ScopedKey("charge", ids[0]))).Scan(&attempts); err != nil || attempts != 1 {
 		t.Errorf("the store counted %d attempts (%v); want 1: failed parks are not attempts", attempts, err)
 	}
 	outcomes := map[string]int{}
 	for _, s := range rec.Ended() {
-		if s.Name() == e.src+" process" {
+		if s.Name() == "process "+e.src {
 			for _, a := range s.Attributes() {
 				if a.Key == middleware.OutcomeKey {
 					outcomes[a.Value.AsString()]++
