@@ -13,7 +13,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle/amqpmarshal"
@@ -191,7 +190,7 @@ func relayCrashForward() error {
 		return err
 	}
 	defer pub.Close()
-	relay, err := ob.NewRelay(wsql.BeginnerFromStdSQL(db), relayCrashPublisher{pub}, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, Logger: logger})
+	relay, err := ob.NewRelay(db, relayCrashPublisher{pub}, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, Logger: logger})
 	if err != nil {
 		return err
 	}
