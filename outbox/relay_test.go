@@ -75,4 +75,3 @@ func TestFailedPublishIsRetriedNotPoisoned(t *testing.T) {
 	default:
 	}
 }
-
