@@ -3,6 +3,7 @@ package integration_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -16,6 +17,7 @@ import (
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"modernc.org/sqlite"
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
@@ -303,6 +305,12 @@ func runGap(t *testing.T, db testenv.DB) {
 // rolls back.
 func gapWrite(ctx context.Context, db *sql.DB, subj gapSubject, msgs []*message.Message, delay time.Duration, commit bool) error {
 	tx, err := db.BeginTx(ctx, nil)
+	for busy := 0; isSQLiteBusy(err) && busy < 10; busy++ {
+		// SQLite's BEGIN IMMEDIATE waited its busy timeout while 15 other
+		// writers took turns holding the lock: nothing was written, begin
+		// again, as an application would.
+		tx, err = db.BeginTx(ctx, nil)
+	}
 	if err != nil {
 		return err
 	}
@@ -323,6 +331,12 @@ func gapWrite(ctx context.Context, db *sql.DB, subj gapSubject, msgs []*message.
 	}
 	subj.committed()
 	return nil
+}
+
+// isSQLiteBusy reports SQLITE_BUSY (primary result code 5).
+func isSQLiteBusy(err error) bool {
+	var se *sqlite.Error
+	return errors.As(err, &se) && se.Code()&0xff == 5
 }
 
 func settleGapSubject(t *testing.T, db testenv.DB, topic string, sink *gapSink) gapSubject {
