@@ -81,6 +81,7 @@ type options struct {
 	timeout    time.Duration
 	cpuprofile string
 	verbose    bool
+	idle       time.Duration
 }
 
 func main() {
@@ -119,6 +120,7 @@ func parseFlags(args []string) (options, error) {
 	fs.BoolVar(&o.confirm, "confirm", false, "RabbitMQ: wait for publisher confirms (Publish.ConfirmDelivery)")
 	fs.IntVar(&o.amqpPool, "amqp-pool", 0, "RabbitMQ: Publish.ChannelPoolSize (0, the config's default, opens and closes a channel per Publish)")
 	fs.DurationVar(&o.timeout, "timeout", 20*time.Minute, "bound on the whole run")
+	fs.DurationVar(&o.idle, "idle", 10*time.Second, "lag scenario: how long each relay's idle statements are counted")
 	fs.BoolVar(&o.verbose, "v", false, "log the forwarders' errors and infos to stderr")
 	fs.StringVar(&o.cpuprofile, "cpuprofile", "", "write a CPU profile of the whole run to this file")
 	if err := fs.Parse(args); err != nil {
@@ -138,7 +140,7 @@ func parseFlags(args []string) (options, error) {
 	o.scenarios = map[string]bool{}
 	for s := range strings.SplitSeq(*scen, ",") {
 		switch s = strings.TrimSpace(s); s {
-		case "direct", "forward", "paced", "prefilled":
+		case "direct", "forward", "paced", "prefilled", "lag":
 			o.scenarios[s] = true
 		default:
 			return o, fmt.Errorf("-scenarios: unknown scenario %q", s)
@@ -214,7 +216,11 @@ func run(o options, stdout, stderr io.Writer) error {
 		results[k] = append(results[k], r)
 	}
 
+	onlyLag := len(o.scenarios) == 1 && o.scenarios["lag"]
 	for i := range o.runs {
+		if onlyLag {
+			break
+		}
 		for _, brokerURL := range o.brokers {
 			br, err := b.openBroker(ctx, brokerURL)
 			if err != nil {
@@ -232,7 +238,12 @@ func run(o options, stdout, stderr io.Writer) error {
 
 	fmt.Fprintf(stdout, "PostgreSQL %s, %d CPUs, GOMAXPROCS %d, %s; n=%d, producers=%d, poll=%s, paced %d msgs/s for %s, payload %d B, median of %d runs\n\n",
 		pgVersion, runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.Version(), o.n, o.producers, o.poll, o.rate, o.paced, o.payload, o.runs)
-	fmt.Fprint(stdout, format(order, results))
+	if !onlyLag {
+		fmt.Fprint(stdout, format(order, results))
+	}
+	if o.scenarios["lag"] {
+		return b.runLag(ctx, stdout)
+	}
 	return nil
 }
 
@@ -545,7 +556,7 @@ func (b *bench) settlePath(topic string) (path, error) {
 		name:      "settle",
 		publisher: ob.TxPublisher,
 		start: func(ctx context.Context, out message.Publisher) (func() error, error) {
-			r, err := ob.NewRelay(wsql.BeginnerFromStdSQL(b.db), out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
+			r, err := ob.NewRelay(b.db, out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
 			if err != nil {
 				return nil, err
 			}
