@@ -191,3 +191,56 @@ func TestLateCommitIsForwardedOnCommit(t *testing.T) {
 		receive("early")
 	})
 }
+
+// A running relay renews its heartbeat (folded into its poll on
+// PostgreSQL): it stays alive long after its first heartbeat expired, and
+// is gone once it stops.
+func TestRelayHeartbeat(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *env) {
+		r, err := e.ob.NewRelay(e.db.DB, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, HeartbeatInterval: 40 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- r.Run(ctx) }()
+		<-r.Running()
+		live := func() int64 {
+			t.Helper()
+			var n int64
+			q := "SELECT COUNT(*) FROM " + quoteTable(e, e.ob.Table()+"_relays")
+			if err := e.db.QueryRowContext(t.Context(), q).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+		// Status counts only relays whose heartbeat has not expired; with
+		// a pending row it reports them.
+		e.placeOrder(t, t.Context(), "H-1", false, message.NewMessage("rolled-back", []byte(`{}`)))
+		for range 10 { // 10 x 60ms: several times the 120ms a heartbeat lives
+			time.Sleep(60 * time.Millisecond)
+			if n := live(); n != 1 {
+				t.Fatalf("%d relay rows while the relay runs, want 1", n)
+			}
+			var alive int64
+			q := "SELECT COUNT(*) FROM " + quoteTable(e, e.ob.Table()+"_relays") + " WHERE expires_at > " + map[dedupe.Dialect]string{
+				dedupe.Postgres: "clock_timestamp()", dedupe.MySQL: "CURRENT_TIMESTAMP(6)", dedupe.SQLite: "strftime('%Y-%m-%d %H:%M:%f', 'now')",
+			}[e.db.Dialect]
+			if err := e.db.QueryRowContext(t.Context(), q).Scan(&alive); err != nil {
+				t.Fatal(err)
+			}
+			if alive != 1 {
+				t.Fatalf("the relay's heartbeat expired while it runs")
+			}
+		}
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		_ = r.Close()
+		if n := live(); n != 0 {
+			t.Fatalf("%d relay rows after the relay stopped, want 0", n)
+		}
+	})
+}
