@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"database/sql"
@@ -142,8 +143,8 @@ func (c RelayConfig) Validate() error {
 // The relay wakes when a row is committed: on PostgreSQL through
 // LISTEN/NOTIFY (the outbox's INSERT queues a notification that the server
 // delivers only on commit; the relay holds one connection of the pool for
-// LISTEN), in this process through Outbox.Notify, and otherwise at its
-// PollInterval.
+// LISTEN, so db must allow at least two), in this process through
+// Outbox.Notify, and otherwise at its PollInterval.
 type Relay struct {
 	o   *Outbox
 	db  *sql.DB
@@ -244,7 +245,11 @@ func (r *Relay) Run(ctx context.Context) error {
 	})
 	r.o.addWaker(r.wake)
 	defer r.o.removeWaker(r.wake)
-	if r.o.cfg.Dialect == dedupe.Postgres {
+	switch max := r.db.Stats().MaxOpenConnections; {
+	case r.o.cfg.Dialect != dedupe.Postgres:
+	case max > 0 && max < 2:
+		r.cfg.Logger.Info("outbox: db allows one connection, which LISTEN would hold for good: the relay polls", nil)
+	default:
 		wg.Go(func() { r.listen(ctx) })
 	}
 	r.register(ctx)
@@ -511,7 +516,7 @@ func (r *Relay) claim(ctx context.Context, tx *sql.Tx) ([]row, error) {
 		return nil, err
 	}
 	// RETURNING has no order: forward in offset order.
-	slices.SortFunc(out, func(a, b row) int { return int(a.offset - b.offset) })
+	slices.SortFunc(out, func(a, b row) int { return cmp.Compare(a.offset, b.offset) })
 	return out, nil
 }
 
