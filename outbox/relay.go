@@ -245,9 +245,9 @@ func (r *Relay) Run(ctx context.Context) error {
 	})
 	r.o.addWaker(r.wake)
 	defer r.o.removeWaker(r.wake)
-	switch max := r.db.Stats().MaxOpenConnections; {
+	switch n := r.db.Stats().MaxOpenConnections; {
 	case r.o.cfg.Dialect != dedupe.Postgres:
-	case max > 0 && max < 2:
+	case n > 0 && n < 2:
 		r.cfg.Logger.Info("outbox: db allows one connection, which LISTEN would hold for good: the relay polls", nil)
 	default:
 		wg.Go(func() { r.listen(ctx) })
