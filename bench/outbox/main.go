@@ -547,9 +547,13 @@ func (b *bench) barePath(topic string) path {
 	}
 }
 
-func (b *bench) settlePath(topic string) (path, error) {
+func (b *bench) settlePath(ctx context.Context, topic string) (path, error) {
 	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: topic})
 	if err != nil {
+		return path{}, err
+	}
+	b.tables = append(b.tables, ob.Table(), ob.Table()+"_relays")
+	if err := ob.InitSchema(ctx, b.db); err != nil {
 		return path{}, err
 	}
 	return path{
@@ -690,13 +694,10 @@ func (b *bench) runOnce(ctx context.Context, run int, br *broker, add func(key, 
 
 	paths := func(tag string) ([]path, error) {
 		bare := b.topic(tag + "b")
-		st := b.topic(tag + "s")
-		for _, t := range []string{bare, st} {
-			if err := b.initTables(ctx, t); err != nil {
-				return nil, err
-			}
+		if err := b.initTables(ctx, bare); err != nil {
+			return nil, err
 		}
-		sp, err := b.settlePath(st)
+		sp, err := b.settlePath(ctx, b.topic(tag+"s"))
 		if err != nil {
 			return nil, err
 		}
