@@ -44,6 +44,14 @@ type Config struct {
 	// rows with a live relay mean the relay is stuck or passing them over.
 	// Defaults to DefaultStuckAfter (1m). Must be > 0.
 	StuckAfter time.Duration
+	// DisableNotify, on PostgreSQL, leaves pg_notify out of the INSERT.
+	// PostgreSQL serialises the commits of all transactions that notified
+	// (a cluster-wide lock held through the commit's WAL flush), which caps
+	// the rate of outbox transactions: in bench/outbox, 4 producers
+	// committed about 0.6x as many as without it. With it disabled, relays
+	// wake on Notify in this process and otherwise at their PollInterval.
+	// Default false: notify. Ignored on MySQL and SQLite.
+	DisableNotify bool
 	// Propagator writes the trace context of the publishing code into each
 	// message's metadata, so that the trace continues after the relay.
 	// Defaults to otel.GetTextMapPropagator() at the time of New.
@@ -116,6 +124,9 @@ func New(cfg Config) (*Outbox, error) {
 	}
 	return &Outbox{cfg: cfg, q: newStatements(cfg.Dialect, cfg.Topic), wakers: map[chan struct{}]struct{}{}}, nil
 }
+
+// Config returns the outbox's configuration, defaults applied.
+func (o *Outbox) Config() Config { return o.cfg }
 
 // Topic returns the outbox's name (Config.Topic).
 func (o *Outbox) Topic() string { return o.cfg.Topic }
@@ -302,10 +313,11 @@ func (p *publisher) insert(topic string, msgs []*message.Message) error {
 			}
 			args = append(args, m.UUID, topic, payload, string(md))
 		}
-		if p.o.cfg.Dialect == dedupe.Postgres {
+		notify := p.o.cfg.Dialect == dedupe.Postgres && !p.o.cfg.DisableNotify
+		if notify {
 			args = append(args, p.o.q.table)
 		}
-		if _, err := p.exec.ExecContext(ctx, p.o.q.insert(len(chunk)), args...); err != nil {
+		if _, err := p.exec.ExecContext(ctx, p.o.q.insert(len(chunk), notify), args...); err != nil {
 			return err
 		}
 	}

@@ -169,11 +169,11 @@ ON CONFLICT ("relay_id") DO UPDATE SET "expires_at" = excluded."expires_at"`
 	return s
 }
 
-// insert returns the INSERT of n messages and the position of each
-// message's first argument. On PostgreSQL the statement also queues a
-// notification on the outbox's channel, delivered by the server only if the
+// insert returns the INSERT of n messages, 4 arguments each. With notify
+// (PostgreSQL only) the statement also queues a notification on the
+// outbox's channel (one more argument), delivered by the server only if the
 // transaction commits.
-func (s statements) insert(n int) string {
+func (s statements) insert(n int, notify bool) string {
 	var b strings.Builder
 	b.WriteString(`INSERT INTO ` + s.qTable)
 	switch s.d {
@@ -186,7 +186,10 @@ func (s statements) insert(n int) string {
 			k := 4*i + 1
 			b.WriteString("($" + strconv.Itoa(k) + "::text, $" + strconv.Itoa(k+1) + "::text, $" + strconv.Itoa(k+2) + "::bytea, $" + strconv.Itoa(k+3) + "::text)")
 		}
-		b.WriteString(`) AS v (u, t, p, m) CROSS JOIN (SELECT pg_notify($` + strconv.Itoa(4*n+1) + `, '')) AS n`)
+		b.WriteString(`) AS v (u, t, p, m)`)
+		if notify {
+			b.WriteString(` CROSS JOIN (SELECT pg_notify($` + strconv.Itoa(4*n+1) + `, '')) AS n`)
+		}
 	case dedupe.MySQL:
 		b.WriteString(" (uuid, topic, payload, metadata) VALUES ")
 		b.WriteString(strings.TrimSuffix(strings.Repeat("(?, ?, ?, ?), ", n), ", "))

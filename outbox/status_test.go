@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 )
 
@@ -138,21 +139,43 @@ func TestStatusSaysWhyRowsAreOld(t *testing.T) {
 
 // A row committed after a row with a higher offset was forwarded is
 // forwarded too, at its commit: through LISTEN/NOTIFY on PostgreSQL (no
-// Notify call), through Notify elsewhere. The relay's fallback poll is an
-// hour, so only a wake-up can forward either row in time.
+// Notify call), through Notify elsewhere, and on PostgreSQL with
+// DisableNotify. The relay's fallback poll is an hour, so only a wake-up can
+// forward either row in time.
 func TestLateCommitIsForwardedOnCommit(t *testing.T) {
 	t.Parallel()
-	forEachDB(t, func(t *testing.T, e *env) {
-		if e.db.Dialect == dedupe.SQLite {
-			t.Skip("SQLite has one writer: a later transaction cannot commit before an earlier one")
+	// Not on SQLite: one writer, so a later transaction cannot commit
+	// before an earlier one.
+	for _, d := range testenv.Databases() {
+		if d.Name == "sqlite" {
+			continue
 		}
+		t.Run(d.Name, func(t *testing.T) {
+			t.Parallel()
+			testLateCommit(t, setup(t, d.Open(t)))
+		})
+	}
+	t.Run("postgres_disable_notify", func(t *testing.T) {
+		t.Parallel()
+		e := setup(t, testenv.Postgres(t))
+		ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: e.ob.Topic(), DisableNotify: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.ob = ob
+		testLateCommit(t, e)
+	})
+}
+
+func testLateCommit(t *testing.T, e *env) {
+	{
 		got, err := e.pubsub.Subscribe(t.Context(), "orders.placed")
 		if err != nil {
 			t.Fatal(err)
 		}
 		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: time.Hour})
 		notify := func() {
-			if e.db.Dialect != dedupe.Postgres {
+			if e.db.Dialect != dedupe.Postgres || e.ob.Config().DisableNotify {
 				e.ob.Notify()
 			}
 		}
@@ -189,7 +212,7 @@ func TestLateCommitIsForwardedOnCommit(t *testing.T) {
 		}
 		notify()
 		receive("early")
-	})
+	}
 }
 
 // A running relay renews its heartbeat (folded into its poll on
