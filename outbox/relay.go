@@ -458,6 +458,14 @@ func (r *Relay) batch(ctx context.Context) (int, error) {
 		return 0, fmt.Errorf("begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
+	if r.o.cfg.Dialect == dedupe.Postgres {
+		// The marks need not wait for the WAL flush: a mark lost in a
+		// crash means the rows are published again, the duplicate the
+		// relay allows anyway. The next batch does not wait for the disk.
+		if _, err := tx.ExecContext(ctx, "SET LOCAL synchronous_commit = off"); err != nil {
+			return 0, fmt.Errorf("begin: %w", err)
+		}
+	}
 	rows, err := r.claim(ctx, tx)
 	if err != nil {
 		return 0, fmt.Errorf("claim: %w", err)
