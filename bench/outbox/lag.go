@@ -103,6 +103,7 @@ type lagSubject struct {
 // lagRow is one subject's figures in one run.
 type lagRow struct {
 	p50, p99, bp50, bp99 time.Duration
+	rate                 float64 // commits per second the producers reached
 	idle                 float64 // statements per second
 }
 
@@ -124,15 +125,15 @@ func (b *bench) runLag(ctx context.Context, stdout io.Writer) error {
 			if err != nil {
 				return fmt.Errorf("lag %s: %w", s.name, err)
 			}
-			fmt.Fprintf(b.log, "run %d lag %s: p50 %s p99 %s; with a blocker p50 %s p99 %s; idle %.2f statements/s\n",
-				run+1, s.name, ms(r.p50), ms(r.p99), ms(r.bp50), ms(r.bp99), r.idle)
+			fmt.Fprintf(b.log, "run %d lag %s: %.0f commits/s, p50 %s p99 %s; with a blocker p50 %s p99 %s; idle %.2f statements/s\n",
+				run+1, s.name, r.rate, ms(r.p50), ms(r.p99), ms(r.bp50), ms(r.bp99), r.idle)
 			rows[s.name] = append(rows[s.name], r)
 		}
 	}
 	fmt.Fprintf(stdout, "\nLag, one transaction per message at %d msgs/s for %s, %d producers; blocker: one write transaction held open 1 s every 5 s on another table; idle: statements/s of one relay over %s with nothing to do; median of %d runs\n\n",
 		b.o.rate, b.o.paced, b.o.producers, b.o.idle, b.o.runs)
 	var t strings.Builder
-	t.WriteString("| path | p50 | p99 | p50 with blocker | p99 with blocker | idle statements/s |\n|---|---|---|---|---|---|\n")
+	t.WriteString("| path | commits/s reached | p50 | p99 | p50 with blocker | p99 with blocker | idle statements/s |\n|---|---:|---:|---:|---:|---:|---:|\n")
 	for _, s := range subjects {
 		rs := rows[s.name]
 		med := func(f func(lagRow) float64) float64 {
@@ -145,7 +146,7 @@ func (b *bench) runLag(ctx context.Context, stdout io.Writer) error {
 		d := func(f func(lagRow) time.Duration) string {
 			return ms(time.Duration(med(func(r lagRow) float64 { return float64(f(r)) })))
 		}
-		fmt.Fprintf(&t, "| %s | %s | %s | %s | %s | %.2f |\n", s.name,
+		fmt.Fprintf(&t, "| %s | %.0f | %s | %s | %s | %s | %.2f |\n", s.name, med(func(r lagRow) float64 { return r.rate }),
 			d(func(r lagRow) time.Duration { return r.p50 }), d(func(r lagRow) time.Duration { return r.p99 }),
 			d(func(r lagRow) time.Duration { return r.bp50 }), d(func(r lagRow) time.Duration { return r.bp99 }),
 			med(func(r lagRow) float64 { return r.idle }))
@@ -166,10 +167,10 @@ func (b *bench) lagOnce(ctx context.Context, s lagSubject, blockTable string) (l
 	err = func() error {
 		time.Sleep(time.Second) // every client listening and polling
 		var err error
-		if r.p50, r.p99, err = b.paced(ctx, s, rec, ""); err != nil {
+		if r.p50, r.p99, r.rate, err = b.paced(ctx, s, rec, ""); err != nil {
 			return err
 		}
-		if r.bp50, r.bp99, err = b.paced(ctx, s, rec, blockTable); err != nil {
+		if r.bp50, r.bp99, _, err = b.paced(ctx, s, rec, blockTable); err != nil {
 			return err
 		}
 		// Idle: let the last wake-ups and retries pass, then count.
@@ -183,9 +184,10 @@ func (b *bench) lagOnce(ctx context.Context, s lagSubject, blockTable string) (l
 }
 
 // paced commits rate*paced messages at the rate and returns the lag
-// percentiles. With blockTable set, a transaction writes to it and stays
-// open for 1 s every 5 s meanwhile.
-func (b *bench) paced(ctx context.Context, s lagSubject, rec *recorder, blockTable string) (p50, p99 time.Duration, err error) {
+// percentiles and the commit rate the producers reached. With blockTable
+// set, a transaction writes to it and stays open for 1 s every 5 s
+// meanwhile.
+func (b *bench) paced(ctx context.Context, s lagSubject, rec *recorder, blockTable string) (p50, p99 time.Duration, rate float64, err error) {
 	n := int(float64(b.o.rate) * b.o.paced.Seconds())
 	a := newArrivals(n)
 	rec.a.Store(a)
@@ -204,14 +206,15 @@ func (b *bench) paced(ctx context.Context, s lagSubject, rec *recorder, blockTab
 	stopBlocker()
 	wg.Wait()
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
+	rate = float64(n) / slices.MaxFunc(committed, func(x, y time.Time) int { return x.Compare(y) }).Sub(start).Seconds()
 	select {
 	case <-a.all:
 	case <-time.After(30 * time.Second):
-		return 0, 0, fmt.Errorf("%d of %d messages arrived", a.count, n)
+		return 0, 0, 0, fmt.Errorf("%d of %d messages arrived", a.count, n)
 	case <-ctx.Done():
-		return 0, 0, ctx.Err()
+		return 0, 0, 0, ctx.Err()
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -220,7 +223,7 @@ func (b *bench) paced(ctx context.Context, s lagSubject, rec *recorder, blockTab
 		lags[i] = max(a.at[i].Sub(committed[i]), 0)
 	}
 	slices.Sort(lags)
-	return percentile(lags, 0.50), percentile(lags, 0.99), nil
+	return percentile(lags, 0.50), percentile(lags, 0.99), rate, nil
 }
 
 // block holds a write transaction open for 1 s every 5 s, from 1 s on,
