@@ -22,10 +22,12 @@ type OutboxResults struct {
 // its flags and its own documentation) and keeps the table it prints.
 func runOutbox(ctx context.Context, o options, log io.Writer) (*OutboxResults, error) {
 	args := []string{"-broker", "gochannel,amqp", "-amqp-pool", "4", "-poll", "10ms",
-		"-n", "5000", "-runs", strconv.Itoa(o.runs), "-paced", "5s", "-rate", "1000"}
+		"-n", "5000", "-runs", strconv.Itoa(o.runs), "-paced", "5s", "-rate", "1000",
+		"-scenarios", "direct,forward,paced,prefilled,lag", "-idle", "5s"}
 	if o.quick {
 		args = []string{"-broker", "gochannel,amqp", "-amqp-pool", "4", "-poll", "10ms",
-			"-n", "1000", "-runs", strconv.Itoa(o.runs), "-paced", "2s", "-rate", "1000"}
+			"-n", "1000", "-runs", strconv.Itoa(o.runs), "-paced", "2s", "-rate", "1000",
+			"-scenarios", "direct,forward,paced,prefilled,lag", "-idle", "5s"}
 	}
 	cmd := exec.CommandContext(ctx, "go", append([]string{"run", "./bench/outbox"}, args...)...)
 	cmd.Env = append(os.Environ(), "SETTLE_POSTGRES_URL="+o.pgURL, "SETTLE_AMQP_URL="+o.amqpURL)

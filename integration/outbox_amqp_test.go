@@ -11,7 +11,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
@@ -51,7 +50,7 @@ func newOBEnv(t *testing.T, db testenv.DB) *obEnv {
 	saMust(t, ob.InitSchema(t.Context(), db.DB))
 	e.biz = "obbiz_" + suffix
 	t.Cleanup(func() {
-		for _, tbl := range []string{e.biz, obQuote(db, "watermill_"+topic), obQuote(db, "watermill_offsets_"+topic)} {
+		for _, tbl := range []string{e.biz, obQuote(db, topic), obQuote(db, topic+"_relays")} {
 			if _, err := db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+tbl); err != nil {
 				t.Errorf("drop %s: %v", tbl, err)
 			}
@@ -165,7 +164,7 @@ func (e *obEnv) countRows(table string) int {
 
 func (e *obEnv) pending(ctx context.Context) int64 {
 	e.t.Helper()
-	st, err := e.ob.Status(ctx, wsql.BeginnerFromStdSQL(e.db.DB), "")
+	st, err := e.ob.Status(ctx, e.db.DB)
 	saMust(e.t, err)
 	return st.Pending
 }
@@ -182,7 +181,7 @@ type obRelay struct {
 // stop (also called at cleanup).
 func (e *obEnv) startRelay(ctx context.Context, out message.Publisher) *obRelay {
 	e.t.Helper()
-	r, err := e.ob.NewRelay(wsql.BeginnerFromStdSQL(e.db.DB), out, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+	r, err := e.ob.NewRelay(e.db.DB, out, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 	saMust(e.t, err)
 	rl := &obRelay{Relay: r, done: make(chan error, 1)}
 	go func() { rl.done <- r.Run(ctx) }()

@@ -13,7 +13,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle/amqpmarshal"
@@ -191,7 +190,7 @@ func relayCrashForward() error {
 		return err
 	}
 	defer pub.Close()
-	relay, err := ob.NewRelay(wsql.BeginnerFromStdSQL(db), relayCrashPublisher{pub}, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, Logger: logger})
+	relay, err := ob.NewRelay(db, relayCrashPublisher{pub}, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, Logger: logger})
 	if err != nil {
 		return err
 	}
@@ -202,18 +201,17 @@ func relayCrashForward() error {
 	return ctx.Err()
 }
 
-// relayCrashPublisher publishes, and once the broker has confirmed, kills the
-// process before the relay can mark the row forwarded: no deferred function
-// runs and the outbox transaction is never committed.
+// relayCrashPublisher publishes the first message of the relay's batch,
+// and once the broker has confirmed it, kills the process before the relay
+// can mark the row forwarded: no deferred function runs and the relay's
+// transaction is never committed.
 type relayCrashPublisher struct{ message.Publisher }
 
 func (p relayCrashPublisher) Publish(topic string, msgs ...*message.Message) error {
-	if err := p.Publisher.Publish(topic, msgs...); err != nil {
+	if err := p.Publisher.Publish(topic, msgs[0]); err != nil {
 		return err
 	}
-	for _, m := range msgs {
-		fmt.Println(relayCrashPublished + m.UUID)
-	}
+	fmt.Println(relayCrashPublished + msgs[0].UUID)
 	os.Exit(relayCrashExit)
 	return nil
 }

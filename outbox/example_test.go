@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"time"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	_ "modernc.org/sqlite"
@@ -53,7 +52,7 @@ func Example() {
 
 	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
 	defer broker.Close()
-	n, err := ob.Forward(ctx, wsql.BeginnerFromStdSQL(db), broker, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+	n, err := ob.Forward(ctx, db, broker, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 	fmt.Println("forwarded:", n, err)
 
 	msgs, _ := broker.Subscribe(ctx, "orders.placed")

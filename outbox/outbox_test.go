@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"go.opentelemetry.io/otel/propagation"
@@ -54,8 +53,8 @@ func setup(t testing.TB, db testenv.DB) *env {
 			}
 			return `"` + s + `"`
 		}
-		_, _ = db.ExecContext(ctx, "DROP TABLE IF EXISTS "+q("watermill_"+topic))
-		_, _ = db.ExecContext(ctx, "DROP TABLE IF EXISTS "+q("watermill_offsets_"+topic))
+		_, _ = db.ExecContext(ctx, "DROP TABLE IF EXISTS "+q(topic))
+		_, _ = db.ExecContext(ctx, "DROP TABLE IF EXISTS "+q(topic+"_relays"))
 	})
 	ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = ps.Close() })
@@ -95,6 +94,16 @@ func (e *env) placeOrder(t *testing.T, ctx context.Context, id string, commit bo
 	}
 }
 
+// rawInsert writes a row into the outbox table as something other than
+// settle would.
+func (e *env) rawInsert(t testing.TB, uuid, topic string, payload []byte, metadata string) {
+	t.Helper()
+	q := "INSERT INTO " + quoteTable(e, e.ob.Table()) + " (uuid, topic, payload, metadata) VALUES (" + e.ph(1) + ", " + e.ph(2) + ", " + e.ph(3) + ", " + e.ph(4) + ")"
+	if _, err := e.db.ExecContext(t.Context(), q, uuid, topic, payload, metadata); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func (e *env) count(t *testing.T) int {
 	t.Helper()
 	var n int
@@ -121,11 +130,11 @@ func TestRollbackLeavesNoMessage(t *testing.T) {
 		if n := e.count(t); n != 0 {
 			t.Fatalf("%d business rows after rollback", n)
 		}
-		st, err := e.ob.Status(t.Context(), wsql.BeginnerFromStdSQL(e.db.DB), "")
+		st, err := e.ob.Status(t.Context(), e.db.DB)
 		if err != nil || st.Pending != 0 {
 			t.Fatalf("status after rollback = %+v, %v; want nothing pending", st, err)
 		}
-		n, err := e.ob.Forward(t.Context(), wsql.BeginnerFromStdSQL(e.db.DB), e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+		n, err := e.ob.Forward(t.Context(), e.db.DB, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 		if err != nil || n != 0 {
 			t.Fatalf("Forward = %d, %v; want 0 forwarded", n, err)
 		}
@@ -148,8 +157,8 @@ func TestCommitForwardsOnceWithTraceContext(t *testing.T) {
 		e.placeOrder(t, ctx, "A-2", true, msg, message.NewMessage(watermill.NewUUID(), []byte(`{"id":"A-2","line":2}`)))
 		span.End()
 
-		db := wsql.BeginnerFromStdSQL(e.db.DB)
-		st, err := e.ob.Status(t.Context(), db, "")
+		db := e.db.DB
+		st, err := e.ob.Status(t.Context(), db)
 		if err != nil || st.Pending != 2 {
 			t.Fatalf("status before forwarding = %+v, %v; want 2 pending", st, err)
 		}
@@ -205,10 +214,10 @@ func TestRelayMetricsAndLag(t *testing.T) {
 	t.Parallel()
 	e := setup(t, testenv.SQLite(t))
 	e.placeOrder(t, t.Context(), "A-3", true, message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
-	db := wsql.BeginnerFromStdSQL(e.db.DB)
+	db := e.db.DB
 	eventuallyLag := time.Now().Add(5 * time.Second)
 	for {
-		st, err := e.ob.Status(t.Context(), db, "")
+		st, err := e.ob.Status(t.Context(), db)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -295,21 +304,15 @@ func TestForeignRowGoesToPoisonTopic(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Something other than settle writes a row into the outbox table.
-	raw, err := wsql.NewPublisher(wsql.BeginnerFromStdSQL(e.db.DB), wsql.PublisherConfig{SchemaAdapter: outbox.SQLiteSchema{}}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := raw.Publish(e.ob.Topic(), message.NewMessage(watermill.NewUUID(), []byte(`not an envelope`))); err != nil {
-		t.Fatal(err)
-	}
+	e.rawInsert(t, watermill.NewUUID(), "orders.placed", []byte("not an envelope"), "not json")
 	e.placeOrder(t, t.Context(), "A-4", true, message.NewMessage("after-the-foreign-row", []byte(`{}`)))
 	placed, err := e.pubsub.Subscribe(t.Context(), "orders.placed")
 	if err != nil {
 		t.Fatal(err)
 	}
-	n, err := e.ob.Forward(t.Context(), wsql.BeginnerFromStdSQL(e.db.DB), e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+	n, err := e.ob.Forward(t.Context(), e.db.DB, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 	if err != nil || n != 1 {
-		t.Fatalf("Forward = %d, %v; want the one envelope forwarded", n, err)
+		t.Fatalf("Forward = %d, %v; want the one settle row forwarded", n, err)
 	}
 	if m := <-poisoned; string(m.Payload) != "not an envelope" {
 		t.Fatalf("poison topic got %q", m.Payload)
@@ -328,7 +331,7 @@ func TestNewRefusesBadConfig(t *testing.T) {
 		{outbox.Config{}, "Config.Dialect"},
 		{outbox.Config{Dialect: dedupe.SQLite, Topic: "has space"}, "Config.Topic"},
 		{outbox.Config{Dialect: dedupe.SQLite, Topic: `x"; DROP TABLE y`}, "Config.Topic"},
-		{outbox.Config{Dialect: dedupe.SQLite, SchemaAdapter: outbox.SQLiteSchema{}}, "Config.SchemaAdapter"},
+		{outbox.Config{Dialect: dedupe.SQLite, StuckAfter: -time.Second}, "Config.StuckAfter"},
 	}
 	for _, c := range cases {
 		if _, err := outbox.New(c.cfg); err == nil || !strings.Contains(err.Error(), c.field) {
@@ -339,7 +342,7 @@ func TestNewRefusesBadConfig(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := ob.NewRelay(wsql.BeginnerFromStdSQL(&sql.DB{}), gochannel.NewGoChannel(gochannel.Config{}, nil), outbox.RelayConfig{PollInterval: -1}); err == nil || !strings.Contains(err.Error(), "RelayConfig.PollInterval") {
+	if _, err := ob.NewRelay(&sql.DB{}, gochannel.NewGoChannel(gochannel.Config{}, nil), outbox.RelayConfig{PollInterval: -1}); err == nil || !strings.Contains(err.Error(), "RelayConfig.PollInterval") {
 		t.Errorf("NewRelay with a negative poll interval: %v", err)
 	}
 }

@@ -1,17 +1,23 @@
 package outbox
 
 import (
+	"cmp"
 	"context"
+	"crypto/rand"
+	"database/sql"
+	"database/sql/driver"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
-	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -20,57 +26,76 @@ import (
 )
 
 // ScopeName is the OpenTelemetry instrumentation scope of the outbox's
-// metrics.
+// metrics and spans.
 const ScopeName = "github.com/settle-go/settle/outbox"
+
+// MaxBatchSize is the largest RelayConfig.BatchSize.
+const MaxBatchSize = 1000
 
 // RelayConfig configures a Relay.
 type RelayConfig struct {
-	// ConsumerGroup names the relay's position in the outbox. Relays of the
-	// same group share the work: each row is forwarded by one of them. The
-	// default group is "".
-	ConsumerGroup string
-	// PollInterval is how long the relay waits before looking again when the
-	// outbox was empty: the lag of a quiet outbox. Defaults to 50ms. Must be
-	// > 0.
+	// PollInterval is how often an idle relay looks for committed rows
+	// nobody told it about: the fallback behind PostgreSQL's LISTEN/NOTIFY
+	// and Outbox.Notify, and the lag of a row committed by another process
+	// on MySQL and SQLite. Each poll is one statement. Defaults to 1s. Must
+	// be > 0.
 	PollInterval time.Duration
-	// AckDeadline is how long one forward may take before the row is
-	// retried. Defaults to 30s, or 5s on SQLite, where the relay holds the
-	// database's write lock until the forward is acked and the deadline must
-	// stay below the busy timeout of other writers (10s in settle's DSN).
-	// Must be > 0.
+	// BatchSize is the most rows one relay transaction claims and
+	// forwards. Defaults to 100. Must be 1-MaxBatchSize.
+	BatchSize int
+	// AckDeadline bounds one batch: claiming its rows, publishing them and
+	// committing their forwarded mark. A batch that overruns is rolled back
+	// and its rows are forwarded again (a duplicate of those already
+	// published). Defaults to 30s, or 5s on SQLite, where the relay holds the
+	// database's write lock for the batch and the deadline must stay below the
+	// busy timeout of other writers (10s in settle's DSN). Must be > 0.
 	AckDeadline time.Duration
-	// RetryInterval is how long the relay waits before trying a row again
-	// after its forward failed (the broker is down), and before querying
-	// again after a database error. It keeps an outage from becoming a hot
-	// loop of failing publishes and error logs. Defaults to 1s. Must be > 0.
+	// RetryInterval is how long the relay waits after a failed batch (the
+	// broker refused, the database is gone) before trying again, so that an
+	// outage is not a hot loop of failing publishes and error logs. Defaults
+	// to 1s. Must be > 0.
 	RetryInterval time.Duration
-	// PoisonTopic receives, unchanged, rows that are not settle envelopes
-	// (written by something else into the outbox table), so that they do not
-	// block the relay; they are counted as failed. Defaults to the outbox
-	// topic + "_poison".
+	// HeartbeatInterval is how often the relay renews its row in the relays
+	// table; Status counts a relay as alive for three intervals after its
+	// last heartbeat. Defaults to 10s. Must be > 0.
+	HeartbeatInterval time.Duration
+	// PoisonTopic receives, unchanged, rows whose metadata is not a JSON
+	// object of strings (written by something else into the outbox table),
+	// so that they do not block the relay; they are counted as failed and
+	// marked forwarded. Defaults to the outbox topic + "_poison".
 	PoisonTopic string
-	// CloseTimeout bounds Close. Defaults to 30s.
+	// CloseTimeout bounds Close's wait for the batch in progress. Defaults
+	// to 30s. Must be > 0.
 	CloseTimeout time.Duration
 	// MeterProvider records settle.outbox.forwarded, settle.outbox.failed,
 	// settle.outbox.pending and settle.outbox.lag. Defaults to the global
 	// provider.
 	MeterProvider metric.MeterProvider
-	// Logger defaults to watermill.NopLogger.
+	// Logger defaults to the Outbox's logger.
 	Logger watermill.LoggerAdapter
 }
 
-func (c *RelayConfig) setDefaults(topic string) {
+func (c *RelayConfig) setDefaults(o *Outbox) {
 	if c.PollInterval == 0 {
-		c.PollInterval = 50 * time.Millisecond
+		c.PollInterval = time.Second
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = 100
 	}
 	if c.AckDeadline == 0 {
 		c.AckDeadline = 30 * time.Second
+		if o.cfg.Dialect == dedupe.SQLite {
+			c.AckDeadline = 5 * time.Second
+		}
 	}
 	if c.RetryInterval == 0 {
 		c.RetryInterval = time.Second
 	}
+	if c.HeartbeatInterval == 0 {
+		c.HeartbeatInterval = 10 * time.Second
+	}
 	if c.PoisonTopic == "" {
-		c.PoisonTopic = topic + "_poison"
+		c.PoisonTopic = o.cfg.Topic + "_poison"
 	}
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = 30 * time.Second
@@ -79,7 +104,7 @@ func (c *RelayConfig) setDefaults(topic string) {
 		c.MeterProvider = otel.GetMeterProvider()
 	}
 	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
+		c.Logger = o.cfg.Logger
 	}
 }
 
@@ -88,29 +113,52 @@ func (c RelayConfig) Validate() error {
 	switch {
 	case c.PollInterval <= 0:
 		return fmt.Errorf("outbox: RelayConfig.PollInterval must be > 0, got %v", c.PollInterval)
+	case c.BatchSize < 1 || c.BatchSize > MaxBatchSize:
+		return fmt.Errorf("outbox: RelayConfig.BatchSize must be 1-%d, got %d", MaxBatchSize, c.BatchSize)
 	case c.AckDeadline <= 0:
 		return fmt.Errorf("outbox: RelayConfig.AckDeadline must be > 0, got %v", c.AckDeadline)
 	case c.RetryInterval <= 0:
 		return fmt.Errorf("outbox: RelayConfig.RetryInterval must be > 0, got %v", c.RetryInterval)
+	case c.HeartbeatInterval <= 0:
+		return fmt.Errorf("outbox: RelayConfig.HeartbeatInterval must be > 0, got %v", c.HeartbeatInterval)
 	case c.CloseTimeout <= 0:
 		return fmt.Errorf("outbox: RelayConfig.CloseTimeout must be > 0, got %v", c.CloseTimeout)
 	}
 	return nil
 }
 
-// Relay forwards committed outbox rows to the real publisher, in commit
-// order, through Watermill's forwarder on a watermill-sql subscriber. A row
-// is marked forwarded after the publisher accepted it; a relay killed in
-// between forwards it again on restart, so downstream consumers must dedupe
-// (settle's dedupe middleware does). Several relays of one consumer group can
-// run at once: the offsets table serialises them.
+// Relay forwards committed outbox rows to the real publisher. It keeps no
+// position in the table: every row carries its own forwarded mark, and a
+// relay transaction claims the oldest unmarked rows it can lock (FOR UPDATE
+// SKIP LOCKED on PostgreSQL and MySQL; SQLite has one writer), publishes
+// them and commits their mark. A row committed late, after rows with higher
+// offsets were forwarded, is still unmarked and is forwarded by the next
+// batch: no row can be passed over for good.
+//
+// A row is marked after the publisher accepted it, in the same transaction
+// that claimed it; a relay that dies in between leaves the row unmarked and
+// it is forwarded again, so downstream consumers must dedupe (settle's dedupe
+// middleware does). Several relays can run at once: they lock different rows.
+//
+// The relay wakes when a row is committed: on PostgreSQL through
+// LISTEN/NOTIFY (the outbox's INSERT queues a notification that the server
+// delivers only on commit; the relay holds one connection of the pool for
+// LISTEN, so db must allow at least two), in this process through
+// Outbox.Notify, and otherwise at its PollInterval.
 type Relay struct {
-	o      *Outbox
-	db     wsql.Beginner
-	cfg    RelayConfig
-	fwd    *forwarder.Forwarder
-	sub    *wsql.Subscriber
-	out    message.Publisher
+	o   *Outbox
+	db  *sql.DB
+	cfg RelayConfig
+	out message.Publisher // traced
+	id  string
+
+	wake    chan struct{}
+	running chan struct{}
+	closing chan struct{}
+	done    chan struct{}
+	started atomic.Bool
+	once    sync.Once
+
 	attrs  metric.MeasurementOption
 	reg    metric.Registration
 	fwdCnt metric.Int64Counter
@@ -120,47 +168,26 @@ type Relay struct {
 	failed    atomic.Int64
 }
 
-// NewRelay returns a relay from the outbox on db to out. db is
-// wsql.BeginnerFromStdSQL(sqlDB) or wsql.BeginnerFromPgx(pool). The relay
-// does not own out: closing the relay leaves it open.
-func (o *Outbox) NewRelay(db wsql.Beginner, out message.Publisher, cfg RelayConfig) (*Relay, error) {
+// NewRelay returns a relay from the outbox on db to out. It touches no
+// database until Run. The relay does not own db or out: closing the relay
+// leaves them open.
+func (o *Outbox) NewRelay(db *sql.DB, out message.Publisher, cfg RelayConfig) (*Relay, error) {
 	if db == nil || out == nil {
 		return nil, errors.New("outbox: NewRelay: db and out are required")
 	}
-	if cfg.AckDeadline == 0 && o.cfg.Dialect == dedupe.SQLite {
-		cfg.AckDeadline = 5 * time.Second
-	}
-	cfg.setDefaults(o.cfg.Topic)
+	cfg.setDefaults(o)
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	ack := cfg.AckDeadline
-	sub, err := wsql.NewSubscriber(db, wsql.SubscriberConfig{
-		ConsumerGroup:  cfg.ConsumerGroup,
-		PollInterval:   cfg.PollInterval,
-		ResendInterval: cfg.RetryInterval,
-		RetryInterval:  cfg.RetryInterval,
-		AckDeadline:    &ack,
-		SchemaAdapter:  o.schema,
-		OffsetsAdapter: o.offsets,
-	}, cfg.Logger)
-	if err != nil {
-		return nil, fmt.Errorf("outbox: relay subscriber: %w", err)
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	r := &Relay{
+		o: o, db: db, cfg: cfg, out: o.traced(out), id: hex.EncodeToString(b[:]),
+		wake: make(chan struct{}, 1), running: make(chan struct{}),
+		closing: make(chan struct{}), done: make(chan struct{}),
 	}
-	r := &Relay{o: o, db: db, cfg: cfg, sub: sub, out: out}
 	if err := r.instruments(); err != nil {
-		_ = sub.Close()
 		return nil, err
-	}
-	r.fwd, err = forwarder.NewForwarder(sub, o.traced(out), cfg.Logger, forwarder.Config{
-		ForwarderTopic: o.cfg.Topic,
-		Middlewares:    []message.HandlerMiddleware{r.settle},
-		CloseTimeout:   cfg.CloseTimeout,
-	})
-	if err != nil {
-		_ = sub.Close()
-		_ = r.reg.Unregister()
-		return nil, fmt.Errorf("outbox: forwarder: %w", err)
 	}
 	return r, nil
 }
@@ -168,7 +195,7 @@ func (o *Outbox) NewRelay(db wsql.Beginner, out message.Publisher, cfg RelayConf
 func (r *Relay) instruments() error {
 	meter := r.cfg.MeterProvider.Meter(ScopeName)
 	var err error
-	attrs := attribute.NewSet(attribute.String("settle.outbox.topic", r.o.cfg.Topic), attribute.String("settle.outbox.consumer_group", r.cfg.ConsumerGroup))
+	attrs := attribute.NewSet(attribute.String("settle.outbox.topic", r.o.cfg.Topic))
 	r.attrs = metric.WithAttributeSet(attrs)
 	if r.fwdCnt, err = meter.Int64Counter("settle.outbox.forwarded", metric.WithDescription("Outbox messages published to the broker."), metric.WithUnit("{message}")); err != nil {
 		return err
@@ -198,60 +225,61 @@ func (r *Relay) instruments() error {
 	return err
 }
 
-// settle is the relay's only middleware. A row is forwarded first and
-// looked at only when that fails: the forwarder already decodes every
-// envelope, and decoding it a second time up front cost as much CPU again
-// per message. A failed row that is not a forwarder envelope (written by
-// something else into the outbox table) is published unchanged to the
-// poison topic and acked: the forwarder would nack it forever and block
-// every row behind it. Any other failure is returned, so the row is retried.
-func (r *Relay) settle(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		out, err := h(msg)
-		ctx := context.WithoutCancel(msg.Context())
-		if err == nil {
-			r.forwarded.Add(1)
-			r.fwdCnt.Add(ctx, 1, r.attrs)
-			return out, nil
-		}
-		r.failed.Add(1)
-		r.fail.Add(ctx, 1, r.attrs)
-		if isEnvelope(msg.Payload) {
-			return nil, err
-		}
-		r.cfg.Logger.Error("outbox: row is not a settle envelope; publishing it to the poison topic", nil, watermill.LogFields{
-			"row_uuid": msg.UUID, "poison_topic": r.cfg.PoisonTopic,
-		})
-		if perr := r.out.Publish(r.cfg.PoisonTopic, msg.Copy()); perr != nil {
-			return nil, fmt.Errorf("outbox: row %s is not an envelope, and publishing it to %q failed: %w", msg.UUID, r.cfg.PoisonTopic, perr)
-		}
-		return nil, nil
+// Run forwards until ctx is cancelled or Close is called, and returns nil
+// then. A relay runs once: a second Run returns an error.
+func (r *Relay) Run(ctx context.Context) error {
+	if !r.started.CompareAndSwap(false, true) {
+		return errors.New("outbox: relay: Run called twice")
 	}
-}
-
-// isEnvelope reports whether payload decodes as a forwarder envelope with a
-// destination topic.
-func isEnvelope(payload []byte) bool {
-	var env struct {
-		DestinationTopic string            `json:"destination_topic"`
-		UUID             string            `json:"uuid"`
-		Payload          []byte            `json:"payload"`
-		Metadata         map[string]string `json:"metadata"`
+	defer close(r.done)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	wg.Go(func() {
+		select {
+		case <-r.closing:
+			cancel()
+		case <-ctx.Done():
+		}
+	})
+	r.o.addWaker(r.wake)
+	defer r.o.removeWaker(r.wake)
+	switch n := r.db.Stats().MaxOpenConnections; {
+	case r.o.cfg.Dialect != dedupe.Postgres:
+	case n > 0 && n < 2:
+		r.cfg.Logger.Info("outbox: db allows one connection, which LISTEN would hold for good: the relay polls", nil)
+	default:
+		wg.Go(func() { r.listen(ctx) })
 	}
-	return json.Unmarshal(payload, &env) == nil && env.DestinationTopic != ""
+	r.register(ctx)
+	defer r.unregister()
+	close(r.running)
+	r.loop(ctx)
+	cancel()
+	return nil
 }
-
-// Run forwards until ctx is cancelled or Close is called.
-func (r *Relay) Run(ctx context.Context) error { return r.fwd.Run(ctx) }
 
 // Running is closed once the relay is forwarding.
-func (r *Relay) Running() chan struct{} { return r.fwd.Running() }
+func (r *Relay) Running() chan struct{} { return r.running }
 
-// Close stops the relay, waits for the forward in progress, and releases
-// its subscriber and metric callback. The output publisher stays open.
+// Close stops the relay, waits (up to CloseTimeout) for the batch in
+// progress, and releases its metric callback. db and the output publisher
+// stay open.
 func (r *Relay) Close() error {
-	err := r.fwd.Close()
-	return errors.Join(err, r.sub.Close(), r.reg.Unregister())
+	var err error
+	r.once.Do(func() {
+		close(r.closing)
+		if r.started.Load() {
+			select {
+			case <-r.done:
+			case <-time.After(r.cfg.CloseTimeout):
+				err = fmt.Errorf("outbox: relay did not stop within CloseTimeout %v", r.cfg.CloseTimeout)
+			}
+		}
+		err = errors.Join(err, r.reg.Unregister())
+	})
+	return err
 }
 
 // Counts returns how many rows this relay forwarded and how many forwards
@@ -260,16 +288,15 @@ func (r *Relay) Counts() (forwarded, failed int64) {
 	return r.forwarded.Load(), r.failed.Load()
 }
 
-// Status is the outbox's Status for this relay's consumer group.
+// Status is the outbox's Status.
 func (r *Relay) Status(ctx context.Context) (Status, error) {
-	return r.o.Status(ctx, r.db, r.cfg.ConsumerGroup)
+	return r.o.Status(ctx, r.db)
 }
 
-// Drain waits until no committed row is pending for this relay's consumer
-// group (forwarded by this relay or another of its group). Tests and tools
-// use it instead of sleeping.
+// Drain waits until no committed row is pending (forwarded by this relay or
+// another one). Tests and tools use it instead of sleeping.
 func (r *Relay) Drain(ctx context.Context) error {
-	t := time.NewTicker(r.cfg.PollInterval)
+	t := time.NewTicker(10 * time.Millisecond)
 	defer t.Stop()
 	for {
 		st, err := r.Status(ctx)
@@ -287,10 +314,337 @@ func (r *Relay) Drain(ctx context.Context) error {
 	}
 }
 
+// signal wakes the relay's loop; a wake-up already pending absorbs it.
+func (r *Relay) signal() {
+	select {
+	case r.wake <- struct{}{}:
+	default:
+	}
+}
+
+// sleep waits d, or until ctx ends; it reports whether ctx is still live.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// loop claims batches while they come back full, then waits for a wake-up
+// or the poll tick. A tick first asks, in one statement, whether anything is
+// pending (an idle relay costs one statement per PollInterval) and carries
+// the heartbeat on PostgreSQL.
+func (r *Relay) loop(ctx context.Context) {
+	tick := time.NewTicker(r.cfg.PollInterval)
+	defer tick.Stop()
+	lastBeat := time.Now()
+	claim := true
+	for ctx.Err() == nil {
+		if claim {
+			n, err := r.batch(ctx)
+			if err != nil {
+				if ctx.Err() != nil {
+					return
+				}
+				r.cfg.Logger.Error("outbox: relay batch failed; retrying", err, watermill.LogFields{"retry_in": r.cfg.RetryInterval})
+				if !sleep(ctx, r.cfg.RetryInterval) {
+					return
+				}
+				continue
+			}
+			if n == r.cfg.BatchSize {
+				continue
+			}
+			claim = false
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-r.wake:
+			claim = true
+		case <-tick.C:
+			beat := time.Since(lastBeat) >= r.cfg.HeartbeatInterval
+			pending, err := r.probe(ctx, beat)
+			if err != nil {
+				if ctx.Err() == nil {
+					r.cfg.Logger.Error("outbox: relay poll failed", err, nil)
+				}
+				continue
+			}
+			if beat {
+				lastBeat = time.Now()
+			}
+			claim = pending
+		}
+	}
+}
+
+// ttl is how long a heartbeat keeps the relay alive in Status.
+func (r *Relay) ttl() time.Duration { return 3 * r.cfg.HeartbeatInterval }
+
+// beatArg is the heartbeat's time-to-live in the unit of the dialect's
+// statement: seconds, or microseconds on MySQL.
+func (r *Relay) beatArg() any {
+	if r.o.cfg.Dialect == dedupe.MySQL {
+		return r.ttl().Microseconds()
+	}
+	return r.ttl().Seconds()
+}
+
+func (r *Relay) probe(ctx context.Context, beat bool) (bool, error) {
+	q, args := r.o.q.probe, []any(nil)
+	if beat {
+		if r.o.q.probeBeat != "" {
+			q, args = r.o.q.probeBeat, []any{r.id, r.beatArg()}
+		} else if _, err := r.db.ExecContext(ctx, r.o.q.beat, r.id, r.beatArg()); err != nil {
+			return false, fmt.Errorf("heartbeat: %w", err)
+		}
+	}
+	var pending bool
+	if err := r.db.QueryRowContext(ctx, q, args...).Scan(&pending); err != nil {
+		return false, err
+	}
+	return pending, nil
+}
+
+// register writes the relay's first heartbeat and sweeps relays expired
+// long ago. Failures are logged: the heartbeat is retried by the polls.
+func (r *Relay) register(ctx context.Context) {
+	if _, err := r.db.ExecContext(ctx, r.o.q.beat, r.id, r.beatArg()); err != nil {
+		r.cfg.Logger.Error("outbox: relay heartbeat failed", err, nil)
+		return
+	}
+	if _, err := r.db.ExecContext(ctx, r.o.q.sweep); err != nil {
+		r.cfg.Logger.Error("outbox: sweeping expired relays failed", err, nil)
+	}
+}
+
+func (r *Relay) unregister() {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := r.db.ExecContext(ctx, r.o.q.forget, r.id); err != nil {
+		r.cfg.Logger.Info("outbox: relay could not remove its heartbeat", watermill.LogFields{"err": err.Error()})
+	}
+}
+
+// row is one claimed outbox row.
+type row struct {
+	offset   int64
+	uuid     string
+	topic    string
+	payload  []byte
+	metadata string
+	age      float64
+}
+
+// batch claims up to BatchSize rows, publishes them in offset order and
+// commits their forwarded marks. It returns how many rows it claimed. A
+// publish that fails stops the batch: the rows from there on are left
+// unmarked, to be claimed again after RetryInterval.
+func (r *Relay) batch(ctx context.Context) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.AckDeadline)
+	defer cancel()
+	var opts *sql.TxOptions
+	if r.o.cfg.Dialect != dedupe.SQLite {
+		// Row locks only: no gap locks on MySQL that would stall writers.
+		opts = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
+	}
+	tx, err := r.db.BeginTx(ctx, opts)
+	if err != nil {
+		return 0, fmt.Errorf("begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	if r.o.cfg.Dialect == dedupe.Postgres {
+		// The marks need not wait for the WAL flush: a mark lost in a
+		// crash means the rows are published again, the duplicate the
+		// relay allows anyway. The next batch does not wait for the disk.
+		if _, err := tx.ExecContext(ctx, "SET LOCAL synchronous_commit = off"); err != nil {
+			return 0, fmt.Errorf("begin: %w", err)
+		}
+	}
+	rows, err := r.claim(ctx, tx)
+	if err != nil {
+		return 0, fmt.Errorf("claim: %w", err)
+	}
+	if len(rows) == 0 {
+		return 0, tx.Commit()
+	}
+	published, poisoned, perr := r.publish(ctx, rows)
+	if r.o.q.claimMarks {
+		if rest := rows[published:]; len(rest) > 0 {
+			if _, err := tx.ExecContext(ctx, r.o.q.mark(len(rest), false), offsets(rest)...); err != nil {
+				return 0, errors.Join(perr, fmt.Errorf("unmark: %w", err))
+			}
+		}
+	} else if published > 0 {
+		if _, err := tx.ExecContext(ctx, r.o.q.mark(published, true), offsets(rows[:published])...); err != nil {
+			return 0, errors.Join(perr, fmt.Errorf("mark: %w", err))
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return 0, errors.Join(perr, fmt.Errorf("commit: %w", err))
+	}
+	r.forwarded.Add(int64(published - poisoned))
+	r.fwdCnt.Add(context.WithoutCancel(ctx), int64(published-poisoned), r.attrs)
+	if perr != nil {
+		return 0, perr
+	}
+	return len(rows), nil
+}
+
+func offsets(rows []row) []any {
+	out := make([]any, len(rows))
+	for i, rw := range rows {
+		out[i] = rw.offset
+	}
+	return out
+}
+
+func (r *Relay) claim(ctx context.Context, tx *sql.Tx) ([]row, error) {
+	rs, err := tx.QueryContext(ctx, r.o.q.claim, r.cfg.BatchSize)
+	if err != nil {
+		return nil, err
+	}
+	defer rs.Close()
+	var out []row
+	for rs.Next() {
+		var rw row
+		var age sql.NullFloat64
+		if err := rs.Scan(&rw.offset, &rw.uuid, &rw.topic, &rw.payload, &rw.metadata, &age); err != nil {
+			return nil, err
+		}
+		rw.age = age.Float64
+		out = append(out, rw)
+	}
+	if err := rs.Err(); err != nil {
+		return nil, err
+	}
+	// RETURNING has no order: forward in offset order.
+	slices.SortFunc(out, func(a, b row) int { return cmp.Compare(a.offset, b.offset) })
+	return out, nil
+}
+
+// publish publishes rows in order, consecutive rows of one topic in one
+// call, and returns how many were published (to their topic or, foreign
+// ones, to the poison topic) before the first failure, and how many of
+// those were foreign.
+func (r *Relay) publish(ctx context.Context, rows []row) (done, poisoned int, err error) {
+	for done < len(rows) {
+		topic := rows[done].topic
+		var msgs []*message.Message
+		end := done
+		for end < len(rows) && rows[end].topic == topic {
+			m, ok := r.message(ctx, rows[end])
+			if !ok {
+				break
+			}
+			msgs = append(msgs, m)
+			end++
+		}
+		if len(msgs) > 0 {
+			if err := r.out.Publish(topic, msgs...); err != nil {
+				r.failed.Add(int64(len(rows) - done))
+				r.fail.Add(context.WithoutCancel(ctx), int64(len(rows)-done), r.attrs)
+				return done, poisoned, fmt.Errorf("publish %d message(s) to %q: %w", len(msgs), topic, err)
+			}
+			done = end
+			continue
+		}
+		// rows[done] is foreign: its metadata does not decode.
+		if err := r.poison(rows[done]); err != nil {
+			return done, poisoned, err
+		}
+		done++
+		poisoned++
+	}
+	return done, poisoned, nil
+}
+
+func (r *Relay) message(ctx context.Context, rw row) (*message.Message, bool) {
+	m := message.NewMessage(rw.uuid, rw.payload)
+	if err := json.Unmarshal([]byte(rw.metadata), &m.Metadata); err != nil {
+		return nil, false
+	}
+	if m.Metadata == nil {
+		m.Metadata = message.Metadata{}
+	}
+	m.SetContext(ctx)
+	return m, true
+}
+
+func (r *Relay) poison(rw row) error {
+	r.failed.Add(1)
+	r.fail.Add(context.Background(), 1, r.attrs)
+	r.cfg.Logger.Error("outbox: row's metadata is not a JSON object of strings; publishing it to the poison topic", nil, watermill.LogFields{
+		"offset": rw.offset, "uuid": rw.uuid, "poison_topic": r.cfg.PoisonTopic,
+	})
+	m := message.NewMessage(rw.uuid, rw.payload)
+	m.Metadata.Set("settle_outbox_topic", rw.topic)
+	m.Metadata.Set("settle_outbox_metadata", rw.metadata)
+	if err := r.out.Publish(r.cfg.PoisonTopic, m); err != nil {
+		return fmt.Errorf("row %d is foreign, and publishing it to %q failed: %w", rw.offset, r.cfg.PoisonTopic, err)
+	}
+	return nil
+}
+
+// errNoListen means the database's driver is not pgx: the relay polls.
+var errNoListen = errors.New("the driver of db is not pgx (github.com/jackc/pgx/v5/stdlib): no LISTEN, the relay polls")
+
+// listen holds one connection of db in LISTEN on the outbox's channel and
+// wakes the relay on each notification, and once after each (re)connect
+// for the commits it may have missed.
+func (r *Relay) listen(ctx context.Context) {
+	for {
+		err := r.listenOnce(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		if errors.Is(err, errNoListen) {
+			r.cfg.Logger.Info("outbox: "+err.Error(), nil)
+			return
+		}
+		r.cfg.Logger.Error("outbox: LISTEN connection lost; polling until it is back", err, watermill.LogFields{"retry_in": r.cfg.RetryInterval})
+		if !sleep(ctx, r.cfg.RetryInterval) {
+			return
+		}
+	}
+}
+
+func (r *Relay) listenOnce(ctx context.Context) error {
+	conn, err := r.db.Conn(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	return conn.Raw(func(dc any) error {
+		pc, ok := dc.(interface{ Conn() *pgx.Conn })
+		if !ok {
+			return errNoListen
+		}
+		c := pc.Conn()
+		if _, err := c.Exec(ctx, "LISTEN "+r.o.q.qTable); err != nil {
+			return errors.Join(err, driver.ErrBadConn)
+		}
+		r.signal()
+		for {
+			if _, err := c.WaitForNotification(ctx); err != nil {
+				// The connection is LISTENing (or broken): never hand it
+				// back to the pool.
+				return errors.Join(err, driver.ErrBadConn)
+			}
+			r.signal()
+		}
+	})
+}
+
 // Forward forwards every committed row now and returns when the outbox is
 // drained: a relay on demand, for tests, tools and cron jobs. It returns the
-// number of rows forwarded.
-func (o *Outbox) Forward(ctx context.Context, db wsql.Beginner, out message.Publisher, cfg RelayConfig) (int64, error) {
+// number of rows it forwarded.
+func (o *Outbox) Forward(ctx context.Context, db *sql.DB, out message.Publisher, cfg RelayConfig) (int64, error) {
 	r, err := o.NewRelay(db, out, cfg)
 	if err != nil {
 		return 0, err
@@ -299,12 +653,7 @@ func (o *Outbox) Forward(ctx context.Context, db wsql.Beginner, out message.Publ
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- r.Run(runCtx) }()
-	select {
-	case <-r.Running():
-	case err := <-done:
-		_ = r.Close()
-		return 0, fmt.Errorf("outbox: forward: relay stopped: %w", err)
-	}
+	<-r.Running()
 	derr := r.Drain(ctx)
 	cerr := r.Close()
 	rerr := <-done

@@ -6,8 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle/internal/testenv"
@@ -30,8 +28,8 @@ func (p *failOnce) Publish(topic string, msgs ...*message.Message) error {
 	return p.Publisher.Publish(topic, msgs...)
 }
 
-// An envelope whose publish fails is retried, never set aside as foreign.
-func TestFailedPublishOfEnvelopeIsRetriedNotPoisoned(t *testing.T) {
+// A settle row whose publish fails is retried, never set aside as foreign.
+func TestFailedPublishIsRetriedNotPoisoned(t *testing.T) {
 	t.Parallel()
 	e := setup(t, testenv.Postgres(t))
 	poisoned, err := e.pubsub.Subscribe(t.Context(), e.ob.Topic()+"_poison")
@@ -45,7 +43,7 @@ func TestFailedPublishOfEnvelopeIsRetriedNotPoisoned(t *testing.T) {
 	e.placeOrder(t, t.Context(), "A-9", true, message.NewMessage("retried", []byte(`{"id":"A-9"}`)))
 
 	out := &failOnce{Publisher: e.pubsub, topic: "orders.placed"}
-	r, err := e.ob.NewRelay(wsql.BeginnerFromStdSQL(e.db.DB), out, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+	r, err := e.ob.NewRelay(e.db.DB, out, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,33 +71,7 @@ func TestFailedPublishOfEnvelopeIsRetriedNotPoisoned(t *testing.T) {
 	}
 	select {
 	case m := <-poisoned:
-		t.Fatalf("an envelope reached the poison topic: %s", m.Payload)
+		t.Fatalf("a settle row reached the poison topic: %s", m.Payload)
 	default:
-	}
-}
-
-// A row that is valid JSON with a destination topic but cannot be unwrapped
-// (its payload is not base64) is also set aside, not retried forever.
-func TestMalformedEnvelopeGoesToPoisonTopic(t *testing.T) {
-	t.Parallel()
-	e := setup(t, testenv.Postgres(t))
-	poisoned, err := e.pubsub.Subscribe(t.Context(), e.ob.Topic()+"_poison")
-	if err != nil {
-		t.Fatal(err)
-	}
-	raw, err := wsql.NewPublisher(wsql.BeginnerFromStdSQL(e.db.DB), wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{}}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	bad := `{"destination_topic":"orders.placed","uuid":"x","payload":"%%%","metadata":{}}`
-	if err := raw.Publish(e.ob.Topic(), message.NewMessage(watermill.NewUUID(), []byte(bad))); err != nil {
-		t.Fatal(err)
-	}
-	n, err := e.ob.Forward(t.Context(), wsql.BeginnerFromStdSQL(e.db.DB), e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
-	if err != nil || n != 0 {
-		t.Fatalf("Forward = %d, %v; want nothing forwarded", n, err)
-	}
-	if m := <-poisoned; string(m.Payload) != bad {
-		t.Fatalf("poison topic got %q", m.Payload)
 	}
 }

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle/internal/testenv"
@@ -41,7 +40,7 @@ func TestRelayRetriesAFailedForwardAfterRetryInterval(t *testing.T) {
 	e.placeOrder(t, t.Context(), "A-9", true, message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
 	out := &brokerDown{Publisher: e.pubsub, fails: 2}
 	const retry = 150 * time.Millisecond
-	n, err := e.ob.Forward(t.Context(), wsql.BeginnerFromStdSQL(e.db.DB), out, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, RetryInterval: retry})
+	n, err := e.ob.Forward(t.Context(), e.db.DB, out, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, RetryInterval: retry})
 	if err != nil || n != 1 {
 		t.Fatalf("Forward = %d, %v; want the row forwarded after the outage", n, err)
 	}

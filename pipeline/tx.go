@@ -160,6 +160,9 @@ func RunTx(ctx context.Context, cfg TxConfig, msg *message.Message, fn TxFunc) (
 	if err = tx.Commit(); err != nil {
 		return fmt.Errorf("pipeline: commit: %w", err)
 	}
+	if cfg.Outbox != nil {
+		cfg.Outbox.Notify() // a relay of this process forwards at once
+	}
 	return nil
 }
 

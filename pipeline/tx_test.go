@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
@@ -43,7 +42,7 @@ func newTxEnv(t *testing.T, db testenv.DB) *txEnv {
 	_, err = db.ExecContext(t.Context(), "CREATE TABLE "+charges+" (order_id VARCHAR(64) PRIMARY KEY, cents INTEGER NOT NULL)")
 	must(t, err)
 	t.Cleanup(func() {
-		for _, tbl := range []string{charges, quote(db, "watermill_"+topic), quote(db, "watermill_offsets_"+topic)} {
+		for _, tbl := range []string{charges, quote(db, topic), quote(db, topic+"_relays")} {
 			_, _ = db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+tbl)
 		}
 	})
@@ -73,7 +72,7 @@ func (e *txEnv) rows(t *testing.T) int {
 
 func (e *txEnv) pending(t *testing.T) int64 {
 	t.Helper()
-	st, err := e.ob.Status(t.Context(), wsql.BeginnerFromStdSQL(e.db.DB), "")
+	st, err := e.ob.Status(t.Context(), e.db.DB)
 	must(t, err)
 	return st.Pending
 }
@@ -135,7 +134,7 @@ func TestTxHandlerCommitsWritesOutboxAndConfirmTogether(t *testing.T) {
 		defer ps.Close()
 		receipts, err := ps.Subscribe(t.Context(), "receipts")
 		must(t, err)
-		n, err := e.ob.Forward(t.Context(), wsql.BeginnerFromStdSQL(e.db.DB), ps, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+		n, err := e.ob.Forward(t.Context(), e.db.DB, ps, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 		if err != nil || n != 1 {
 			t.Fatalf("Forward = %d, %v; want 1", n, err)
 		}

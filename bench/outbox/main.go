@@ -81,6 +81,7 @@ type options struct {
 	timeout    time.Duration
 	cpuprofile string
 	verbose    bool
+	idle       time.Duration
 }
 
 func main() {
@@ -119,6 +120,7 @@ func parseFlags(args []string) (options, error) {
 	fs.BoolVar(&o.confirm, "confirm", false, "RabbitMQ: wait for publisher confirms (Publish.ConfirmDelivery)")
 	fs.IntVar(&o.amqpPool, "amqp-pool", 0, "RabbitMQ: Publish.ChannelPoolSize (0, the config's default, opens and closes a channel per Publish)")
 	fs.DurationVar(&o.timeout, "timeout", 20*time.Minute, "bound on the whole run")
+	fs.DurationVar(&o.idle, "idle", 10*time.Second, "lag scenario: how long each relay's idle statements are counted")
 	fs.BoolVar(&o.verbose, "v", false, "log the forwarders' errors and infos to stderr")
 	fs.StringVar(&o.cpuprofile, "cpuprofile", "", "write a CPU profile of the whole run to this file")
 	if err := fs.Parse(args); err != nil {
@@ -138,7 +140,7 @@ func parseFlags(args []string) (options, error) {
 	o.scenarios = map[string]bool{}
 	for s := range strings.SplitSeq(*scen, ",") {
 		switch s = strings.TrimSpace(s); s {
-		case "direct", "forward", "paced", "prefilled":
+		case "direct", "forward", "paced", "prefilled", "lag":
 			o.scenarios[s] = true
 		default:
 			return o, fmt.Errorf("-scenarios: unknown scenario %q", s)
@@ -214,7 +216,11 @@ func run(o options, stdout, stderr io.Writer) error {
 		results[k] = append(results[k], r)
 	}
 
+	onlyLag := len(o.scenarios) == 1 && o.scenarios["lag"]
 	for i := range o.runs {
+		if onlyLag {
+			break
+		}
 		for _, brokerURL := range o.brokers {
 			br, err := b.openBroker(ctx, brokerURL)
 			if err != nil {
@@ -232,7 +238,12 @@ func run(o options, stdout, stderr io.Writer) error {
 
 	fmt.Fprintf(stdout, "PostgreSQL %s, %d CPUs, GOMAXPROCS %d, %s; n=%d, producers=%d, poll=%s, paced %d msgs/s for %s, payload %d B, median of %d runs\n\n",
 		pgVersion, runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.Version(), o.n, o.producers, o.poll, o.rate, o.paced, o.payload, o.runs)
-	fmt.Fprint(stdout, format(order, results))
+	if !onlyLag {
+		fmt.Fprint(stdout, format(order, results))
+	}
+	if o.scenarios["lag"] {
+		return b.runLag(ctx, stdout)
+	}
 	return nil
 }
 
@@ -536,16 +547,20 @@ func (b *bench) barePath(topic string) path {
 	}
 }
 
-func (b *bench) settlePath(topic string) (path, error) {
+func (b *bench) settlePath(ctx context.Context, topic string) (path, error) {
 	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: topic})
 	if err != nil {
+		return path{}, err
+	}
+	b.tables = append(b.tables, ob.Table(), ob.Table()+"_relays")
+	if err := ob.InitSchema(ctx, b.db); err != nil {
 		return path{}, err
 	}
 	return path{
 		name:      "settle",
 		publisher: ob.TxPublisher,
 		start: func(ctx context.Context, out message.Publisher) (func() error, error) {
-			r, err := ob.NewRelay(wsql.BeginnerFromStdSQL(b.db), out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
+			r, err := ob.NewRelay(b.db, out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
 			if err != nil {
 				return nil, err
 			}
@@ -679,13 +694,10 @@ func (b *bench) runOnce(ctx context.Context, run int, br *broker, add func(key, 
 
 	paths := func(tag string) ([]path, error) {
 		bare := b.topic(tag + "b")
-		st := b.topic(tag + "s")
-		for _, t := range []string{bare, st} {
-			if err := b.initTables(ctx, t); err != nil {
-				return nil, err
-			}
+		if err := b.initTables(ctx, bare); err != nil {
+			return nil, err
 		}
-		sp, err := b.settlePath(st)
+		sp, err := b.settlePath(ctx, b.topic(tag+"s"))
 		if err != nil {
 			return nil, err
 		}

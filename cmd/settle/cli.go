@@ -65,8 +65,8 @@ var synopses = map[string]string{
 	"dedupe prune":  "dedupe prune -db URL [-table T] -older-than AGE",
 	"dedupe schema": "dedupe schema -dialect postgres|mysql|sqlite [-table T]",
 	"outbox schema": "outbox schema -dialect postgres|mysql|sqlite [-topic T]",
-	"outbox status": "outbox status -db URL [-topic T] [-group G] [-json]",
-	"outbox prune":  "outbox prune -db URL [-topic T] [-group G] -older-than AGE",
+	"outbox status": "outbox status -db URL [-topic T] [-stuck-after D] [-json]",
+	"outbox prune":  "outbox prune -db URL [-topic T] -older-than DURATION",
 	"trace":         "trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag KEY=VALUE]) [-svg FILE]",
 }
 

@@ -176,7 +176,7 @@ func TestSchemaStatements(t *testing.T) {
 				t.Fatal(err)
 			}
 			r := mustRun(t, exitOK, "outbox", "schema", "-dialect", string(d), "-topic", "orders_out")
-			checkSQL(t, r.stdout, len(want), "watermill_offsets_orders_out")
+			checkSQL(t, r.stdout, len(want), "orders_out_relays")
 		})
 	}
 }

@@ -9,8 +9,6 @@ import (
 	"strings"
 	"time"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
-
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settleenv"
 	"github.com/settle-go/settle/outbox"
@@ -98,49 +96,63 @@ func runOutboxSchema(e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	header := fmt.Sprintf("settle outbox %s (%s)", *topic, *dialect)
-	if *dialect == string(dedupe.Postgres) {
-		header += "; run in one transaction: the advisory lock holds until it ends"
-	}
-	return writeSQL(e.stdout, header, stmts)
+	return writeSQL(e.stdout, fmt.Sprintf("settle outbox %s (%s)", *topic, *dialect), stmts)
 }
+
+// errOutboxUnhealthy is the error of `outbox status` when old rows are
+// pending: the status was printed, the exit code says it is not well.
+var errOutboxUnhealthy = errors.New("outbox is not healthy")
 
 func runOutboxStatus(e *env, args []string) (err error) {
 	const name = "outbox status"
 	fs := newFlagSet(name)
 	dbURL := dbFlag(fs)
 	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
-	group := fs.String("group", "", "the relays' consumer group (outbox.RelayConfig.ConsumerGroup); default the default group")
+	stuckAfter := fs.Duration("stuck-after", outbox.DefaultStuckAfter, "a pending row older than this is old: with a live relay, the relay is stuck or passes it over")
 	asJSON := fs.Bool("json", false, "write JSON")
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
 	}
-	if len(pos) > 0 {
+	switch {
+	case len(pos) > 0:
 		return usagef(fs, name, "unexpected argument %q", pos[0])
+	case *stuckAfter <= 0:
+		return usagef(fs, name, "-stuck-after must be > 0")
 	}
-	db, ob, err := openOutbox(e, *dbURL, *topic)
+	db, ob, err := openOutbox(e, *dbURL, *topic, *stuckAfter)
 	if err != nil {
 		return err
 	}
 	defer func() { err = errors.Join(err, db.Close()) }()
-	st, err := ob.Status(e.ctx, wsql.BeginnerFromStdSQL(db), *group)
+	if err := ob.Check(e.ctx, db); err != nil {
+		return err
+	}
+	st, err := ob.Status(e.ctx, db)
 	if err != nil {
 		return err
 	}
 	if *asJSON {
-		return writeJSON(e.stdout, struct {
-			Topic      string  `json:"topic"`
-			Group      string  `json:"group"`
-			Pending    int64   `json:"pending"`
-			LagSeconds float64 `json:"lag_seconds"`
-		}{*topic, *group, st.Pending, st.Lag.Seconds()})
+		err = writeJSON(e.stdout, struct {
+			Topic          string  `json:"topic"`
+			State          string  `json:"state"`
+			Pending        int64   `json:"pending"`
+			LagSeconds     float64 `json:"lag_seconds"`
+			OldestOffset   int64   `json:"oldest_offset"`
+			LiveRelays     int64   `json:"live_relays"`
+			ForwardedSince int64   `json:"forwarded_since"`
+			Explain        string  `json:"explain"`
+		}{*topic, string(st.State), st.Pending, st.Lag.Seconds(), st.OldestOffset, st.LiveRelays, st.ForwardedSince, st.Explain()})
+	} else {
+		_, err = fmt.Fprintf(e.stdout, "topic:   %s\nstate:   %s\npending: %d\nlag:     %s\nrelays:  %d alive\n%s\n",
+			*topic, st.State, st.Pending, st.Lag.Round(time.Millisecond), st.LiveRelays, st.Explain())
 	}
-	g := *group
-	if g == "" {
-		g = "(default)"
+	if err != nil {
+		return err
 	}
-	fmt.Fprintf(e.stdout, "topic:   %s\ngroup:   %s\npending: %d\nlag:     %s\n", *topic, g, st.Pending, st.Lag.Round(time.Millisecond))
+	if st.State != outbox.StateOK {
+		return fmt.Errorf("%w: %s", errOutboxUnhealthy, st.State)
+	}
 	return nil
 }
 
@@ -149,8 +161,7 @@ func runOutboxPrune(e *env, args []string) (err error) {
 	fs := newFlagSet(name)
 	dbURL := dbFlag(fs)
 	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
-	group := fs.String("group", "", "the relays' consumer group; with several groups, the slowest")
-	olderThan := ageFlag(fs, "older-than", "remove forwarded rows written longer ago than this, e.g. 7d or 36h (required)")
+	olderThan := ageFlag(fs, "older-than", "remove rows forwarded longer ago than this, e.g. 7d or 36h (required)")
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
@@ -161,16 +172,19 @@ func runOutboxPrune(e *env, args []string) (err error) {
 	case *olderThan <= 0:
 		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 7d)")
 	}
-	db, ob, err := openOutbox(e, *dbURL, *topic)
+	db, ob, err := openOutbox(e, *dbURL, *topic, 0)
 	if err != nil {
 		return err
 	}
 	defer func() { err = errors.Join(err, db.Close()) }()
-	n, err := ob.Prune(e.ctx, wsql.BeginnerFromStdSQL(db), *group, *olderThan)
+	if err := ob.Check(e.ctx, db); err != nil {
+		return err
+	}
+	n, err := ob.Prune(e.ctx, db, *olderThan)
 	if err != nil {
 		return fmt.Errorf("prune outbox %s (%d rows removed before the error): %w", *topic, n, err)
 	}
-	fmt.Fprintf(e.stdout, "pruned %d forwarded rows from outbox %s (written more than %s ago)\n", n, *topic, *olderThan)
+	fmt.Fprintf(e.stdout, "pruned %d rows from outbox %s (forwarded more than %s ago)\n", n, *topic, *olderThan)
 	return nil
 }
 
@@ -181,12 +195,12 @@ func dbFlag(fs *flag.FlagSet) *string {
 
 // openOutbox opens the database at dbURL and the outbox of topic on it. The
 // caller closes the database.
-func openOutbox(e *env, dbURL, topic string) (*sql.DB, *outbox.Outbox, error) {
+func openOutbox(e *env, dbURL, topic string, stuckAfter time.Duration) (*sql.DB, *outbox.Outbox, error) {
 	db, dialect, err := openDB(e, dbURL)
 	if err != nil {
 		return nil, nil, err
 	}
-	ob, err := outbox.New(outbox.Config{Dialect: dialect, Topic: topic})
+	ob, err := outbox.New(outbox.Config{Dialect: dialect, Topic: topic, StuckAfter: stuckAfter})
 	if err != nil {
 		return nil, nil, errors.Join(fmt.Errorf("-topic: %w", err), db.Close())
 	}

@@ -5,7 +5,6 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"os"
 	"path/filepath"
@@ -124,13 +123,13 @@ func TestOutboxStatus(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		for _, tbl := range []string{"watermill_" + topic, "watermill_offsets_" + topic} {
+		for _, tbl := range []string{topic, topic + "_relays"} {
 			_, _ = db.ExecContext(context.Background(), `DROP TABLE IF EXISTS "`+tbl+`"`)
 		}
 	})
 
 	r := mustRun(t, exitOK, "outbox", "status", "-db", u, "-topic", topic)
-	if !strings.Contains(r.stdout, "pending: 0\n") || !strings.Contains(r.stdout, "lag:     0s\n") {
+	if !strings.Contains(r.stdout, "state:   ok\n") || !strings.Contains(r.stdout, "pending: 0\n") || !strings.Contains(r.stdout, "lag:     0s\n") {
 		t.Errorf("status of an empty outbox:\n%v", r)
 	}
 
@@ -162,28 +161,40 @@ func TestOutboxStatus(t *testing.T) {
 	r = mustRun(t, exitOK, "outbox", "status", "-db", u, "-topic", topic, "-json")
 	var st struct {
 		Topic      string  `json:"topic"`
-		Group      string  `json:"group"`
+		State      string  `json:"state"`
 		Pending    int64   `json:"pending"`
 		LagSeconds float64 `json:"lag_seconds"`
+		LiveRelays int64   `json:"live_relays"`
 	}
 	if err := json.Unmarshal([]byte(r.stdout), &st); err != nil {
 		t.Fatalf("status -json: %v\n%v", err, r)
 	}
-	if st.Topic != topic || st.Pending != 2 || st.LagSeconds < 0 || st.LagSeconds > 60 {
+	if st.Topic != topic || st.State != "ok" || st.Pending != 2 || st.LagSeconds < 0 || st.LagSeconds > 60 {
 		t.Errorf("status = %+v, want 2 pending", st)
 	}
-	r = mustRun(t, exitOK, "outbox", "status", "-db", u, "-topic", topic, "-group", "other")
-	if !strings.Contains(r.stdout, "group:   other\n") || !strings.Contains(r.stdout, "pending: 2\n") {
-		t.Errorf("status of another group:\n%v", r)
+	// Consumer groups are gone: the flag is refused, not ignored.
+	r = mustRun(t, exitUsage, "outbox", "status", "-db", u, "-topic", topic, "-group", "nosuch")
+	if !strings.Contains(r.stderr, "-group") {
+		t.Errorf("status -group:\n%v", r)
+	}
+	// Old rows and no relay: the status says so and exits 1.
+	time.Sleep(20 * time.Millisecond)
+	r = mustRun(t, exitFail, "outbox", "status", "-db", u, "-topic", topic, "-stuck-after", "10ms")
+	if !strings.Contains(r.stdout, "state:   no_relay\n") || !strings.Contains(r.stdout, "no relay is alive") {
+		t.Errorf("status of old rows without a relay:\n%v", r)
 	}
 
+	// A missing outbox: the hint says what to run, not the driver's error.
 	r = mustRun(t, exitFail, "outbox", "status", "-db", u, "-topic", topic+"_none")
-	if !strings.Contains(r.stderr, "settle: outbox: status: ") {
+	if !strings.Contains(r.stderr, "table "+topic+"_none does not exist") || !strings.Contains(r.stderr, "settle outbox schema -dialect postgres -topic "+topic+"_none") {
 		t.Errorf("status of a missing outbox:\n%v", r)
 	}
-	// Forward the two rows, then prune: the older one goes, the newest
-	// forwarded row stays as the relay's bookmark.
-	n, err := ob.Forward(t.Context(), wsql.BeginnerFromStdSQL(db.DB), gochannel.NewGoChannel(gochannel.Config{}, nil), outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
+	r = mustRun(t, exitFail, "outbox", "prune", "-db", u, "-topic", topic+"_none", "-older-than", "1h")
+	if !strings.Contains(r.stderr, "settle outbox schema -dialect postgres") {
+		t.Errorf("prune of a missing outbox:\n%v", r)
+	}
+	// Forward the two rows, then prune them.
+	n, err := ob.Forward(t.Context(), db.DB, gochannel.NewGoChannel(gochannel.Config{}, nil), outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
 	if err != nil || n != 2 {
 		t.Fatalf("Forward = %d, %v", n, err)
 	}
@@ -192,12 +203,12 @@ func TestOutboxStatus(t *testing.T) {
 		t.Errorf("prune without -older-than:\n%v", r)
 	}
 	r = mustRun(t, exitOK, "outbox", "prune", "-db", u, "-topic", topic, "-older-than", "1ns")
-	if !strings.Contains(r.stdout, "pruned 1 forwarded rows from outbox "+topic) {
+	if !strings.Contains(r.stdout, "pruned 2 rows from outbox "+topic) {
 		t.Errorf("prune:\n%v", r)
 	}
 	var rows int
-	if err := db.QueryRowContext(t.Context(), `SELECT COUNT(*) FROM "watermill_`+topic+`"`).Scan(&rows); err != nil || rows != 1 {
-		t.Errorf("%d rows left after prune, %v; want 1", rows, err)
+	if err := db.QueryRowContext(t.Context(), `SELECT COUNT(*) FROM "`+topic+`"`).Scan(&rows); err != nil || rows != 0 {
+		t.Errorf("%d rows left after prune, %v; want 0", rows, err)
 	}
 }
 

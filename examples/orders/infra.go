@@ -297,7 +297,7 @@ func (s *schema) dropOutbox(ob *outbox.Outbox) {
 	if s.dialect == dedupe.MySQL {
 		q = "`"
 	}
-	for _, t := range []string{"watermill_" + ob.Topic(), "watermill_offsets_" + ob.Topic()} {
+	for _, t := range []string{ob.Table(), ob.Table() + "_relays"} {
 		_, _ = s.db.ExecContext(ctx, "DROP TABLE IF EXISTS "+q+t+q)
 	}
 }

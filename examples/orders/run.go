@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
@@ -255,7 +254,7 @@ func run(parent context.Context, cfg config) (err error) {
 		return err
 	}
 
-	relay, err := ob.NewRelay(wsql.BeginnerFromStdSQL(db), br.pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MeterProvider: tel.mp})
+	relay, err := ob.NewRelay(db, br.pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MeterProvider: tel.mp})
 	if err != nil {
 		return err
 	}
@@ -446,7 +445,11 @@ func placeOrder(ctx context.Context, tracer trace.Tracer, db *sql.DB, ob *outbox
 	if err := pub.Publish(topic, msg); err != nil {
 		return nil, err
 	}
-	return msg, tx.Commit()
+	if err := tx.Commit(); err != nil {
+		return nil, err
+	}
+	ob.Notify() // the relay of this process forwards at once
+	return msg, nil
 }
 
 type expectation struct{ orders, dups, bounced int }

@@ -18,7 +18,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	_ "modernc.org/sqlite" // registers the "sqlite" driver
@@ -102,8 +101,8 @@ func run(ctx context.Context, cfg config, w io.Writer) error {
 		return nil
 	})
 
-	// The relay: committed outbox rows to the broker, in commit order.
-	relay, err := ob.NewRelay(wsql.BeginnerFromStdSQL(db), broker, outbox.RelayConfig{})
+	// The relay: committed outbox rows to the broker.
+	relay, err := ob.NewRelay(db, broker, outbox.RelayConfig{})
 	if err != nil {
 		return err
 	}
@@ -241,7 +240,11 @@ func placeOrder(ctx context.Context, db *sql.DB, ob *outbox.Outbox, o order) err
 	} else if n == 0 {
 		return fmt.Errorf("order %s: %w for %d x %s", o.ID, errOutOfStock, o.Qty, o.SKU)
 	}
-	return tx.Commit()
+	if err := tx.Commit(); err != nil {
+		return err
+	}
+	ob.Notify() // the relay of this process forwards at once
+	return nil
 }
 
 // serve listens on addr until ctx is done.

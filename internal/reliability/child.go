@@ -17,7 +17,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle/amqpmarshal"
@@ -212,7 +211,7 @@ func runRelay(ctx context.Context, spec childSpec) error {
 	if err != nil {
 		return err
 	}
-	relay, err := ob.NewRelay(wsql.BeginnerFromStdSQL(db), &phasePublisher{Publisher: pub, st: st, sl: sl, ctx: ctx},
+	relay, err := ob.NewRelay(db, &phasePublisher{Publisher: pub, st: st, sl: sl, ctx: ctx},
 		outbox.RelayConfig{PollInterval: 10 * time.Millisecond, AckDeadline: 5 * time.Second, CloseTimeout: 5 * time.Second, Logger: logger})
 	if err != nil {
 		return err

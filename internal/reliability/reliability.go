@@ -25,7 +25,6 @@ import (
 	"syscall"
 	"time"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
@@ -653,7 +652,7 @@ func (d *driver) drain(ctx context.Context) error {
 		effects, m, err := d.progress(ctx, -1)
 		var st outbox.Status
 		if err == nil {
-			st, err = d.ob.Status(ctx, wsql.BeginnerFromStdSQL(d.db), "")
+			st, err = d.ob.Status(ctx, d.db)
 		}
 		var depth []int
 		if err == nil {

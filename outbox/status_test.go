@@ -1,0 +1,269 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/outbox"
+)
+
+// refuse is a broker that refuses every publish.
+type refuse struct{}
+
+func (refuse) Publish(string, ...*message.Message) error { return errors.New("broker refuses") }
+func (refuse) Close() error                              { return nil }
+
+// startRelay runs a relay until the test ends.
+func startRelay(t *testing.T, e *env, out message.Publisher, cfg outbox.RelayConfig) *outbox.Relay {
+	t.Helper()
+	r, err := e.ob.NewRelay(e.db.DB, out, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	<-r.Running()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+		_ = r.Close()
+	})
+	return r
+}
+
+func waitState(t *testing.T, ob *outbox.Outbox, e *env, want outbox.State) outbox.Status {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		st, err := ob.Status(t.Context(), e.db.DB)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.State == want {
+			return st
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("status %+v (%s); want state %s", st, st.Explain(), want)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Status tells an outbox with old rows and no relay from one whose live
+// relay forwards nothing, and from one whose relay passes a row over.
+func TestStatusSaysWhyRowsAreOld(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *env) {
+		ob, err := outbox.New(outbox.Config{Dialect: e.db.Dialect, Topic: e.ob.Topic(), StuckAfter: 300 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st := waitState(t, ob, e, outbox.StateOK); st.Pending != 0 || st.Explain() != "nothing pending" {
+			t.Fatalf("empty outbox: %+v %s", st, st.Explain())
+		}
+		e.placeOrder(t, t.Context(), "S-1", true, message.NewMessage("old-1", []byte(`{}`)))
+		st := waitState(t, ob, e, outbox.StateNoRelay)
+		if st.Pending != 1 || st.LiveRelays != 0 || st.Lag < 300*time.Millisecond {
+			t.Fatalf("no relay: %+v", st)
+		}
+
+		// A live relay whose broker refuses everything: stuck.
+		stopRefusing := make(chan struct{})
+		func() {
+			r, err := e.ob.NewRelay(e.db.DB, refuse{}, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, RetryInterval: 50 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- r.Run(ctx) }()
+			<-r.Running()
+			st = waitState(t, ob, e, outbox.StateStuck)
+			if st.LiveRelays != 1 || st.ForwardedSince != 0 {
+				t.Fatalf("stuck: %+v", st)
+			}
+			cancel()
+			<-done
+			_ = r.Close()
+			close(stopRefusing)
+		}()
+		<-stopRefusing
+		// Its heartbeat is gone with it.
+		waitState(t, ob, e, outbox.StateNoRelay)
+
+		if e.db.Dialect == dedupe.SQLite {
+			return // one writer: no transaction can hold a row while a relay works
+		}
+		// A transaction holds the old row's lock (as a hung relay batch
+		// would); a working relay forwards a newer row around it.
+		var off int64
+		sel := "SELECT " + quoteTable(e, "offset") + " FROM " + quoteTable(e, e.ob.Table()) + " WHERE uuid = " + e.ph(1)
+		if err := e.db.QueryRowContext(t.Context(), sel, "old-1").Scan(&off); err != nil {
+			t.Fatal(err)
+		}
+		tx, err := e.db.BeginTx(t.Context(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		lock := "SELECT " + quoteTable(e, "offset") + " FROM " + quoteTable(e, e.ob.Table()) + " WHERE " + quoteTable(e, "offset") + " = " + e.ph(1) + " FOR UPDATE"
+		if err := tx.QueryRowContext(t.Context(), lock, off).Scan(&off); err != nil {
+			t.Fatal(err)
+		}
+		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond})
+		e.placeOrder(t, t.Context(), "S-2", true, message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
+		st = waitState(t, ob, e, outbox.StatePassedOver)
+		if st.OldestOffset != off || st.ForwardedSince != 1 || st.LiveRelays != 1 {
+			t.Fatalf("passed over: %+v", st)
+		}
+		if err := tx.Rollback(); err != nil {
+			t.Fatal(err)
+		}
+		e.ob.Notify()
+		st = waitState(t, ob, e, outbox.StateOK)
+		if st.Pending != 0 {
+			t.Fatalf("after the lock is gone: %+v", st)
+		}
+	})
+}
+
+// A row committed after a row with a higher offset was forwarded is
+// forwarded too, at its commit: through LISTEN/NOTIFY on PostgreSQL (no
+// Notify call), through Notify elsewhere, and on PostgreSQL with
+// DisableNotify. The relay's fallback poll is an hour, so only a wake-up can
+// forward either row in time.
+func TestLateCommitIsForwardedOnCommit(t *testing.T) {
+	t.Parallel()
+	// Not on SQLite: one writer, so a later transaction cannot commit
+	// before an earlier one.
+	for _, d := range testenv.Databases() {
+		if d.Name == "sqlite" {
+			continue
+		}
+		t.Run(d.Name, func(t *testing.T) {
+			t.Parallel()
+			testLateCommit(t, setup(t, d.Open(t)))
+		})
+	}
+	t.Run("postgres_disable_notify", func(t *testing.T) {
+		t.Parallel()
+		e := setup(t, testenv.Postgres(t))
+		ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: e.ob.Topic(), DisableNotify: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.ob = ob
+		testLateCommit(t, e)
+	})
+}
+
+func testLateCommit(t *testing.T, e *env) {
+	{
+		got, err := e.pubsub.Subscribe(t.Context(), "orders.placed")
+		if err != nil {
+			t.Fatal(err)
+		}
+		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: time.Hour})
+		notify := func() {
+			if e.db.Dialect != dedupe.Postgres || e.ob.Config().DisableNotify {
+				e.ob.Notify()
+			}
+		}
+		receive := func(want string) {
+			t.Helper()
+			select {
+			case m := <-got:
+				m.Ack()
+				if m.UUID != want {
+					t.Fatalf("got %s, want %s", m.UUID, want)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatalf("%s was not forwarded on commit", want)
+			}
+		}
+		// The early transaction writes first (the lower offset) and stays open.
+		early, err := e.db.BeginTx(t.Context(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = early.Rollback() }()
+		pub, err := e.ob.TxPublisher(early)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := pub.Publish("orders.placed", message.NewMessage("early", []byte(`{}`))); err != nil {
+			t.Fatal(err)
+		}
+		e.placeOrder(t, t.Context(), "L-1", true, message.NewMessage("late", []byte(`{}`)))
+		notify()
+		receive("late")
+		if err := early.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		notify()
+		receive("early")
+	}
+}
+
+// A running relay renews its heartbeat (folded into its poll on
+// PostgreSQL): it stays alive long after its first heartbeat expired, and
+// is gone once it stops.
+func TestRelayHeartbeat(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *env) {
+		r, err := e.ob.NewRelay(e.db.DB, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, HeartbeatInterval: 40 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- r.Run(ctx) }()
+		<-r.Running()
+		live := func() int64 {
+			t.Helper()
+			var n int64
+			q := "SELECT COUNT(*) FROM " + quoteTable(e, e.ob.Table()+"_relays")
+			if err := e.db.QueryRowContext(t.Context(), q).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+		// Status counts only relays whose heartbeat has not expired; with
+		// a pending row it reports them.
+		e.placeOrder(t, t.Context(), "H-1", false, message.NewMessage("rolled-back", []byte(`{}`)))
+		for range 10 { // 10 x 60ms: several times the 120ms a heartbeat lives
+			time.Sleep(60 * time.Millisecond)
+			if n := live(); n != 1 {
+				t.Fatalf("%d relay rows while the relay runs, want 1", n)
+			}
+			var alive int64
+			q := "SELECT COUNT(*) FROM " + quoteTable(e, e.ob.Table()+"_relays") + " WHERE expires_at > " + map[dedupe.Dialect]string{
+				dedupe.Postgres: "clock_timestamp()", dedupe.MySQL: "CURRENT_TIMESTAMP(6)", dedupe.SQLite: "strftime('%Y-%m-%d %H:%M:%f', 'now')",
+			}[e.db.Dialect]
+			if err := e.db.QueryRowContext(t.Context(), q).Scan(&alive); err != nil {
+				t.Fatal(err)
+			}
+			if alive != 1 {
+				t.Fatalf("the relay's heartbeat expired while it runs")
+			}
+		}
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		_ = r.Close()
+		if n := live(); n != 0 {
+			t.Fatalf("%d relay rows after the relay stopped, want 0", n)
+		}
+	})
+}
