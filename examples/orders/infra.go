@@ -165,11 +165,11 @@ func runStart(id string) (time.Time, bool) {
 func tableNames(runID string) []string {
 	return []string{
 		"orders_claims_" + runID, "orders_" + runID, "orders_charges_" + runID, "orders_emails_" + runID,
-		"watermill_orders_outbox_" + runID, "watermill_offsets_orders_outbox_" + runID,
+		"orders_outbox_" + runID, "orders_outbox_" + runID + "_relays",
 	}
 }
 
-var leftoverTable = regexp.MustCompile(`^(?:orders|orders_claims|orders_charges|orders_emails|watermill_orders_outbox|watermill_offsets_orders_outbox)_(` + runIDPattern + `)$`)
+var leftoverTable = regexp.MustCompile(`^(?:orders|orders_claims|orders_charges|orders_emails|orders_outbox)_(` + runIDPattern + `)(?:_relays)?$`)
 
 // leftovers are the tables and queues earlier runs did not remove.
 type leftovers struct {
