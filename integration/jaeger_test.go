@@ -230,6 +230,9 @@ func TestOrdersTraceInJaeger(t *testing.T) {
 		process.tag("messaging.operation.type") != "process" || ack.tag("messaging.operation.type") != "settle" {
 		t.Errorf("process span tags %v, ack span tags %v", process.Tags, ack.Tags)
 	}
+	if send.tag("messaging.system") == "" || create.tag("messaging.system") == "" {
+		t.Errorf("the outbox's spans lack messaging.system: create %v, send %v", create.Tags, send.Tags)
+	}
 	if ack.StartTime+ack.Duration < process.StartTime+process.Duration {
 		t.Errorf("the ack span ended before the process span")
 	}

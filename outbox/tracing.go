@@ -10,6 +10,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/settlement"
 )
 
 // The outbox's spans, in the trace of the code that published:
@@ -33,6 +34,7 @@ func (o *Outbox) tracer() trace.Tracer {
 func (o *Outbox) startCreate(topic string, msg *message.Message) trace.Span {
 	ctx, span := o.tracer().Start(msg.Context(), "create "+topic,
 		trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(handlerOf(msg.Context())...),
 		trace.WithAttributes(
 			semconv.MessagingSystemKey.String(messagingSystem),
 			semconv.MessagingOperationTypeCreate,
@@ -43,6 +45,17 @@ func (o *Outbox) startCreate(topic string, msg *message.Message) trace.Span {
 		))
 	o.cfg.Propagator.Inject(ctx, settle.MetadataCarrier(msg.Metadata))
 	return span
+}
+
+// handlerOf returns the settle.handler attribute of the delivery whose
+// handler publishes (a transactional handler writing to the outbox), or none.
+func handlerOf(ctx context.Context) []attribute.KeyValue {
+	for _, kv := range settlement.FromContext(ctx).Attributes() {
+		if kv.Key == "settle.handler" {
+			return []attribute.KeyValue{kv}
+		}
+	}
+	return nil
 }
 
 // traced wraps the relay's output publisher: each forwarded message is sent
@@ -63,6 +76,7 @@ func (p *tracedPublisher) Publish(topic string, msgs ...*message.Message) error 
 		ctx, span := p.o.tracer().Start(parent, "send "+topic,
 			trace.WithSpanKind(trace.SpanKindProducer),
 			trace.WithAttributes(
+				semconv.MessagingSystemKey.String(messagingSystem),
 				semconv.MessagingOperationTypeSend,
 				semconv.MessagingOperationName("send"),
 				semconv.MessagingDestinationName(topic),

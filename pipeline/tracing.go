@@ -15,7 +15,7 @@ import (
 func publishInContext(fn TxFunc) TxFunc {
 	return func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
 		if out != nil {
-			out = contextPublisher{Publisher: out, span: trace.SpanFromContext(ctx)}
+			out = contextPublisher{Publisher: out, ctx: ctx}
 		}
 		return fn(ctx, tx, msg, out)
 	}
@@ -23,14 +23,14 @@ func publishInContext(fn TxFunc) TxFunc {
 
 type contextPublisher struct {
 	message.Publisher
-	span trace.Span
+	ctx context.Context // the delivery's: its span and its settlement
 }
 
 func (p contextPublisher) Publish(topic string, msgs ...*message.Message) error {
-	if p.span.SpanContext().IsValid() {
+	if trace.SpanContextFromContext(p.ctx).IsValid() {
 		for _, m := range msgs {
 			if !trace.SpanContextFromContext(m.Context()).IsValid() {
-				m.SetContext(trace.ContextWithSpan(m.Context(), p.span))
+				m.SetContext(p.ctx)
 			}
 		}
 	}

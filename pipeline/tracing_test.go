@@ -112,4 +112,15 @@ func TestTxOutboxMessagesContinueTheTrace(t *testing.T) {
 		t.Fatalf("the outbox's create span is in trace %s under %s; want trace %s under the process span %s",
 			create.SpanContext().TraceID(), create.Parent().SpanID(), proc.SpanContext().TraceID(), proc.SpanContext().SpanID())
 	}
+	// The create span names the handler that wrote it, as every span of the
+	// delivery does.
+	var handler string
+	for _, kv := range create.Attributes() {
+		if kv.Key == "settle.handler" {
+			handler = kv.Value.AsString()
+		}
+	}
+	if handler == "" {
+		t.Fatalf("the create span has no settle.handler: %v", create.Attributes())
+	}
 }

@@ -90,6 +90,14 @@ func (r *Record) SetOutcome(o string) {
 	r.mu.Unlock()
 }
 
+// Attributes returns SpanAttributes; nil-safe.
+func (r *Record) Attributes() []attribute.KeyValue {
+	if r == nil {
+		return nil
+	}
+	return r.SpanAttributes
+}
+
 // Undecide forgets the outcome decided so far and a deferral: for a delivery
 // whose settlement is decided again, as a batch run again without a failing
 // message decides each of its deliveries again.
