@@ -2,7 +2,6 @@ package pipeline
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
 	"runtime/debug"
 	"slices"
@@ -59,8 +58,7 @@ func (c BatchConfig) enabled() bool { return c.MaxSize > 1 }
 // running the whole batch on its own goroutine, and the others wait for
 // their result.
 type batcher struct {
-	cfg  TxConfig
-	fn   TxFunc
+	f    txFlow
 	wait time.Duration
 
 	mu   sync.Mutex
@@ -84,12 +82,12 @@ type job struct {
 	err     error // a result decided without running fn (busy)
 }
 
-func newBatcher(cfg TxConfig, fn TxFunc) *batcher {
-	wait := cfg.Batch.MaxWait
+func newBatcher(f txFlow) *batcher {
+	wait := f.batch.MaxWait
 	if wait == 0 {
 		wait = DefaultBatchWait
 	}
-	return &batcher{cfg: cfg, fn: fn, wait: wait}
+	return &batcher{f: f, wait: wait}
 }
 
 // handle settles msg as part of a batch and returns its result.
@@ -103,7 +101,7 @@ func (b *batcher) handle(msg *message.Message) error {
 		b.open = bt
 	}
 	bt.jobs = append(bt.jobs, j)
-	if len(bt.jobs) >= b.cfg.Batch.MaxSize {
+	if len(bt.jobs) >= b.f.batch.MaxSize {
 		b.open = nil
 		close(bt.full)
 	}
@@ -141,7 +139,7 @@ func (b *batcher) run(jobs []*job) {
 	var pending []*job
 	first := map[string]*job{}
 	for _, j := range jobs {
-		key, err := dedupe.MessageKey(j.msg, b.cfg.Key, b.cfg.Scope)
+		key, err := dedupe.MessageKey(j.msg, b.f.key, b.f.scope)
 		if err != nil {
 			j.done <- fmt.Errorf("pipeline: key of message %s: %w", j.msg.UUID, err)
 			continue
@@ -203,24 +201,18 @@ func (b *batcher) run(jobs []*job) {
 // failed, with its error (the transaction was rolled back), or -1 with the
 // error of begin or commit (nil when the batch committed).
 func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err error) {
-	tx, err := b.cfg.DB.BeginTx(ctx, b.cfg.TxOptions)
+	tx, err := b.f.begin(ctx)
 	if err != nil {
 		return -1, fmt.Errorf("pipeline: begin batch: %w", err)
 	}
-	defer func() { _ = tx.Rollback() }() // after Commit: sql.ErrTxDone
-	var out message.Publisher
-	if b.cfg.Outbox != nil {
-		if out, err = b.cfg.Outbox.TxPublisher(tx); err != nil {
-			return -1, err
-		}
-	}
+	defer func() { _ = tx.rollback(ctx) }() // after commit: a no-op
 	keys := make([]string, len(jobs))
 	for i, j := range jobs {
 		keys[i] = j.key
 		j.claimed, j.err = false, nil
 	}
 	// All keys in one statement; a batch whose claims fail fails whole.
-	claims, err := b.cfg.Store.WithTx(tx).ClaimConfirmedAll(ctx, keys)
+	claims, err := tx.claims().ClaimConfirmedAll(ctx, keys)
 	if err != nil {
 		return -1, err
 	}
@@ -234,11 +226,11 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err err
 			continue // a duplicate: acked with the batch
 		}
 		j.claimed = true
-		if err := b.call(j, tx, out); err != nil {
+		if err := b.call(j, tx); err != nil {
 			return i, err
 		}
 	}
-	if err := tx.Commit(); err != nil {
+	if err := tx.commit(ctx); err != nil {
 		return -1, fmt.Errorf("pipeline: commit batch: %w", err)
 	}
 	return -1, nil
@@ -246,13 +238,13 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err err
 
 // call runs fn for one job, turning a panic into that job's error: the
 // panic belongs to one message, not to the batch or the leader's goroutine.
-func (b *batcher) call(j *job, tx *sql.Tx, out message.Publisher) (err error) {
+func (b *batcher) call(j *job, tx txn) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
 			err = &HandlerPanic{Value: p, Stack: debug.Stack()}
 		}
 	}()
-	return b.fn(j.ctx, tx, j.msg, out)
+	return tx.call(j.ctx, j.msg)
 }
 
 // HandlerPanic is the error of a batched handler call that panicked. Only

@@ -93,11 +93,12 @@ func NewTxHandler(cfg TxConfig, fn TxFunc) (message.NoPublishHandlerFunc, error)
 	if fn == nil {
 		return nil, errors.New("pipeline: NewTxHandler: fn is nil")
 	}
+	f := cfg.flow(fn)
 	if cfg.Batch.enabled() {
-		return newBatcher(cfg, fn).handle, nil
+		return newBatcher(f).handle, nil
 	}
 	return func(msg *message.Message) error {
-		return RunTx(msg.Context(), cfg, msg, fn)
+		return runTx(msg.Context(), f, msg)
 	}, nil
 }
 
@@ -108,54 +109,130 @@ func NewTxHandler(cfg TxConfig, fn TxFunc) (message.NoPublishHandlerFunc, error)
 // back when it returns an error or panics (the panic then goes on, to the
 // router's recoverer, and the dedupe middleware releases the claim so the
 // message is retried as after any failure).
-func RunTx(ctx context.Context, cfg TxConfig, msg *message.Message, fn TxFunc) (err error) {
-	tx, err := cfg.DB.BeginTx(ctx, cfg.TxOptions)
+func RunTx(ctx context.Context, cfg TxConfig, msg *message.Message, fn TxFunc) error {
+	return runTx(ctx, cfg.flow(fn), msg)
+}
+
+// txn is one transaction of a transactional handler, whatever the driver
+// under it (database/sql or pgx). The flow of a delivery, or of a batch of
+// them, is written once against it (runTx, batcher.runOnce).
+type txn interface {
+	// claims is the dedupe store bound to the transaction (OneStatement
+	// and Batch only).
+	claims() claimer
+	// hold and confirm are dedupe.HoldTx and dedupe.ConfirmTx on the
+	// transaction, for handlers behind the dedupe middleware.
+	hold(ctx context.Context) error
+	confirm(ctx context.Context) error
+	// call runs the handler's function for msg in the transaction.
+	call(ctx context.Context, msg *message.Message) error
+	commit(ctx context.Context) error
+	// rollback rolls back; it returns nil when the transaction had ended.
+	rollback(ctx context.Context) error
+}
+
+// claimer is what a transactional handler asks of the store bound to its
+// transaction: *dedupe.SQLStore and *dedupe.PgxStore.
+type claimer interface {
+	ClaimConfirmed(ctx context.Context, key string) (dedupe.Claim, error)
+	ClaimConfirmedAll(ctx context.Context, keys []string) ([]dedupe.Claim, error)
+}
+
+// txFlow is a transactional handler's configuration, driver aside.
+type txFlow struct {
+	begin        func(ctx context.Context) (txn, error)
+	oneStatement bool
+	key          dedupe.KeyFunc
+	scope        dedupe.ScopeFunc
+	batch        BatchConfig
+}
+
+func (cfg TxConfig) flow(fn TxFunc) txFlow {
+	return txFlow{
+		begin: func(ctx context.Context) (txn, error) {
+			tx, err := cfg.DB.BeginTx(ctx, cfg.TxOptions)
+			if err != nil {
+				return nil, err
+			}
+			t := &sqlTxn{cfg: &cfg, fn: fn, tx: tx}
+			if cfg.Outbox != nil {
+				if t.out, err = cfg.Outbox.TxPublisher(tx); err != nil {
+					_ = tx.Rollback()
+					return nil, err
+				}
+			}
+			return t, nil
+		},
+		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
+	}
+}
+
+// sqlTxn is a database/sql transaction.
+type sqlTxn struct {
+	cfg *TxConfig
+	fn  TxFunc
+	tx  *sql.Tx
+	out message.Publisher
+}
+
+func (t *sqlTxn) claims() claimer                   { return t.cfg.Store.WithTx(t.tx) }
+func (t *sqlTxn) hold(ctx context.Context) error    { return dedupe.HoldTx(ctx, t.tx) }
+func (t *sqlTxn) confirm(ctx context.Context) error { return dedupe.ConfirmTx(ctx, t.tx) }
+func (t *sqlTxn) commit(context.Context) error      { return t.tx.Commit() }
+func (t *sqlTxn) call(ctx context.Context, msg *message.Message) error {
+	return t.fn(ctx, t.tx, msg, t.out)
+}
+
+func (t *sqlTxn) rollback(context.Context) error {
+	if err := t.tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
+		return err
+	}
+	return nil
+}
+
+// runTx runs one message through f in a transaction; see RunTx.
+func runTx(ctx context.Context, f txFlow, msg *message.Message) (err error) {
+	t, err := f.begin(ctx)
 	if err != nil {
 		return fmt.Errorf("pipeline: begin: %w", err)
 	}
 	defer func() {
-		// After a commit this is a no-op (sql.ErrTxDone); after an error or
-		// a panic it is what frees the transaction's locks.
-		if rerr := tx.Rollback(); rerr != nil && !errors.Is(rerr, sql.ErrTxDone) && err != nil {
+		// After a commit this is a no-op; after an error or a panic it is
+		// what frees the transaction's locks.
+		if rerr := t.rollback(context.WithoutCancel(ctx)); rerr != nil && err != nil {
 			err = errors.Join(err, fmt.Errorf("pipeline: rollback: %w", rerr))
 		}
 	}()
-	if cfg.OneStatement {
-		done, err := claimInTx(ctx, cfg, tx, msg)
+	if f.oneStatement {
+		done, err := claimInTx(ctx, f, t, msg)
 		if err != nil || done {
 			return err // a duplicate has nothing to commit: the rollback ends it
 		}
-	} else if err = dedupe.HoldTx(ctx, tx); err != nil {
+	} else if err = t.hold(ctx); err != nil {
 		return err
 	}
-	var out message.Publisher
-	if cfg.Outbox != nil {
-		if out, err = cfg.Outbox.TxPublisher(tx); err != nil {
+	if err = t.call(ctx, msg); err != nil {
+		return err
+	}
+	if !f.oneStatement {
+		if err = t.confirm(ctx); err != nil {
 			return err
 		}
 	}
-	if err = fn(ctx, tx, msg, out); err != nil {
-		return err
-	}
-	if !cfg.OneStatement {
-		if err = dedupe.ConfirmTx(ctx, tx); err != nil {
-			return err
-		}
-	}
-	if err = tx.Commit(); err != nil {
+	if err = t.commit(ctx); err != nil {
 		return fmt.Errorf("pipeline: commit: %w", err)
 	}
 	return nil
 }
 
-// claimInTx takes msg's key in tx as confirmed. It reports done for a
+// claimInTx takes msg's key in t as confirmed. It reports done for a
 // duplicate, and an error wrapping dedupe.ErrBusy for a key held elsewhere.
-func claimInTx(ctx context.Context, cfg TxConfig, tx *sql.Tx, msg *message.Message) (done bool, err error) {
-	key, err := dedupe.MessageKey(msg, cfg.Key, cfg.Scope)
+func claimInTx(ctx context.Context, f txFlow, t txn, msg *message.Message) (done bool, err error) {
+	key, err := dedupe.MessageKey(msg, f.key, f.scope)
 	if err != nil {
 		return false, fmt.Errorf("pipeline: key of message %s: %w", msg.UUID, err)
 	}
-	c, err := cfg.Store.WithTx(tx).ClaimConfirmed(ctx, key)
+	c, err := t.claims().ClaimConfirmed(ctx, key)
 	if err != nil {
 		return false, err
 	}
