@@ -246,20 +246,41 @@ func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *d
 	if !ok {
 		return nil, fmt.Errorf("pipeline: HandleTx %q needs a *dedupe.SQLStore, got %T", name, s)
 	}
-	if cfg.Batch.enabled() && cfg.Batch.MaxSize > p.cfg.Concurrency {
+	return p.addTx(name, topic, sub, s, txSetup{
+		batch: &cfg.Batch, oneStatement: &cfg.OneStatement, key: &cfg.Key,
+		setStore: func() { cfg.Store = sqlStore },
+		build:    func() (message.NoPublishHandlerFunc, error) { return NewTxHandler(cfg, publishInContext(fn)) },
+	})
+}
+
+// txSetup is what HandleTx and HandlePgxTx give addTx: the fields of their
+// configuration that the pipeline settles, and how to build the handler
+// once they are.
+type txSetup struct {
+	batch        *BatchConfig
+	oneStatement *bool
+	key          *dedupe.KeyFunc
+	setStore     func() // sets the configuration's Store, for the one-statement modes
+	build        func() (message.NoPublishHandlerFunc, error)
+}
+
+// addTx adds a transactional handler of either driver; s is its claims
+// store.
+func (p *Pipeline) addTx(name, topic string, sub message.Subscriber, s dedupe.Store, ts txSetup) (Handlers, error) {
+	if ts.batch.enabled() && ts.batch.MaxSize > p.cfg.Concurrency {
 		// No more deliveries can be in flight; a batch of one is the
 		// one-statement mode.
-		cfg.Batch.MaxSize = p.cfg.Concurrency
-		cfg.OneStatement = cfg.OneStatement || !cfg.Batch.enabled()
+		ts.batch.MaxSize = p.cfg.Concurrency
+		*ts.oneStatement = *ts.oneStatement || !ts.batch.enabled()
 	}
-	oneStatement := cfg.OneStatement || cfg.Batch.enabled()
+	oneStatement := *ts.oneStatement || ts.batch.enabled()
 	if oneStatement {
-		cfg.Store = sqlStore
-		if cfg.Key == nil {
-			cfg.Key = p.cfg.Key
+		ts.setStore()
+		if *ts.key == nil {
+			*ts.key = p.cfg.Key
 		}
 	}
-	h, err := NewTxHandler(cfg, publishInContext(fn))
+	h, err := ts.build()
 	if err != nil {
 		return nil, err
 	}
