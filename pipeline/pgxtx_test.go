@@ -323,3 +323,37 @@ func TestPgxTxConfigIsChecked(t *testing.T) {
 		}
 	}
 }
+
+// A commit that fails (a deferred constraint checked at commit) is the
+// handler's error; the confirmation made in the transaction goes with it.
+func TestPgxTxHandlerReturnsCommitError(t *testing.T) {
+	t.Parallel()
+	pgxModes(t, func(t *testing.T, one bool) {
+		e := newPgxEnv(t)
+		ctx := t.Context()
+		parent, child := e.charges+"_p", e.charges+"_c"
+		_, err := e.pool.Exec(ctx, `CREATE TABLE "`+parent+`" (id INT PRIMARY KEY);
+CREATE TABLE "`+child+`" (pid INT REFERENCES "`+parent+`" DEFERRABLE INITIALLY DEFERRED)`)
+		must(t, err)
+		t.Cleanup(func() { _, _ = e.pool.Exec(context.Background(), `DROP TABLE IF EXISTS "`+child+`", "`+parent+`"`) })
+		h := e.handler(t, one, func(ctx context.Context, tx pgx.Tx, msg *message.Message, out message.Publisher) error {
+			if err := e.charge(nil)(ctx, tx, msg, out); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, `INSERT INTO "`+child+`" (pid) VALUES (1)`) // no parent: fails at commit
+			return err
+		})
+		err = h(message.NewMessage("cm-1", []byte("CM-1")))
+		if err == nil || !strings.Contains(err.Error(), "commit") {
+			t.Fatalf("err = %v, want the commit's error", err)
+		}
+		if n := e.rows(t, "CM-1"); n != 0 {
+			t.Fatalf("%d charges after a failed commit", n)
+		}
+		c, err := e.store.Claim(ctx, "cm-1", time.Minute)
+		must(t, err)
+		if c.Result != dedupe.Acquired {
+			t.Fatalf("claim after a failed commit = %v, want acquired: the confirmation must not outlive the commit", c.Result)
+		}
+	})
+}
