@@ -182,3 +182,68 @@ func (e pgxExec) query(ctx context.Context, query string, args []any, each func(
 }
 
 func (e pgxExec) inTx() bool { return e.tx }
+
+// pipeliner is an executor that sends two statements in one round trip:
+// pgx, with a pgx.Batch. database/sql has no way to.
+type pipeliner interface {
+	// queryRows2 runs q1 then q2 and scans the first row of each into its
+	// dest; found reports which returned a row.
+	queryRows2(ctx context.Context, q1 string, args1, dest1 []any, q2 string, args2, dest2 []any) (found1, found2 bool, err error)
+}
+
+func (e pgxExec) queryRows2(ctx context.Context, q1 string, args1, dest1 []any, q2 string, args2, dest2 []any) (found1, found2 bool, err error) {
+	var b pgx.Batch
+	b.Queue(q1, args1...)
+	b.Queue(q2, args2...)
+	br := e.db.SendBatch(ctx, &b)
+	scan := func(dest []any) (bool, error) {
+		err := br.QueryRow().Scan(dest...)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return false, nil
+		}
+		return err == nil, err
+	}
+	if found1, err = scan(dest1); err == nil {
+		found2, err = scan(dest2)
+	}
+	return found1, found2, errors.Join(err, br.Close())
+}
+
+// tryClaimPipelined is tryClaim followed by readBack, in one round trip on
+// an executor that can pipeline (on PostgreSQL only: the read-back is a
+// statement of its own, with a snapshot of its own, so it sees the row as
+// the claim left it or as the writer the claim waited for committed it).
+// read reports that it ran; when it is false the caller runs the two
+// statements itself.
+//
+// On the path where the claim takes the key, the read-back is wasted work
+// for the server; where it does not (a duplicate, a busy key) it saves a
+// round trip.
+func (s *SQLStore) tryClaimPipelined(ctx context.Context, k []byte, token string, ttl time.Duration) (c Claim, took bool, r row, read bool, err error) {
+	p, ok := s.ex.(pipeliner)
+	if !ok || s.dialect != Postgres {
+		return Claim{}, false, row{}, false, nil
+	}
+	var attempts int
+	var expires int64
+	took, r.found, err = p.queryRows2(ctx,
+		s.q.claim, []any{k, token, ttl.Microseconds()}, []any{&attempts, &expires},
+		s.q.readBack, []any{k}, []any{&r.state, &r.token, &r.attempts, &r.expires, &r.now})
+	if err != nil || !took {
+		return Claim{}, false, r, true, err
+	}
+	return Claim{Attempt: attempts, ExpiresAt: fromMicros(expires)}, true, row{}, true, nil
+}
+
+// tryClaimDonePipelined is tryClaimDone followed by readBack in one round
+// trip; see tryClaimPipelined.
+func (s *SQLStore) tryClaimDonePipelined(ctx context.Context, k []byte, token string) (took bool, attempts int, r row, read bool, err error) {
+	p, ok := s.ex.(pipeliner)
+	if !ok || s.dialect != Postgres {
+		return false, 0, row{}, false, nil
+	}
+	took, r.found, err = p.queryRows2(ctx,
+		s.q.claimDone, []any{k, token}, []any{&attempts},
+		s.q.readBack, []any{k}, []any{&r.state, &r.token, &r.attempts, &r.expires, &r.now})
+	return took, attempts, r, true, err
+}
