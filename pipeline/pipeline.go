@@ -27,8 +27,8 @@ type Config struct {
 	// "<subscribed topic>.poison" per handler. It may equal DeadLetterTopic.
 	PoisonTopic string
 	// Store keeps dedupe claims. Nil turns dedupe off for plain handlers
-	// (transactional handlers require a *dedupe.SQLStore). Use a SQLStore to
-	// share claims between processes.
+	// (HandleTx requires a *dedupe.SQLStore, HandlePgxTx a *dedupe.PgxStore).
+	// Use a SQLStore or a PgxStore to share claims between processes.
 	Store dedupe.Store
 	// Key derives the dedupe key. Defaults to the message UUID.
 	Key dedupe.KeyFunc
