@@ -168,10 +168,7 @@ func (s *SQLStore) Claim(ctx context.Context, key string, ttl time.Duration) (Cl
 	k := []byte(key)
 	for range claimRetries {
 		token := newToken()
-		c, took, r, read, err := s.tryClaimPipelined(ctx, k, token, ttl)
-		if !read && err == nil {
-			c, took, err = s.tryClaim(ctx, k, token, ttl)
-		}
+		c, took, err := s.tryClaim(ctx, k, token, ttl)
 		if err != nil && s.deadlocked(err) {
 			continue // rolled back whole: nothing was written, try again
 		}
@@ -182,10 +179,9 @@ func (s *SQLStore) Claim(ctx context.Context, key string, ttl time.Duration) (Cl
 			c.Key, c.Result, c.Token = key, Acquired, token
 			return c, nil
 		}
-		if !read {
-			if r, err = s.readBack(ctx, k); err != nil {
-				return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
-			}
+		r, err := s.readBack(ctx, k)
+		if err != nil {
+			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
 		}
 		if s.dialect == MySQL && r.found && r.state == stateClaimed && r.token == token {
 			// The statement took the key: its token is ours.
@@ -380,10 +376,7 @@ func (s *SQLStore) ClaimConfirmed(ctx context.Context, key string) (Claim, error
 	k := []byte(key)
 	for range claimRetries {
 		token := newToken()
-		took, attempts, r, read, err := s.tryClaimDonePipelined(ctx, k, token)
-		if !read && err == nil {
-			took, attempts, err = s.tryClaimDone(ctx, k, token)
-		}
+		took, attempts, err := s.tryClaimDone(ctx, k, token)
 		if err != nil && s.deadlocked(err) {
 			continue
 		}
@@ -393,10 +386,9 @@ func (s *SQLStore) ClaimConfirmed(ctx context.Context, key string) (Claim, error
 		if took {
 			return Claim{Key: key, Result: Acquired, Attempt: attempts}, nil
 		}
-		if !read {
-			if r, err = s.readBack(ctx, k); err != nil {
-				return Claim{}, fmt.Errorf("dedupe: claim confirmed: %w", err)
-			}
+		r, err := s.readBack(ctx, k)
+		if err != nil {
+			return Claim{}, fmt.Errorf("dedupe: claim confirmed: %w", err)
 		}
 		if s.dialect == MySQL && r.found && r.state == stateConfirmed && r.token == token {
 			return Claim{Key: key, Result: Acquired, Attempt: r.attempts}, nil
