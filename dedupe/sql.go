@@ -470,7 +470,11 @@ func (s *SQLStore) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Clai
 		claims[i].Result, claims[i].Attempt = Acquired, attempts
 	}
 	// The rest were confirmed or held already, or changed under the
-	// statement: settle each on its own.
+	// statement. Where the executor can pipeline (pgx), read them all back in
+	// one round trip; settle each of the others on its own.
+	if err := s.readBackUntaken(ctx, claims, bk); err != nil {
+		return nil, fmt.Errorf("dedupe: claim confirmed: %w", err)
+	}
 	for i := range claims {
 		if claims[i].Result != 0 {
 			continue
