@@ -48,6 +48,8 @@ func renderDoc(res *Results) (string, error) {
 		"StoresBenchtime":   "–",
 		"StoresCount":       "–",
 		"TxCost":            txCostTable(res.TxCost),
+		"Pgx":               pgxTable(res.Pgx),
+		"PgxSeconds":        "–",
 		"TxSeconds":         "–",
 		"Concurrencies":     strings.Join(conc, ", "),
 		"Prefetch":          "–",
@@ -67,6 +69,9 @@ func renderDoc(res *Results) (string, error) {
 	}
 	if s := res.Stores; s != nil {
 		d["StoresBenchtime"], d["StoresCount"] = s.Benchtime, s.Count
+	}
+	if r := res.Pgx; r != nil {
+		d["PgxSeconds"] = strconv.FormatFloat(r.Seconds, 'f', 0, 64)
 	}
 	if t := res.TxCost; t != nil {
 		d["TxSeconds"] = strconv.FormatFloat(t.Seconds, 'f', 0, 64)

@@ -3,9 +3,9 @@ package main
 import (
 	"context"
 	"database/sql"
-	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -32,13 +32,15 @@ const (
 
 // Workloads of the pgx section.
 const (
-	pgxClaim     = "store"      // Claim, Confirm of a fresh key (no transaction)
-	pgxDuplicate = "duplicate"  // Claim of a confirmed key
-	pgxTxOne     = "tx-one"     // transactional handler, OneStatement: BEGIN; claim confirmed; INSERT; COMMIT
-	pgxTxDefault = "tx-default" // dedupe middleware + handler: claim; BEGIN; INSERT; confirm; COMMIT
+	pgxClaim = "store" // Claim, Confirm of a fresh key (no transaction)
+	// ClaimConfirmedAll, in a transaction, of a batch of keys confirmed
+	// earlier: a batch redelivered whole.
+	pgxRedelivered = "redelivered-batch"
+	pgxTxOne       = "tx-one"     // transactional handler, OneStatement: BEGIN; claim confirmed; INSERT; COMMIT
+	pgxTxDefault   = "tx-default" // dedupe middleware + handler: claim; BEGIN; INSERT; confirm; COMMIT
 )
 
-var pgxWorkloads = []string{pgxClaim, pgxDuplicate, pgxTxOne, pgxTxDefault}
+var pgxWorkloads = []string{pgxClaim, pgxTxOne, pgxTxDefault, pgxRedelivered}
 
 // PgxResults: section pgx.
 type PgxResults struct {
@@ -60,8 +62,12 @@ type pgxBench struct {
 	pool *pgxpool.Pool
 }
 
-// dupKeys is how many confirmed keys the duplicate workload cycles through.
-const dupKeys = 100_000
+// dupKeys is how many confirmed keys the redelivered-batch workload cycles
+// through, redeliveredBatch at a time.
+const (
+	dupKeys          = 100_000
+	redeliveredBatch = 16
+)
 
 func (b *pgxBench) op(ctx context.Context, workload, side string) (func(ctx context.Context, key string) error, string, error) {
 	sqlStore, claims, err := b.dedupeTable(ctx)
@@ -123,44 +129,97 @@ RETURNING attempts`
 			}
 			return store.Confirm(ctx, c)
 		}, "", nil
-	case pgxDuplicate:
+	case pgxRedelivered:
 		if _, err := b.pool.Exec(ctx, `INSERT INTO `+t+` (key, state, token, attempts, expires_at, updated_at)
 SELECT convert_to('dup-' || i, 'UTF8'), 2, '', 1, 0, `+now+` FROM generate_series(0, $1 - 1) AS i`, dupKeys); err != nil {
 			return nil, "", err
 		}
-		k := func(key string) string { // key is prefix + a counter
+		// A batch of redeliveredBatch keys confirmed earlier, as when a
+		// whole batch comes back after a crash between commit and ack.
+		keys := func(key string) []string {
 			i := strings.LastIndexByte(key, '-')
 			n, _ := strconv.Atoi(key[i+1:])
-			return fmt.Sprintf("dup-%d", n%dupKeys)
-		}
-		if side == pgxFloor {
-			// What a claim of a confirmed key needs: the claim, which
-			// writes nothing, then the read-back, in two round trips.
-			return func(ctx context.Context, key string) error {
-				key = k(key)
-				var attempts int
-				var expires int64
-				err := b.pool.QueryRow(ctx, claim, []byte(key), randomID(), ttl).Scan(&attempts, &expires)
-				if !errors.Is(err, pgx.ErrNoRows) {
-					return fmt.Errorf("confirmed key %s taken: %v", key, err)
-				}
-				var st, att int
-				var tok string
-				var exp, nw int64
-				return b.pool.QueryRow(ctx, readBack, []byte(key)).Scan(&st, &tok, &att, &exp, &nw)
-			}, "", nil
-		}
-		return func(ctx context.Context, key string) error {
-			key = k(key)
-			c, err := store.Claim(ctx, key, time.Minute)
-			if err != nil {
-				return err
+			ks := make([]string, redeliveredBatch)
+			for j := range ks {
+				ks[j] = fmt.Sprintf("dup-%d", (n*redeliveredBatch+j)%dupKeys)
 			}
-			if c.Result != dedupe.Duplicate {
-				return fmt.Errorf("confirmed key %s: %v", key, c.Result)
+			slices.Sort(ks)
+			return ks
+		}
+		claimAll := `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
+SELECT k, 2, $2, 1, 0, ` + now + ` FROM unnest($1::bytea[]) AS k
+ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
+WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
+RETURNING key, attempts`
+		check := func(cs []dedupe.Claim) error {
+			for _, c := range cs {
+				if c.Result != dedupe.Duplicate {
+					return fmt.Errorf("confirmed key %s: %v", c.Key, c.Result)
+				}
 			}
 			return nil
-		}, "", nil
+		}
+		switch side {
+		case pgxFloor:
+			return func(ctx context.Context, key string) error {
+				ks := keys(key)
+				bk := make([][]byte, len(ks))
+				for i, k := range ks {
+					bk[i] = []byte(k)
+				}
+				return pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
+					rows, err := tx.Query(ctx, claimAll, bk, randomID())
+					if err != nil {
+						return err
+					}
+					rows.Close()
+					if err := rows.Err(); err != nil {
+						return err
+					}
+					var batch pgx.Batch
+					for _, k := range bk {
+						batch.Queue(readBack, k)
+					}
+					br := tx.SendBatch(ctx, &batch)
+					for range bk {
+						var st, att int
+						var tok string
+						var exp, nw int64
+						if err := br.QueryRow().Scan(&st, &tok, &att, &exp, &nw); err != nil {
+							_ = br.Close()
+							return err
+						}
+					}
+					return br.Close()
+				})
+			}, "", nil
+		case pgxNat:
+			return func(ctx context.Context, key string) error {
+				return pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
+					cs, err := ps.WithTx(tx).ClaimConfirmedAll(ctx, keys(key))
+					if err != nil {
+						return err
+					}
+					return check(cs)
+				})
+			}, "", nil
+		default:
+			return func(ctx context.Context, key string) error {
+				tx, err := b.db.BeginTx(ctx, nil)
+				if err != nil {
+					return err
+				}
+				defer func() { _ = tx.Rollback() }()
+				cs, err := sqlStore.WithTx(tx).ClaimConfirmedAll(ctx, keys(key))
+				if err != nil {
+					return err
+				}
+				if err := check(cs); err != nil {
+					return err
+				}
+				return tx.Commit()
+			}, "", nil
+		}
 	case pgxTxOne:
 		switch side {
 		case pgxFloor:
@@ -294,6 +353,9 @@ func runPgx(ctx context.Context, o options, log io.Writer) (*PgxResults, error) 
 						}
 					}
 					rate := float64(n) / el.Seconds()
+					if w == pgxRedelivered {
+						rate *= redeliveredBatch // messages, not batches
+					}
 					fmt.Fprintf(log, "run %d %s g=%d %s: %.0f msgs/s\n", r+1, w, g, side, rate)
 					rates[side] = append(rates[side], rate)
 				}
