@@ -61,9 +61,9 @@ func (c PgxConfig) Validate() error {
 // transactional claims with [PgxStore.WithTx], a deadlock retried only
 // outside a caller's transaction.
 //
-// What pgx adds: on a claim that finds the key taken, the claim and the
-// read-back of the row go to the server in one round trip (a pgx.Batch)
-// instead of two.
+// What pgx adds: the keys of a batch that [PgxStore.ClaimConfirmedAll]'s
+// statement did not take (confirmed already, or held) are read back in one
+// round trip, a pgx.Batch, where database/sql spends two round trips on each.
 type PgxStore struct {
 	s *SQLStore
 }
