@@ -154,14 +154,7 @@ func (cfg TxConfig) flow(fn TxFunc) txFlow {
 			if err != nil {
 				return nil, err
 			}
-			t := &sqlTxn{cfg: &cfg, fn: fn, tx: tx}
-			if cfg.Outbox != nil {
-				if t.out, err = cfg.Outbox.TxPublisher(tx); err != nil {
-					_ = tx.Rollback()
-					return nil, err
-				}
-			}
-			return t, nil
+			return &sqlTxn{cfg: &cfg, fn: fn, tx: tx}, nil
 		},
 		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
 	}
@@ -172,14 +165,24 @@ type sqlTxn struct {
 	cfg *TxConfig
 	fn  TxFunc
 	tx  *sql.Tx
-	out message.Publisher
+	out message.Publisher // the outbox bound to tx; nil until the first call
 }
 
 func (t *sqlTxn) claims() claimer                   { return t.cfg.Store.WithTx(t.tx) }
 func (t *sqlTxn) hold(ctx context.Context) error    { return dedupe.HoldTx(ctx, t.tx) }
 func (t *sqlTxn) confirm(ctx context.Context) error { return dedupe.ConfirmTx(ctx, t.tx) }
 func (t *sqlTxn) commit(context.Context) error      { return t.tx.Commit() }
+
+// call runs fn with the outbox bound to the transaction, bound at the first
+// call.
 func (t *sqlTxn) call(ctx context.Context, msg *message.Message) error {
+	if t.cfg.Outbox != nil && t.out == nil {
+		out, err := t.cfg.Outbox.TxPublisher(t.tx)
+		if err != nil {
+			return err
+		}
+		t.out = out
+	}
 	return t.fn(ctx, t.tx, msg, t.out)
 }
 
