@@ -357,3 +357,47 @@ CREATE TABLE "`+child+`" (pid INT REFERENCES "`+parent+`" DEFERRABLE INITIALLY D
 		}
 	})
 }
+
+// HandlePgxTx on a router: each delivery of a message settles once, a
+// failing attempt is retried, in both modes.
+func TestPipelineHandlePgxTx(t *testing.T) {
+	t.Parallel()
+	pgxModes(t, func(t *testing.T, one bool) {
+		e := newPgxEnv(t)
+		h := newHarness(t, e.store)
+		var failed atomic.Bool
+		_, err := h.p.HandlePgxTx("charge", "payments", h.pubsub, nil, pipeline.PgxTxConfig{DB: e.pool, OneStatement: one},
+			func(ctx context.Context, tx pgx.Tx, msg *message.Message, out message.Publisher) error {
+				if err := e.charge(nil)(ctx, tx, msg, out); err != nil {
+					return err
+				}
+				if msg.UUID == "p-2" && failed.CompareAndSwap(false, true) {
+					return errors.New("first attempt fails after its write")
+				}
+				return nil
+			})
+		must(t, err)
+		h.run(t)
+		for _, id := range []string{"p-1", "p-1", "p-2"} {
+			must(t, h.pubsub.Publish("payments", message.NewMessage(id, []byte(strings.ToUpper(id)))))
+		}
+		waitFor(t, "three acked deliveries", func() bool {
+			n := 0
+			for _, s := range h.spans.Ended() {
+				if strings.HasPrefix(s.Name(), "ack ") {
+					n++
+				}
+			}
+			return n == 3
+		})
+		if a, b := e.rows(t, "P-1"), e.rows(t, "P-2"); a != 1 || b != 1 || !failed.Load() {
+			t.Fatalf("charges P-1=%d P-2=%d (failed once: %v); want one each", a, b, failed.Load())
+		}
+	})
+	// The pipeline refuses a store that is not a PgxStore.
+	h := newHarness(t, dedupe.NewMemoryStore())
+	fn := func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }
+	if _, err := h.p.HandlePgxTx("x", "t", h.pubsub, nil, pipeline.PgxTxConfig{DB: &pgxpool.Pool{}}, fn); err == nil || !strings.Contains(err.Error(), "PgxStore") {
+		t.Fatalf("HandlePgxTx with a memory store: %v", err)
+	}
+}
