@@ -343,28 +343,22 @@ func ConfirmTx(ctx context.Context, tx DB) error {
 	return confirmIn(ctx, sqlExec{tx})
 }
 
-// heldSQL returns the claim in ctx and its store bound to ex.
-func heldSQL(ctx context.Context, ex executor, what string) (*held, *SQLStore, error) {
+// confirmIn confirms the claim in ctx with the statements run by ex, the
+// caller's transaction.
+func confirmIn(ctx context.Context, ex executor) error {
 	st, ok := ctx.Value(heldCtxKey{}).(*held)
 	if !ok {
-		return nil, nil, ErrNoClaim
+		return ErrNoClaim
 	}
 	sb, ok := st.store.(sqlBacked)
 	if !ok {
-		return nil, nil, fmt.Errorf("dedupe: %s needs a store with WithTx (a *SQLStore or *PgxStore), not %T", what, st.store)
+		return fmt.Errorf("dedupe: confirming in a transaction needs a store with WithTx (a *SQLStore or *PgxStore), not %T", st.store)
 	}
 	s := sb.sqlStore()
 	if _, pgx := ex.(pgxExec); pgx && s.dialect != Postgres {
-		return nil, nil, fmt.Errorf("dedupe: %s: a pgx.Tx needs a store of the Postgres dialect, not %s", what, s.dialect)
+		return fmt.Errorf("dedupe: confirming in a pgx.Tx needs a store of the Postgres dialect, not %s", s.dialect)
 	}
-	return st, s.on(ex), nil
-}
-
-func confirmIn(ctx context.Context, ex executor) error {
-	st, s, err := heldSQL(ctx, ex, "ConfirmTx")
-	if err != nil {
-		return err
-	}
+	s = s.on(ex)
 	st.stopRenew()
 	if err := s.Confirm(ctx, st.claim); err != nil {
 		return fmt.Errorf("dedupe: confirm in transaction: %w", err)
@@ -388,10 +382,6 @@ func confirmIn(ctx context.Context, ex executor) error {
 // PostgreSQL and MySQL the renewal lands beside the transaction, and HoldTx
 // does nothing.
 func HoldTx(ctx context.Context, tx DB) error {
-	return holdIn(ctx, sqlExec{tx})
-}
-
-func holdIn(ctx context.Context, ex executor) error {
 	st, ok := ctx.Value(heldCtxKey{}).(*held)
 	if !ok {
 		return ErrNoClaim
@@ -401,7 +391,7 @@ func holdIn(ctx context.Context, ex executor) error {
 		return nil
 	}
 	st.stopRenew()
-	if err := sb.sqlStore().on(ex).Renew(ctx, st.claim, st.ttl); err != nil {
+	if err := sb.sqlStore().WithTx(tx).Renew(ctx, st.claim, st.ttl); err != nil {
 		return fmt.Errorf("dedupe: hold claim in transaction: %w", err)
 	}
 	return nil
