@@ -401,3 +401,43 @@ func TestPipelineHandlePgxTx(t *testing.T) {
 		t.Fatalf("HandlePgxTx with a memory store: %v", err)
 	}
 }
+
+// ConfirmPgxTx works with the database/sql store of the same table in the
+// middleware, and refuses a store of another dialect.
+func TestConfirmPgxTxStores(t *testing.T) {
+	t.Parallel()
+	db, pool := testenv.Postgres(t), testenv.PgxPool(t)
+	table := testenv.DedupeTable(t, db)
+	sqlStore, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dedupe.Postgres, Table: table})
+	must(t, err)
+	lite := testenv.SQLite(t)
+	liteStore, err := dedupe.NewSQLStore(lite, dedupe.SQLConfig{Dialect: dedupe.SQLite, Table: testenv.DedupeTable(t, lite)})
+	must(t, err)
+	run := func(store dedupe.Store, id string) error {
+		dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store})
+		must(t, err)
+		h := dd(func(msg *message.Message) ([]*message.Message, error) {
+			tx, err := pool.Begin(msg.Context())
+			if err != nil {
+				return nil, err
+			}
+			defer func() { _ = tx.Rollback(context.Background()) }()
+			if err := dedupe.ConfirmPgxTx(msg.Context(), tx); err != nil {
+				return nil, err
+			}
+			return nil, tx.Commit(msg.Context())
+		})
+		_, err = h(message.NewMessage(id, nil))
+		return err
+	}
+	must(t, run(sqlStore, "s-1"))
+	if c, err := sqlStore.Claim(t.Context(), "s-1", time.Minute); err != nil || c.Result != dedupe.Duplicate {
+		t.Fatalf("after ConfirmPgxTx with a SQLStore: %+v, %v; want duplicate", c, err)
+	}
+	if err := run(liteStore, "l-1"); err == nil || !strings.Contains(err.Error(), "Postgres dialect") {
+		t.Fatalf("ConfirmPgxTx with a SQLite store: %v", err)
+	}
+	if c, err := liteStore.Claim(t.Context(), "l-1", time.Minute); err != nil || c.Result != dedupe.Acquired {
+		t.Fatalf("the refused confirmation released the SQLite claim: %+v, %v; want acquired", c, err)
+	}
+}
