@@ -50,6 +50,7 @@ func renderDoc(res *Results) (string, error) {
 		"TxCost":            txCostTable(res.TxCost),
 		"Pgx":               pgxTable(res.Pgx),
 		"PgxSeconds":        "–",
+		"PgxRounds":         "–",
 		"TxSeconds":         "–",
 		"Concurrencies":     strings.Join(conc, ", "),
 		"Prefetch":          "–",
@@ -71,7 +72,7 @@ func renderDoc(res *Results) (string, error) {
 		d["StoresBenchtime"], d["StoresCount"] = s.Benchtime, s.Count
 	}
 	if r := res.Pgx; r != nil {
-		d["PgxSeconds"] = strconv.FormatFloat(r.Seconds, 'f', 0, 64)
+		d["PgxSeconds"], d["PgxRounds"] = strconv.FormatFloat(r.Seconds, 'f', 0, 64), r.Rounds
 	}
 	if t := res.TxCost; t != nil {
 		d["TxSeconds"] = strconv.FormatFloat(t.Seconds, 'f', 0, 64)

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"slices"
 	"strconv"
 	"strings"
@@ -44,11 +45,13 @@ var pgxWorkloads = []string{pgxClaim, pgxTxOne, pgxTxDefault, pgxRedelivered}
 
 // PgxResults: section pgx.
 type PgxResults struct {
-	Seconds float64  `json:"seconds_per_cell"`
+	Seconds float64  `json:"seconds_per_side"` // per side and cell, in Rounds turns
+	Rounds  int      `json:"rounds"`
 	Rows    []PgxRow `json:"rows"`
 }
 
-// PgxRow is one workload at one concurrency: median msgs/s of each side.
+// PgxRow is one workload at one concurrency: msgs/s of each side over all
+// its turns.
 type PgxRow struct {
 	Workload   string             `json:"workload"`
 	Goroutines int                `json:"goroutines"`
@@ -310,11 +313,13 @@ func msgOp(h message.NoPublishHandlerFunc) func(ctx context.Context, key string)
 	}
 }
 
+// pgxSlice is one turn of one side in a cell. The sides of a cell take
+// turns, in a random order each round, so that a change of the machine's
+// load (other work on the shared cores) falls on all three alike.
+const pgxSlice = 300 * time.Millisecond
+
 func runPgx(ctx context.Context, o options, log io.Writer) (*PgxResults, error) {
-	d := 3 * time.Second
-	if o.quick {
-		d = time.Second
-	}
+	rounds := 10 * o.runs
 	const conns = 16
 	p, err := openPG(ctx, o.pgURL, conns)
 	if err != nil {
@@ -332,37 +337,48 @@ func runPgx(ctx context.Context, o options, log io.Writer) (*PgxResults, error) 
 	}
 	defer pool.Close()
 	b := &pgxBench{pg: p, pool: pool}
-	res := &PgxResults{Seconds: d.Seconds()}
-	sides := []string{pgxFloor, pgxNat, pgxStd}
+	res := &PgxResults{Seconds: pgxSlice.Seconds() * float64(rounds), Rounds: rounds}
+	type side struct {
+		name    string
+		op      func(ctx context.Context, key string) error
+		effects string
+		n       int
+		el      time.Duration
+	}
 	for _, w := range pgxWorkloads {
 		for _, g := range []int{1, 4, 16} {
-			rates := map[string][]float64{}
-			for r := range o.runs {
-				for _, side := range sides {
-					op, effects, err := b.op(ctx, w, side)
+			var sides []*side
+			for _, name := range []string{pgxFloor, pgxNat, pgxStd} {
+				op, effects, err := b.op(ctx, w, name)
+				if err != nil {
+					return nil, fmt.Errorf("%s %s: %w", w, name, err)
+				}
+				sides = append(sides, &side{name: name, op: op, effects: effects})
+			}
+			for range rounds {
+				for _, i := range rand.Perm(len(sides)) {
+					sd := sides[i]
+					n, el, err := forDuration(ctx, g, pgxSlice, "pgx-"+randomID()+"-", sd.op)
 					if err != nil {
-						return nil, fmt.Errorf("%s %s: %w", w, side, err)
+						return nil, fmt.Errorf("%s %s g=%d: %w", w, sd.name, g, err)
 					}
-					n, el, err := forDuration(ctx, g, d, "pgx-"+randomID()+"-", op)
-					if err != nil {
-						return nil, fmt.Errorf("%s %s g=%d: %w", w, side, g, err)
-					}
-					if effects != "" {
-						if err := p.checkEffects(ctx, effects, n); err != nil {
-							return nil, err
-						}
-					}
-					rate := float64(n) / el.Seconds()
-					if w == pgxRedelivered {
-						rate *= redeliveredBatch // messages, not batches
-					}
-					fmt.Fprintf(log, "run %d %s g=%d %s: %.0f msgs/s\n", r+1, w, g, side, rate)
-					rates[side] = append(rates[side], rate)
+					sd.n += n
+					sd.el += el
 				}
 			}
 			row := PgxRow{Workload: w, Goroutines: g, Rate: map[string]float64{}}
-			for _, s := range sides {
-				row.Rate[s] = median(rates[s])
+			for _, sd := range sides {
+				if sd.effects != "" {
+					if err := p.checkEffects(ctx, sd.effects, sd.n); err != nil {
+						return nil, err
+					}
+				}
+				rate := float64(sd.n) / sd.el.Seconds()
+				if w == pgxRedelivered {
+					rate *= redeliveredBatch // messages, not batches
+				}
+				row.Rate[sd.name] = rate
+				fmt.Fprintf(log, "%s g=%d %s: %.0f msgs/s\n", w, g, sd.name, rate)
 			}
 			res.Rows = append(res.Rows, row)
 		}
