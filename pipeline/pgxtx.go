@@ -143,3 +143,15 @@ func (p *Pipeline) HandlePgxTx(name, topic string, sub message.Subscriber, store
 		build:    func() (message.NoPublishHandlerFunc, error) { return NewPgxTxHandler(cfg, fn) },
 	})
 }
+
+// TypedPgxTx adapts fn to a PgxTxFunc that decodes each payload first, as
+// TypedTx does for a TxFunc.
+func TypedPgxTx[T any](codec Codec, fn func(ctx context.Context, tx pgx.Tx, m Message[T], out message.Publisher) error) PgxTxFunc {
+	return func(ctx context.Context, tx pgx.Tx, msg *message.Message, out message.Publisher) error {
+		m, err := Decode[T](codec, msg)
+		if err != nil {
+			return err
+		}
+		return fn(ctx, tx, m, out)
+	}
+}

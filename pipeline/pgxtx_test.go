@@ -441,3 +441,20 @@ func TestConfirmPgxTxStores(t *testing.T) {
 		t.Fatalf("the refused confirmation released the SQLite claim: %+v, %v; want acquired", c, err)
 	}
 }
+
+func TestTypedPgxTx(t *testing.T) {
+	t.Parallel()
+	var got order
+	fn := pipeline.TypedPgxTx(nil, func(ctx context.Context, tx pgx.Tx, m pipeline.Message[order], out message.Publisher) error {
+		got = m.Body
+		return nil
+	})
+	must(t, fn(t.Context(), nil, message.NewMessage("t-1", []byte(`{"id":"A-7","cents":12}`)), nil))
+	if got != (order{ID: "A-7", Cents: 12}) {
+		t.Fatalf("decoded %+v", got)
+	}
+	got = order{}
+	if err := fn(t.Context(), nil, message.NewMessage("t-2", []byte(`not json`)), nil); err == nil || got != (order{}) {
+		t.Fatalf("bad payload: err = %v, fn saw %+v", err, got)
+	}
+}
