@@ -49,6 +49,9 @@ func renderDoc(res *Results) (string, error) {
 		"StoresBenchtime":   "–",
 		"StoresCount":       "–",
 		"TxCost":            txCostTable(res.TxCost),
+		"Pgx":               pgxTable(res.Pgx),
+		"PgxSeconds":        "–",
+		"PgxRounds":         "–",
 		"TxSeconds":         "–",
 		"Concurrencies":     strings.Join(conc, ", "),
 		"Prefetch":          "–",
@@ -68,6 +71,9 @@ func renderDoc(res *Results) (string, error) {
 	}
 	if s := res.Stores; s != nil {
 		d["StoresBenchtime"], d["StoresCount"] = s.Benchtime, s.Count
+	}
+	if r := res.Pgx; r != nil {
+		d["PgxSeconds"], d["PgxRounds"] = strconv.FormatFloat(r.Seconds, 'f', 0, 64), r.Rounds
 	}
 	if t := res.TxCost; t != nil {
 		d["TxSeconds"] = strconv.FormatFloat(t.Seconds, 'f', 0, 64)

@@ -19,6 +19,10 @@
 //     ./dedupe and reads its output).
 //   - txcost: PostgreSQL transactional dedupe, one statement vs the default
 //     mode vs a raw BEGIN; INSERT; COMMIT.
+//   - pgx: PostgreSQL through pgx directly (dedupe.PgxStore, the pgx
+//     transactional handler) beside database/sql and the raw pgx floor:
+//     claim+confirm, duplicate claims, one-statement and default
+//     transactional handlers, at 1/4/16 goroutines.
 //   - amqp: RabbitMQ end to end: raw watermill-amqp consume vs settle's stack
 //     with a PostgreSQL transactional handler, at Concurrency 1..16, with an
 //     exactly-once check of the effect rows.
@@ -56,7 +60,7 @@ import (
 )
 
 // sections in the order they run and appear in the document.
-var sections = []string{"stack", "stores", "txcost", "amqp", "batch", "outbox", "growth", "attempts"}
+var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "outbox", "growth", "attempts"}
 
 type options struct {
 	quick    bool
@@ -151,6 +155,7 @@ type Results struct {
 	Stack    *StackResults    `json:"stack,omitempty"`
 	Stores   *StoresResults   `json:"stores,omitempty"`
 	TxCost   *TxCostResults   `json:"txcost,omitempty"`
+	Pgx      *PgxResults      `json:"pgx,omitempty"`
 	AMQP     *AMQPResults     `json:"amqp,omitempty"`
 	Batch    *BatchResults    `json:"batch,omitempty"`
 	Outbox   *OutboxResults   `json:"outbox,omitempty"`
@@ -194,6 +199,7 @@ func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		{"stack", func() (err error) { res.Stack, err = runStack(ctx, o, stderr); return }},
 		{"stores", func() (err error) { res.Stores, err = runStores(ctx, o, stderr); return }},
 		{"txcost", func() (err error) { res.TxCost, err = runTxCost(ctx, o, stderr); return }},
+		{"pgx", func() (err error) { res.Pgx, err = runPgx(ctx, o, stderr); return }},
 		{"amqp", func() (err error) { res.AMQP, err = runAMQP(ctx, o, stderr); return }},
 		{"batch", func() (err error) { res.Batch, err = runBatch(ctx, o, stderr); return }},
 		{"outbox", func() (err error) { res.Outbox, err = runOutbox(ctx, o, stderr); return }},

@@ -50,6 +50,8 @@ func sectionTables(res *Results, name string) string {
 		return storesTable(res.Stores)
 	case "txcost":
 		return txCostTable(res.TxCost)
+	case "pgx":
+		return pgxTable(res.Pgx)
 	case "amqp":
 		return amqpTable(res.AMQP)
 	case "batch":

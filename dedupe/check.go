@@ -33,13 +33,17 @@ func (e *SchemaError) Unwrap() error { return ErrSchema }
 // that a missing migration is one clear error instead of deliveries deferred
 // while the table is missing. It reads no rows and writes nothing.
 func (s *SQLStore) Check(ctx context.Context) error {
-	if err := s.db.QueryRowContext(ctx, "SELECT 1").Scan(new(int)); err != nil {
+	e, ok := s.ex.(sqlExec)
+	if !ok {
+		return errors.New("dedupe: check: the store does not run on database/sql")
+	}
+	if err := e.db.QueryRowContext(ctx, "SELECT 1").Scan(new(int)); err != nil {
 		return fmt.Errorf("dedupe: check: the database does not answer: %w", err)
 	}
 	schemaErr := func(problem string) error {
 		return &SchemaError{Table: s.table, Problem: problem, DDL: s.Schema()}
 	}
-	rows, err := s.db.QueryContext(ctx, "SELECT * FROM "+s.dialect.quote(s.table)+" WHERE 1 = 0")
+	rows, err := e.db.QueryContext(ctx, "SELECT * FROM "+s.dialect.quote(s.table)+" WHERE 1 = 0")
 	if err != nil {
 		return schemaErr(fmt.Sprintf("it cannot be read (%v)", err))
 	}

@@ -1,6 +1,7 @@
 package dedupe_test
 
 import (
+	"context"
 	"errors"
 	"testing"
 	"time"
@@ -13,28 +14,21 @@ import (
 // on commit, gone on rollback, and it respects other claims.
 func TestClaimConfirmed(t *testing.T) {
 	t.Parallel()
-	for _, d := range testenv.Databases() {
-		t.Run(d.Name, func(t *testing.T) {
+	for _, b := range txBackends() {
+		t.Run(b.name, func(t *testing.T) {
 			t.Parallel()
-			db := d.Open(t)
-			store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
-			if err != nil {
-				t.Fatal(err)
-			}
+			store, begin := b.open(t)
 			ctx := t.Context()
 			inTx := func(key string, commit bool) dedupe.Result {
 				t.Helper()
-				tx, err := db.BeginTx(ctx, nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer func() { _ = tx.Rollback() }()
-				c, err := store.WithTx(tx).ClaimConfirmed(ctx, key)
+				tx := begin(t)
+				defer tx.rollback()
+				c, err := tx.store.ClaimConfirmed(ctx, key)
 				if err != nil {
 					t.Fatal(err)
 				}
 				if commit {
-					if err := tx.Commit(); err != nil {
+					if err := tx.commit(); err != nil {
 						t.Fatal(err)
 					}
 				}
@@ -81,14 +75,10 @@ func TestClaimConfirmed(t *testing.T) {
 // all in the order given; a rollback leaves no trace.
 func TestClaimConfirmedAll(t *testing.T) {
 	t.Parallel()
-	for _, d := range testenv.Databases() {
-		t.Run(d.Name, func(t *testing.T) {
+	for _, b := range txBackends() {
+		t.Run(b.name, func(t *testing.T) {
 			t.Parallel()
-			db := d.Open(t)
-			store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
-			if err != nil {
-				t.Fatal(err)
-			}
+			store, begin := b.open(t)
 			ctx := t.Context()
 			done, _ := store.Claim(ctx, "done", time.Minute)
 			released, _ := store.Claim(ctx, "released", time.Minute)
@@ -98,17 +88,14 @@ func TestClaimConfirmedAll(t *testing.T) {
 			}
 			keys := []string{"new-1", "done", "held", "released", "new-2"}
 			run := func(commit bool) []dedupe.Claim {
-				tx, err := db.BeginTx(ctx, nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer func() { _ = tx.Rollback() }()
-				cs, err := store.WithTx(tx).ClaimConfirmedAll(ctx, keys)
+				tx := begin(t)
+				defer tx.rollback()
+				cs, err := tx.store.ClaimConfirmedAll(ctx, keys)
 				if err != nil {
 					t.Fatal(err)
 				}
 				if commit {
-					if err := tx.Commit(); err != nil {
+					if err := tx.commit(); err != nil {
 						t.Fatal(err)
 					}
 				}
@@ -133,4 +120,61 @@ func TestClaimConfirmedAll(t *testing.T) {
 			}
 		})
 	}
+}
+
+// txStore is what both SQL stores offer a transactional handler.
+type txStore interface {
+	dedupe.Store
+	ClaimConfirmed(ctx context.Context, key string) (dedupe.Claim, error)
+	ClaimConfirmedAll(ctx context.Context, keys []string) ([]dedupe.Claim, error)
+}
+
+// openTx is a store bound to a transaction rolled back by rollback unless
+// committed.
+type openTx struct {
+	store    txStore
+	commit   func() error
+	rollback func()
+}
+
+type txBackend struct {
+	name string
+	open func(t *testing.T) (txStore, func(t *testing.T) openTx)
+}
+
+// txBackends are the databases of testenv.Databases through database/sql,
+// and PostgreSQL through pgx.
+func txBackends() []txBackend {
+	var bs []txBackend
+	for _, d := range testenv.Databases() {
+		bs = append(bs, txBackend{d.Name, func(t *testing.T) (txStore, func(t *testing.T) openTx) {
+			db := d.Open(t)
+			store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return store, func(t *testing.T) openTx {
+				tx, err := db.BeginTx(t.Context(), nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return openTx{store.WithTx(tx), tx.Commit, func() { _ = tx.Rollback() }}
+			}
+		}})
+	}
+	return append(bs, txBackend{"postgres-pgx", func(t *testing.T) (txStore, func(t *testing.T) openTx) {
+		db, pool := testenv.Postgres(t), testenv.PgxPool(t)
+		store, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: testenv.DedupeTable(t, db)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return store, func(t *testing.T) openTx {
+			tx, err := pool.Begin(t.Context())
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx := context.Background()
+			return openTx{store.WithTx(tx), func() error { return tx.Commit(ctx) }, func() { _ = tx.Rollback(ctx) }}
+		}
+	}})
 }

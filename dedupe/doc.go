@@ -44,6 +44,11 @@
 // rollback leaves no trace: the effect happens exactly once for everything in
 // that database.
 //
+// [PgxStore] is the same store on PostgreSQL driven by pgx directly (a
+// *pgxpool.Pool, a *pgx.Conn or a pgx.Tx), for services that need no
+// database/sql pool. The SQL of each dialect and every decision taken from
+// its results are written once; the two drivers are thin executors under them.
+//
 // # What it does not guarantee
 //
 // Outside a transaction, a handler whose effect is outside the database (an

@@ -321,10 +321,14 @@ func (h *held) Value(key any) any {
 // stopRenew stops the renewal of the claim, if any; it may be called twice.
 func (h *held) stopRenew() { h.ren.stop() }
 
-// txStore is a store whose statements can run on a caller's transaction.
-type txStore interface {
-	WithTx(tx DB) *SQLStore
+// sqlBacked is a store whose statements can run on a caller's transaction:
+// *SQLStore and *PgxStore.
+type sqlBacked interface {
+	sqlStore() *SQLStore
 }
+
+func (s *SQLStore) sqlStore() *SQLStore { return s }
+func (p *PgxStore) sqlStore() *SQLStore { return p.s }
 
 // ErrNoClaim is returned by ConfirmTx when the context carries no claim of
 // the dedupe middleware.
@@ -345,18 +349,30 @@ var ErrNoClaim = errors.New("dedupe: no claim in the context (is the handler beh
 //
 // The claim itself was taken outside the transaction, so the attempt count
 // is durable even when the transaction rolls back or the process dies; the
-// store must be a *SQLStore on the same database as tx.
+// store must be a *SQLStore (or a *PgxStore) on the same database as tx.
+// For a pgx.Tx, call [ConfirmPgxTx].
 func ConfirmTx(ctx context.Context, tx DB) error {
+	return confirmIn(ctx, sqlExec{tx})
+}
+
+// confirmIn confirms the claim in ctx with the statements run by ex, the
+// caller's transaction.
+func confirmIn(ctx context.Context, ex executor) error {
 	st, ok := ctx.Value(heldCtxKey{}).(*held)
 	if !ok {
 		return ErrNoClaim
 	}
-	ts, ok := st.store.(txStore)
+	sb, ok := st.store.(sqlBacked)
 	if !ok {
-		return fmt.Errorf("dedupe: ConfirmTx needs a store with WithTx (a *SQLStore), not %T", st.store)
+		return fmt.Errorf("dedupe: confirming in a transaction needs a store with WithTx (a *SQLStore or *PgxStore), not %T", st.store)
 	}
+	s := sb.sqlStore()
+	if _, pgx := ex.(pgxExec); pgx && s.dialect != Postgres {
+		return fmt.Errorf("dedupe: confirming in a pgx.Tx needs a store of the Postgres dialect, not %s", s.dialect)
+	}
+	s = s.on(ex)
 	st.stopRenew()
-	if err := ts.WithTx(tx).Confirm(ctx, st.claim); err != nil {
+	if err := s.Confirm(ctx, st.claim); err != nil {
 		return fmt.Errorf("dedupe: confirm in transaction: %w", err)
 	}
 	st.confirmedInTx = true
@@ -382,12 +398,12 @@ func HoldTx(ctx context.Context, tx DB) error {
 	if !ok {
 		return ErrNoClaim
 	}
-	ss, ok := st.store.(*SQLStore)
-	if !ok || ss.dialect != SQLite {
+	sb, ok := st.store.(sqlBacked)
+	if !ok || sb.sqlStore().dialect != SQLite {
 		return nil
 	}
 	st.stopRenew()
-	if err := ss.WithTx(tx).Renew(ctx, st.claim, st.ttl); err != nil {
+	if err := sb.sqlStore().WithTx(tx).Renew(ctx, st.claim, st.ttl); err != nil {
 		return fmt.Errorf("dedupe: hold claim in transaction: %w", err)
 	}
 	return nil

@@ -84,7 +84,7 @@ func (c SQLConfig) Validate() error {
 // acquires the key (rolled back). Never renew a transactional claim: it is
 // invisible to others until commit anyway.
 type SQLStore struct {
-	db      DB
+	ex      executor
 	dialect Dialect
 	table   string
 	batch   int
@@ -101,22 +101,30 @@ func NewSQLStore(db DB, cfg SQLConfig) (*SQLStore, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("dedupe: %w", err)
 	}
+	return newStore(sqlExec{db}, cfg), nil
+}
+
+// newStore builds the store on ex; cfg is checked.
+func newStore(ex executor, cfg SQLConfig) *SQLStore {
 	return &SQLStore{
-		db:      db,
+		ex:      ex,
 		dialect: cfg.Dialect,
 		table:   cfg.Table,
 		batch:   cfg.PruneBatch,
 		q:       cfg.Dialect.queries(cfg.Table),
 		now:     time.Now,
-	}, nil
+	}
 }
 
 // WithTx returns a store with the same configuration that runs its
 // statements on tx (or any other DB, such as a *sql.Conn). It is cheap: call
 // it once per transaction.
-func (s *SQLStore) WithTx(tx DB) *SQLStore {
+func (s *SQLStore) WithTx(tx DB) *SQLStore { return s.on(sqlExec{tx}) }
+
+// on returns a copy of s that runs its statements with ex.
+func (s *SQLStore) on(ex executor) *SQLStore {
 	c := *s
-	c.db = tx
+	c.ex = ex
 	return &c
 }
 
@@ -194,21 +202,21 @@ func (s *SQLStore) tryClaim(ctx context.Context, k []byte, token string, ttl tim
 	var expires int64
 	switch s.dialect {
 	case MySQL:
-		_, err := s.db.ExecContext(ctx, s.q.claim, k, token, ttl.Microseconds())
+		_, err := s.ex.exec(ctx, s.q.claim, k, token, ttl.Microseconds())
 		return Claim{}, false, err
 	case SQLite:
 		now := s.now()
 		exp := micros(now.Add(ttl))
-		err = s.db.QueryRowContext(ctx, s.q.insert, k, token, exp, micros(now)).Scan(&attempts)
-		if errors.Is(err, sql.ErrNoRows) {
-			err = s.db.QueryRowContext(ctx, s.q.takeover, token, exp, micros(now), k).Scan(&attempts)
+		err = s.ex.queryRow(ctx, s.q.insert, []any{k, token, exp, micros(now)}, &attempts)
+		if errors.Is(err, errNoRows) {
+			err = s.ex.queryRow(ctx, s.q.takeover, []any{token, exp, micros(now), k}, &attempts)
 		}
 		expires = exp
 	default:
-		err = s.db.QueryRowContext(ctx, s.q.claim, k, token, ttl.Microseconds()).Scan(&attempts, &expires)
+		err = s.ex.queryRow(ctx, s.q.claim, []any{k, token, ttl.Microseconds()}, &attempts, &expires)
 	}
 	switch {
-	case errors.Is(err, sql.ErrNoRows):
+	case errors.Is(err, errNoRows):
 		return Claim{}, false, nil
 	case err != nil:
 		return Claim{}, false, err
@@ -243,8 +251,8 @@ func (r row) settled() (Result, bool) {
 
 func (s *SQLStore) readBack(ctx context.Context, k []byte) (row, error) {
 	var r row
-	err := s.db.QueryRowContext(ctx, s.q.readBack, k).Scan(&r.state, &r.token, &r.attempts, &r.expires, &r.now)
-	if errors.Is(err, sql.ErrNoRows) {
+	err := s.ex.queryRow(ctx, s.q.readBack, []any{k}, &r.state, &r.token, &r.attempts, &r.expires, &r.now)
+	if errors.Is(err, errNoRows) {
 		return row{}, nil
 	}
 	if err != nil {
@@ -266,11 +274,7 @@ func (s *SQLStore) update(ctx context.Context, op, query string, c Claim, args .
 	}
 	k := []byte(c.Key)
 	args = append(args, k, c.Token)
-	res, err := s.db.ExecContext(ctx, query, args...)
-	if err != nil {
-		return fmt.Errorf("dedupe: %s: %w", op, err)
-	}
-	n, err := res.RowsAffected()
+	n, err := s.ex.exec(ctx, query, args...)
 	if err != nil {
 		return fmt.Errorf("dedupe: %s: %w", op, err)
 	}
@@ -282,11 +286,11 @@ func (s *SQLStore) update(ctx context.Context, op, query string, c Claim, args .
 		// an UPDATE that writes the values already there reports 0. Ask
 		// whether we still own it.
 		var one int
-		err := s.db.QueryRowContext(ctx, s.q.owner, k, c.Token).Scan(&one)
+		err := s.ex.queryRow(ctx, s.q.owner, []any{k, c.Token}, &one)
 		if err == nil {
 			return nil
 		}
-		if !errors.Is(err, sql.ErrNoRows) {
+		if !errors.Is(err, errNoRows) {
 			return fmt.Errorf("dedupe: %s: %w", op, err)
 		}
 	}
@@ -338,15 +342,11 @@ func (s *SQLStore) Prune(ctx context.Context, before time.Time) (int64, error) {
 	}
 	var total int64
 	for deadlocks := 0; ; {
-		res, err := s.db.ExecContext(ctx, s.q.prune, args...)
+		n, err := s.ex.exec(ctx, s.q.prune, args...)
 		if err != nil && s.deadlocked(err) && deadlocks < claimRetries {
 			deadlocks++
 			continue
 		}
-		if err != nil {
-			return total, fmt.Errorf("dedupe: prune: %w", err)
-		}
-		n, err := res.RowsAffected()
 		if err != nil {
 			return total, fmt.Errorf("dedupe: prune: %w", err)
 		}
@@ -404,15 +404,15 @@ func (s *SQLStore) ClaimConfirmed(ctx context.Context, key string) (Claim, error
 func (s *SQLStore) tryClaimDone(ctx context.Context, k []byte, token string) (took bool, attempts int, err error) {
 	switch s.dialect {
 	case MySQL:
-		_, err := s.db.ExecContext(ctx, s.q.claimDone, k, token)
+		_, err := s.ex.exec(ctx, s.q.claimDone, k, token)
 		return false, 0, err
 	case SQLite:
-		err = s.db.QueryRowContext(ctx, s.q.claimDone, k, token, micros(s.now())).Scan(&attempts)
+		err = s.ex.queryRow(ctx, s.q.claimDone, []any{k, token, micros(s.now())}, &attempts)
 	default:
-		err = s.db.QueryRowContext(ctx, s.q.claimDone, k, token).Scan(&attempts)
+		err = s.ex.queryRow(ctx, s.q.claimDone, []any{k, token}, &attempts)
 	}
 	switch {
-	case errors.Is(err, sql.ErrNoRows):
+	case errors.Is(err, errNoRows):
 		return false, 0, nil
 	case err != nil:
 		return false, 0, err
@@ -428,7 +428,7 @@ func (s *SQLStore) tryClaimDone(ctx context.Context, k []byte, token string) (to
 // Inside a caller's transaction the whole transaction was rolled back, and the
 // error goes to the caller.
 func (s *SQLStore) deadlocked(err error) bool {
-	if _, inTx := s.db.(*sql.Tx); inTx {
+	if s.ex.inTx() {
 		return false
 	}
 	var me *mysql.MySQLError
@@ -470,7 +470,11 @@ func (s *SQLStore) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Clai
 		claims[i].Result, claims[i].Attempt = Acquired, attempts
 	}
 	// The rest were confirmed or held already, or changed under the
-	// statement: settle each on its own.
+	// statement. Where the executor can pipeline (pgx), read them all back in
+	// one round trip; settle each of the others on its own.
+	if err := s.readBackUntaken(ctx, claims, bk); err != nil {
+		return nil, fmt.Errorf("dedupe: claim confirmed: %w", err)
+	}
 	for i := range claims {
 		if claims[i].Result != 0 {
 			continue
@@ -518,20 +522,20 @@ RETURNING key, attempts`)
 	case MySQL:
 		return s.claimDoneAllMySQL(ctx, keys, token)
 	}
-	rows, err := s.db.QueryContext(ctx, q, args...)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	for rows.Next() {
+	return taken, s.ex.query(ctx, q, args, takenRow(taken))
+}
+
+// takenRow reads a (key, attempts) row into taken.
+func takenRow(taken map[string]int) func(scan func(dest ...any) error) error {
+	return func(scan func(dest ...any) error) error {
 		var k []byte
 		var attempts int
-		if err := rows.Scan(&k, &attempts); err != nil {
-			return nil, err
+		if err := scan(&k, &attempts); err != nil {
+			return err
 		}
 		taken[string(k)] = attempts
+		return nil
 	}
-	return taken, rows.Err()
 }
 
 // claimDoneAllMySQL writes every key it may with one multi-row upsert, then
@@ -555,7 +559,7 @@ func (s *SQLStore) claimDoneAllMySQL(ctx context.Context, keys [][]byte, token s
 		"\tupdated_at = IF(" + cond + ", VALUES(updated_at), updated_at),\n" +
 		"\texpires_at = IF(" + cond + ", 0, expires_at),\n" +
 		"\tstate = IF(" + cond + ", 2, state)")
-	if _, err := s.db.ExecContext(ctx, b.String(), args...); err != nil {
+	if _, err := s.ex.exec(ctx, b.String(), args...); err != nil {
 		return nil, err
 	}
 	b.Reset()
@@ -569,19 +573,6 @@ func (s *SQLStore) claimDoneAllMySQL(ctx context.Context, keys [][]byte, token s
 		args = append(args, k)
 	}
 	b.WriteString(") FOR UPDATE")
-	rows, err := s.db.QueryContext(ctx, b.String(), args...)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
 	taken := make(map[string]int, len(keys))
-	for rows.Next() {
-		var k []byte
-		var attempts int
-		if err := rows.Scan(&k, &attempts); err != nil {
-			return nil, err
-		}
-		taken[string(k)] = attempts
-	}
-	return taken, rows.Err()
+	return taken, s.ex.query(ctx, b.String(), args, takenRow(taken))
 }

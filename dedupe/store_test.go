@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/dedupe/dedupetest"
 	"github.com/settle-go/settle/internal/testenv"
@@ -48,6 +50,41 @@ func sqlHarness(t *testing.T, db testenv.DB) dedupetest.Harness {
 			}
 			t.Cleanup(func() { _ = tx.Rollback() })
 			return dedupetest.Tx{Store: store.WithTx(tx), Commit: tx.Commit, Rollback: tx.Rollback}, nil
+		},
+	}
+}
+
+// The pgx store runs the same statements through pgx, on a pool whose
+// connections the concurrent tests spread over.
+func TestPgxStore(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	pool := testenv.PgxPool(t)
+	dedupetest.Run(t, func(t *testing.T) dedupetest.Harness {
+		return pgxHarness(t, db, pool)
+	})
+}
+
+func pgxHarness(t *testing.T, db testenv.DB, pool *pgxpool.Pool) dedupetest.Harness {
+	table := testenv.DedupeTable(t, db)
+	store, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dedupetest.Harness{
+		Store:    store,
+		ClaimTTL: 600 * time.Millisecond,
+		BeginTx: func(ctx context.Context) (dedupetest.Tx, error) {
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				return dedupetest.Tx{}, err
+			}
+			t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+			return dedupetest.Tx{
+				Store:    store.WithTx(tx),
+				Commit:   func() error { return tx.Commit(ctx) },
+				Rollback: func() error { return tx.Rollback(ctx) },
+			}, nil
 		},
 	}
 }

@@ -60,10 +60,8 @@ func (c BatchConfig) enabled() bool { return c.MaxSize > 1 }
 // running the whole batch on its own goroutine, and the others wait for
 // their result.
 type batcher struct {
-	cfg     TxConfig
-	fn      TxFunc      // per message; or
-	batchFn BatchTxFunc // once per batch
-	wait    time.Duration
+	f    txFlow
+	wait time.Duration
 
 	mu   sync.Mutex
 	open *batch // the batch deliveries join now; nil when none is open
@@ -86,12 +84,12 @@ type job struct {
 	err     error // a result decided without running fn (busy)
 }
 
-func newBatcher(cfg TxConfig, fn TxFunc, batchFn BatchTxFunc) *batcher {
-	wait := cfg.Batch.MaxWait
+func newBatcher(f txFlow) *batcher {
+	wait := f.batch.MaxWait
 	if wait == 0 {
 		wait = DefaultBatchWait
 	}
-	return &batcher{cfg: cfg, fn: fn, batchFn: batchFn, wait: wait}
+	return &batcher{f: f, wait: wait}
 }
 
 // handle settles msg as part of a batch and returns its result.
@@ -105,7 +103,7 @@ func (b *batcher) handle(msg *message.Message) error {
 		b.open = bt
 	}
 	bt.jobs = append(bt.jobs, j)
-	if len(bt.jobs) >= b.cfg.Batch.MaxSize {
+	if len(bt.jobs) >= b.f.batch.MaxSize {
 		b.open = nil
 		close(bt.full)
 	}
@@ -131,7 +129,7 @@ func (b *batcher) handle(msg *message.Message) error {
 	err := <-j.done
 	if errors.Is(err, dedupe.ErrBusy) || errors.Is(err, dedupe.ErrUnavailable) {
 		// Deferred: wait on this delivery's own goroutine, not the batch's.
-		settlement.Sleep(j.ctx, b.cfg.busyDelay())
+		settlement.Sleep(j.ctx, b.f.busyDelay)
 	}
 	return err
 }
@@ -148,7 +146,7 @@ func (b *batcher) run(jobs []*job) {
 	var pending []*job
 	first := map[string]*job{}
 	for _, j := range jobs {
-		key, err := dedupe.MessageKey(j.msg, b.cfg.Key, b.cfg.Scope)
+		key, err := dedupe.MessageKey(j.msg, b.f.key, b.f.scope)
 		if err != nil {
 			j.done <- fmt.Errorf("pipeline: key of message %s: %w", j.msg.UUID, err)
 			continue
@@ -250,17 +248,11 @@ const (
 // failed, with its error (the transaction was rolled back), or one of the
 // run results above.
 func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err error) {
-	tx, err := b.cfg.DB.BeginTx(ctx, b.cfg.TxOptions)
+	tx, err := b.f.begin(ctx)
 	if err != nil {
 		return runNotStarted, fmt.Errorf("pipeline: begin batch: %w", err)
 	}
-	defer func() { _ = tx.Rollback() }() // after Commit: sql.ErrTxDone
-	var out message.Publisher
-	if b.cfg.Outbox != nil {
-		if out, err = b.cfg.Outbox.TxPublisher(tx); err != nil {
-			return runNotStarted, err
-		}
-	}
+	defer func() { _ = tx.rollback(ctx) }() // after commit: a no-op
 	keys := make([]string, len(jobs))
 	for i, j := range jobs {
 		keys[i] = j.key
@@ -270,7 +262,7 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err err
 		settlement.FromContext(j.ctx).Undecide()
 	}
 	// All keys in one statement; a batch whose claims fail fails whole.
-	claims, err := b.cfg.Store.WithTx(tx).ClaimConfirmedAll(ctx, keys)
+	claims, err := tx.claims().ClaimConfirmedAll(ctx, keys)
 	if err != nil {
 		return runNotStarted, err
 	}
@@ -285,20 +277,20 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err err
 			continue // a duplicate: acked with the batch
 		}
 		j.claimed = true
-		if b.batchFn != nil {
+		if b.f.batchHandler {
 			ran = append(ran, i)
 			continue
 		}
-		if err := b.call(j, tx, out); err != nil {
+		if err := b.call(j, tx); err != nil {
 			return i, err
 		}
 	}
-	if b.batchFn != nil && len(ran) > 0 {
+	if b.f.batchHandler && len(ran) > 0 {
 		msgs := make([]*message.Message, len(ran))
 		for k, i := range ran {
 			msgs[k] = jobs[i].msg
 		}
-		if err := b.callBatch(ctx, tx, msgs, out); err != nil {
+		if err := b.callBatch(ctx, tx, msgs); err != nil {
 			var me *MessageError
 			if errors.As(err, &me) && me.Index >= 0 && me.Index < len(ran) {
 				return ran[me.Index], me.Err
@@ -306,32 +298,35 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err err
 			return runBatchFailed, err
 		}
 	}
-	if err := tx.Commit(); err != nil {
+	if err := tx.commit(ctx); err != nil {
 		return runCommitFailed, fmt.Errorf("pipeline: commit batch: %w", err)
+	}
+	if b.f.committed != nil {
+		b.f.committed()
 	}
 	return runCommitted, nil
 }
 
 // call runs fn for one job, turning a panic into that job's error: the
 // panic belongs to one message, not to the batch or the leader's goroutine.
-func (b *batcher) call(j *job, tx *sql.Tx, out message.Publisher) (err error) {
+func (b *batcher) call(j *job, tx txn) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
 			err = &HandlerPanic{Value: p, Stack: debug.Stack()}
 		}
 	}()
-	return b.fn(j.ctx, tx, j.msg, out)
+	return tx.call(j.ctx, j.msg)
 }
 
 // callBatch runs the batch function, turning a panic into the batch's
 // error, which splits the batch like any other failure.
-func (b *batcher) callBatch(ctx context.Context, tx *sql.Tx, msgs []*message.Message, out message.Publisher) (err error) {
+func (b *batcher) callBatch(ctx context.Context, tx txn, msgs []*message.Message) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
 			err = &HandlerPanic{Value: p, Stack: debug.Stack()}
 		}
 	}()
-	return b.batchFn(ctx, tx, msgs, out)
+	return tx.callBatch(ctx, msgs)
 }
 
 // BatchTxFunc handles a batch of messages in one database transaction: for
@@ -383,7 +378,7 @@ func NewBatchTxHandler(cfg TxConfig, fn BatchTxFunc) (message.NoPublishHandlerFu
 	if fn == nil {
 		return nil, errors.New("pipeline: NewBatchTxHandler: fn is nil")
 	}
-	return newBatcher(cfg, nil, fn).handle, nil
+	return newBatcher(cfg.flow(nil, fn)).handle, nil
 }
 
 // TypedBatchTx adapts fn to a BatchTxFunc that decodes every payload first.

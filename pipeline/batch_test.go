@@ -12,8 +12,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/poison"
 )

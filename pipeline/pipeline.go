@@ -28,8 +28,8 @@ type Config struct {
 	// "<subscribed topic>.poison" per handler. It may equal DeadLetterTopic.
 	PoisonTopic string
 	// Store keeps dedupe claims. Nil turns dedupe off for plain handlers
-	// (transactional handlers require a *dedupe.SQLStore). Use a SQLStore to
-	// share claims between processes.
+	// (HandleTx requires a *dedupe.SQLStore, HandlePgxTx a *dedupe.PgxStore).
+	// Use a SQLStore or a PgxStore to share claims between processes.
 	Store dedupe.Store
 	// Key derives the dedupe key. Defaults to the message UUID.
 	Key dedupe.KeyFunc
@@ -331,8 +331,8 @@ func (p *Pipeline) HandleBatchTx(name, topic string, sub message.Subscriber, sto
 	})
 }
 
-// handleTx adds a transactional handler built by build from cfg, completed
-// with the pipeline's store and key.
+// handleTx adds a database/sql transactional handler built by build from
+// cfg, completed with the pipeline's store, key and busy delay.
 func (p *Pipeline) handleTx(method, name, topic string, sub message.Subscriber, store *dedupe.SQLStore, cfg TxConfig, build func(TxConfig) (message.NoPublishHandlerFunc, error)) (Handlers, error) {
 	var s dedupe.Store = p.cfg.Store
 	if store != nil {
@@ -347,23 +347,44 @@ func (p *Pipeline) handleTx(method, name, topic string, sub message.Subscriber, 
 			return nil, err
 		}
 	}
-	if cfg.Batch.enabled() && cfg.Batch.MaxSize > p.cfg.Concurrency {
-		// No more deliveries can be in flight; a batch of one is the
-		// one-statement mode.
-		cfg.Batch.MaxSize = p.cfg.Concurrency
-		cfg.OneStatement = cfg.OneStatement || !cfg.Batch.enabled()
-	}
 	if cfg.BusyDelay == 0 {
 		cfg.BusyDelay = p.cfg.BusyDelay
 	}
-	oneStatement := cfg.OneStatement || cfg.Batch.enabled()
+	return p.addTx(name, topic, sub, s, txSetup{
+		batch: &cfg.Batch, oneStatement: &cfg.OneStatement, key: &cfg.Key,
+		setStore: func() { cfg.Store = sqlStore },
+		build:    func() (message.NoPublishHandlerFunc, error) { return build(cfg) },
+	})
+}
+
+// txSetup is what HandleTx and HandlePgxTx give addTx: the fields of their
+// configuration that the pipeline settles, and how to build the handler
+// once they are.
+type txSetup struct {
+	batch        *BatchConfig
+	oneStatement *bool
+	key          *dedupe.KeyFunc
+	setStore     func() // sets the configuration's Store, for the one-statement modes
+	build        func() (message.NoPublishHandlerFunc, error)
+}
+
+// addTx adds a transactional handler of either driver; s is its claims
+// store.
+func (p *Pipeline) addTx(name, topic string, sub message.Subscriber, s dedupe.Store, ts txSetup) (Handlers, error) {
+	if ts.batch.enabled() && ts.batch.MaxSize > p.cfg.Concurrency {
+		// No more deliveries can be in flight; a batch of one is the
+		// one-statement mode.
+		ts.batch.MaxSize = p.cfg.Concurrency
+		*ts.oneStatement = *ts.oneStatement || !ts.batch.enabled()
+	}
+	oneStatement := *ts.oneStatement || ts.batch.enabled()
 	if oneStatement {
-		cfg.Store = sqlStore
-		if cfg.Key == nil {
-			cfg.Key = p.cfg.Key
+		ts.setStore()
+		if *ts.key == nil {
+			*ts.key = p.cfg.Key
 		}
 	}
-	h, err := build(cfg)
+	h, err := ts.build()
 	if err != nil {
 		return nil, err
 	}

@@ -104,11 +104,12 @@ func NewTxHandler(cfg TxConfig, fn TxFunc) (message.NoPublishHandlerFunc, error)
 	if fn == nil {
 		return nil, errors.New("pipeline: NewTxHandler: fn is nil")
 	}
+	f := cfg.flow(fn, nil)
 	if cfg.Batch.enabled() {
-		return newBatcher(cfg, fn, nil).handle, nil
+		return newBatcher(f).handle, nil
 	}
 	return func(msg *message.Message) error {
-		return RunTx(msg.Context(), cfg, msg, fn)
+		return runTx(msg.Context(), f, msg)
 	}, nil
 }
 
@@ -119,63 +120,181 @@ func NewTxHandler(cfg TxConfig, fn TxFunc) (message.NoPublishHandlerFunc, error)
 // back when it returns an error or panics (the panic then goes on, to the
 // router's recoverer, and the dedupe middleware releases the claim so the
 // message is retried as after any failure).
-func RunTx(ctx context.Context, cfg TxConfig, msg *message.Message, fn TxFunc) (err error) {
-	tx, err := cfg.DB.BeginTx(ctx, cfg.TxOptions)
-	if err != nil {
-		return unavailable(ctx, cfg, fmt.Errorf("pipeline: begin: %w", err))
+func RunTx(ctx context.Context, cfg TxConfig, msg *message.Message, fn TxFunc) error {
+	return runTx(ctx, cfg.flow(fn, nil), msg)
+}
+
+// txn is one transaction of a transactional handler, whatever the driver
+// under it (database/sql or pgx). The flow of a delivery, or of a batch of
+// them, is written once against it (runTx, batcher.runOnce).
+type txn interface {
+	// claims is the dedupe store bound to the transaction (OneStatement
+	// and Batch only).
+	claims() claimer
+	// hold and confirm are dedupe.HoldTx and dedupe.ConfirmTx on the
+	// transaction, for handlers behind the dedupe middleware.
+	hold(ctx context.Context) error
+	confirm(ctx context.Context) error
+	// call runs the handler's function for msg in the transaction.
+	call(ctx context.Context, msg *message.Message) error
+	// callBatch runs a batch handler's function for msgs in the transaction.
+	callBatch(ctx context.Context, msgs []*message.Message) error
+	commit(ctx context.Context) error
+	// rollback rolls back; it returns nil when the transaction had ended.
+	rollback(ctx context.Context) error
+}
+
+// claimer is what a transactional handler asks of the store bound to its
+// transaction: *dedupe.SQLStore and *dedupe.PgxStore.
+type claimer interface {
+	ClaimConfirmed(ctx context.Context, key string) (dedupe.Claim, error)
+	ClaimConfirmedAll(ctx context.Context, keys []string) ([]dedupe.Claim, error)
+}
+
+// txFlow is a transactional handler's configuration, driver aside.
+type txFlow struct {
+	begin        func(ctx context.Context) (txn, error)
+	oneStatement bool
+	key          dedupe.KeyFunc
+	scope        dedupe.ScopeFunc
+	batch        BatchConfig
+	batchHandler bool          // the batcher calls callBatch, not call
+	busyDelay    time.Duration // with its default applied
+	committed    func()        // after each commit; nil for none
+}
+
+// flow is cfg's flow for fn, or for batchFn (a batch handler) when fn is nil.
+func (cfg TxConfig) flow(fn TxFunc, batchFn BatchTxFunc) txFlow {
+	f := txFlow{
+		begin: func(ctx context.Context) (txn, error) {
+			tx, err := cfg.DB.BeginTx(ctx, cfg.TxOptions)
+			if err != nil {
+				return nil, err
+			}
+			return &sqlTxn{cfg: &cfg, fn: fn, batchFn: batchFn, tx: tx}, nil
+		},
+		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
+		batchHandler: fn == nil, busyDelay: delayOrDefault(cfg.BusyDelay),
 	}
-	defer func() {
-		// After a commit this is a no-op (sql.ErrTxDone); after an error or
-		// a panic it is what frees the transaction's locks.
-		if rerr := tx.Rollback(); rerr != nil && !errors.Is(rerr, sql.ErrTxDone) && err != nil {
-			err = errors.Join(err, fmt.Errorf("pipeline: rollback: %w", rerr))
-		}
-	}()
-	if cfg.OneStatement {
-		done, err := claimInTx(ctx, cfg, tx, msg)
-		if errors.Is(err, dedupe.ErrBusy) {
-			_ = tx.Rollback() // hold no connection while waiting
-			settlement.Sleep(ctx, cfg.busyDelay())
-		}
-		if err != nil || done {
-			return err // a duplicate has nothing to commit: the rollback ends it
-		}
-	} else if err = dedupe.HoldTx(ctx, tx); err != nil {
+	if cfg.Outbox != nil {
+		f.committed = cfg.Outbox.Notify // a relay of this process forwards at once
+	}
+	return f
+}
+
+// delayOrDefault applies a BusyDelay's default: 1s for zero, none for
+// settle.NoDelay.
+func delayOrDefault(d time.Duration) time.Duration {
+	switch d {
+	case 0:
+		return time.Second
+	case settle.NoDelay:
+		return 0
+	}
+	return d
+}
+
+// sqlTxn is a database/sql transaction.
+type sqlTxn struct {
+	cfg     *TxConfig
+	fn      TxFunc
+	batchFn BatchTxFunc
+	tx      *sql.Tx
+	out     message.Publisher // the outbox bound to tx; nil until the first call
+}
+
+func (t *sqlTxn) claims() claimer                   { return t.cfg.Store.WithTx(t.tx) }
+func (t *sqlTxn) hold(ctx context.Context) error    { return dedupe.HoldTx(ctx, t.tx) }
+func (t *sqlTxn) confirm(ctx context.Context) error { return dedupe.ConfirmTx(ctx, t.tx) }
+func (t *sqlTxn) commit(context.Context) error      { return t.tx.Commit() }
+
+// call runs fn with the outbox bound to the transaction, bound at the first
+// call.
+func (t *sqlTxn) call(ctx context.Context, msg *message.Message) error {
+	if err := t.bindOutbox(); err != nil {
 		return err
 	}
-	var out message.Publisher
-	if cfg.Outbox != nil {
-		if out, err = cfg.Outbox.TxPublisher(tx); err != nil {
-			return err
-		}
-	}
-	if err = fn(ctx, tx, msg, out); err != nil {
+	return t.fn(ctx, t.tx, msg, t.out)
+}
+
+func (t *sqlTxn) callBatch(ctx context.Context, msgs []*message.Message) error {
+	if err := t.bindOutbox(); err != nil {
 		return err
 	}
-	if !cfg.OneStatement {
-		if err = dedupe.ConfirmTx(ctx, tx); err != nil {
+	return t.batchFn(ctx, t.tx, msgs, t.out)
+}
+
+// bindOutbox binds the outbox to the transaction once.
+func (t *sqlTxn) bindOutbox() error {
+	if t.cfg.Outbox != nil && t.out == nil {
+		out, err := t.cfg.Outbox.TxPublisher(t.tx)
+		if err != nil {
 			return err
 		}
-	}
-	if err = tx.Commit(); err != nil {
-		return fmt.Errorf("pipeline: commit: %w", err)
-	}
-	if cfg.Outbox != nil {
-		cfg.Outbox.Notify() // a relay of this process forwards at once
+		t.out = out
 	}
 	return nil
 }
 
-// claimInTx takes msg's key in tx as confirmed. It reports done for a
+func (t *sqlTxn) rollback(context.Context) error {
+	if err := t.tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
+		return err
+	}
+	return nil
+}
+
+// runTx runs one message through f in a transaction; see RunTx.
+func runTx(ctx context.Context, f txFlow, msg *message.Message) (err error) {
+	t, err := f.begin(ctx)
+	if err != nil {
+		return unavailable(ctx, f.busyDelay, fmt.Errorf("pipeline: begin: %w", err))
+	}
+	defer func() {
+		// After a commit this is a no-op; after an error or a panic it is
+		// what frees the transaction's locks.
+		if rerr := t.rollback(context.WithoutCancel(ctx)); rerr != nil && err != nil {
+			err = errors.Join(err, fmt.Errorf("pipeline: rollback: %w", rerr))
+		}
+	}()
+	if f.oneStatement {
+		done, err := claimInTx(ctx, f, t, msg)
+		if errors.Is(err, dedupe.ErrBusy) {
+			_ = t.rollback(ctx) // hold no connection while waiting
+			settlement.Sleep(ctx, f.busyDelay)
+		}
+		if err != nil || done {
+			return err // a duplicate has nothing to commit: the rollback ends it
+		}
+	} else if err = t.hold(ctx); err != nil {
+		return err
+	}
+	if err = t.call(ctx, msg); err != nil {
+		return err
+	}
+	if !f.oneStatement {
+		if err = t.confirm(ctx); err != nil {
+			return err
+		}
+	}
+	if err = t.commit(ctx); err != nil {
+		return fmt.Errorf("pipeline: commit: %w", err)
+	}
+	if f.committed != nil {
+		f.committed()
+	}
+	return nil
+}
+
+// claimInTx takes msg's key in t as confirmed. It reports done for a
 // duplicate, and an error wrapping dedupe.ErrBusy for a key held elsewhere.
-func claimInTx(ctx context.Context, cfg TxConfig, tx *sql.Tx, msg *message.Message) (done bool, err error) {
-	key, err := dedupe.MessageKey(msg, cfg.Key, cfg.Scope)
+func claimInTx(ctx context.Context, f txFlow, t txn, msg *message.Message) (done bool, err error) {
+	key, err := dedupe.MessageKey(msg, f.key, f.scope)
 	if err != nil {
 		return false, fmt.Errorf("pipeline: key of message %s: %w", msg.UUID, err)
 	}
-	c, err := cfg.Store.WithTx(tx).ClaimConfirmed(ctx, key)
+	c, err := t.claims().ClaimConfirmed(ctx, key)
 	if err != nil {
-		return false, unavailable(ctx, cfg, err)
+		return false, unavailable(ctx, f.busyDelay, err)
 	}
 	return claimResult(ctx, c, msg)
 }
@@ -195,23 +314,12 @@ func claimResult(ctx context.Context, c dedupe.Claim, msg *message.Message) (don
 	return false, nil
 }
 
-// busyDelay is BusyDelay with its default applied.
-func (c TxConfig) busyDelay() time.Duration {
-	switch c.BusyDelay {
-	case 0:
-		return time.Second
-	case settle.NoDelay:
-		return 0
-	}
-	return c.BusyDelay
-}
-
 // unavailable defers a delivery whose transaction could not begin or whose
 // key could not be claimed: the database is not answering, and that is not
-// an attempt of the handler. It waits BusyDelay first, so that an outage is
-// not a hot loop of nacks.
-func unavailable(ctx context.Context, cfg TxConfig, err error) error {
+// an attempt of the handler. It waits delay first, so that an outage is not
+// a hot loop of nacks.
+func unavailable(ctx context.Context, delay time.Duration, err error) error {
 	settlement.FromContext(ctx).Defer()
-	settlement.Sleep(ctx, cfg.busyDelay())
+	settlement.Sleep(ctx, delay)
 	return fmt.Errorf("%w: %w", dedupe.ErrUnavailable, err)
 }

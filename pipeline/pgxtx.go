@@ -1,0 +1,163 @@
+package pipeline
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/settle-go/settle/dedupe"
+)
+
+// PgxTxFunc is a transactional handler on pgx: TxFunc with a pgx.Tx. It
+// does its writes on tx and must not commit or roll it back. out is nil:
+// the outbox does not run on pgx yet, so a pgx handler cannot publish in its
+// transaction.
+type PgxTxFunc func(ctx context.Context, tx pgx.Tx, msg *message.Message, out message.Publisher) error
+
+// PgxBeginner starts the transactions of a pgx transactional handler.
+// *pgxpool.Pool satisfies it; so does a *pgx.Conn, for a handler that never
+// runs concurrently.
+type PgxBeginner interface {
+	BeginTx(ctx context.Context, txOptions pgx.TxOptions) (pgx.Tx, error)
+}
+
+// PgxTxConfig configures a transactional handler on pgx. It is TxConfig
+// for a service whose connections are a pgxpool.Pool; see TxConfig for the
+// meaning of each mode.
+type PgxTxConfig struct {
+	// DB is the database of the handler's writes and of the dedupe claims
+	// table. Required.
+	DB PgxBeginner
+	// TxOptions are passed to BeginTx. The zero value is PostgreSQL's
+	// default (read committed, read write).
+	TxOptions pgx.TxOptions
+	// OneStatement takes the message's key inside the transaction, written
+	// as confirmed at once (dedupe.PgxStore.ClaimConfirmed), as
+	// TxConfig.OneStatement does. Requires Store.
+	OneStatement bool
+	// Store is the claims table for OneStatement and Batch
+	// (Pipeline.HandlePgxTx sets it).
+	Store *dedupe.PgxStore
+	// Key derives the key for OneStatement and Batch. Defaults to the
+	// message UUID.
+	Key dedupe.KeyFunc
+	// Batch turns on group commit, as TxConfig.Batch does. Requires Store.
+	Batch BatchConfig
+	// Scope names the logical handler of the key for OneStatement and
+	// Batch. Defaults to dedupe.HandlerScope.
+	Scope dedupe.ScopeFunc
+}
+
+// Validate reports the first invalid field.
+func (c PgxTxConfig) Validate() error {
+	switch {
+	case c.DB == nil:
+		return errors.New("pipeline: PgxTxConfig.DB is required")
+	case c.OneStatement && c.Store == nil:
+		return errors.New("pipeline: PgxTxConfig.Store is required with OneStatement")
+	case c.Batch.MaxSize < 0:
+		return fmt.Errorf("pipeline: PgxTxConfig.Batch.MaxSize must be >= 0, got %d", c.Batch.MaxSize)
+	case c.Batch.enabled() && c.Store == nil:
+		return errors.New("pipeline: PgxTxConfig.Store is required with Batch")
+	}
+	return nil
+}
+
+// NewPgxTxHandler is NewTxHandler on pgx: it runs fn in a pgx transaction
+// and commits the handler's writes and the dedupe confirmation of the
+// message's key together, or neither. Behind the dedupe middleware (with a
+// dedupe.PgxStore on the same database) the claim is taken outside the
+// transaction and confirmed inside it (dedupe.ConfirmPgxTx); with
+// OneStatement or Batch the key is written as confirmed inside it and no
+// middleware is needed. The flow is the very one of NewTxHandler, whose
+// documentation says the rest.
+func NewPgxTxHandler(cfg PgxTxConfig, fn PgxTxFunc) (message.NoPublishHandlerFunc, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if fn == nil {
+		return nil, errors.New("pipeline: NewPgxTxHandler: fn is nil")
+	}
+	f := cfg.flow(fn)
+	if cfg.Batch.enabled() {
+		return newBatcher(f).handle, nil
+	}
+	return func(msg *message.Message) error {
+		return runTx(msg.Context(), f, msg)
+	}, nil
+}
+
+func (cfg PgxTxConfig) flow(fn PgxTxFunc) txFlow {
+	return txFlow{
+		begin: func(ctx context.Context) (txn, error) {
+			tx, err := cfg.DB.BeginTx(ctx, cfg.TxOptions)
+			if err != nil {
+				return nil, err
+			}
+			return &pgxTxn{cfg: &cfg, fn: fn, tx: tx}, nil
+		},
+		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
+		busyDelay: delayOrDefault(0),
+	}
+}
+
+// pgxTxn is a pgx transaction.
+type pgxTxn struct {
+	cfg *PgxTxConfig
+	fn  PgxTxFunc
+	tx  pgx.Tx
+}
+
+func (t *pgxTxn) claims() claimer                   { return t.cfg.Store.WithTx(t.tx) }
+func (t *pgxTxn) hold(ctx context.Context) error    { return dedupe.HoldPgxTx(ctx, t.tx) }
+func (t *pgxTxn) confirm(ctx context.Context) error { return dedupe.ConfirmPgxTx(ctx, t.tx) }
+func (t *pgxTxn) commit(ctx context.Context) error  { return t.tx.Commit(ctx) }
+func (t *pgxTxn) call(ctx context.Context, msg *message.Message) error {
+	return t.fn(ctx, t.tx, msg, nil)
+}
+
+// callBatch is never called: there are no batch handlers on pgx yet.
+func (t *pgxTxn) callBatch(context.Context, []*message.Message) error {
+	return errors.New("pipeline: batch handlers are not offered on pgx")
+}
+
+func (t *pgxTxn) rollback(ctx context.Context) error {
+	if err := t.tx.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) {
+		return err
+	}
+	return nil
+}
+
+// HandlePgxTx is HandleTx on pgx: it adds a transactional handler whose
+// function receives a pgx.Tx (see NewPgxTxHandler). store must be a PgxStore
+// on cfg.DB's database; nil means Config.Store, which must then be one.
+func (p *Pipeline) HandlePgxTx(name, topic string, sub message.Subscriber, store *dedupe.PgxStore, cfg PgxTxConfig, fn PgxTxFunc) (Handlers, error) {
+	var s dedupe.Store = p.cfg.Store
+	if store != nil {
+		s = store
+	}
+	pgxStore, ok := s.(*dedupe.PgxStore)
+	if !ok {
+		return nil, fmt.Errorf("pipeline: HandlePgxTx %q needs a *dedupe.PgxStore, got %T", name, s)
+	}
+	return p.addTx(name, topic, sub, s, txSetup{
+		batch: &cfg.Batch, oneStatement: &cfg.OneStatement, key: &cfg.Key,
+		setStore: func() { cfg.Store = pgxStore },
+		build:    func() (message.NoPublishHandlerFunc, error) { return NewPgxTxHandler(cfg, fn) },
+	})
+}
+
+// TypedPgxTx adapts fn to a PgxTxFunc that decodes each payload first, as
+// TypedTx does for a TxFunc.
+func TypedPgxTx[T any](codec Codec, fn func(ctx context.Context, tx pgx.Tx, m Message[T], out message.Publisher) error) PgxTxFunc {
+	return func(ctx context.Context, tx pgx.Tx, msg *message.Message, out message.Publisher) error {
+		m, err := Decode[T](codec, msg)
+		if err != nil {
+			return err
+		}
+		return fn(ctx, tx, m, out)
+	}
+}
