@@ -52,14 +52,18 @@ func newBatchEnv(t *testing.T, e *txEnv, fn func(msg *message.Message, call int)
 
 // deliver hands the messages to the handler all at once, as competing
 // subscriptions would, and returns each one's result.
-func (b *batchEnv) deliver(msgs ...*message.Message) []error {
+func (b *batchEnv) deliver(msgs ...*message.Message) []error { return deliverAll(b.h, msgs) }
+
+// deliverAll calls h for every message at once, each from its own
+// goroutine, and returns each one's result.
+func deliverAll(h message.NoPublishHandlerFunc, msgs []*message.Message) []error {
 	errs := make([]error, len(msgs))
 	var wg sync.WaitGroup
 	start := make(chan struct{})
 	for i, m := range msgs {
 		wg.Go(func() {
 			<-start
-			errs[i] = b.h(m)
+			errs[i] = h(m)
 		})
 	}
 	close(start)
@@ -250,20 +254,7 @@ func (e *txEnv) insertAll(ctx context.Context, tx *sql.Tx, msgs []*message.Messa
 	return err
 }
 
-func (b *batchHandlerEnv) deliver(msgs ...*message.Message) []error {
-	errs := make([]error, len(msgs))
-	var wg sync.WaitGroup
-	start := make(chan struct{})
-	for i, m := range msgs {
-		wg.Go(func() {
-			<-start
-			errs[i] = b.h(m)
-		})
-	}
-	close(start)
-	wg.Wait()
-	return errs
-}
+func (b *batchHandlerEnv) deliver(msgs ...*message.Message) []error { return deliverAll(b.h, msgs) }
 
 // A batch handler whose batch fails without saying which message is to
 // blame: the batch is split until the bad message is alone; the others
