@@ -313,7 +313,7 @@ func (p *Pipeline) HandleProducing(name, topic string, sub message.Subscriber, p
 // Config.Store, which must then be one.
 func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore, cfg TxConfig, fn TxFunc) (Handlers, error) {
 	return p.handleTx("HandleTx", name, topic, sub, store, cfg, func(cfg TxConfig) (message.NoPublishHandlerFunc, error) {
-		return NewTxHandler(cfg, publishInContext(fn))
+		return NewTxHandler(cfg, fn)
 	})
 }
 

@@ -2,23 +2,21 @@ package pipeline
 
 import (
 	"context"
-	"database/sql"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/trace"
 )
 
-// publishInContext passes fn an outbox publisher that gives each message
-// without a trace of its own the span of the delivery being handled, so that
-// the outbox's create span, and the trace context it writes into the row,
-// continue the handler's trace instead of starting a new one.
-func publishInContext(fn TxFunc) TxFunc {
-	return func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
-		if out != nil {
-			out = contextPublisher{Publisher: out, ctx: ctx}
-		}
-		return fn(ctx, tx, msg, out)
+// inContext returns out as given to a handler running in ctx: each message
+// it publishes without a trace of its own gets ctx (the delivery's span and
+// settlement), so that the outbox's create span, and the trace context it
+// writes into the row, continue the handler's trace instead of starting a
+// new one.
+func inContext(ctx context.Context, out message.Publisher) message.Publisher {
+	if out == nil {
+		return nil
 	}
+	return contextPublisher{Publisher: out, ctx: ctx}
 }
 
 type contextPublisher struct {

@@ -214,14 +214,14 @@ func (t *sqlTxn) call(ctx context.Context, msg *message.Message) error {
 	if err := t.bindOutbox(); err != nil {
 		return err
 	}
-	return t.fn(ctx, t.tx, msg, t.out)
+	return t.fn(ctx, t.tx, msg, inContext(ctx, t.out))
 }
 
 func (t *sqlTxn) callBatch(ctx context.Context, msgs []*message.Message) error {
 	if err := t.bindOutbox(); err != nil {
 		return err
 	}
-	return t.batchFn(ctx, t.tx, msgs, t.out)
+	return t.batchFn(ctx, t.tx, msgs, inContext(ctx, t.out))
 }
 
 // bindOutbox binds the outbox to the transaction once.
