@@ -238,8 +238,16 @@ func TestPgxCommitForwardedOnce(t *testing.T) {
 	if len(creates) != 2 || sends != 2 {
 		t.Fatalf("%d create and %d send spans, want 2 and 2", len(creates), sends)
 	}
-	if fwd, failed := r.Counts(); fwd != 2 || failed != 0 {
-		t.Fatalf("Counts = %d forwarded, %d failed; want 2 and 0", fwd, failed)
+	// Drain returns once the marks are committed on the server; the relay
+	// counts them when its Commit call returns, a moment later.
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		fwd, failed := r.Counts()
+		if fwd == 2 && failed == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("Counts = %d forwarded, %d failed; want 2 and 0", fwd, failed)
+		}
 	}
 	// Once: a second relay on the pool finds nothing.
 	n, err := e.ob.PgxForward(t.Context(), e.pool, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
