@@ -201,7 +201,9 @@ func TestPgxCommitForwardedOnce(t *testing.T) {
 			t.Fatalf("forwarded %d of 2 messages", len(got))
 		}
 	}
-	if err := r.Drain(t.Context()); err != nil {
+	dctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if err := r.Drain(dctx); err != nil {
 		t.Fatal(err)
 	}
 	m := got[first.UUID]
