@@ -462,3 +462,54 @@ func TestPgxRefusesOtherDialects(t *testing.T) {
 		t.Error("PgxTxPublisher(nil) = nil error; want one")
 	}
 }
+
+// On a pool of one connection the relay does not LISTEN (that would hold
+// the only connection for good and starve its batches): it polls, and
+// forwards.
+func TestPgxRelayOnOneConnectionPolls(t *testing.T) {
+	t.Parallel()
+	e := pgxSetup(t, outbox.Config{})
+	cfg, err := pgxpool.ParseConfig(testenv.Require(t, testenv.PostgresURLEnv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 1
+	one, err := pgxpool.NewWithConfig(t.Context(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(one.Close)
+	got, err := e.pubsub.Subscribe(t.Context(), "orders.placed")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.ob.NewPgxRelay(one, e.pubsub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, AckDeadline: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+		_ = r.Close()
+	})
+	select {
+	case <-r.Running():
+	case <-time.After(5 * time.Second):
+		t.Fatal("a relay on a one-connection pool did not start (its LISTEN holds the only connection?)")
+	}
+	e.placeOrder(t, t.Context(), "C-1", true, message.NewMessage("one-conn", []byte(`{}`)))
+	select {
+	case m := <-got:
+		m.Ack()
+		if m.UUID != "one-conn" {
+			t.Fatalf("got %s", m.UUID)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("a relay on a one-connection pool forwarded nothing")
+	}
+}
