@@ -8,7 +8,10 @@
 // row can be passed over, whatever order concurrent transactions commit in.
 // It wakes on commit (PostgreSQL LISTEN/NOTIFY, [Outbox.Notify] in this
 // process) and polls only as a fallback. Every function takes the
-// application's *sql.DB.
+// application's *sql.DB; on PostgreSQL, an application on pgx uses its
+// pgx.Tx and *pgxpool.Pool instead ([Outbox.PgxTxPublisher],
+// [Outbox.NewPgxRelay] and the other Pgx functions), with the same
+// statements underneath.
 //
 // # What it does not guarantee
 //

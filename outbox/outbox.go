@@ -148,6 +148,10 @@ func (o *Outbox) InitSchema(ctx context.Context, db *sql.DB) error {
 	if db == nil {
 		return errors.New("outbox: InitSchema: db is nil")
 	}
+	return o.initSchema(ctx, sqlConn(db))
+}
+
+func (o *Outbox) initSchema(ctx context.Context, db conn) error {
 	for _, q := range o.q.schema {
 		if _, err := db.ExecContext(ctx, q); err != nil {
 			return fmt.Errorf("outbox: init schema: %w", err)
@@ -169,6 +173,10 @@ func (o *Outbox) Check(ctx context.Context, db *sql.DB) error {
 	if db == nil {
 		return errors.New("outbox: Check: db is nil")
 	}
+	return o.check(ctx, sqlConn(db))
+}
+
+func (o *Outbox) check(ctx context.Context, db conn) error {
 	var problems []string
 	for _, t := range []struct {
 		name string
@@ -199,7 +207,7 @@ func (o *Outbox) Check(ctx context.Context, db *sql.DB) error {
 		ErrSchema, strings.Join(problems, "; "), o.cfg.Dialect, o.cfg.Topic)
 }
 
-func (o *Outbox) columns(ctx context.Context, db *sql.DB, table string) (map[string]bool, error) {
+func (o *Outbox) columns(ctx context.Context, db conn, table string) (map[string]bool, error) {
 	rows, err := db.QueryContext(ctx, o.q.columns, table)
 	if err != nil {
 		return nil, err
@@ -213,7 +221,7 @@ func (o *Outbox) columns(ctx context.Context, db *sql.DB, table string) (map[str
 		}
 		have[strings.ToLower(c)] = true
 	}
-	return have, rows.Err()
+	return have, rowsErr(rows)
 }
 
 // Notify tells the relays of this Outbox running in this process that a

@@ -22,6 +22,10 @@ func (o *Outbox) Prune(ctx context.Context, db *sql.DB, olderThan time.Duration)
 	if db == nil {
 		return 0, errors.New("outbox: Prune: db is nil")
 	}
+	return o.prune(ctx, sqlConn(db), olderThan)
+}
+
+func (o *Outbox) prune(ctx context.Context, db conn, olderThan time.Duration) (int64, error) {
 	if olderThan < 0 {
 		return 0, fmt.Errorf("outbox: prune: olderThan must be >= 0, got %v", olderThan)
 	}
@@ -45,7 +49,7 @@ func (o *Outbox) Prune(ctx context.Context, db *sql.DB, olderThan time.Duration)
 // pruneBatch deletes one batch in a transaction of its own, READ COMMITTED
 // outside SQLite: MySQL's default level would lock the gap where writers
 // insert new rows into the index of pending rows.
-func (o *Outbox) pruneBatch(ctx context.Context, db *sql.DB, age any) (int64, error) {
+func (o *Outbox) pruneBatch(ctx context.Context, db conn, age any) (int64, error) {
 	var opts *sql.TxOptions
 	if o.cfg.Dialect != dedupe.SQLite {
 		opts = &sql.TxOptions{Isolation: sql.LevelReadCommitted}

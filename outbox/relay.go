@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/rand"
 	"database/sql"
-	"database/sql/driver"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -16,8 +15,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -147,7 +146,7 @@ func (c RelayConfig) Validate() error {
 // Outbox.Notify, and otherwise at its PollInterval.
 type Relay struct {
 	o   *Outbox
-	db  *sql.DB
+	db  conn
 	cfg RelayConfig
 	out message.Publisher // traced
 	id  string
@@ -175,6 +174,10 @@ func (o *Outbox) NewRelay(db *sql.DB, out message.Publisher, cfg RelayConfig) (*
 	if db == nil || out == nil {
 		return nil, errors.New("outbox: NewRelay: db and out are required")
 	}
+	return o.newRelay(sqlConn(db), out, cfg)
+}
+
+func (o *Outbox) newRelay(db conn, out message.Publisher, cfg RelayConfig) (*Relay, error) {
 	cfg.setDefaults(o)
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -245,7 +248,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	})
 	r.o.addWaker(r.wake)
 	defer r.o.removeWaker(r.wake)
-	switch n := r.db.Stats().MaxOpenConnections; {
+	switch n := r.db.maxConns(); {
 	case r.o.cfg.Dialect != dedupe.Postgres:
 	case n > 0 && n < 2:
 		r.cfg.Logger.Info("outbox: db allows one connection, which LISTEN would hold for good: the relay polls", nil)
@@ -290,7 +293,7 @@ func (r *Relay) Counts() (forwarded, failed int64) {
 
 // Status is the outbox's Status.
 func (r *Relay) Status(ctx context.Context) (Status, error) {
-	return r.o.Status(ctx, r.db)
+	return r.o.status(ctx, r.db)
 }
 
 // Drain waits until no committed row is pending (forwarded by this relay or
@@ -405,7 +408,7 @@ func (r *Relay) probe(ctx context.Context, beat bool) (bool, error) {
 		}
 	}
 	var pending bool
-	if err := r.db.QueryRowContext(ctx, q, args...).Scan(&pending); err != nil {
+	if err := queryRow(ctx, r.db, q, args, &pending); err != nil {
 		return false, err
 	}
 	return pending, nil
@@ -504,7 +507,7 @@ func offsets(rows []row) []any {
 	return out
 }
 
-func (r *Relay) claim(ctx context.Context, tx *sql.Tx) ([]row, error) {
+func (r *Relay) claim(ctx context.Context, tx wsql.Tx) ([]row, error) {
 	rs, err := tx.QueryContext(ctx, r.o.q.claim, r.cfg.BatchSize)
 	if err != nil {
 		return nil, err
@@ -520,7 +523,7 @@ func (r *Relay) claim(ctx context.Context, tx *sql.Tx) ([]row, error) {
 		rw.age = age.Float64
 		out = append(out, rw)
 	}
-	if err := rs.Err(); err != nil {
+	if err := rowsErr(rs); err != nil {
 		return nil, err
 	}
 	// RETURNING has no order: forward in offset order.
@@ -591,15 +594,12 @@ func (r *Relay) poison(rw row) error {
 	return nil
 }
 
-// errNoListen means the database's driver is not pgx: the relay polls.
-var errNoListen = errors.New("the driver of db is not pgx (github.com/jackc/pgx/v5/stdlib): no LISTEN, the relay polls")
-
 // listen holds one connection of db in LISTEN on the outbox's channel and
 // wakes the relay on each notification, and once after each (re)connect
 // for the commits it may have missed.
 func (r *Relay) listen(ctx context.Context) {
 	for {
-		err := r.listenOnce(ctx)
+		err := r.db.listen(ctx, r.o.q.qTable, r.signal)
 		if ctx.Err() != nil {
 			return
 		}
@@ -614,33 +614,6 @@ func (r *Relay) listen(ctx context.Context) {
 	}
 }
 
-func (r *Relay) listenOnce(ctx context.Context) error {
-	conn, err := r.db.Conn(ctx)
-	if err != nil {
-		return err
-	}
-	defer conn.Close()
-	return conn.Raw(func(dc any) error {
-		pc, ok := dc.(interface{ Conn() *pgx.Conn })
-		if !ok {
-			return errNoListen
-		}
-		c := pc.Conn()
-		if _, err := c.Exec(ctx, "LISTEN "+r.o.q.qTable); err != nil {
-			return errors.Join(err, driver.ErrBadConn)
-		}
-		r.signal()
-		for {
-			if _, err := c.WaitForNotification(ctx); err != nil {
-				// The connection is LISTENing (or broken): never hand it
-				// back to the pool.
-				return errors.Join(err, driver.ErrBadConn)
-			}
-			r.signal()
-		}
-	})
-}
-
 // Forward forwards every committed row now and returns when the outbox is
 // drained: a relay on demand, for tests, tools and cron jobs. It returns the
 // number of rows it forwarded.
@@ -649,6 +622,11 @@ func (o *Outbox) Forward(ctx context.Context, db *sql.DB, out message.Publisher,
 	if err != nil {
 		return 0, err
 	}
+	return forward(ctx, r)
+}
+
+// forward runs r until the outbox is drained.
+func forward(ctx context.Context, r *Relay) (int64, error) {
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := make(chan error, 1)

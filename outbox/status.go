@@ -79,9 +79,13 @@ func (o *Outbox) Status(ctx context.Context, db *sql.DB) (Status, error) {
 	if db == nil {
 		return Status{}, errors.New("outbox: Status: db is nil")
 	}
+	return o.status(ctx, sqlConn(db))
+}
+
+func (o *Outbox) status(ctx context.Context, db conn) (Status, error) {
 	st := Status{StuckAfter: o.cfg.StuckAfter, State: StateOK}
 	var lag float64
-	if err := db.QueryRowContext(ctx, o.q.status).Scan(&st.Pending, &st.OldestOffset, &lag); err != nil {
+	if err := queryRow(ctx, db, o.q.status, nil, &st.Pending, &st.OldestOffset, &lag); err != nil {
 		return Status{}, o.schemaHint(ctx, db, fmt.Errorf("outbox: status: %w", err))
 	}
 	if st.Pending == 0 {
@@ -91,7 +95,7 @@ func (o *Outbox) Status(ctx context.Context, db *sql.DB) (Status, error) {
 	if lag > 0 {
 		st.Lag = time.Duration(lag * float64(time.Second))
 	}
-	if err := db.QueryRowContext(ctx, o.q.live).Scan(&st.LiveRelays); err != nil {
+	if err := queryRow(ctx, db, o.q.live, nil, &st.LiveRelays); err != nil {
 		return Status{}, o.schemaHint(ctx, db, fmt.Errorf("outbox: status: relays: %w", err))
 	}
 	if st.Lag < o.cfg.StuckAfter {
@@ -101,7 +105,7 @@ func (o *Outbox) Status(ctx context.Context, db *sql.DB) (Status, error) {
 	if o.cfg.Dialect != dedupe.Postgres {
 		args = append(args, st.OldestOffset)
 	}
-	if err := db.QueryRowContext(ctx, o.q.statusPass, args...).Scan(&st.ForwardedSince); err != nil {
+	if err := queryRow(ctx, db, o.q.statusPass, args, &st.ForwardedSince); err != nil {
 		return Status{}, fmt.Errorf("outbox: status: %w", err)
 	}
 	switch {
@@ -118,8 +122,8 @@ func (o *Outbox) Status(ctx context.Context, db *sql.DB) (Status, error) {
 // schemaHint returns err, joined with Check's error when the tables are
 // missing or mis-shaped, so the caller learns what to run instead of a
 // driver's "no such table".
-func (o *Outbox) schemaHint(ctx context.Context, db *sql.DB, err error) error {
-	if cerr := o.Check(ctx, db); errors.Is(cerr, ErrSchema) {
+func (o *Outbox) schemaHint(ctx context.Context, db conn, err error) error {
+	if cerr := o.check(ctx, db); errors.Is(cerr, ErrSchema) {
 		return cerr
 	}
 	return err
