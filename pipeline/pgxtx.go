@@ -9,12 +9,13 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/outbox"
 )
 
 // PgxTxFunc is a transactional handler on pgx: TxFunc with a pgx.Tx. It
-// does its writes on tx and must not commit or roll it back. out is nil:
-// the outbox does not run on pgx yet, so a pgx handler cannot publish in its
-// transaction.
+// does its writes on tx and publishes its messages on out, the outbox bound
+// to tx (outbox.Outbox.PgxTxPublisher; nil when PgxTxConfig.Outbox is nil).
+// It must not commit or roll tx back.
 type PgxTxFunc func(ctx context.Context, tx pgx.Tx, msg *message.Message, out message.Publisher) error
 
 // PgxBeginner starts the transactions of a pgx transactional handler.
@@ -28,9 +29,12 @@ type PgxBeginner interface {
 // for a service whose connections are a pgxpool.Pool; see TxConfig for the
 // meaning of each mode.
 type PgxTxConfig struct {
-	// DB is the database of the handler's writes and of the dedupe claims
-	// table. Required.
+	// DB is the database of the handler's writes, the dedupe claims table
+	// and the outbox. Required.
 	DB PgxBeginner
+	// Outbox, if set, gives the handler a publisher whose messages commit
+	// with its writes. It must be a PostgreSQL outbox.
+	Outbox *outbox.Outbox
 	// TxOptions are passed to BeginTx. The zero value is PostgreSQL's
 	// default (read committed, read write).
 	TxOptions pgx.TxOptions
@@ -101,7 +105,16 @@ func (cfg PgxTxConfig) flow(fn PgxTxFunc) txFlow {
 		},
 		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
 		busyDelay: delayOrDefault(0),
+		committed: notifier(cfg.Outbox),
 	}
+}
+
+// notifier is the outbox's in-process wake-up, or nil without an outbox.
+func notifier(ob *outbox.Outbox) func() {
+	if ob == nil {
+		return nil
+	}
+	return ob.Notify
 }
 
 // pgxTxn is a pgx transaction.
@@ -109,6 +122,7 @@ type pgxTxn struct {
 	cfg *PgxTxConfig
 	fn  PgxTxFunc
 	tx  pgx.Tx
+	out message.Publisher // the outbox bound to tx; nil until the first call
 }
 
 func (t *pgxTxn) claims() claimer                   { return t.cfg.Store.WithTx(t.tx) }
@@ -116,7 +130,14 @@ func (t *pgxTxn) hold(ctx context.Context) error    { return dedupe.HoldPgxTx(ct
 func (t *pgxTxn) confirm(ctx context.Context) error { return dedupe.ConfirmPgxTx(ctx, t.tx) }
 func (t *pgxTxn) commit(ctx context.Context) error  { return t.tx.Commit(ctx) }
 func (t *pgxTxn) call(ctx context.Context, msg *message.Message) error {
-	return t.fn(ctx, t.tx, msg, nil)
+	if t.cfg.Outbox != nil && t.out == nil {
+		out, err := t.cfg.Outbox.PgxTxPublisher(t.tx)
+		if err != nil {
+			return err
+		}
+		t.out = out
+	}
+	return t.fn(ctx, t.tx, msg, inContext(ctx, t.out))
 }
 
 // callBatch is never called: there are no batch handlers on pgx yet.

@@ -17,6 +17,7 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
 )
 
@@ -45,7 +46,7 @@ func newPgxEnv(t *testing.T) *pgxEnv {
 func (e *pgxEnv) charge(fail error) pipeline.PgxTxFunc {
 	return func(ctx context.Context, tx pgx.Tx, msg *message.Message, out message.Publisher) error {
 		if out != nil {
-			return errors.New("a pgx handler got an outbox publisher")
+			return errors.New("a pgx handler without an outbox got a publisher")
 		}
 		if _, err := tx.Exec(ctx, `INSERT INTO "`+e.charges+`" (order_id) VALUES ($1)`, string(msg.Payload)); err != nil {
 			return err
@@ -456,5 +457,54 @@ func TestTypedPgxTx(t *testing.T) {
 	got = order{}
 	if err := fn(t.Context(), nil, message.NewMessage("t-2", []byte(`not json`)), nil); err == nil || got != (order{}) {
 		t.Fatalf("bad payload: err = %v, fn saw %+v", err, got)
+	}
+}
+
+// A pgx transactional handler with an outbox: its message commits with its
+// write, through the caller's pgx.Tx; a failed attempt leaves neither.
+func TestPgxTxHandlerPublishesThroughTheOutbox(t *testing.T) {
+	t.Parallel()
+	e := newPgxEnv(t)
+	name := testenv.Name(t, "ob")
+	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: "ob_" + name[len(name)-8:]})
+	must(t, err)
+	must(t, ob.PgxInitSchema(t.Context(), e.pool))
+	t.Cleanup(func() {
+		_, _ = e.pool.Exec(context.Background(), `DROP TABLE IF EXISTS "`+ob.Table()+`", "`+ob.Table()+`_relays"`)
+	})
+	declined := errors.New("card declined")
+	var fail atomic.Bool
+	fail.Store(true)
+	h, err := pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: e.pool, Outbox: ob, OneStatement: true, Store: e.store},
+		func(ctx context.Context, tx pgx.Tx, msg *message.Message, out message.Publisher) error {
+			if _, err := tx.Exec(ctx, `INSERT INTO "`+e.charges+`" (order_id) VALUES ($1)`, string(msg.Payload)); err != nil {
+				return err
+			}
+			if err := out.Publish("receipts", message.NewMessage("receipt-"+msg.UUID, msg.Payload)); err != nil {
+				return err
+			}
+			if fail.Load() {
+				return declined
+			}
+			return nil
+		})
+	must(t, err)
+	pending := func() int64 {
+		st, err := ob.PgxStatus(t.Context(), e.pool)
+		must(t, err)
+		return st.Pending
+	}
+	if err := h(message.NewMessage("po-1", []byte("P-1"))); !errors.Is(err, declined) {
+		t.Fatalf("err = %v, want the handler's", err)
+	}
+	if n, p := e.rows(t, "P-1"), pending(); n != 0 || p != 0 {
+		t.Fatalf("after the failed attempt: %d charges, %d outbox rows; want none", n, p)
+	}
+	fail.Store(false)
+	for range 2 {
+		must(t, h(message.NewMessage("po-1", []byte("P-1"))))
+	}
+	if n, p := e.rows(t, "P-1"), pending(); n != 1 || p != 1 {
+		t.Fatalf("after two deliveries: %d charges, %d outbox rows; want one of each", n, p)
 	}
 }
