@@ -58,6 +58,10 @@ func (s *SQLStore) Check(ctx context.Context) error {
 	}
 	for _, c := range schemaColumns(s.Schema()[0]) {
 		got, ok := have[c.name]
+		if !ok && c.name == "first_at" {
+			// Added after the first release: an existing table needs it added.
+			return schemaErr(fmt.Sprintf("column first_at is missing (a table made by an earlier version: ALTER TABLE %s ADD COLUMN first_at %s NOT NULL DEFAULT 0)", s.dialect.quote(s.table), c.typ))
+		}
 		if !ok {
 			return schemaErr(fmt.Sprintf("column %s is missing", c.name))
 		}

@@ -49,7 +49,9 @@ func TestCheck(t *testing.T) {
 
 			noCol := testenv.Name(t, "dd_nocol")
 			wrongType := testenv.Name(t, "dd_wrongtype")
+			old := testenv.Name(t, "dd_old") // made before first_at existed
 			for table, ddl := range map[string]string{
+				old:       strings.Replace(withoutLine(store(old).Schema()[0], "first_at"), ",\n)", "\n)", 1),
 				noCol:     withoutLine(store(noCol).Schema()[0], "token"),
 				wrongType: strings.Replace(store(wrongType).Schema()[0], "attempts", "attempts   TEXT NOT NULL, spare", 1),
 			} {
@@ -60,6 +62,9 @@ func TestCheck(t *testing.T) {
 			}
 			if err := store(noCol).Check(t.Context()); !errors.As(err, &se) || !strings.Contains(se.Problem, "column token is missing") {
 				t.Fatalf("Check of a table without token = %v", err)
+			}
+			if err := store(old).Check(t.Context()); !errors.As(err, &se) || !strings.Contains(se.Problem, "ADD COLUMN first_at") {
+				t.Fatalf("Check of a table made before first_at = %v; want the ALTER TABLE to run", err)
 			}
 			if err := store(wrongType).Check(t.Context()); !errors.As(err, &se) || !strings.Contains(se.Problem, "column attempts is") {
 				t.Fatalf("Check of a table whose attempts is text = %v", err)

@@ -92,7 +92,8 @@ func (d Dialect) schema(table string) []string {
 	token      TEXT     NOT NULL,
 	attempts   INTEGER  NOT NULL,
 	expires_at BIGINT   NOT NULL,
-	updated_at BIGINT   NOT NULL
+	updated_at BIGINT   NOT NULL,
+	first_at   BIGINT   NOT NULL DEFAULT 0
 )`,
 			`CREATE INDEX IF NOT EXISTS "` + idx + `" ON ` + t + ` (updated_at)`,
 		}
@@ -105,6 +106,7 @@ func (d Dialect) schema(table string) []string {
 	attempts   INT             NOT NULL,
 	expires_at BIGINT          NOT NULL,
 	updated_at BIGINT          NOT NULL,
+	first_at   BIGINT          NOT NULL DEFAULT 0,
 	INDEX ` + "`" + idx + "`" + ` (updated_at)
 ) ENGINE=InnoDB`,
 		}
@@ -116,7 +118,8 @@ func (d Dialect) schema(table string) []string {
 	token      TEXT    NOT NULL,
 	attempts   INTEGER NOT NULL,
 	expires_at INTEGER NOT NULL,
-	updated_at INTEGER NOT NULL
+	updated_at INTEGER NOT NULL,
+	first_at   INTEGER NOT NULL DEFAULT 0
 )`,
 			`CREATE INDEX IF NOT EXISTS "` + idx + `" ON ` + t + ` (updated_at)`,
 		}
@@ -148,7 +151,7 @@ type queries struct {
 	// Returns attempts where the dialect can.
 	claimDone string
 	// readBack reads a key's row as it is now, with the database's clock:
-	// state, token, attempts, expires_at, now. Args: key. On MySQL it is a
+	// state, token, attempts, expires_at, first_at, now. Args: key. On MySQL it is a
 	// locking read, so that inside a transaction it sees the latest
 	// committed row rather than the transaction's snapshot.
 	readBack string
@@ -182,18 +185,19 @@ func (d Dialect) queries(table string) queries {
 	var q queries
 	switch d {
 	case Postgres:
-		q.claim = `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
-VALUES ($1, 1, $2, 1, ` + now + ` + $3, ` + now + `)
+		q.claim = `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at, first_at)
+VALUES ($1, 1, $2, 1, ` + now + ` + $3, ` + now + `, ` + now + `)
 ON CONFLICT (key) DO UPDATE SET state = 1, token = excluded.token, attempts = cur.attempts + 1,
-	expires_at = excluded.expires_at, updated_at = excluded.updated_at
+	expires_at = excluded.expires_at, updated_at = excluded.updated_at,
+	first_at = CASE WHEN cur.first_at = 0 THEN excluded.first_at ELSE cur.first_at END
 WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
-RETURNING attempts, expires_at`
+RETURNING attempts, expires_at, first_at`
 		q.claimDone = `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
 VALUES ($1, 2, $2, 1, 0, ` + now + `)
 ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
 WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
 RETURNING attempts`
-		q.readBack = `SELECT state, token, attempts, expires_at, ` + now + ` FROM ` + t + ` WHERE key = $1`
+		q.readBack = `SELECT state, token, attempts, expires_at, first_at, ` + now + ` FROM ` + t + ` WHERE key = $1`
 		q.renew = `UPDATE ` + t + ` SET expires_at = ` + now + ` + $1 WHERE key = $2 AND state = 1 AND token = $3`
 		q.confirm = `UPDATE ` + t + ` SET state = 2, token = '', expires_at = 0, updated_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
 		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
@@ -208,17 +212,18 @@ RETURNING attempts`
 		q.prune = `DELETE FROM ` + t + ` WHERE key IN (SELECT key FROM ` + t + ` WHERE ` + pruneCond +
 			` LIMIT $2 FOR UPDATE SKIP LOCKED) AND ` + pruneCond
 	case SQLite:
-		q.insert = `INSERT INTO ` + t + ` (key, state, token, attempts, expires_at, updated_at)
-VALUES (?, 1, ?, 1, ?, ?) ON CONFLICT (key) DO NOTHING RETURNING attempts`
-		q.takeover = `UPDATE ` + t + ` SET state = 1, token = ?1, attempts = attempts + 1, expires_at = ?2, updated_at = ?3
+		q.insert = `INSERT INTO ` + t + ` (key, state, token, attempts, expires_at, updated_at, first_at)
+VALUES (?1, 1, ?2, 1, ?3, ?4, ?4) ON CONFLICT (key) DO NOTHING RETURNING attempts, first_at`
+		q.takeover = `UPDATE ` + t + ` SET state = 1, token = ?1, attempts = attempts + 1, expires_at = ?2, updated_at = ?3,
+	first_at = CASE WHEN first_at = 0 THEN ?3 ELSE first_at END
 WHERE key = ?4 AND (state = 0 OR (state = 1 AND expires_at <= ?3))
-RETURNING attempts`
+RETURNING attempts, first_at`
 		q.claimDone = `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
 VALUES (?1, 2, ?2, 1, 0, ?3)
 ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
 WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
 RETURNING attempts`
-		q.readBack = `SELECT state, token, attempts, expires_at, 0 FROM ` + t + ` WHERE key = ?`
+		q.readBack = `SELECT state, token, attempts, expires_at, first_at, 0 FROM ` + t + ` WHERE key = ?`
 		q.renew = `UPDATE ` + t + ` SET expires_at = ? WHERE key = ? AND state = 1 AND token = ?`
 		q.confirm = `UPDATE ` + t + ` SET state = 2, token = '', expires_at = 0, updated_at = ? WHERE key = ? AND state = 1 AND token = ?`
 		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ? WHERE key = ? AND state = 1 AND token = ?`
@@ -239,8 +244,9 @@ RETURNING attempts`
 		// back (readBack) and comparing its token with ours, never from the
 		// affected-row count, which the DSN option clientFoundRows changes.
 		cond := "(state = 0 OR (state = 1 AND expires_at <= VALUES(updated_at)))"
-		q.claim = "INSERT INTO " + t + " (`key`, state, token, attempts, expires_at, updated_at) VALUES (?, 1, ?, 1, " + now + " + ?, " + now + ")\n" +
-			"ON DUPLICATE KEY UPDATE attempts = IF(" + cond + ", attempts + 1, attempts),\n" +
+		q.claim = "INSERT INTO " + t + " (`key`, state, token, attempts, expires_at, updated_at, first_at) VALUES (?, 1, ?, 1, " + now + " + ?, " + now + ", " + now + ")\n" +
+			"ON DUPLICATE KEY UPDATE first_at = IF(first_at = 0, VALUES(first_at), first_at),\n" +
+			"\tattempts = IF(" + cond + ", attempts + 1, attempts),\n" +
 			"\ttoken = IF(" + cond + ", VALUES(token), token),\n" +
 			"\tupdated_at = IF(" + cond + ", VALUES(updated_at), updated_at),\n" +
 			"\tstate = IF(" + cond + ", 1, state),\n" +
@@ -251,7 +257,7 @@ RETURNING attempts`
 			"\tupdated_at = IF(" + cond + ", VALUES(updated_at), updated_at),\n" +
 			"\texpires_at = IF(" + cond + ", 0, expires_at),\n" +
 			"\tstate = IF(" + cond + ", 2, state)"
-		q.readBack = "SELECT state, token, attempts, expires_at, " + now + " FROM " + t + " WHERE `key` = ? FOR UPDATE"
+		q.readBack = "SELECT state, token, attempts, expires_at, first_at, " + now + " FROM " + t + " WHERE `key` = ? FOR UPDATE"
 		q.renew = "UPDATE " + t + " SET expires_at = " + now + " + ? WHERE `key` = ? AND state = 1 AND token = ?"
 		q.confirm = "UPDATE " + t + " SET state = 2, token = '', expires_at = 0, updated_at = " + now + " WHERE `key` = ? AND state = 1 AND token = ?"
 		q.release = "UPDATE " + t + " SET state = 0, token = '', expires_at = 0, updated_at = " + now + " WHERE `key` = ? AND state = 1 AND token = ?"

@@ -143,7 +143,8 @@ func ExampleSchema() {
 	// 	token      TEXT     NOT NULL,
 	// 	attempts   INTEGER  NOT NULL,
 	// 	expires_at BIGINT   NOT NULL,
-	// 	updated_at BIGINT   NOT NULL
+	// 	updated_at BIGINT   NOT NULL,
+	// 	first_at   BIGINT   NOT NULL DEFAULT 0
 	// )
 }
 

@@ -24,6 +24,7 @@ type memEntry struct {
 	attempts  int
 	expiresAt time.Time
 	updatedAt time.Time
+	firstAt   time.Time
 }
 
 // NewMemoryStore returns an empty MemoryStore.
@@ -59,9 +60,12 @@ func (s *MemoryStore) Claim(ctx context.Context, key string, ttl time.Duration) 
 	e.state = stateClaimed
 	e.token = newToken()
 	e.attempts++
+	if e.firstAt.IsZero() {
+		e.firstAt = now
+	}
 	e.expiresAt = now.Add(ttl)
 	e.updatedAt = now
-	return Claim{Key: key, Result: Acquired, Token: e.token, Attempt: e.attempts, ExpiresAt: e.expiresAt}, nil
+	return Claim{Key: key, Result: Acquired, Token: e.token, Attempt: e.attempts, ExpiresAt: e.expiresAt, FirstAt: e.firstAt}, nil
 }
 
 // owned returns the entry of c if c still holds it. The caller holds s.mu.

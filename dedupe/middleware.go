@@ -215,6 +215,7 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 			return nil, m.notAcquired(msg, orig, claim)
 		}
 		if rec := settlement.FromContext(orig); rec != nil {
+			rec.SetFirstAttempt(claim.FirstAt)
 			if limit := rec.Limit(); limit > 0 && claim.Attempt > limit {
 				rec.Refuse(claim.Attempt)
 				return nil, m.overLimit(orig, claim, limit)

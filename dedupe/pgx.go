@@ -242,7 +242,7 @@ func (s *SQLStore) readBackUntaken(ctx context.Context, claims []Claim, keys [][
 	}
 	found, err := p.queryRowEach(ctx, s.q.readBack, args, func(j int) []any {
 		r := &rows[j]
-		return []any{&r.state, &r.token, &r.attempts, &r.expires, &r.now}
+		return []any{&r.state, &r.token, &r.attempts, &r.expires, &r.first, &r.now}
 	})
 	if err != nil {
 		return fmt.Errorf("read back: %w", err)

@@ -148,6 +148,15 @@ func (s *SQLStore) Schema() []string { return s.dialect.schema(s.table) }
 
 func micros(t time.Time) int64 { return t.UnixMicro() }
 
+// firstAt turns a stored first_at into Claim.FirstAt: zero for 0 (a row
+// written before the column existed, or by ClaimConfirmed).
+func firstAt(us int64) time.Time {
+	if us == 0 {
+		return time.Time{}
+	}
+	return time.UnixMicro(us)
+}
+
 // fromMicros turns a stored time back into a time.Time.
 func fromMicros(us int64) time.Time { return time.UnixMicro(us) }
 
@@ -185,7 +194,7 @@ func (s *SQLStore) Claim(ctx context.Context, key string, ttl time.Duration) (Cl
 		}
 		if s.dialect == MySQL && r.found && r.state == stateClaimed && r.token == token {
 			// The statement took the key: its token is ours.
-			return Claim{Key: key, Result: Acquired, Token: token, Attempt: r.attempts, ExpiresAt: fromMicros(r.expires)}, nil
+			return Claim{Key: key, Result: Acquired, Token: token, Attempt: r.attempts, ExpiresAt: fromMicros(r.expires), FirstAt: firstAt(r.first)}, nil
 		}
 		if res, ok := r.settled(); ok {
 			return Claim{Key: key, Result: res, Attempt: r.attempts}, nil
@@ -199,7 +208,7 @@ func (s *SQLStore) Claim(ctx context.Context, key string, ttl time.Duration) (Cl
 // key for token; on MySQL it is never set, the caller reads the row back.
 func (s *SQLStore) tryClaim(ctx context.Context, k []byte, token string, ttl time.Duration) (c Claim, took bool, err error) {
 	var attempts int
-	var expires int64
+	var expires, first int64
 	switch s.dialect {
 	case MySQL:
 		_, err := s.ex.exec(ctx, s.q.claim, k, token, ttl.Microseconds())
@@ -207,13 +216,13 @@ func (s *SQLStore) tryClaim(ctx context.Context, k []byte, token string, ttl tim
 	case SQLite:
 		now := s.now()
 		exp := micros(now.Add(ttl))
-		err = s.ex.queryRow(ctx, s.q.insert, []any{k, token, exp, micros(now)}, &attempts)
+		err = s.ex.queryRow(ctx, s.q.insert, []any{k, token, exp, micros(now)}, &attempts, &first)
 		if errors.Is(err, errNoRows) {
-			err = s.ex.queryRow(ctx, s.q.takeover, []any{token, exp, micros(now), k}, &attempts)
+			err = s.ex.queryRow(ctx, s.q.takeover, []any{token, exp, micros(now), k}, &attempts, &first)
 		}
 		expires = exp
 	default:
-		err = s.ex.queryRow(ctx, s.q.claim, []any{k, token, ttl.Microseconds()}, &attempts, &expires)
+		err = s.ex.queryRow(ctx, s.q.claim, []any{k, token, ttl.Microseconds()}, &attempts, &expires, &first)
 	}
 	switch {
 	case errors.Is(err, errNoRows):
@@ -221,7 +230,7 @@ func (s *SQLStore) tryClaim(ctx context.Context, k []byte, token string, ttl tim
 	case err != nil:
 		return Claim{}, false, err
 	}
-	return Claim{Attempt: attempts, ExpiresAt: fromMicros(expires)}, true, nil
+	return Claim{Attempt: attempts, ExpiresAt: fromMicros(expires), FirstAt: firstAt(first)}, true, nil
 }
 
 // row is a key's row as read back after a write that did not take it.
@@ -231,6 +240,7 @@ type row struct {
 	token    string
 	attempts int
 	expires  int64 // µs
+	first    int64 // µs, first_at
 	now      int64 // µs, the clock the store compares expiries with
 }
 
@@ -251,7 +261,7 @@ func (r row) settled() (Result, bool) {
 
 func (s *SQLStore) readBack(ctx context.Context, k []byte) (row, error) {
 	var r row
-	err := s.ex.queryRow(ctx, s.q.readBack, []any{k}, &r.state, &r.token, &r.attempts, &r.expires, &r.now)
+	err := s.ex.queryRow(ctx, s.q.readBack, []any{k}, &r.state, &r.token, &r.attempts, &r.expires, &r.first, &r.now)
 	if errors.Is(err, errNoRows) {
 		return row{}, nil
 	}

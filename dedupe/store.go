@@ -58,6 +58,13 @@ type Claim struct {
 	// Result is Acquired. It survives Release and process crashes, so it
 	// counts how many times the work was started.
 	Attempt int
+	// FirstAt is when the key was first claimed, by the store's clock: the
+	// start of its first attempt. It survives Release, takeovers and
+	// crashes, so it dates the first attempt even when the process that made
+	// it died without a word. Zero unless Result is Acquired, and for keys
+	// whose first claim was written by ClaimConfirmed or by a version of
+	// the table without the first_at column.
+	FirstAt time.Time
 	// ExpiresAt is when the claim lapses unless renewed, by the store's clock
 	// (the database server's for PostgreSQL and MySQL). Zero unless Result is
 	// Acquired.

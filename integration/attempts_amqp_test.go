@@ -281,8 +281,8 @@ func TestAttemptsQuorumQueueBoundsRuns(t *testing.T) {
 
 // Item 6: the dead-letter copy's first failure is the first run's failure,
 // not the final refusal; when the process that saw it is gone (the consumer
-// restarted before the last attempt), the copy carries no first failure
-// rather than a made-up one.
+// restarted before the last attempt), it is the start of the first attempt,
+// which the claims table keeps (Claim.FirstAt).
 func TestAttemptsFirstFailureIsTheFirst(t *testing.T) {
 	t.Parallel()
 	cfg := func() pipeline.Config {
@@ -313,22 +313,33 @@ func TestAttemptsFirstFailureIsTheFirst(t *testing.T) {
 	t.Run("restart before the last attempt", func(t *testing.T) {
 		t.Parallel()
 		e := newATEnv(t, atOpts{})
-		stop := e.run(cfg(), nil, func(int64, *message.Message) error { return errSAFlaky })
+		var firstRun atomic.Int64
+		failing := func(run int64, _ *message.Message) error {
+			if run == 1 {
+				firstRun.Store(time.Now().UnixNano())
+			}
+			return errSAFlaky
+		}
+		stop := e.run(cfg(), nil, failing)
 		e.publish(1)
 		deadline := time.Now().Add(atWait)
 		for e.runs.Load() < 2 && time.Now().Before(deadline) {
 			time.Sleep(5 * time.Millisecond)
 		}
 		stop() // the consumer goes away after two attempts
-		stop = e.run(cfg(), nil, func(int64, *message.Message) error { return errSAFlaky })
+		stop = e.run(cfg(), nil, failing)
 		waitQueue(t, e, e.dead(), 1)
 		dead, _ := e.ended(stop)
 		md := dead[0].Metadata
 		if e.runs.Load() != 3 || md.Get(settle.MetaAttempt) != "3" {
 			t.Fatalf("runs=%d attempt=%q; want 3", e.runs.Load(), md.Get(settle.MetaAttempt))
 		}
-		if v, ok := md[settle.MetaFirstFailure]; ok {
-			t.Fatalf("settle_first_failure_at = %q (last %q); no process saw the first failure, so none may be claimed", v, md.Get(settle.MetaLastFailure))
+		first, err1 := time.Parse(time.RFC3339Nano, md.Get(settle.MetaFirstFailure))
+		last, err2 := time.Parse(time.RFC3339Nano, md.Get(settle.MetaLastFailure))
+		run1 := time.Unix(0, firstRun.Load())
+		if err1 != nil || err2 != nil || first.After(run1) || run1.Sub(first) > 200*time.Millisecond || !last.After(first) {
+			t.Fatalf("first failure %q, last %q, first run at %v; want the first attempt's start, just before the first run",
+				md.Get(settle.MetaFirstFailure), md.Get(settle.MetaLastFailure), run1)
 		}
 	})
 }

@@ -405,6 +405,11 @@ func (r *retry) exhausted(msg *message.Message, d delivery, attempts int, err er
 	if first.IsZero() {
 		first = d.firstHint
 	}
+	if first.IsZero() {
+		// No process that saw the first failure is left (a crash loop): the
+		// store dates the first attempt, which is when it began.
+		first = d.rec.FirstAttempt()
+	}
 	if last.IsZero() {
 		last = time.Now()
 	}

@@ -264,10 +264,20 @@ func testReleaseThenReclaim(t *testing.T, h Harness) {
 }
 
 func testAttempts(t *testing.T, h Harness) {
+	var first time.Time
 	for want := 1; want <= 3; want++ {
 		c := claim(t, h.Store, "attempts", longTTL, dedupe.Acquired)
 		if c.Attempt != want {
 			t.Fatalf("attempt %d: Claim.Attempt = %d", want, c.Attempt)
+		}
+		// The first claim's time is kept: it dates the first attempt.
+		if want == 1 {
+			first = c.FirstAt
+			if first.IsZero() || time.Since(first) > time.Minute || time.Until(first) > time.Minute {
+				t.Fatalf("first claim's FirstAt = %v, want about now", first)
+			}
+		} else if !c.FirstAt.Equal(first) {
+			t.Fatalf("attempt %d: FirstAt = %v, want the first claim's %v", want, c.FirstAt, first)
 		}
 		if want < 3 {
 			mustOK(t, "Release", h.Store.Release(t.Context(), c))

@@ -46,11 +46,12 @@ type Record struct {
 	parkedTo string
 	reason   error
 
-	limit     int  // attempts allowed per handler and message; 0: none
-	attempt   int  // attempt number of the run in progress, from a durable count
-	counted   bool // attempt was set by a durable count for this run
-	refused   bool // a durable count refused to start the handler: attempts used up
-	deferred  bool // this run was deferred: no attempt was made
+	firstAt   time.Time // start of the first attempt, from a durable store; zero: unknown
+	limit     int       // attempts allowed per handler and message; 0: none
+	attempt   int       // attempt number of the run in progress, from a durable count
+	counted   bool      // attempt was set by a durable count for this run
+	refused   bool      // a durable count refused to start the handler: attempts used up
+	deferred  bool      // this run was deferred: no attempt was made
 	permanent bool
 	durable   bool // a durable attempt count runs inside the retry middleware
 }
@@ -96,6 +97,27 @@ func (r *Record) Attributes() []attribute.KeyValue {
 		return nil
 	}
 	return r.SpanAttributes
+}
+
+// SetFirstAttempt records when the first attempt of this handler on this
+// message started, as a durable store knows it (the key's first claim).
+func (r *Record) SetFirstAttempt(t time.Time) {
+	if r == nil || t.IsZero() {
+		return
+	}
+	r.mu.Lock()
+	r.firstAt = t
+	r.mu.Unlock()
+}
+
+// FirstAttempt returns what SetFirstAttempt recorded, zero if nothing.
+func (r *Record) FirstAttempt() time.Time {
+	if r == nil {
+		return time.Time{}
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.firstAt
 }
 
 // Undecide forgets the outcome decided so far and a deferral: for a delivery
