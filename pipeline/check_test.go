@@ -1,7 +1,10 @@
 package pipeline_test
 
 import (
+	"context"
+	"database/sql"
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -10,6 +13,7 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
 )
 
@@ -37,5 +41,41 @@ func TestNewChecksTheClaimsTable(t *testing.T) {
 	}
 	if _, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: present}); err != nil {
 		t.Fatalf("New on a migrated claims table: %v", err)
+	}
+}
+
+// A transactional handler whose outbox table is missing is refused when it
+// is added, with the command that creates it.
+func TestHandleTxChecksTheOutboxTable(t *testing.T) {
+	t.Parallel()
+	db := testenv.SQLite(t)
+	ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	t.Cleanup(func() { _ = ps.Close() })
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: store})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: "not_migrated"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fn := func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil }
+	_, err = p.HandleTx("charge", "orders", ps, nil, pipeline.TxConfig{DB: db.DB, Outbox: ob}, fn)
+	if err == nil || !strings.Contains(err.Error(), "outbox schema") {
+		t.Fatalf("HandleTx with a missing outbox table = %v; want the command that creates it", err)
+	}
+	if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.HandleTx("charge", "orders", ps, nil, pipeline.TxConfig{DB: db.DB, Outbox: ob}, fn); err != nil {
+		t.Fatalf("HandleTx with the outbox table made: %v", err)
 	}
 }

@@ -350,6 +350,16 @@ func (p *Pipeline) handleTx(method, name, topic string, sub message.Subscriber, 
 	if cfg.BusyDelay == 0 {
 		cfg.BusyDelay = p.cfg.BusyDelay
 	}
+	if cfg.Outbox != nil && cfg.DB != nil {
+		// A missing outbox table is one clear error now, not a failure of
+		// every delivery later.
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		err := cfg.Outbox.Check(ctx, cfg.DB)
+		cancel()
+		if err != nil {
+			return nil, fmt.Errorf("pipeline: %s %q: TxConfig.Outbox: %w", method, name, err)
+		}
+	}
 	return p.addTx(name, topic, sub, s, txSetup{
 		batch: &cfg.Batch, oneStatement: &cfg.OneStatement, key: &cfg.Key,
 		setStore: func() { cfg.Store = sqlStore },
