@@ -18,9 +18,10 @@ package settle
 
 import (
 	"strconv"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/settle-go/settle/internal/settlement"
 )
 
 // Outcome is how one delivery of a message ended. Every delivery ends with
@@ -121,4 +122,4 @@ func Attempt(msg *message.Message) int {
 // NoDelay, given to a delay field of a settle configuration whose zero value
 // means its default (RetryConfig.RedeliveryDelay, ParkConfig.NackDelay,
 // dedupe.Config.BusyDelay, ...), means no delay at all.
-const NoDelay time.Duration = -1
+const NoDelay = settlement.NoDelay

@@ -10,7 +10,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/settlement"
 )
 
@@ -26,17 +25,6 @@ var ErrUnavailable = errors.New("dedupe: store unavailable; delivery deferred")
 // dead-letter parking. Earlier attempts never finished; typically the
 // consumer died during each of them.
 var ErrAttemptsUsedUp = errors.New("dedupe: attempts used up; handler not started again")
-
-// delayDefault applies a delay's default when it is unset (zero), and turns
-// settle.NoDelay into zero.
-func delayDefault(d *time.Duration, def time.Duration) {
-	switch *d {
-	case 0:
-		*d = def
-	case settle.NoDelay:
-		*d = 0
-	}
-}
 
 // deferral holds what the middleware knows of the store's health: how many
 // claims in a row it could not answer, which grows the delay before their

@@ -93,8 +93,8 @@ type Config struct {
 }
 
 func (c *Config) setDefaults() {
-	delayDefault(&c.BusyDelay, time.Second)
-	delayDefault(&c.UnavailableDelay, time.Second)
+	c.BusyDelay = settlement.Delay(c.BusyDelay, time.Second)
+	c.UnavailableDelay = settlement.Delay(c.UnavailableDelay, time.Second)
 	if c.MaxUnavailableDelay == 0 {
 		c.MaxUnavailableDelay = max(30*time.Second, c.UnavailableDelay)
 	}

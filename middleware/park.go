@@ -39,7 +39,7 @@ type ParkConfig struct {
 }
 
 func (c *ParkConfig) setDefaults() {
-	c.NackDelay = defaultDelay(c.NackDelay, time.Second)
+	c.NackDelay = settlement.Delay(c.NackDelay, time.Second)
 	if c.PendingMessages == 0 {
 		c.PendingMessages = 10000
 	}
@@ -61,18 +61,6 @@ func (c ParkConfig) Validate() error {
 		return fmt.Errorf("middleware: ParkConfig.PendingMessages must be >= 1, got %d", c.PendingMessages)
 	}
 	return nil
-}
-
-// defaultDelay applies a duration's default when it is unset (zero), and
-// turns settle.NoDelay into zero.
-func defaultDelay(d, def time.Duration) time.Duration {
-	switch d {
-	case 0:
-		return def
-	case settle.NoDelay:
-		return 0
-	}
-	return d
 }
 
 func (c ParkConfig) park(name string, match func(*message.Message, *settlement.Record, error) (park.Info, bool)) (message.HandlerMiddleware, error) {

@@ -87,7 +87,7 @@ func (c *RetryConfig) setDefaults() {
 	if c.InProcessRetries == 0 && !c.NoInProcessRetries {
 		c.InProcessRetries = 2
 	}
-	c.InitialInterval = defaultDelay(c.InitialInterval, 100*time.Millisecond)
+	c.InitialInterval = settlement.Delay(c.InitialInterval, 100*time.Millisecond)
 	if c.MaxInterval == 0 {
 		c.MaxInterval = max(10*time.Second, c.InitialInterval)
 	}
@@ -100,7 +100,7 @@ func (c *RetryConfig) setDefaults() {
 	case NoJitter:
 		c.RandomizationFactor = 0
 	}
-	c.RedeliveryDelay = defaultDelay(c.RedeliveryDelay, time.Second)
+	c.RedeliveryDelay = settlement.Delay(c.RedeliveryDelay, time.Second)
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
 	}

@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/outbox"
 )
 
@@ -104,7 +106,7 @@ func (cfg PgxTxConfig) flow(fn PgxTxFunc) txFlow {
 			return &pgxTxn{cfg: &cfg, fn: fn, tx: tx}, nil
 		},
 		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
-		busyDelay: delayOrDefault(0),
+		busyDelay: settlement.Delay(0, time.Second),
 		committed: notifier(cfg.Outbox),
 	}
 }

@@ -226,12 +226,18 @@ func checkStore(s dedupe.Store) error {
 	if !ok {
 		return nil
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := sql.Check(ctx); err != nil {
+	if err := checkNow(sql.Check); err != nil {
 		return fmt.Errorf("pipeline: Config.Store: %w", err)
 	}
 	return nil
+}
+
+// checkNow runs a table check where the pipeline is assembled, which takes
+// no context, bounded by 10s.
+func checkNow(check func(context.Context) error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	return check(ctx)
 }
 
 // storeCounts tells the retry middleware inside it that a dedupe store
@@ -353,9 +359,7 @@ func (p *Pipeline) handleTx(method, name, topic string, sub message.Subscriber, 
 	if cfg.Outbox != nil && cfg.DB != nil {
 		// A missing outbox table is one clear error now, not a failure of
 		// every delivery later.
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		err := cfg.Outbox.Check(ctx, cfg.DB)
-		cancel()
+		err := checkNow(func(ctx context.Context) error { return cfg.Outbox.Check(ctx, cfg.DB) })
 		if err != nil {
 			return nil, fmt.Errorf("pipeline: %s %q: TxConfig.Outbox: %w", method, name, err)
 		}

@@ -165,7 +165,7 @@ type txFlow struct {
 
 // flow is cfg's flow for fn, or for batchFn (a batch handler) when fn is nil.
 func (cfg TxConfig) flow(fn TxFunc, batchFn BatchTxFunc) txFlow {
-	f := txFlow{
+	return txFlow{
 		begin: func(ctx context.Context) (txn, error) {
 			tx, err := cfg.DB.BeginTx(ctx, cfg.TxOptions)
 			if err != nil {
@@ -174,24 +174,9 @@ func (cfg TxConfig) flow(fn TxFunc, batchFn BatchTxFunc) txFlow {
 			return &sqlTxn{cfg: &cfg, fn: fn, batchFn: batchFn, tx: tx}, nil
 		},
 		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
-		batchHandler: fn == nil, busyDelay: delayOrDefault(cfg.BusyDelay),
+		batchHandler: fn == nil, busyDelay: settlement.Delay(cfg.BusyDelay, time.Second),
+		committed: notifier(cfg.Outbox), // a relay of this process forwards at once
 	}
-	if cfg.Outbox != nil {
-		f.committed = cfg.Outbox.Notify // a relay of this process forwards at once
-	}
-	return f
-}
-
-// delayOrDefault applies a BusyDelay's default: 1s for zero, none for
-// settle.NoDelay.
-func delayOrDefault(d time.Duration) time.Duration {
-	switch d {
-	case 0:
-		return time.Second
-	case settle.NoDelay:
-		return 0
-	}
-	return d
 }
 
 // sqlTxn is a database/sql transaction.

@@ -99,6 +99,22 @@ func (r *Record) Attributes() []attribute.KeyValue {
 	return r.SpanAttributes
 }
 
+// NoDelay is settle.NoDelay: given to a delay field whose zero value means
+// its default, it means no delay at all.
+const NoDelay time.Duration = -1
+
+// Delay applies a delay field's default: def when d is unset (zero), none
+// for NoDelay, d otherwise.
+func Delay(d, def time.Duration) time.Duration {
+	switch d {
+	case 0:
+		return def
+	case NoDelay:
+		return 0
+	}
+	return d
+}
+
 // SetFirstAttempt records when the first attempt of this handler on this
 // message started, as a durable store knows it (the key's first claim).
 func (r *Record) SetFirstAttempt(t time.Time) {
