@@ -144,20 +144,11 @@ func (e *pgxEnv) startPgxRelay(t *testing.T, cfg outbox.RelayConfig) *outbox.Rel
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	<-r.Running()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-		if err := r.Close(); err != nil {
+	return runUntilEnd(t, r, func(err error) {
+		if err != nil {
 			t.Error(err)
 		}
 	})
-	return r
 }
 
 // A committed pgx transaction's messages are forwarded by the pgx relay,

@@ -27,6 +27,13 @@ func startRelay(t *testing.T, e *env, out message.Publisher, cfg outbox.RelayCon
 	if err != nil {
 		t.Fatal(err)
 	}
+	return runUntilEnd(t, r, func(error) {})
+}
+
+// runUntilEnd runs r until the test ends, then stops it, reporting an error
+// of Run on t and handing Close's to closed.
+func runUntilEnd(t *testing.T, r *outbox.Relay, closed func(error)) *outbox.Relay {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
@@ -36,7 +43,7 @@ func startRelay(t *testing.T, e *env, out message.Publisher, cfg outbox.RelayCon
 		if err := <-done; err != nil {
 			t.Error(err)
 		}
-		_ = r.Close()
+		closed(r.Close())
 	})
 	return r
 }
