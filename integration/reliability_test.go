@@ -28,35 +28,16 @@ import (
 func TestReliabilityShort(t *testing.T) {
 	dbURL := testenv.Require(t, testenv.PostgresURLEnv)
 	amqpURL := testenv.AMQPURL(t)
-	ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
-	defer cancel()
-	var log strings.Builder
-	res, err := reliability.Run(ctx, reliability.Config{
+	res := runCampaign(t, reliability.Config{
 		DB:       dbURL,
 		AMQP:     amqpURL,
 		Mode:     reliability.ModeTx,
 		Cycles:   20,
 		Messages: 100,
 		Faults:   []string{reliability.FaultPGTerminate},
-		Command: func() *exec.Cmd {
-			return exec.Command(os.Args[0], "-test.run=^TestReliabilityHelperProcess$", "-test.count=1")
-		},
-		DrainTimeout: 40 * time.Second,
-		Out:          &log,
 	})
-	var table strings.Builder
-	res.Print(&table)
-	t.Logf("campaign:\n%s\n%s", log.String(), table.String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := res.Err(); err != nil {
-		t.Fatal(err)
-	}
 	// Res.Err covers these; asserted one by one so a failure names them.
-	if res.Placed < 100 || res.Effects != res.Placed || res.Lost != 0 || res.Duplicated != 0 {
-		t.Errorf("placed %d, effects %d, lost %d, duplicated %d: want one effect per placed message", res.Placed, res.Effects, res.Lost, res.Duplicated)
-	}
+	wantEffects(t, res, 100)
 	kills := 0
 	for _, byPhase := range res.Kills {
 		for _, n := range byPhase {
@@ -91,10 +72,7 @@ func TestReliabilityShortBatch(t *testing.T) {
 	} {
 		t.Run(db.name, func(t *testing.T) {
 			dbURL := testenv.Require(t, db.env)
-			ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
-			defer cancel()
-			var log strings.Builder
-			res, err := reliability.Run(ctx, reliability.Config{
+			res := runCampaign(t, reliability.Config{
 				DB:       dbURL,
 				AMQP:     amqpURL,
 				Mode:     reliability.ModeBatch,
@@ -102,24 +80,8 @@ func TestReliabilityShortBatch(t *testing.T) {
 				Messages: 200,
 				Aim:      1,
 				FailRate: 0.05,
-				Command: func() *exec.Cmd {
-					return exec.Command(os.Args[0], "-test.run=^TestReliabilityHelperProcess$", "-test.count=1")
-				},
-				DrainTimeout: 40 * time.Second,
-				Out:          &log,
 			})
-			var table strings.Builder
-			res.Print(&table)
-			t.Logf("campaign:\n%s\n%s", log.String(), table.String())
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := res.Err(); err != nil {
-				t.Fatal(err)
-			}
-			if res.Placed < 200 || res.Effects != res.Placed || res.Lost != 0 || res.Duplicated != 0 {
-				t.Errorf("placed %d, effects %d, lost %d, duplicated %d: want one effect per placed message", res.Placed, res.Effects, res.Lost, res.Duplicated)
-			}
+			wantEffects(t, res, 200)
 			if res.BatchKillsUncommitted == 0 {
 				t.Errorf("%d kills aimed, %d in a batch, none before its commit: the campaign did not kill mid-batch", res.Aimed, res.BatchKills)
 			}
@@ -129,6 +91,40 @@ func TestReliabilityShortBatch(t *testing.T) {
 				t.Errorf("%d effects in %d transactions, at most %d in one: want batches", res.Effects, res.Transactions, res.LargestBatch)
 			}
 		})
+	}
+}
+
+// runCampaign runs a campaign of cfg with this binary as its processes,
+// within 90s, logs its output and table, and fails t if it did not finish
+// or its verdict failed.
+func runCampaign(t *testing.T, cfg reliability.Config) reliability.Result {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
+	defer cancel()
+	var log strings.Builder
+	cfg.Command = func() *exec.Cmd {
+		return exec.Command(os.Args[0], "-test.run=^TestReliabilityHelperProcess$", "-test.count=1")
+	}
+	cfg.DrainTimeout = 40 * time.Second
+	cfg.Out = &log
+	res, err := reliability.Run(ctx, cfg)
+	var table strings.Builder
+	res.Print(&table)
+	t.Logf("campaign:\n%s\n%s", log.String(), table.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := res.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return res
+}
+
+// wantEffects checks one effect per placed message, at least placed of them.
+func wantEffects(t *testing.T, res reliability.Result, placed int) {
+	t.Helper()
+	if res.Placed < placed || res.Effects != res.Placed || res.Lost != 0 || res.Duplicated != 0 {
+		t.Errorf("placed %d, effects %d, lost %d, duplicated %d: want one effect per placed message", res.Placed, res.Effects, res.Lost, res.Duplicated)
 	}
 }
 
