@@ -44,14 +44,19 @@ type Config struct {
 	// rows with a live relay mean the relay is stuck or passing them over.
 	// Defaults to DefaultStuckAfter (1m). Must be > 0.
 	StuckAfter time.Duration
-	// DisableNotify, on PostgreSQL, leaves pg_notify out of the INSERT.
-	// PostgreSQL serialises the commits of all transactions that notified
-	// (a cluster-wide lock held through the commit's WAL flush), which caps
-	// the rate of outbox transactions: in bench/outbox, 4 producers
-	// committed about 0.6x as many as without it. With it disabled, relays
-	// wake on Notify in this process and otherwise at their PollInterval.
-	// Default false: notify. Ignored on MySQL and SQLite.
-	DisableNotify bool
+	// NotifyAfterCommit, on PostgreSQL, leaves pg_notify out of the
+	// INSERT. PostgreSQL serialises the commits of all transactions that
+	// notified (a cluster-wide lock held through the commit's WAL flush),
+	// which caps the rate of outbox transactions: in bench/outbox, 4
+	// producers committed about 0.6x as many as without it. With it set,
+	// the wake-up is sent after the commit instead: Notify wakes the
+	// relays of this process at once, and asks each Notifier of this
+	// Outbox (NewNotifier) for a coalesced NOTIFY that wakes relays in
+	// other processes. Without a Notifier those find the rows at their
+	// PollInterval. Default false: the INSERT notifies, and every commit
+	// wakes every relay without any call after it. Ignored on MySQL and
+	// SQLite, which have no NOTIFY.
+	NotifyAfterCommit bool
 	// Propagator writes the trace context of the publishing code into each
 	// message's metadata, so that the trace continues after the relay.
 	// Defaults to otel.GetTextMapPropagator() at the time of New.
@@ -112,8 +117,9 @@ type Outbox struct {
 	cfg Config
 	q   statements
 
-	mu     sync.Mutex
-	wakers map[chan struct{}]struct{} // relays of this process
+	mu        sync.Mutex
+	wakers    map[chan struct{}]struct{} // relays of this process
+	notifiers map[*Notifier]struct{}
 }
 
 // New checks cfg and returns an Outbox. It touches no database.
@@ -122,7 +128,7 @@ func New(cfg Config) (*Outbox, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Outbox{cfg: cfg, q: newStatements(cfg.Dialect, cfg.Topic), wakers: map[chan struct{}]struct{}{}}, nil
+	return &Outbox{cfg: cfg, q: newStatements(cfg.Dialect, cfg.Topic), wakers: map[chan struct{}]struct{}{}, notifiers: map[*Notifier]struct{}{}}, nil
 }
 
 // Config returns the outbox's configuration, defaults applied.
@@ -224,13 +230,14 @@ func (o *Outbox) columns(ctx context.Context, db conn, table string) (map[string
 	return have, rowsErr(rows)
 }
 
-// Notify tells the relays of this Outbox running in this process that a
-// transaction that published into it has committed, so they forward at once
-// instead of at their next poll. Call it after the commit returns
-// (pipeline's transactional handler does). On PostgreSQL the commit also
-// wakes relays in every process through LISTEN/NOTIFY; on MySQL and SQLite
-// relays in other processes find the rows at their next poll. Notify never
-// blocks.
+// Notify tells the relays of this Outbox that a transaction that published
+// into it has committed, so they forward at once instead of at their next
+// poll. Call it after the commit returns (pipeline's transactional handlers
+// do). Relays running in this process are woken directly. Relays in other
+// processes: on PostgreSQL the commit itself woke them through
+// LISTEN/NOTIFY, unless Config.NotifyAfterCommit is set, in which case
+// Notify asks this Outbox's Notifiers to send the NOTIFY now; on MySQL and
+// SQLite they find the rows at their next poll. Notify never blocks.
 func (o *Outbox) Notify() {
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -239,6 +246,9 @@ func (o *Outbox) Notify() {
 		case w <- struct{}{}:
 		default:
 		}
+	}
+	for n := range o.notifiers {
+		n.request()
 	}
 }
 
@@ -321,7 +331,7 @@ func (p *publisher) insert(topic string, msgs []*message.Message) error {
 			}
 			args = append(args, m.UUID, topic, payload, string(md))
 		}
-		notify := p.o.cfg.Dialect == dedupe.Postgres && !p.o.cfg.DisableNotify
+		notify := p.o.cfg.Dialect == dedupe.Postgres && !p.o.cfg.NotifyAfterCommit
 		if notify {
 			args = append(args, p.o.q.table)
 		}

@@ -147,7 +147,7 @@ func TestStatusSaysWhyRowsAreOld(t *testing.T) {
 // A row committed after a row with a higher offset was forwarded is
 // forwarded too, at its commit: through LISTEN/NOTIFY on PostgreSQL (no
 // Notify call), through Notify elsewhere, and on PostgreSQL with
-// DisableNotify. The relay's fallback poll is an hour, so only a wake-up can
+// NotifyAfterCommit. The relay's fallback poll is an hour, so only a wake-up can
 // forward either row in time.
 func TestLateCommitIsForwardedOnCommit(t *testing.T) {
 	t.Parallel()
@@ -165,7 +165,7 @@ func TestLateCommitIsForwardedOnCommit(t *testing.T) {
 	t.Run("postgres_disable_notify", func(t *testing.T) {
 		t.Parallel()
 		e := setup(t, testenv.Postgres(t))
-		ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: e.ob.Topic(), DisableNotify: true})
+		ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: e.ob.Topic(), NotifyAfterCommit: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -182,7 +182,7 @@ func testLateCommit(t *testing.T, e *env) {
 		}
 		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: time.Hour})
 		notify := func() {
-			if e.db.Dialect != dedupe.Postgres || e.ob.Config().DisableNotify {
+			if e.db.Dialect != dedupe.Postgres || e.ob.Config().NotifyAfterCommit {
 				e.ob.Notify()
 			}
 		}

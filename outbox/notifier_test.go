@@ -1,0 +1,206 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/outbox"
+)
+
+// afterCommit returns two Outboxes of e's topic with NotifyAfterCommit: one
+// for the writers and one for a relay, as two processes would have them,
+// so that the writers' Notify cannot wake the relay in-process. The relay
+// runs on a pool of its own, polls once an hour, and forwards to e.pubsub.
+func afterCommit(t *testing.T, e *env) (writer *outbox.Outbox, got <-chan *message.Message) {
+	t.Helper()
+	cfg := outbox.Config{Dialect: dedupe.Postgres, Topic: e.ob.Topic(), NotifyAfterCommit: true}
+	writer, err := outbox.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := outbox.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err = e.pubsub.Subscribe(t.Context(), "orders.placed")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := other.NewRelay(testenv.Postgres(t).DB, e.pubsub, outbox.RelayConfig{PollInterval: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runUntilEnd(t, r, func(error) {})
+	// The relay scans once when its LISTEN is in place; let that pass.
+	time.Sleep(500 * time.Millisecond)
+	e.ob = writer
+	return writer, got
+}
+
+// listenCount counts the notifications on the outbox's channel until the
+// test ends.
+func listenCount(t *testing.T, e *env) func() int {
+	t.Helper()
+	c, err := pgx.Connect(t.Context(), testenv.Require(t, testenv.PostgresURLEnv))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Exec(t.Context(), `LISTEN "`+e.ob.Table()+`"`); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var mu sync.Mutex
+	n := 0
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			if _, err := c.WaitForNotification(ctx); err != nil {
+				return
+			}
+			mu.Lock()
+			n++
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+		_ = c.Close(context.Background())
+	})
+	return func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		return n
+	}
+}
+
+// With NotifyAfterCommit, a relay in another process learns of commits
+// from the writers' Notifier, not from the INSERT: nothing arrives while
+// there is no Notifier, and every message of concurrent writers arrives,
+// once, when there is one.
+func TestNotifierWakesRelaysOfOtherProcesses(t *testing.T) {
+	t.Parallel()
+	e := setup(t, testenv.Postgres(t))
+	count := listenCount(t, e)
+	writer, got := afterCommit(t, e)
+
+	// No Notifier: the INSERT does not notify and Notify has no one to
+	// ask, so the relay (polling hourly) stays asleep.
+	e.placeOrder(t, t.Context(), "N-0", true, message.NewMessage("before", []byte(`{}`)))
+	writer.Notify()
+	select {
+	case m := <-got:
+		t.Fatalf("%s forwarded without a NOTIFY", m.UUID)
+	case <-time.After(700 * time.Millisecond):
+	}
+	if n := count(); n != 0 {
+		t.Fatalf("%d notifications without a Notifier", n)
+	}
+
+	n, err := writer.NewNotifier(e.db.DB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = n.Close() })
+	const writers, each = 4, 25
+	var wg sync.WaitGroup
+	for w := range writers {
+		wg.Go(func() {
+			for i := range each {
+				id := fmt.Sprintf("N-%d-%d", w, i)
+				e.placeOrder(t, t.Context(), id, true, message.NewMessage(id, []byte(`{}`)))
+				writer.Notify()
+			}
+		})
+	}
+	wg.Wait()
+	seen := map[string]int{}
+	deadline := time.After(10 * time.Second)
+	for len(seen) < writers*each+1 {
+		select {
+		case m := <-got:
+			m.Ack()
+			seen[m.UUID]++
+		case <-deadline:
+			t.Fatalf("%d of %d messages forwarded", len(seen), writers*each+1)
+		}
+	}
+	for id, k := range seen {
+		if k != 1 {
+			t.Errorf("%s forwarded %d times", id, k)
+		}
+	}
+	if c := count(); c < 1 || c > writers*each {
+		t.Errorf("%d notifications for %d commits", c, writers*each)
+	}
+}
+
+// Notify calls that come faster than NOTIFYs can be sent share them.
+func TestNotifierCoalesces(t *testing.T) {
+	t.Parallel()
+	e := setup(t, testenv.Postgres(t))
+	count := listenCount(t, e)
+	writer, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: e.ob.Topic(), NotifyAfterCommit: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := writer.NewNotifier(e.db.DB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const calls = 2000
+	for range calls {
+		writer.Notify()
+	}
+	// A request made before Close still gets its NOTIFY.
+	_ = n.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for count() == 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if c := count(); c < 1 || c > calls/10 {
+		t.Fatalf("%d notifications for %d Notify calls, want 1..%d", c, calls, calls/10)
+	}
+	// Closed: no more NOTIFYs, and Notify does not block.
+	before := count()
+	writer.Notify()
+	time.Sleep(200 * time.Millisecond)
+	if c := count(); c != before {
+		t.Fatalf("a closed Notifier sent %d notifications", c-before)
+	}
+}
+
+func TestNewNotifierRefuses(t *testing.T) {
+	t.Parallel()
+	db := testenv.SQLite(t)
+	for _, c := range []struct {
+		cfg  outbox.Config
+		want string
+	}{
+		{outbox.Config{Dialect: dedupe.SQLite, NotifyAfterCommit: true}, "NOTIFY is PostgreSQL's"},
+		{outbox.Config{Dialect: dedupe.MySQL, NotifyAfterCommit: true}, "NOTIFY is PostgreSQL's"},
+		{outbox.Config{Dialect: dedupe.Postgres}, "NotifyAfterCommit is false"},
+	} {
+		ob, err := outbox.New(c.cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ob.NewNotifier(db.DB); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: got %v, want an error containing %q", c.cfg.Dialect, err, c.want)
+		}
+		if _, err := ob.NewPgxNotifier(nil); err == nil {
+			t.Errorf("%s: NewPgxNotifier(nil) was accepted", c.cfg.Dialect)
+		}
+	}
+}
