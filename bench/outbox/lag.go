@@ -272,33 +272,63 @@ func (b *bench) lagSubjects(ctx context.Context) ([]lagSubject, func(), error) {
 	}
 	var subjects []lagSubject
 
-	// settle's relay with its defaults: LISTEN/NOTIFY, fallback poll 1 s.
-	stopic := b.topic("lag_settle")
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: stopic})
-	if err != nil {
-		return nil, cleanup, err
-	}
-	b.tables = append(b.tables, ob.Table(), ob.Table()+"_relays")
-	if err := ob.InitSchema(ctx, b.db); err != nil {
-		return nil, cleanup, err
-	}
-	subjects = append(subjects, lagSubject{
-		name: "settle (LISTEN/NOTIFY, fallback poll 1s)",
-		commit: func(ctx context.Context, i int) (time.Time, error) {
-			return b.publishTx(ctx, path{publisher: ob.TxPublisher}, "lag", i)
-		},
-		start: func(ctx context.Context, ctr *counter, rec *recorder) (func() error, error) {
-			db, err := b.countedDB(ctr)
-			if err != nil {
-				return nil, err
+	// settle's relay, fallback poll 1 s, woken three ways: by the
+	// pg_notify in the INSERT (the default), by a Notifier's NOTIFY after
+	// the commit (Config.NotifyAfterCommit; the relay is built from an
+	// Outbox of its own, as in another process, so that the writers'
+	// Notify cannot wake it directly), and by Notify alone, the writers
+	// being in the relay's process.
+	for _, way := range []struct {
+		name            string
+		after, separate bool
+	}{
+		{"settle, NOTIFY in the INSERT (default)", false, true},
+		{"settle, NOTIFY after commit (Notifier)", true, true},
+		{"settle, writers in the relay's process (Notify)", true, false},
+	} {
+		cfg := outbox.Config{Dialect: dedupe.Postgres, Topic: b.topic("lag_settle"), NotifyAfterCommit: way.after}
+		writer, err := outbox.New(cfg)
+		if err != nil {
+			return nil, cleanup, err
+		}
+		b.tables = append(b.tables, writer.Table(), writer.Table()+"_relays")
+		if err := writer.InitSchema(ctx, b.db); err != nil {
+			return nil, cleanup, err
+		}
+		relaying := writer
+		if way.separate {
+			if relaying, err = outbox.New(cfg); err != nil {
+				return nil, cleanup, err
 			}
-			r, err := ob.NewRelay(db, rec, outbox.RelayConfig{Logger: b.logger})
-			if err != nil {
-				return nil, errors.Join(err, db.Close())
-			}
-			return runUntilStopped(ctx, r.Run, r.Running(), func() error { return errors.Join(r.Close(), db.Close()) })
-		},
-	})
+		}
+		subjects = append(subjects, lagSubject{
+			name: way.name,
+			commit: func(ctx context.Context, i int) (time.Time, error) {
+				t, err := b.publishTx(ctx, path{publisher: writer.TxPublisher}, "lag", i)
+				if err == nil {
+					writer.Notify()
+				}
+				return t, err
+			},
+			start: func(ctx context.Context, ctr *counter, rec *recorder) (func() error, error) {
+				var n *outbox.Notifier
+				if way.after && way.separate {
+					if n, err = writer.NewNotifier(b.db); err != nil {
+						return nil, err
+					}
+				}
+				db, err := b.countedDB(ctr)
+				if err != nil {
+					return nil, errors.Join(err, closeNotifier(n))
+				}
+				r, err := relaying.NewRelay(db, rec, outbox.RelayConfig{Logger: b.logger})
+				if err != nil {
+					return nil, errors.Join(err, db.Close(), closeNotifier(n))
+				}
+				return runUntilStopped(ctx, r.Run, r.Running(), func() error { return errors.Join(r.Close(), db.Close(), closeNotifier(n)) })
+			},
+		})
+	}
 
 	// Watermill's forwarder over watermill-sql, at its default poll and at
 	// 10 ms.
@@ -342,7 +372,17 @@ func (b *bench) lagSubjects(ctx context.Context) ([]lagSubject, func(), error) {
 		return nil, cleanup, err
 	}
 	subjects = append(subjects, rs)
+	if b.o.lagPaths != "" {
+		subjects = slices.DeleteFunc(subjects, func(s lagSubject) bool { return !strings.Contains(s.name, b.o.lagPaths) })
+	}
 	return subjects, cleanup, nil
+}
+
+func closeNotifier(n *outbox.Notifier) error {
+	if n == nil {
+		return nil
+	}
+	return n.Close()
 }
 
 type lagArgs struct {

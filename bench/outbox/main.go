@@ -82,6 +82,7 @@ type options struct {
 	cpuprofile string
 	verbose    bool
 	idle       time.Duration
+	lagPaths   string
 }
 
 func main() {
@@ -121,6 +122,7 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.amqpPool, "amqp-pool", 0, "RabbitMQ: Publish.ChannelPoolSize (0, the config's default, opens and closes a channel per Publish)")
 	fs.DurationVar(&o.timeout, "timeout", 20*time.Minute, "bound on the whole run")
 	fs.DurationVar(&o.idle, "idle", 10*time.Second, "lag scenario: how long each relay's idle statements are counted")
+	fs.StringVar(&o.lagPaths, "lag-paths", "", "lag scenario: run only the paths whose name contains this text")
 	fs.BoolVar(&o.verbose, "v", false, "log the forwarders' errors and infos to stderr")
 	fs.StringVar(&o.cpuprofile, "cpuprofile", "", "write a CPU profile of the whole run to this file")
 	if err := fs.Parse(args); err != nil {
@@ -192,6 +194,9 @@ func run(o options, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer db.Close()
+	// database/sql keeps 2 idle connections by default: more producers
+	// than that would open a connection per transaction.
+	db.SetMaxIdleConns(16)
 	if dialect != dedupe.Postgres {
 		return fmt.Errorf("-db: PostgreSQL only, got %s", dialect)
 	}
