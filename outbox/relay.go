@@ -398,7 +398,15 @@ func (r *Relay) beatArg() any {
 	return r.ttl().Seconds()
 }
 
+// A heartbeat is not cancelled by Close: a write the client gave up on may
+// still land on the server after unregister's delete, and leave the relay
+// looking alive for a heartbeat's lifetime after it stopped.
 func (r *Relay) probe(ctx context.Context, beat bool) (bool, error) {
+	if beat {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), r.cfg.AckDeadline)
+		defer cancel()
+	}
 	q, args := r.o.q.probe, []any(nil)
 	if beat {
 		if r.o.q.probeBeat != "" {
@@ -417,6 +425,8 @@ func (r *Relay) probe(ctx context.Context, beat bool) (bool, error) {
 // register writes the relay's first heartbeat and sweeps relays expired
 // long ago. Failures are logged: the heartbeat is retried by the polls.
 func (r *Relay) register(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.AckDeadline) // as probe's heartbeat
+	defer cancel()
 	if _, err := r.db.ExecContext(ctx, r.o.q.beat, r.id, r.beatArg()); err != nil {
 		r.cfg.Logger.Error("outbox: relay heartbeat failed", err, nil)
 		return
@@ -448,15 +458,23 @@ type row struct {
 // commits their forwarded marks. It returns how many rows it claimed. A
 // publish that fails stops the batch: the rows from there on are left
 // unmarked, to be claimed again after RetryInterval.
+//
+// Closing the relay (ctx ending) stops the batch before its claim or
+// between two publishes, but the marks of the rows already published are
+// still written and committed, within the batch's AckDeadline: a relay
+// stopped mid-batch does not publish them twice.
 func (r *Relay) batch(ctx context.Context) (int, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.AckDeadline)
 	defer cancel()
+	deadline, _ := ctx.Deadline()
+	txCtx, txCancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
+	defer txCancel()
 	var opts *sql.TxOptions
 	if r.o.cfg.Dialect != dedupe.SQLite {
 		// Row locks only: no gap locks on MySQL that would stall writers.
 		opts = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
 	}
-	tx, err := r.db.BeginTx(ctx, opts)
+	tx, err := r.db.BeginTx(txCtx, opts)
 	if err != nil {
 		return 0, fmt.Errorf("begin: %w", err)
 	}
@@ -465,9 +483,12 @@ func (r *Relay) batch(ctx context.Context) (int, error) {
 		// The marks need not wait for the WAL flush: a mark lost in a
 		// crash means the rows are published again, the duplicate the
 		// relay allows anyway. The next batch does not wait for the disk.
-		if _, err := tx.ExecContext(ctx, "SET LOCAL synchronous_commit = off"); err != nil {
+		if _, err := tx.ExecContext(txCtx, "SET LOCAL synchronous_commit = off"); err != nil {
 			return 0, fmt.Errorf("begin: %w", err)
 		}
+	}
+	if ctx.Err() != nil {
+		return 0, ctx.Err()
 	}
 	rows, err := r.claim(ctx, tx)
 	if err != nil {
@@ -479,12 +500,12 @@ func (r *Relay) batch(ctx context.Context) (int, error) {
 	published, poisoned, perr := r.publish(ctx, rows)
 	if r.o.q.claimMarks {
 		if rest := rows[published:]; len(rest) > 0 {
-			if _, err := tx.ExecContext(ctx, r.o.q.mark(len(rest), false), offsets(rest)...); err != nil {
+			if _, err := tx.ExecContext(txCtx, r.o.q.mark(len(rest), false), offsets(rest)...); err != nil {
 				return 0, errors.Join(perr, fmt.Errorf("unmark: %w", err))
 			}
 		}
 	} else if published > 0 {
-		if _, err := tx.ExecContext(ctx, r.o.q.mark(published, true), offsets(rows[:published])...); err != nil {
+		if _, err := tx.ExecContext(txCtx, r.o.q.mark(published, true), offsets(rows[:published])...); err != nil {
 			return 0, errors.Join(perr, fmt.Errorf("mark: %w", err))
 		}
 	}
@@ -492,7 +513,7 @@ func (r *Relay) batch(ctx context.Context) (int, error) {
 		return 0, errors.Join(perr, fmt.Errorf("commit: %w", err))
 	}
 	r.forwarded.Add(int64(published - poisoned))
-	r.fwdCnt.Add(context.WithoutCancel(ctx), int64(published-poisoned), r.attrs)
+	r.fwdCnt.Add(txCtx, int64(published-poisoned), r.attrs)
 	if perr != nil {
 		return 0, perr
 	}
@@ -537,6 +558,9 @@ func (r *Relay) claim(ctx context.Context, tx wsql.Tx) ([]row, error) {
 // those were foreign.
 func (r *Relay) publish(ctx context.Context, rows []row) (done, poisoned int, err error) {
 	for done < len(rows) {
+		if ctx.Err() != nil { // closing: the rest stay pending
+			return done, poisoned, ctx.Err()
+		}
 		topic := rows[done].topic
 		var msgs []*message.Message
 		end := done

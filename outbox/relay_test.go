@@ -75,3 +75,57 @@ func TestFailedPublishIsRetriedNotPoisoned(t *testing.T) {
 	default:
 	}
 }
+
+// slowBroker holds each publish until released, and says when one started.
+type slowBroker struct {
+	message.Publisher
+	started chan struct{}
+	release chan struct{}
+}
+
+func (b *slowBroker) Publish(topic string, msgs ...*message.Message) error {
+	select {
+	case b.started <- struct{}{}:
+	default:
+	}
+	<-b.release
+	return b.Publisher.Publish(topic, msgs...)
+}
+
+// A relay closed while it publishes still marks what it published: the
+// rows are not pending afterwards, so the next relay does not send them
+// again. On every database.
+func TestCloseMidBatchMarksWhatWasPublished(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *env) {
+		e.placeOrder(t, t.Context(), "C-1", true, message.NewMessage("published", []byte(`{}`)))
+		out := &slowBroker{Publisher: e.pubsub, started: make(chan struct{}, 1), release: make(chan struct{})}
+		r, err := e.ob.NewRelay(e.db.DB, out, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan error, 1)
+		go func() { done <- r.Run(t.Context()) }()
+		<-out.started
+		closed := make(chan error, 1)
+		go func() { closed <- r.Close() }()
+		time.Sleep(100 * time.Millisecond) // Close has cancelled the relay's context
+		close(out.release)
+		if err := <-closed; err != nil {
+			t.Fatal(err)
+		}
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		st, err := e.ob.Status(t.Context(), e.db.DB)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Pending != 0 {
+			t.Fatalf("%d rows pending after a relay closed mid-batch had published them", st.Pending)
+		}
+		if fwd, _ := r.Counts(); fwd != 1 {
+			t.Fatalf("Counts: %d forwarded, want 1", fwd)
+		}
+	})
+}

@@ -228,7 +228,7 @@ func testLateCommit(t *testing.T, e *env) {
 func TestRelayHeartbeat(t *testing.T) {
 	t.Parallel()
 	forEachDB(t, func(t *testing.T, e *env) {
-		r, err := e.ob.NewRelay(e.db.DB, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, HeartbeatInterval: 40 * time.Millisecond})
+		r, err := e.ob.NewRelay(e.db.DB, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, HeartbeatInterval: 150 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -248,8 +248,8 @@ func TestRelayHeartbeat(t *testing.T) {
 		// Status counts only relays whose heartbeat has not expired; with
 		// a pending row it reports them.
 		e.placeOrder(t, t.Context(), "H-1", false, message.NewMessage("rolled-back", []byte(`{}`)))
-		for range 10 { // 10 x 60ms: several times the 120ms a heartbeat lives
-			time.Sleep(60 * time.Millisecond)
+		for range 8 { // 8 x 200ms: several times the 450ms a heartbeat lives
+			time.Sleep(200 * time.Millisecond)
 			if n := live(); n != 1 {
 				t.Fatalf("%d relay rows while the relay runs, want 1", n)
 			}
