@@ -7,7 +7,9 @@
 // has one writer), publishes them and commits their marks, so no committed
 // row can be passed over, whatever order concurrent transactions commit in.
 // It wakes on commit (PostgreSQL LISTEN/NOTIFY, [Outbox.Notify] in this
-// process) and polls only as a fallback. Every function takes the
+// process) and polls only as a fallback. The NOTIFY is queued by the
+// writer's INSERT, or, with [Config.NotifyAfterCommit], sent after the
+// commit by a [Notifier], which leaves the writers' commits unserialised. Every function takes the
 // application's *sql.DB; on PostgreSQL, an application on pgx uses its
 // pgx.Tx and *pgxpool.Pool instead ([Outbox.PgxTxPublisher],
 // [Outbox.NewPgxRelay] and the other Pgx functions), with the same

@@ -63,3 +63,39 @@ func Example() {
 	// forwarded: 1 <nil>
 	// committed {"id":"A-17"}
 }
+
+// On PostgreSQL, with NotifyAfterCommit the writers' INSERTs carry no
+// pg_notify; a Notifier sends the wake-up for relays in other processes
+// after each commit that Notify announces, coalescing those that come
+// together.
+func ExampleOutbox_NewNotifier() {
+	db, err := sql.Open("pgx", os.Getenv("SETTLE_POSTGRES_URL"))
+	if err != nil {
+		panic(err)
+	}
+	defer db.Close()
+	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, NotifyAfterCommit: true})
+	if err != nil {
+		panic(err)
+	}
+	n, err := ob.NewNotifier(db)
+	if err != nil {
+		panic(err)
+	}
+	defer n.Close()
+
+	ctx := context.Background()
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		panic(err)
+	}
+	defer tx.Rollback()
+	pub, _ := ob.TxPublisher(tx)
+	if err := pub.Publish("orders.placed", message.NewMessage("A-17", []byte(`{"id":"A-17"}`))); err != nil {
+		panic(err)
+	}
+	if err := tx.Commit(); err != nil {
+		panic(err)
+	}
+	ob.Notify() // wakes this process's relays now, and the others through n
+}
