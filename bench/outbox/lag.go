@@ -263,6 +263,16 @@ func (b *bench) countedDB(ctr *counter) (*sql.DB, error) {
 	return stdlib.OpenDB(*cfg), nil
 }
 
+// countedPool opens a pgx pool whose statements ctr counts.
+func (b *bench) countedPool(ctx context.Context, ctr *counter) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(b.o.dbURL)
+	if err != nil {
+		return nil, err
+	}
+	cfg.ConnConfig.Tracer = ctr
+	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
 func (b *bench) lagSubjects(ctx context.Context) ([]lagSubject, func(), error) {
 	var cleanups []func()
 	cleanup := func() {
@@ -285,7 +295,7 @@ func (b *bench) lagSubjects(ctx context.Context) ([]lagSubject, func(), error) {
 	subjects = append(subjects, lagSubject{
 		name: "settle (LISTEN/NOTIFY, fallback poll 1s)",
 		commit: func(ctx context.Context, i int) (time.Time, error) {
-			return b.publishTx(ctx, path{publisher: ob.TxPublisher}, "lag", i)
+			return b.publishTx(ctx, path{inTx: b.sqlTx(ob.TxPublisher)}, "lag", i)
 		},
 		start: func(ctx context.Context, ctr *counter, rec *recorder) (func() error, error) {
 			db, err := b.countedDB(ctr)
@@ -297,6 +307,40 @@ func (b *bench) lagSubjects(ctx context.Context) ([]lagSubject, func(), error) {
 				return nil, errors.Join(err, db.Close())
 			}
 			return runUntilStopped(ctx, r.Run, r.Running(), func() error { return errors.Join(r.Close(), db.Close()) })
+		},
+	})
+
+	// The same on pgx: PgxTxPublisher on the producers' pgx.Tx, NewPgxRelay
+	// on a pool of its own whose statements ctr counts.
+	ptopic := b.topic("lag_settle_pgx")
+	pob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: ptopic})
+	if err != nil {
+		return nil, cleanup, err
+	}
+	b.tables = append(b.tables, pob.Table(), pob.Table()+"_relays")
+	if err := pob.PgxInitSchema(ctx, b.pool); err != nil {
+		return nil, cleanup, err
+	}
+	subjects = append(subjects, lagSubject{
+		name: "settle pgx (LISTEN/NOTIFY, fallback poll 1s)",
+		commit: func(ctx context.Context, i int) (time.Time, error) {
+			return b.publishTx(ctx, path{inTx: pgxTx(b.pool, pob.PgxTxPublisher)}, "lag", i)
+		},
+		start: func(ctx context.Context, ctr *counter, rec *recorder) (func() error, error) {
+			pool, err := b.countedPool(ctx, ctr)
+			if err != nil {
+				return nil, err
+			}
+			r, err := pob.NewPgxRelay(pool, rec, outbox.RelayConfig{Logger: b.logger})
+			if err != nil {
+				pool.Close()
+				return nil, err
+			}
+			return runUntilStopped(ctx, r.Run, r.Running(), func() error {
+				err := r.Close()
+				pool.Close()
+				return err
+			})
 		},
 	})
 
