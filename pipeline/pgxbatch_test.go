@@ -525,3 +525,45 @@ func ExampleNewPgxBatchTxHandler() {
 	// stack; on its own it is a router handler of competing subscriptions.
 	_ = charge
 }
+
+// HandlePgxTx and HandlePgxBatchTx refuse an outbox whose table is missing
+// when they are added, with the command that creates it, as HandleTx does.
+func TestHandlePgxTxChecksTheOutboxTable(t *testing.T) {
+	t.Parallel()
+	e := newPgxEnv(t)
+	h := newHarnessWith(t, e.store, func(c *pipeline.Config) { c.Concurrency = 2 })
+	name := testenv.Name(t, "nm")
+	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: "nm_" + name[len(name)-8:]})
+	must(t, err)
+	fn := func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }
+	batchFn := func(context.Context, pgx.Tx, []*message.Message, message.Publisher) error { return nil }
+	cfg := pipeline.PgxTxConfig{DB: e.pool, Outbox: ob, Batch: pipeline.BatchConfig{MaxSize: 2}}
+	// A broker with competing subscriptions is not needed to be refused.
+	sub := &competing{}
+	if _, err := h.p.HandlePgxTx("charge", "orders", sub, nil, cfg, fn); err == nil || !strings.Contains(err.Error(), "outbox schema") {
+		t.Fatalf("HandlePgxTx with a missing outbox table = %v; want the command that creates it", err)
+	}
+	if _, err := h.p.HandlePgxBatchTx("ledger", "orders", sub, nil, cfg, batchFn); err == nil || !strings.Contains(err.Error(), "outbox schema") {
+		t.Fatalf("HandlePgxBatchTx with a missing outbox table = %v; want the command that creates it", err)
+	}
+	must(t, ob.PgxInitSchema(t.Context(), e.pool))
+	t.Cleanup(func() {
+		_, _ = e.pool.Exec(context.Background(), `DROP TABLE IF EXISTS "`+ob.Table()+`", "`+ob.Table()+`_relays"`)
+	})
+	if _, err := h.p.HandlePgxTx("charge", "orders", sub, nil, cfg, fn); err != nil {
+		t.Fatalf("HandlePgxTx with the outbox table made: %v", err)
+	}
+	if _, err := h.p.HandlePgxBatchTx("ledger", "orders", sub, nil, cfg, batchFn); err != nil {
+		t.Fatalf("HandlePgxBatchTx with the outbox table made: %v", err)
+	}
+}
+
+// competing is a subscriber that is never subscribed to: a stand-in for a
+// broker with competing consumers, which Concurrency 2 needs when a handler
+// is added (GoChannel is refused).
+type competing struct{}
+
+func (competing) Subscribe(context.Context, string) (<-chan *message.Message, error) {
+	return nil, errors.New("not subscribed in this test")
+}
+func (competing) Close() error { return nil }

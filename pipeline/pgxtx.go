@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
@@ -202,6 +203,14 @@ func (p *Pipeline) handlePgxTx(method, name, topic string, sub message.Subscribe
 	}
 	if cfg.BusyDelay == 0 {
 		cfg.BusyDelay = p.cfg.BusyDelay
+	}
+	if pool, ok := cfg.DB.(*pgxpool.Pool); ok && cfg.Outbox != nil {
+		// As HandleTx: a missing outbox table is one clear error now, not
+		// a failure of every delivery later.
+		err := checkNow(func(ctx context.Context) error { return cfg.Outbox.PgxCheck(ctx, pool) })
+		if err != nil {
+			return nil, fmt.Errorf("pipeline: %s %q: PgxTxConfig.Outbox: %w", method, name, err)
+		}
 	}
 	return p.addTx(name, topic, sub, s, txSetup{
 		batch: &cfg.Batch, oneStatement: &cfg.OneStatement, key: &cfg.Key,
