@@ -22,7 +22,8 @@
 //   - pgx: PostgreSQL through pgx directly (dedupe.PgxStore, the pgx
 //     transactional handler) beside database/sql and the raw pgx floor:
 //     claim+confirm, duplicate claims, one-statement and default
-//     transactional handlers, at 1/4/16 goroutines.
+//     transactional handlers, at 1/4/16 goroutines; batch handlers (group
+//     commit of the deliveries in flight) at 4/16.
 //   - amqp: RabbitMQ end to end: raw watermill-amqp consume vs settle's stack
 //     with a PostgreSQL transactional handler, at Concurrency 1..16, with an
 //     exactly-once check of the effect rows.

@@ -41,7 +41,7 @@ const (
 	pgxTxDefault   = "tx-default" // dedupe middleware + handler: claim; BEGIN; INSERT; confirm; COMMIT
 )
 
-var pgxWorkloads = []string{pgxClaim, pgxTxOne, pgxTxDefault, pgxRedelivered}
+var pgxWorkloads = []string{pgxClaim, pgxTxOne, pgxTxDefault, pgxRedelivered, pgxTxBatch}
 
 // PgxResults: section pgx.
 type PgxResults struct {
@@ -72,7 +72,10 @@ const (
 	redeliveredBatch = 16
 )
 
-func (b *pgxBench) op(ctx context.Context, workload, side string) (func(ctx context.Context, key string) error, string, error) {
+func (b *pgxBench) op(ctx context.Context, workload, side string, g int) (func(ctx context.Context, key string) error, string, error) {
+	if workload == pgxTxBatch {
+		return b.batchOp(ctx, side, g)
+	}
 	sqlStore, claims, err := b.dedupeTable(ctx)
 	if err != nil {
 		return nil, "", err
@@ -347,9 +350,12 @@ func runPgx(ctx context.Context, o options, log io.Writer) (*PgxResults, error) 
 	}
 	for _, w := range pgxWorkloads {
 		for _, g := range []int{1, 4, 16} {
+			if w == pgxTxBatch && g == 1 {
+				continue // a batch needs deliveries in flight together
+			}
 			var sides []*side
 			for _, name := range []string{pgxFloor, pgxNat, pgxStd} {
-				op, effects, err := b.op(ctx, w, name)
+				op, effects, err := b.op(ctx, w, name, g)
 				if err != nil {
 					return nil, fmt.Errorf("%s %s: %w", w, name, err)
 				}

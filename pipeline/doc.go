@@ -3,6 +3,14 @@
 // NewTxHandler runs a handler in a database transaction that also confirms
 // the message's dedupe key and holds the messages it publishes through the
 // transactional outbox: consume, transform and produce, once.
-// NewPgxTxHandler does the same in a pgx.Tx (without the outbox, which does
-// not run on pgx yet); both run the one transactional flow of this package.
+// NewBatchTxHandler runs a handler once for a batch of deliveries, in one
+// transaction with all their keys and outbox messages.
+//
+// Each has a pgx twin for services whose connections are a pgxpool.Pool:
+// NewPgxTxHandler and NewPgxBatchTxHandler (Pipeline.HandlePgxTx and
+// Pipeline.HandlePgxBatchTx) hand the function a pgx.Tx, with a
+// dedupe.PgxStore for the keys and the outbox bound to that pgx.Tx
+// (outbox.Outbox.PgxTxPublisher). Both drivers run the one transactional
+// flow of this package, group commit (BatchConfig) included; only the
+// driver under it differs.
 package pipeline

@@ -8,7 +8,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/outbox"
@@ -51,7 +53,13 @@ type PgxTxConfig struct {
 	// message UUID.
 	Key dedupe.KeyFunc
 	// Batch turns on group commit, as TxConfig.Batch does. Requires Store.
+	// NewPgxBatchTxHandler needs MaxSize >= 2.
 	Batch BatchConfig
+	// BusyDelay is how long a delivery whose key another worker holds waits
+	// before it is nacked, in OneStatement and Batch modes, as
+	// TxConfig.BusyDelay. Defaults to 1s when zero; settle.NoDelay nacks at
+	// once. Pipeline.HandlePgxTx sets it from Config.BusyDelay.
+	BusyDelay time.Duration
 	// Scope names the logical handler of the key for OneStatement and
 	// Batch. Defaults to dedupe.HandlerScope.
 	Scope dedupe.ScopeFunc
@@ -64,6 +72,8 @@ func (c PgxTxConfig) Validate() error {
 		return errors.New("pipeline: PgxTxConfig.DB is required")
 	case c.OneStatement && c.Store == nil:
 		return errors.New("pipeline: PgxTxConfig.Store is required with OneStatement")
+	case c.BusyDelay < 0 && c.BusyDelay != settle.NoDelay:
+		return fmt.Errorf("pipeline: PgxTxConfig.BusyDelay must be >= 0 or settle.NoDelay, got %v", c.BusyDelay)
 	case c.Batch.MaxSize < 0:
 		return fmt.Errorf("pipeline: PgxTxConfig.Batch.MaxSize must be >= 0, got %d", c.Batch.MaxSize)
 	case c.Batch.enabled() && c.Store == nil:
@@ -87,7 +97,7 @@ func NewPgxTxHandler(cfg PgxTxConfig, fn PgxTxFunc) (message.NoPublishHandlerFun
 	if fn == nil {
 		return nil, errors.New("pipeline: NewPgxTxHandler: fn is nil")
 	}
-	f := cfg.flow(fn)
+	f := cfg.flow(fn, nil)
 	if cfg.Batch.enabled() {
 		return newBatcher(f).handle, nil
 	}
@@ -96,17 +106,19 @@ func NewPgxTxHandler(cfg PgxTxConfig, fn PgxTxFunc) (message.NoPublishHandlerFun
 	}, nil
 }
 
-func (cfg PgxTxConfig) flow(fn PgxTxFunc) txFlow {
+// flow is cfg's flow for fn, or for batchFn (a batch handler) when fn is
+// nil: the txFlow of TxConfig with pgx under it.
+func (cfg PgxTxConfig) flow(fn PgxTxFunc, batchFn PgxBatchTxFunc) txFlow {
 	return txFlow{
 		begin: func(ctx context.Context) (txn, error) {
 			tx, err := cfg.DB.BeginTx(ctx, cfg.TxOptions)
 			if err != nil {
 				return nil, err
 			}
-			return &pgxTxn{cfg: &cfg, fn: fn, tx: tx}, nil
+			return &pgxTxn{cfg: &cfg, fn: fn, batchFn: batchFn, tx: tx}, nil
 		},
 		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
-		busyDelay: settlement.Delay(0, time.Second),
+		batchHandler: fn == nil, busyDelay: settlement.Delay(cfg.BusyDelay, time.Second),
 		committed: notifier(cfg.Outbox),
 	}
 }
@@ -121,17 +133,37 @@ func notifier(ob *outbox.Outbox) func() {
 
 // pgxTxn is a pgx transaction.
 type pgxTxn struct {
-	cfg *PgxTxConfig
-	fn  PgxTxFunc
-	tx  pgx.Tx
-	out message.Publisher // the outbox bound to tx; nil until the first call
+	cfg     *PgxTxConfig
+	fn      PgxTxFunc
+	batchFn PgxBatchTxFunc
+	tx      pgx.Tx
+	out     message.Publisher // the outbox bound to tx; nil until the first call
 }
 
 func (t *pgxTxn) claims() claimer                   { return t.cfg.Store.WithTx(t.tx) }
 func (t *pgxTxn) hold(ctx context.Context) error    { return dedupe.HoldPgxTx(ctx, t.tx) }
 func (t *pgxTxn) confirm(ctx context.Context) error { return dedupe.ConfirmPgxTx(ctx, t.tx) }
 func (t *pgxTxn) commit(ctx context.Context) error  { return t.tx.Commit(ctx) }
+
+// call runs fn with the outbox bound to the transaction, bound at the first
+// call.
 func (t *pgxTxn) call(ctx context.Context, msg *message.Message) error {
+	if err := t.bindOutbox(); err != nil {
+		return err
+	}
+	return t.fn(ctx, t.tx, msg, inContext(ctx, t.out))
+}
+
+// callBatch runs the batch function (NewPgxBatchTxHandler).
+func (t *pgxTxn) callBatch(ctx context.Context, msgs []*message.Message) error {
+	if err := t.bindOutbox(); err != nil {
+		return err
+	}
+	return t.batchFn(ctx, t.tx, msgs, inContext(ctx, t.out))
+}
+
+// bindOutbox binds the outbox to the transaction once.
+func (t *pgxTxn) bindOutbox() error {
 	if t.cfg.Outbox != nil && t.out == nil {
 		out, err := t.cfg.Outbox.PgxTxPublisher(t.tx)
 		if err != nil {
@@ -139,12 +171,7 @@ func (t *pgxTxn) call(ctx context.Context, msg *message.Message) error {
 		}
 		t.out = out
 	}
-	return t.fn(ctx, t.tx, msg, inContext(ctx, t.out))
-}
-
-// callBatch is never called: there are no batch handlers on pgx yet.
-func (t *pgxTxn) callBatch(context.Context, []*message.Message) error {
-	return errors.New("pipeline: batch handlers are not offered on pgx")
+	return nil
 }
 
 func (t *pgxTxn) rollback(ctx context.Context) error {
@@ -158,18 +185,37 @@ func (t *pgxTxn) rollback(ctx context.Context) error {
 // function receives a pgx.Tx (see NewPgxTxHandler). store must be a PgxStore
 // on cfg.DB's database; nil means Config.Store, which must then be one.
 func (p *Pipeline) HandlePgxTx(name, topic string, sub message.Subscriber, store *dedupe.PgxStore, cfg PgxTxConfig, fn PgxTxFunc) (Handlers, error) {
+	return p.handlePgxTx("HandlePgxTx", name, topic, sub, store, cfg, func(cfg PgxTxConfig) (message.NoPublishHandlerFunc, error) {
+		return NewPgxTxHandler(cfg, fn)
+	})
+}
+
+// handlePgxTx adds a pgx transactional handler built by build from cfg,
+// completed with the pipeline's store, key and busy delay.
+func (p *Pipeline) handlePgxTx(method, name, topic string, sub message.Subscriber, store *dedupe.PgxStore, cfg PgxTxConfig, build func(PgxTxConfig) (message.NoPublishHandlerFunc, error)) (Handlers, error) {
 	var s dedupe.Store = p.cfg.Store
 	if store != nil {
 		s = store
 	}
 	pgxStore, ok := s.(*dedupe.PgxStore)
 	if !ok {
-		return nil, fmt.Errorf("pipeline: HandlePgxTx %q needs a *dedupe.PgxStore, got %T", name, s)
+		return nil, fmt.Errorf("pipeline: %s %q needs a *dedupe.PgxStore, got %T", method, name, s)
+	}
+	if cfg.BusyDelay == 0 {
+		cfg.BusyDelay = p.cfg.BusyDelay
+	}
+	if pool, ok := cfg.DB.(*pgxpool.Pool); ok && cfg.Outbox != nil {
+		// As HandleTx: a missing outbox table is one clear error now, not
+		// a failure of every delivery later.
+		err := checkNow(func(ctx context.Context) error { return cfg.Outbox.PgxCheck(ctx, pool) })
+		if err != nil {
+			return nil, fmt.Errorf("pipeline: %s %q: PgxTxConfig.Outbox: %w", method, name, err)
+		}
 	}
 	return p.addTx(name, topic, sub, s, txSetup{
 		batch: &cfg.Batch, oneStatement: &cfg.OneStatement, key: &cfg.Key,
 		setStore: func() { cfg.Store = pgxStore },
-		build:    func() (message.NoPublishHandlerFunc, error) { return NewPgxTxHandler(cfg, fn) },
+		build:    func() (message.NoPublishHandlerFunc, error) { return build(cfg) },
 	})
 }
 

@@ -263,6 +263,16 @@ func (b *bench) countedDB(ctr *counter) (*sql.DB, error) {
 	return stdlib.OpenDB(*cfg), nil
 }
 
+// countedPool opens a pgx pool whose statements ctr counts.
+func (b *bench) countedPool(ctx context.Context, ctr *counter) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(b.o.dbURL)
+	if err != nil {
+		return nil, err
+	}
+	cfg.ConnConfig.Tracer = ctr
+	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
 func (b *bench) lagSubjects(ctx context.Context) ([]lagSubject, func(), error) {
 	var cleanups []func()
 	cleanup := func() {
@@ -304,7 +314,7 @@ func (b *bench) lagSubjects(ctx context.Context) ([]lagSubject, func(), error) {
 		subjects = append(subjects, lagSubject{
 			name: way.name,
 			commit: func(ctx context.Context, i int) (time.Time, error) {
-				t, err := b.publishTx(ctx, path{publisher: writer.TxPublisher}, "lag", i)
+				t, err := b.publishTx(ctx, path{inTx: b.sqlTx(writer.TxPublisher)}, "lag", i)
 				if err == nil {
 					writer.Notify()
 				}
@@ -329,6 +339,40 @@ func (b *bench) lagSubjects(ctx context.Context) ([]lagSubject, func(), error) {
 			},
 		})
 	}
+
+	// The same on pgx: PgxTxPublisher on the producers' pgx.Tx, NewPgxRelay
+	// on a pool of its own whose statements ctr counts.
+	ptopic := b.topic("lag_settle_pgx")
+	pob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: ptopic})
+	if err != nil {
+		return nil, cleanup, err
+	}
+	b.tables = append(b.tables, pob.Table(), pob.Table()+"_relays")
+	if err := pob.PgxInitSchema(ctx, b.pool); err != nil {
+		return nil, cleanup, err
+	}
+	subjects = append(subjects, lagSubject{
+		name: "settle pgx, NOTIFY in the INSERT (default)",
+		commit: func(ctx context.Context, i int) (time.Time, error) {
+			return b.publishTx(ctx, path{inTx: pgxTx(b.pool, pob.PgxTxPublisher)}, "lag", i)
+		},
+		start: func(ctx context.Context, ctr *counter, rec *recorder) (func() error, error) {
+			pool, err := b.countedPool(ctx, ctr)
+			if err != nil {
+				return nil, err
+			}
+			r, err := pob.NewPgxRelay(pool, rec, outbox.RelayConfig{Logger: b.logger})
+			if err != nil {
+				pool.Close()
+				return nil, err
+			}
+			return runUntilStopped(ctx, r.Run, r.Running(), func() error {
+				err := r.Close()
+				pool.Close()
+				return err
+			})
+		},
+	})
 
 	// Watermill's forwarder over watermill-sql, at its default poll and at
 	// 10 ms.

@@ -16,8 +16,10 @@
 //     broker. "bare" is watermill-sql's publisher on wsql.TxFromStdSQL(tx)
 //     wrapped by forwarder.NewPublisher, forwarded by forwarder.NewForwarder
 //     on a watermill-sql subscriber; "settle" is Outbox.TxPublisher(tx) and
-//     Outbox.NewRelay. Both poll with -poll and read 100 rows per query (the
-//     watermill-sql PostgreSQL default).
+//     Outbox.NewRelay on database/sql; "settle pgx" is Outbox.PgxTxPublisher
+//     on a pgx.Tx and Outbox.NewPgxRelay on a pgxpool.Pool. All poll with
+//     -poll and read 100 rows per query (the watermill-sql PostgreSQL
+//     default).
 //   - paced: the same at a fixed -rate for -paced, to read the lag of an
 //     outbox that keeps up.
 //   - prefilled: N rows committed first, then the forwarder started: the
@@ -55,6 +57,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/settle-go/settle/dedupe"
@@ -205,8 +209,20 @@ func run(o options, stdout, stderr io.Writer) error {
 	}
 	var pgVersion string
 	_ = db.QueryRowContext(ctx, "SHOW server_version").Scan(&pgVersion)
+	// The pgx paths' pool: the producers, the relay's batches and its LISTEN
+	// connection (database/sql's pool has no bound).
+	pcfg, err := pgxpool.ParseConfig(o.dbURL)
+	if err != nil {
+		return fmt.Errorf("-db: %w", err)
+	}
+	pcfg.MaxConns = int32(o.producers + 4)
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return fmt.Errorf("-db: %w", err)
+	}
+	defer pool.Close()
 
-	b := &bench{o: o, db: db, log: stderr, id: randomID(), logger: watermill.NopLogger{}}
+	b := &bench{o: o, db: db, pool: pool, log: stderr, id: randomID(), logger: watermill.NopLogger{}}
 	if o.verbose {
 		b.logger = watermill.NewStdLoggerWithOut(stderr, false, false)
 	}
@@ -275,7 +291,7 @@ func format(order []key, results map[key][]result) string {
 		if hasLag {
 			l50, l99 = ms(p50), ms(p99)
 		}
-		if k.path == "settle" && !strings.HasPrefix(k.scenario, "paced") {
+		if strings.HasPrefix(k.path, "settle") && !strings.HasPrefix(k.scenario, "paced") {
 			if bare, ok := results[key{k.broker, k.scenario, "bare"}]; ok && len(bare) > 0 {
 				br, _, _, _ := med(key{k.broker, k.scenario, "bare"})
 				ratio = strconv.FormatFloat(rate/br, 'f', 2, 64)
@@ -322,6 +338,7 @@ func randomID() string {
 type bench struct {
 	o      options
 	db     *sql.DB
+	pool   *pgxpool.Pool // the pgx paths'
 	log    io.Writer
 	logger watermill.LoggerAdapter // the forwarders'
 	id     string
@@ -515,25 +532,64 @@ func (b *bench) newMessage(i int) *message.Message {
 }
 
 // path is one way from a transaction to the broker: bare Watermill or
-// settle's outbox.
+// settle's outbox, on database/sql or on pgx.
 type path struct {
 	name string
-	// publisher binds a publisher to tx.
-	publisher func(tx *sql.Tx) (message.Publisher, error)
+	// inTx runs fn in a transaction of its own with a publisher bound to it,
+	// and commits it.
+	inTx func(ctx context.Context, fn func(pub message.Publisher) error) error
 	// start runs the forwarder into out; stop stops it.
 	start func(ctx context.Context, out message.Publisher) (stop func() error, err error)
+}
+
+// sqlTx is path.inTx on database/sql, with the publisher bind makes.
+func (b *bench) sqlTx(bind func(tx *sql.Tx) (message.Publisher, error)) func(context.Context, func(message.Publisher) error) error {
+	return func(ctx context.Context, fn func(message.Publisher) error) error {
+		tx, err := b.db.BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = tx.Rollback() }()
+		pub, err := bind(tx)
+		if err != nil {
+			return err
+		}
+		if err := fn(pub); err != nil {
+			return err
+		}
+		return tx.Commit()
+	}
+}
+
+// pgxTx is path.inTx on a pgx pool, with the publisher bind makes.
+func pgxTx(pool *pgxpool.Pool, bind func(tx pgx.Tx) (message.Publisher, error)) func(context.Context, func(message.Publisher) error) error {
+	return func(ctx context.Context, fn func(message.Publisher) error) error {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+		pub, err := bind(tx)
+		if err != nil {
+			return err
+		}
+		if err := fn(pub); err != nil {
+			return err
+		}
+		return tx.Commit(ctx)
+	}
 }
 
 func (b *bench) barePath(topic string) path {
 	return path{
 		name: "bare",
-		publisher: func(tx *sql.Tx) (message.Publisher, error) {
+		inTx: b.sqlTx(func(tx *sql.Tx) (message.Publisher, error) {
 			p, err := wsql.NewPublisher(wsql.TxFromStdSQL(tx), wsql.PublisherConfig{SchemaAdapter: wsql.DefaultPostgreSQLSchema{}}, watermill.NopLogger{})
 			if err != nil {
 				return nil, err
 			}
 			return forwarder.NewPublisher(p, forwarder.PublisherConfig{ForwarderTopic: topic}), nil
-		},
+		}),
 		start: func(ctx context.Context, out message.Publisher) (func() error, error) {
 			sub, err := wsql.NewSubscriber(wsql.BeginnerFromStdSQL(b.db), wsql.SubscriberConfig{
 				PollInterval:   b.o.poll,
@@ -562,21 +618,51 @@ func (b *bench) settlePath(ctx context.Context, topic string) (path, error) {
 		return path{}, err
 	}
 	return path{
-		name:      "settle",
-		publisher: ob.TxPublisher,
+		name: "settle",
+		inTx: b.sqlTx(ob.TxPublisher),
 		start: func(ctx context.Context, out message.Publisher) (func() error, error) {
 			r, err := ob.NewRelay(b.db, out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
 			if err != nil {
 				return nil, err
 			}
-			return runUntilStopped(ctx, r.Run, r.Running(), func() error {
-				if fwd, failed := r.Counts(); failed > 0 {
-					fmt.Fprintf(b.log, "settle relay: %d forwarded, %d forwards failed and were retried\n", fwd, failed)
-				}
-				return r.Close()
-			})
+			return b.runRelay(ctx, r)
 		},
 	}, nil
+}
+
+// settlePgxPath is settle's outbox on pgx: PgxTxPublisher on the
+// producers' pgx.Tx, NewPgxRelay on the pool.
+func (b *bench) settlePgxPath(ctx context.Context, topic string) (path, error) {
+	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: topic})
+	if err != nil {
+		return path{}, err
+	}
+	b.tables = append(b.tables, ob.Table(), ob.Table()+"_relays")
+	if err := ob.PgxInitSchema(ctx, b.pool); err != nil {
+		return path{}, err
+	}
+	return path{
+		name: "settle pgx",
+		inTx: pgxTx(b.pool, ob.PgxTxPublisher),
+		start: func(ctx context.Context, out message.Publisher) (func() error, error) {
+			r, err := ob.NewPgxRelay(b.pool, out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
+			if err != nil {
+				return nil, err
+			}
+			return b.runRelay(ctx, r)
+		},
+	}, nil
+}
+
+// runRelay runs r until the stop it returns, which reports retried
+// forwards.
+func (b *bench) runRelay(ctx context.Context, r *outbox.Relay) (func() error, error) {
+	return runUntilStopped(ctx, r.Run, r.Running(), func() error {
+		if fwd, failed := r.Counts(); failed > 0 {
+			fmt.Fprintf(b.log, "settle relay: %d forwarded, %d forwards failed and were retried\n", fwd, failed)
+		}
+		return r.Close()
+	})
 }
 
 // runUntilStopped runs run in a goroutine until it is running, and returns
@@ -598,19 +684,7 @@ func runUntilStopped(ctx context.Context, run func(context.Context) error, runni
 // publishTx writes message i in a transaction of its own and returns the
 // time COMMIT returned.
 func (b *bench) publishTx(ctx context.Context, p path, dest string, i int) (time.Time, error) {
-	tx, err := b.db.BeginTx(ctx, nil)
-	if err != nil {
-		return time.Time{}, err
-	}
-	defer func() { _ = tx.Rollback() }()
-	pub, err := p.publisher(tx)
-	if err != nil {
-		return time.Time{}, err
-	}
-	if err := pub.Publish(dest, b.newMessage(i)); err != nil {
-		return time.Time{}, err
-	}
-	if err := tx.Commit(); err != nil {
+	if err := p.inTx(ctx, func(pub message.Publisher) error { return pub.Publish(dest, b.newMessage(i)) }); err != nil {
 		return time.Time{}, err
 	}
 	return time.Now(), nil
@@ -706,11 +780,13 @@ func (b *bench) runOnce(ctx context.Context, run int, br *broker, add func(key, 
 		if err != nil {
 			return nil, err
 		}
-		ps := []path{b.barePath(bare), sp}
-		if run%2 == 1 { // alternate which goes first
-			ps[0], ps[1] = ps[1], ps[0]
+		pp, err := b.settlePgxPath(ctx, b.topic(tag+"p"))
+		if err != nil {
+			return nil, err
 		}
-		return ps, nil
+		ps := []path{b.barePath(bare), sp, pp}
+		// Rotate which goes first from run to run.
+		return append(ps[run%len(ps):], ps[:run%len(ps)]...), nil
 	}
 
 	// forward and paced: transactions while the forwarder runs.
@@ -803,24 +879,11 @@ func (b *bench) runOnce(ctx context.Context, run int, br *broker, add func(key, 
 func (b *bench) fill(ctx context.Context, p path, dest string, n int) error {
 	const batch = 100
 	for lo := 0; lo < n; lo += batch {
-		tx, err := b.db.BeginTx(ctx, nil)
-		if err != nil {
-			return err
-		}
-		pub, err := p.publisher(tx)
-		if err != nil {
-			_ = tx.Rollback()
-			return err
-		}
 		msgs := make([]*message.Message, 0, batch)
 		for i := lo; i < min(lo+batch, n); i++ {
 			msgs = append(msgs, b.newMessage(i))
 		}
-		if err := pub.Publish(dest, msgs...); err != nil {
-			_ = tx.Rollback()
-			return err
-		}
-		if err := tx.Commit(); err != nil {
+		if err := p.inTx(ctx, func(pub message.Publisher) error { return pub.Publish(dest, msgs...) }); err != nil {
 			return err
 		}
 	}

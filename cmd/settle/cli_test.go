@@ -38,6 +38,8 @@ func TestRunUsageErrors(t *testing.T) {
 		{"prune bad days", []string{"dedupe", "prune", "-older-than", "7days"}, "after the days, want a duration"},
 		{"db unsupported scheme", []string{"dedupe", "prune", "-db", "oracle://h/db", "-older-than", "1h"}, `-db: unsupported scheme "oracle"`},
 		{"db not a URL", []string{"outbox", "status", "-db", "just-a-name"}, "-db: "},
+		{"driver pgx on sqlite", []string{"outbox", "status", "-db", "sqlite://x.db", "-driver", "pgx"}, "-driver pgx works with postgres:// only, and -db is sqlite"},
+		{"driver unknown", []string{"dedupe", "prune", "-db", "sqlite://x.db", "-driver", "odbc", "-older-than", "1h"}, `-driver: "odbc" is not pgx, sql or auto`},
 		{"db missing", []string{"outbox", "status"}, "-db: no database URL (set -db, SETTLE_POSTGRES_URL or SETTLE_MYSQL_URL)"},
 		{"amqp missing", []string{"dlq", "list", "-queue", "q"}, "-amqp: no broker URL (set -amqp or SETTLE_AMQP_URL)"},
 		{"amqp bad scheme", []string{"dlq", "list", "-queue", "q", "-amqp", "http://h/"}, "-amqp: "},

@@ -1,7 +1,7 @@
 package main
 
 import (
-	"database/sql"
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -17,7 +17,7 @@ import (
 func runDedupePrune(e *env, args []string) (err error) {
 	const name = "dedupe prune"
 	fs := newFlagSet(name)
-	dbURL := dbFlag(fs)
+	dbURL, driver := dbFlag(fs), driverFlag(fs)
 	table := fs.String("table", dedupe.DefaultTable, "the dedupe table")
 	olderThan := ageFlag(fs, "older-than", "remove confirmed and released keys last touched longer ago than this, e.g. 7d or 36h (required)")
 	pos, err := parse(e, fs, name, args)
@@ -30,20 +30,30 @@ func runDedupePrune(e *env, args []string) (err error) {
 	case *olderThan <= 0:
 		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 7d)")
 	}
-	db, dialect, err := openDB(e, *dbURL)
+	d, err := openDatabase(e, *dbURL, *driver)
 	if err != nil {
 		return err
 	}
-	defer func() { err = errors.Join(err, db.Close()) }()
-	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: *table})
+	defer func() { err = errors.Join(err, d.Close()) }()
+	store, err := dedupe.NewSQLStore(d.db, dedupe.SQLConfig{Dialect: d.dialect, Table: *table})
 	if err != nil {
 		return fmt.Errorf("-table: %w", err)
 	}
+	// The table check reads column types, which only database/sql offers;
+	// on pgx its handle runs over the pool.
 	if err := store.Check(e.ctx); err != nil {
 		return fmt.Errorf("prune %s: %w", *table, err)
 	}
+	var pruner interface {
+		Prune(ctx context.Context, before time.Time) (int64, error)
+	} = store
+	if d.pool != nil {
+		if pruner, err = dedupe.NewPgxStore(d.pool, dedupe.PgxConfig{Table: *table}); err != nil {
+			return fmt.Errorf("-table: %w", err)
+		}
+	}
 	cutoff := time.Now().Add(-*olderThan)
-	n, err := store.Prune(e.ctx, cutoff)
+	n, err := pruner.Prune(e.ctx, cutoff)
 	if err != nil {
 		return fmt.Errorf("prune %s (%d rows removed before the error): %w", *table, n, err)
 	}
@@ -106,7 +116,7 @@ var errOutboxUnhealthy = errors.New("outbox is not healthy")
 func runOutboxStatus(e *env, args []string) (err error) {
 	const name = "outbox status"
 	fs := newFlagSet(name)
-	dbURL := dbFlag(fs)
+	dbURL, driver := dbFlag(fs), driverFlag(fs)
 	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
 	stuckAfter := fs.Duration("stuck-after", outbox.DefaultStuckAfter, "a pending row older than this is old: with a live relay, the relay is stuck or passes it over")
 	asJSON := fs.Bool("json", false, "write JSON")
@@ -120,15 +130,20 @@ func runOutboxStatus(e *env, args []string) (err error) {
 	case *stuckAfter <= 0:
 		return usagef(fs, name, "-stuck-after must be > 0")
 	}
-	db, ob, err := openOutbox(e, *dbURL, *topic, *stuckAfter)
+	d, ob, err := openOutbox(e, *dbURL, *driver, *topic, *stuckAfter)
 	if err != nil {
 		return err
 	}
-	defer func() { err = errors.Join(err, db.Close()) }()
-	if err := ob.Check(e.ctx, db); err != nil {
+	defer func() { err = errors.Join(err, d.Close()) }()
+	if err := d.checkOutbox(e.ctx, ob); err != nil {
 		return err
 	}
-	st, err := ob.Status(e.ctx, db)
+	var st outbox.Status
+	if d.pool != nil {
+		st, err = ob.PgxStatus(e.ctx, d.pool)
+	} else {
+		st, err = ob.Status(e.ctx, d.db)
+	}
 	if err != nil {
 		return err
 	}
@@ -159,7 +174,7 @@ func runOutboxStatus(e *env, args []string) (err error) {
 func runOutboxPrune(e *env, args []string) (err error) {
 	const name = "outbox prune"
 	fs := newFlagSet(name)
-	dbURL := dbFlag(fs)
+	dbURL, driver := dbFlag(fs), driverFlag(fs)
 	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
 	olderThan := ageFlag(fs, "older-than", "remove rows forwarded longer ago than this, e.g. 7d or 36h (required)")
 	pos, err := parse(e, fs, name, args)
@@ -172,15 +187,20 @@ func runOutboxPrune(e *env, args []string) (err error) {
 	case *olderThan <= 0:
 		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 7d)")
 	}
-	db, ob, err := openOutbox(e, *dbURL, *topic, 0)
+	d, ob, err := openOutbox(e, *dbURL, *driver, *topic, 0)
 	if err != nil {
 		return err
 	}
-	defer func() { err = errors.Join(err, db.Close()) }()
-	if err := ob.Check(e.ctx, db); err != nil {
+	defer func() { err = errors.Join(err, d.Close()) }()
+	if err := d.checkOutbox(e.ctx, ob); err != nil {
 		return err
 	}
-	n, err := ob.Prune(e.ctx, db, *olderThan)
+	var n int64
+	if d.pool != nil {
+		n, err = ob.PgxPrune(e.ctx, d.pool, *olderThan)
+	} else {
+		n, err = ob.Prune(e.ctx, d.db, *olderThan)
+	}
 	if err != nil {
 		return fmt.Errorf("prune outbox %s (%d rows removed before the error): %w", *topic, n, err)
 	}
@@ -193,18 +213,26 @@ func dbFlag(fs *flag.FlagSet) *string {
 	return fs.String("db", "", "database URL: postgres://, mysql:// or sqlite:///path (default $"+settleenv.PostgresURL+", else $"+settleenv.MySQLURL+")")
 }
 
-// openOutbox opens the database at dbURL and the outbox of topic on it. The
-// caller closes the database.
-func openOutbox(e *env, dbURL, topic string, stuckAfter time.Duration) (*sql.DB, *outbox.Outbox, error) {
-	db, dialect, err := openDB(e, dbURL)
+// openOutbox opens the database at dbURL through driver and the outbox of
+// topic on it. The caller closes the database.
+func openOutbox(e *env, dbURL, driver, topic string, stuckAfter time.Duration) (*database, *outbox.Outbox, error) {
+	d, err := openDatabase(e, dbURL, driver)
 	if err != nil {
 		return nil, nil, err
 	}
-	ob, err := outbox.New(outbox.Config{Dialect: dialect, Topic: topic, StuckAfter: stuckAfter})
+	ob, err := outbox.New(outbox.Config{Dialect: d.dialect, Topic: topic, StuckAfter: stuckAfter})
 	if err != nil {
-		return nil, nil, errors.Join(fmt.Errorf("-topic: %w", err), db.Close())
+		return nil, nil, errors.Join(fmt.Errorf("-topic: %w", err), d.Close())
 	}
-	return db, ob, nil
+	return d, ob, nil
+}
+
+// checkOutbox checks the outbox's tables through the database's driver.
+func (d *database) checkOutbox(ctx context.Context, ob *outbox.Outbox) error {
+	if d.pool != nil {
+		return ob.PgxCheck(ctx, d.pool)
+	}
+	return ob.Check(ctx, d.db)
 }
 
 // writeSQL writes statements for migration tools: a comment header, then

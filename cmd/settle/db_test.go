@@ -22,11 +22,14 @@ import (
 
 func TestDedupePrune(t *testing.T) {
 	t.Parallel()
+	pg := func(t *testing.T) string { return testenv.Require(t, testenv.PostgresURLEnv) }
 	for _, tc := range []struct {
-		name string
-		url  func(t *testing.T) string
+		name   string
+		url    func(t *testing.T) string
+		driver []string // the -driver flag, if any
 	}{
-		{"postgres", func(t *testing.T) string { return testenv.Require(t, testenv.PostgresURLEnv) }},
+		{"postgres-pgx", pg, nil}, // pgx is the default for postgres://
+		{"postgres-sql", pg, []string{"-driver", "sql"}},
 		{"sqlite", func(t *testing.T) string {
 			// The command opens only an existing file: an empty one is an
 			// empty SQLite database.
@@ -35,7 +38,7 @@ func TestDedupePrune(t *testing.T) {
 				t.Fatal(err)
 			}
 			return "sqlite://" + path
-		}},
+		}, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -72,7 +75,10 @@ func TestDedupePrune(t *testing.T) {
 				}
 			}
 
-			r := mustRun(t, exitOK, "dedupe", "prune", "-db", u, "-table", table, "-older-than", "7d")
+			prune := func(args ...string) []string {
+				return append(append([]string{"dedupe", "prune", "-db", u}, tc.driver...), args...)
+			}
+			r := mustRun(t, exitOK, prune("-table", table, "-older-than", "7d")...)
 			if !strings.HasPrefix(r.stdout, "pruned 4 rows from "+table+" ") {
 				t.Errorf("prune output:\n%v", r)
 			}
@@ -96,11 +102,11 @@ func TestDedupePrune(t *testing.T) {
 				t.Errorf("rows left: %q, want %q", left, want)
 			}
 
-			r = mustRun(t, exitOK, "dedupe", "prune", "-db", u, "-table", table, "-older-than", "168h")
+			r = mustRun(t, exitOK, prune("-table", table, "-older-than", "168h")...)
 			if !strings.HasPrefix(r.stdout, "pruned 0 rows") {
 				t.Errorf("second prune:\n%v", r)
 			}
-			r = mustRun(t, exitFail, "dedupe", "prune", "-db", u, "-table", table+"_missing", "-older-than", "1h")
+			r = mustRun(t, exitFail, prune("-table", table+"_missing", "-older-than", "1h")...)
 			if !strings.Contains(r.stderr, "settle: prune "+table+"_missing") {
 				t.Errorf("prune of a missing table:\n%v", r)
 			}
@@ -108,8 +114,19 @@ func TestDedupePrune(t *testing.T) {
 	}
 }
 
+// outbox status and prune on PostgreSQL, through pgx (the default) and
+// through database/sql (-driver sql).
 func TestOutboxStatus(t *testing.T) {
 	t.Parallel()
+	for _, driver := range []string{"pgx", "sql"} {
+		t.Run(driver, func(t *testing.T) {
+			t.Parallel()
+			testOutboxStatus(t, driver)
+		})
+	}
+}
+
+func testOutboxStatus(t *testing.T, driver string) {
 	u := testenv.Require(t, testenv.PostgresURLEnv)
 	db := testenv.Postgres(t)
 	var b [4]byte
@@ -128,7 +145,14 @@ func TestOutboxStatus(t *testing.T) {
 		}
 	})
 
-	r := mustRun(t, exitOK, "outbox", "status", "-db", u, "-topic", topic)
+	// -driver is given for sql only: pgx is the default.
+	cmd := func(args ...string) []string {
+		if driver == "sql" {
+			args = append(args[:2:2], append([]string{"-driver", "sql"}, args[2:]...)...)
+		}
+		return args
+	}
+	r := mustRun(t, exitOK, cmd("outbox", "status", "-db", u, "-topic", topic)...)
 	if !strings.Contains(r.stdout, "state:   ok\n") || !strings.Contains(r.stdout, "pending: 0\n") || !strings.Contains(r.stdout, "lag:     0s\n") {
 		t.Errorf("status of an empty outbox:\n%v", r)
 	}
@@ -158,7 +182,7 @@ func TestOutboxStatus(t *testing.T) {
 	publish(true, 2)
 	publish(false, 5)
 
-	r = mustRun(t, exitOK, "outbox", "status", "-db", u, "-topic", topic, "-json")
+	r = mustRun(t, exitOK, cmd("outbox", "status", "-db", u, "-topic", topic, "-json")...)
 	var st struct {
 		Topic      string  `json:"topic"`
 		State      string  `json:"state"`
@@ -173,23 +197,23 @@ func TestOutboxStatus(t *testing.T) {
 		t.Errorf("status = %+v, want 2 pending", st)
 	}
 	// Consumer groups are gone: the flag is refused, not ignored.
-	r = mustRun(t, exitUsage, "outbox", "status", "-db", u, "-topic", topic, "-group", "nosuch")
+	r = mustRun(t, exitUsage, cmd("outbox", "status", "-db", u, "-topic", topic, "-group", "nosuch")...)
 	if !strings.Contains(r.stderr, "-group") {
 		t.Errorf("status -group:\n%v", r)
 	}
 	// Old rows and no relay: the status says so and exits 1.
 	time.Sleep(20 * time.Millisecond)
-	r = mustRun(t, exitFail, "outbox", "status", "-db", u, "-topic", topic, "-stuck-after", "10ms")
+	r = mustRun(t, exitFail, cmd("outbox", "status", "-db", u, "-topic", topic, "-stuck-after", "10ms")...)
 	if !strings.Contains(r.stdout, "state:   no_relay\n") || !strings.Contains(r.stdout, "no relay is alive") {
 		t.Errorf("status of old rows without a relay:\n%v", r)
 	}
 
 	// A missing outbox: the hint says what to run, not the driver's error.
-	r = mustRun(t, exitFail, "outbox", "status", "-db", u, "-topic", topic+"_none")
+	r = mustRun(t, exitFail, cmd("outbox", "status", "-db", u, "-topic", topic+"_none")...)
 	if !strings.Contains(r.stderr, "table "+topic+"_none does not exist") || !strings.Contains(r.stderr, "settle outbox schema -dialect postgres -topic "+topic+"_none") {
 		t.Errorf("status of a missing outbox:\n%v", r)
 	}
-	r = mustRun(t, exitFail, "outbox", "prune", "-db", u, "-topic", topic+"_none", "-older-than", "1h")
+	r = mustRun(t, exitFail, cmd("outbox", "prune", "-db", u, "-topic", topic+"_none", "-older-than", "1h")...)
 	if !strings.Contains(r.stderr, "settle outbox schema -dialect postgres") {
 		t.Errorf("prune of a missing outbox:\n%v", r)
 	}
@@ -198,11 +222,11 @@ func TestOutboxStatus(t *testing.T) {
 	if err != nil || n != 2 {
 		t.Fatalf("Forward = %d, %v", n, err)
 	}
-	r = mustRun(t, exitUsage, "outbox", "prune", "-db", u, "-topic", topic)
+	r = mustRun(t, exitUsage, cmd("outbox", "prune", "-db", u, "-topic", topic)...)
 	if !strings.Contains(r.stderr, "-older-than is required") {
 		t.Errorf("prune without -older-than:\n%v", r)
 	}
-	r = mustRun(t, exitOK, "outbox", "prune", "-db", u, "-topic", topic, "-older-than", "1ns")
+	r = mustRun(t, exitOK, cmd("outbox", "prune", "-db", u, "-topic", topic, "-older-than", "1ns")...)
 	if !strings.Contains(r.stdout, "pruned 2 rows from outbox "+topic) {
 		t.Errorf("prune:\n%v", r)
 	}
@@ -227,6 +251,48 @@ func TestMissingSQLiteFileIsNotCreated(t *testing.T) {
 		}
 		if _, err := os.Stat(path); !os.IsNotExist(err) {
 			t.Fatalf("%v created %s (stat: %v)", args, path, err)
+		}
+	}
+}
+
+// -driver picks how the database commands reach PostgreSQL: a pgx pool by
+// default, database/sql when asked; SQLite has database/sql only.
+func TestDatabaseDriver(t *testing.T) {
+	t.Parallel()
+	u := testenv.Require(t, testenv.PostgresURLEnv)
+	path := filepath.Join(t.TempDir(), "settle.db")
+	if err := os.WriteFile(path, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e := &env{ctx: t.Context(), getenv: func(string) string { return "" }}
+	for _, tc := range []struct {
+		url, driver string
+		pgx         bool
+	}{
+		{u, driverAuto, true},
+		{u, driverPgx, true},
+		{u, driverSQL, false},
+		{"sqlite://" + path, driverAuto, false},
+		{"sqlite://" + path, driverSQL, false},
+	} {
+		d, err := openDatabase(e, tc.url, tc.driver)
+		if err != nil {
+			t.Fatalf("%s -driver %s: %v", redact(tc.url), tc.driver, err)
+		}
+		if (d.pool != nil) != tc.pgx {
+			t.Errorf("%s -driver %s: on a pgx pool = %v, want %v", redact(tc.url), tc.driver, d.pool != nil, tc.pgx)
+		}
+		// Both handles answer; on pgx the database/sql one runs over the pool.
+		if err := d.db.PingContext(t.Context()); err != nil {
+			t.Errorf("%s -driver %s: %v", redact(tc.url), tc.driver, err)
+		}
+		if d.pool != nil {
+			if err := d.pool.Ping(t.Context()); err != nil {
+				t.Error(err)
+			}
+		}
+		if err := d.Close(); err != nil {
+			t.Error(err)
 		}
 	}
 }

@@ -76,6 +76,7 @@ func TestOrdersOnTheEmbeddedDefault(t *testing.T) {
 	}
 }
 
+// On PostgreSQL the example runs settle through pgx (a pgxpool.Pool).
 func TestOrdersOnRabbitMQAndPostgreSQL(t *testing.T) {
 	var out bytes.Buffer
 	cfg := config{Orders: 20, Out: &out, DB: testenv.Require(t, testenv.PostgresURLEnv), AMQP: testenv.AMQPURL(t)}
@@ -83,8 +84,14 @@ func TestOrdersOnRabbitMQAndPostgreSQL(t *testing.T) {
 		t.Fatalf("run: %v\n%s", err, out.String())
 	}
 	checkReport(t, out.String())
-	if !strings.Contains(out.String(), "rabbitmq + postgres") {
-		t.Errorf("not on RabbitMQ and PostgreSQL:\n%s", out.String())
+	// PostgreSQL goes through pgx: the store, the charge's pgx.Tx, the
+	// outbox publisher on it and the pgx relay, which forwarded every
+	// "placed" and "charged" event.
+	if !strings.Contains(out.String(), "rabbitmq + postgres via pgx") {
+		t.Errorf("not on RabbitMQ and PostgreSQL through pgx:\n%s", out.String())
+	}
+	if got := row(t, out.String(), "outbox messages forwarded"); strings.Join(got, " ") != "40" {
+		t.Errorf("outbox messages forwarded = %v, want 40 (20 placed, 20 charged)\n%s", got, out.String())
 	}
 }
 

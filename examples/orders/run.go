@@ -24,7 +24,6 @@ import (
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
-	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
@@ -112,11 +111,18 @@ func run(parent context.Context, cfg config) (err error) {
 			}
 		}()
 	}
-	db, dialect, err := sqlurl.Open(cfg.DB)
+	db, dialect, pool, err := openDB(ctx, cfg.DB)
 	if err != nil {
 		return err
 	}
 	defer db.Close()
+	if pool != nil {
+		defer pool.Close()
+	}
+	driver := "" // how settle reaches the database, when it is not database/sql
+	if pool != nil {
+		driver = " via pgx"
+	}
 	if err := db.PingContext(ctx); err != nil {
 		return fmt.Errorf("database %s: %w", dialect, err)
 	}
@@ -175,7 +181,13 @@ func run(parent context.Context, cfg config) (err error) {
 		}
 	}()
 
-	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: s.claims})
+	// On PostgreSQL settle runs on the pgx pool; elsewhere on database/sql.
+	var store dedupe.Store
+	if pool != nil {
+		store, err = dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: s.claims})
+	} else {
+		store, err = dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: s.claims})
+	}
 	if err != nil {
 		return err
 	}
@@ -183,7 +195,12 @@ func run(parent context.Context, cfg config) (err error) {
 	if err != nil {
 		return err
 	}
-	if err := ob.InitSchema(ctx, db); err != nil {
+	if pool != nil {
+		err = ob.PgxInitSchema(ctx, pool)
+	} else {
+		err = ob.InitSchema(ctx, db)
+	}
+	if err != nil {
 		return err
 	}
 	defer func() {
@@ -221,18 +238,22 @@ func run(parent context.Context, cfg config) (err error) {
 	var emailed atomic.Int64
 	// charge: once per order, in one transaction with the charge row and the
 	// "charged" event in the outbox.
-	if _, err := p.HandleTx("charge", topics.placed, br.sub, nil, pipeline.TxConfig{DB: db, Outbox: ob},
-		pipeline.TypedTx(nil, func(ctx context.Context, tx *sql.Tx, m pipeline.Message[orderPlaced], out message.Publisher) error {
-			if _, err := tx.ExecContext(ctx, "INSERT INTO "+s.charges+" (order_id, cents) VALUES ("+s.ph(1)+", "+s.ph(2)+")", m.Body.OrderID, m.Body.Cents); err != nil {
-				return err
-			}
-			ev, err := pipeline.NewMessage("charged-"+m.Body.OrderID, nil, orderCharged{OrderID: m.Body.OrderID, Email: m.Body.Email})
-			if err != nil {
-				return err
-			}
-			ev.SetContext(ctx)
-			return out.Publish(topics.charged, ev)
-		})); err != nil {
+	if pool != nil {
+		_, err = p.HandlePgxTx("charge", topics.placed, br.sub, nil, pipeline.PgxTxConfig{DB: pool, Outbox: ob}, chargePgx(s, topics.charged))
+	} else {
+		_, err = p.HandleTx("charge", topics.placed, br.sub, nil, pipeline.TxConfig{DB: db, Outbox: ob},
+			pipeline.TypedTx(nil, func(ctx context.Context, tx *sql.Tx, m pipeline.Message[orderPlaced], out message.Publisher) error {
+				if _, err := tx.ExecContext(ctx, "INSERT INTO "+s.charges+" (order_id, cents) VALUES ("+s.ph(1)+", "+s.ph(2)+")", m.Body.OrderID, m.Body.Cents); err != nil {
+					return err
+				}
+				ev, err := chargedEvent(ctx, m.Body)
+				if err != nil {
+					return err
+				}
+				return out.Publish(topics.charged, ev)
+			}))
+	}
+	if err != nil {
 		return err
 	}
 	// email: a flaky mail server; one address always bounces.
@@ -254,7 +275,13 @@ func run(parent context.Context, cfg config) (err error) {
 		return err
 	}
 
-	relay, err := ob.NewRelay(db, br.pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MeterProvider: tel.mp})
+	relayCfg := outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MeterProvider: tel.mp}
+	var relay *outbox.Relay
+	if pool != nil {
+		relay, err = ob.NewPgxRelay(pool, br.pub, relayCfg)
+	} else {
+		relay, err = ob.NewRelay(db, br.pub, relayCfg)
+	}
 	if err != nil {
 		return err
 	}
@@ -307,7 +334,7 @@ func run(parent context.Context, cfg config) (err error) {
 
 	// Place the orders: each in a transaction of its own, with its row and
 	// its "placed" event in the outbox.
-	say("orders: %s + %s, %d orders (run %s)", br.system, dialect, cfg.Orders, runID)
+	say("orders: %s + %s%s, %d orders (run %s)", br.system, dialect, driver, cfg.Orders, runID)
 
 	// From here on the pipeline has cfg.Timeout to settle.
 	ctx, cancel := context.WithTimeout(parent, cfg.Timeout)
@@ -319,7 +346,12 @@ func run(parent context.Context, cfg config) (err error) {
 		if ctx.Err() != nil {
 			return early(fmt.Sprintf("placed %d of %d orders", i-1, cfg.Orders))
 		}
-		msg, err := placeOrder(ctx, tracer, db, ob, s, topics.placed, o)
+		var msg *message.Message
+		if pool != nil {
+			msg, err = placeOrderPgx(ctx, tracer, pool, ob, s, topics.placed, o)
+		} else {
+			msg, err = placeOrder(ctx, tracer, db, ob, s, topics.placed, o)
+		}
 		if err != nil {
 			if ctx.Err() != nil {
 				return early(fmt.Sprintf("placed %d of %d orders", i-1, cfg.Orders))

@@ -1,0 +1,151 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/pipeline"
+)
+
+// pgxTxBatch is the batched workload of the pgx section: g deliveries in
+// flight share one transaction (BatchConfig.MaxSize g), whose keys are
+// claimed confirmed in one statement and whose effects are inserted in one
+// statement; one commit for the batch. settle's batch handler on pgx
+// (NewPgxBatchTxHandler) and on database/sql (NewBatchTxHandler) beside
+// the raw pgx floor: the same two statements in a transaction, batched by
+// the smallest batcher that does the same gathering.
+const pgxTxBatch = "tx-batch"
+
+// batchOp returns the op of one side of the tx-batch workload at g
+// goroutines.
+func (b *pgxBench) batchOp(ctx context.Context, side string, g int) (func(ctx context.Context, key string) error, string, error) {
+	sqlStore, claims, err := b.dedupeTable(ctx)
+	if err != nil {
+		return nil, "", err
+	}
+	effects, err := b.effectTable(ctx)
+	if err != nil {
+		return nil, "", err
+	}
+	ps, err := dedupe.NewPgxStore(b.pool, dedupe.PgxConfig{Table: claims})
+	if err != nil {
+		return nil, "", err
+	}
+	now := `(extract(epoch from statement_timestamp()) * 1000000)::bigint`
+	claimAll := `INSERT INTO "` + claims + `" AS cur (key, state, token, attempts, expires_at, updated_at)
+SELECT k, 2, $2, 1, 0, ` + now + ` FROM unnest($1::bytea[]) AS k
+ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
+WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
+RETURNING key, attempts`
+	insertAll := "INSERT INTO " + effects + " (msg) SELECT unnest($1::text[])"
+	ids := func(msgs []*message.Message) []string {
+		s := make([]string, len(msgs))
+		for i, m := range msgs {
+			s[i] = m.UUID
+		}
+		return s
+	}
+	batch := pipeline.BatchConfig{MaxSize: g}
+	switch side {
+	case pgxFloor:
+		rb := &rawBatcher{max: g, wait: pipeline.DefaultBatchWait, run: func(ctx context.Context, keys []string) error {
+			bk := make([][]byte, len(keys))
+			for i, k := range keys {
+				bk[i] = []byte(k)
+			}
+			return pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
+				rows, err := tx.Query(ctx, claimAll, bk, randomID())
+				if err != nil {
+					return err
+				}
+				rows.Close()
+				if err := rows.Err(); err != nil {
+					return err
+				}
+				_, err = tx.Exec(ctx, insertAll, keys)
+				return err
+			})
+		}}
+		return rb.do, effects, nil
+	case pgxNat:
+		h, err := pipeline.NewPgxBatchTxHandler(pipeline.PgxTxConfig{DB: b.pool, Store: ps, Batch: batch},
+			func(ctx context.Context, tx pgx.Tx, msgs []*message.Message, _ message.Publisher) error {
+				_, err := tx.Exec(ctx, insertAll, ids(msgs))
+				return err
+			})
+		if err != nil {
+			return nil, "", err
+		}
+		return msgOp(h), effects, nil
+	default:
+		h, err := pipeline.NewBatchTxHandler(pipeline.TxConfig{DB: b.db, Store: sqlStore, Batch: batch},
+			func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, _ message.Publisher) error {
+				_, err := tx.ExecContext(ctx, insertAll, ids(msgs))
+				return err
+			})
+		if err != nil {
+			return nil, "", err
+		}
+		return msgOp(h), effects, nil
+	}
+}
+
+// rawBatcher gathers concurrent calls into batches of up to max keys, as
+// settle's batcher does (the first caller leads, waits up to wait for the
+// batch to fill, runs it and answers the others), without any of its
+// settlement: the floor of group commit.
+type rawBatcher struct {
+	max  int
+	wait time.Duration
+	run  func(ctx context.Context, keys []string) error
+
+	mu   sync.Mutex
+	open *rawBatch
+}
+
+type rawBatch struct {
+	keys []string
+	full chan struct{} // closed when keys reaches max
+	done chan struct{} // closed when err is set
+	err  error
+}
+
+func (r *rawBatcher) do(ctx context.Context, key string) error {
+	r.mu.Lock()
+	bt := r.open
+	leader := bt == nil
+	if leader {
+		bt = &rawBatch{full: make(chan struct{}), done: make(chan struct{})}
+		r.open = bt
+	}
+	bt.keys = append(bt.keys, key)
+	if len(bt.keys) >= r.max {
+		r.open = nil
+		close(bt.full)
+	}
+	r.mu.Unlock()
+	if leader {
+		t := time.NewTimer(r.wait)
+		select {
+		case <-bt.full:
+		case <-t.C:
+		}
+		t.Stop()
+		r.mu.Lock()
+		if r.open == bt {
+			r.open = nil
+		}
+		keys := bt.keys
+		r.mu.Unlock()
+		bt.err = r.run(context.WithoutCancel(ctx), keys)
+		close(bt.done)
+	}
+	<-bt.done
+	return bt.err
+}

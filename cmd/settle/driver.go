@@ -1,0 +1,106 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"flag"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/settleenv"
+	"github.com/settle-go/settle/internal/sqlurl"
+)
+
+// The values of -driver.
+const (
+	driverAuto = "auto" // pgx for postgres://, database/sql otherwise
+	driverPgx  = "pgx"  // a pgxpool.Pool and settle's Pgx functions; PostgreSQL only
+	driverSQL  = "sql"  // database/sql (pgx's stdlib driver for PostgreSQL)
+)
+
+// driverFlag defines the -driver flag of the commands that work on a
+// database.
+func driverFlag(fs *flag.FlagSet) *string {
+	return fs.String("driver", driverAuto, "how to reach the database: pgx (a pgxpool.Pool; postgres:// only), sql (database/sql), or auto: pgx for postgres://, sql otherwise")
+}
+
+// database is what the database commands run on: database/sql, or a
+// pgxpool.Pool for PostgreSQL.
+type database struct {
+	dialect dedupe.Dialect
+	// db is the database/sql handle. On pgx it runs over the pool's own
+	// connections (stdlib.OpenDBFromPool), for the one check that only
+	// database/sql offers (dedupe.SQLStore.Check reads column types).
+	db *sql.DB
+	// pool is the pgx pool; nil on database/sql.
+	pool *pgxpool.Pool
+}
+
+func (d *database) Close() error {
+	err := d.db.Close()
+	if d.pool != nil {
+		d.pool.Close()
+	}
+	return err
+}
+
+// openDatabase opens and pings the database at rawURL (or the one the
+// environment names) through driver (a -driver value). The caller closes it.
+func openDatabase(e *env, flagURL, driver string) (*database, error) {
+	rawURL, from := flagURL, "-db"
+	if rawURL == "" {
+		var name string
+		rawURL, name = settleenv.DatabaseURL(e.getenv)
+		from = "$" + name
+	}
+	var dialect dedupe.Dialect
+	if rawURL != "" {
+		if _, _, d, err := sqlurl.Parse(rawURL); err == nil {
+			dialect = d
+		}
+	}
+	switch driver {
+	case driverAuto:
+		if dialect != dedupe.Postgres {
+			driver = driverSQL
+		} else {
+			driver = driverPgx
+		}
+	case driverPgx:
+		if rawURL != "" && dialect != "" && dialect != dedupe.Postgres {
+			return nil, &usageError{msg: fmt.Sprintf("-driver pgx works with postgres:// only, and %s is %s", from, dialect)}
+		}
+	case driverSQL:
+	default:
+		return nil, &usageError{msg: fmt.Sprintf("-driver: %q is not pgx, sql or auto", driver)}
+	}
+	if driver == driverSQL || dialect != dedupe.Postgres {
+		// openDB resolves the URL again and reports a missing or bad one.
+		db, d, err := openDB(e, flagURL)
+		if err != nil {
+			return nil, err
+		}
+		return &database{dialect: d, db: db}, nil
+	}
+	cfg, err := pgxpool.ParseConfig(rawURL)
+	if err != nil {
+		return nil, &usageError{msg: fmt.Sprintf("%s: %v", from, err)} // pgx redacts the password
+	}
+	cfg.MaxConns = 4 // a command runs a few statements, one after the other
+	pctx, cancel := context.WithTimeout(e.ctx, connectTimeout)
+	defer cancel()
+	pool, err := pgxpool.NewWithConfig(pctx, cfg)
+	if err == nil {
+		err = pool.Ping(pctx)
+	}
+	if err != nil {
+		if pool != nil {
+			pool.Close()
+		}
+		return nil, fmt.Errorf("%s: cannot reach the postgres database at %s: %w", from, redact(rawURL), err)
+	}
+	return &database{dialect: dedupe.Postgres, db: stdlib.OpenDBFromPool(pool), pool: pool}, nil
+}
