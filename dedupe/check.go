@@ -40,12 +40,9 @@ func (s *SQLStore) Check(ctx context.Context) error {
 	if err := e.db.QueryRowContext(ctx, "SELECT 1").Scan(new(int)); err != nil {
 		return fmt.Errorf("dedupe: check: the database does not answer: %w", err)
 	}
-	schemaErr := func(problem string) error {
-		return &SchemaError{Table: s.table, Problem: problem, DDL: s.Schema()}
-	}
 	rows, err := e.db.QueryContext(ctx, "SELECT * FROM "+s.dialect.quote(s.table)+" WHERE 1 = 0")
 	if err != nil {
-		return schemaErr(fmt.Sprintf("it cannot be read (%v)", err))
+		return s.schemaErr(fmt.Sprintf("it cannot be read (%v)", err))
 	}
 	defer rows.Close()
 	types, err := rows.ColumnTypes()
@@ -56,20 +53,33 @@ func (s *SQLStore) Check(ctx context.Context) error {
 	for _, t := range types {
 		have[strings.ToLower(t.Name())] = strings.ToUpper(t.DatabaseTypeName())
 	}
+	if err := s.checkColumns(have); err != nil {
+		return err
+	}
+	return rows.Err()
+}
+
+func (s *SQLStore) schemaErr(problem string) error {
+	return &SchemaError{Table: s.table, Problem: problem, DDL: s.Schema()}
+}
+
+// checkColumns compares the claims table's columns (lower-case name to
+// upper-case database type name, "" when unknown) with Schema's.
+func (s *SQLStore) checkColumns(have map[string]string) error {
 	for _, c := range schemaColumns(s.Schema()[0]) {
 		got, ok := have[c.name]
 		if !ok && c.name == "first_at" {
 			// Added after the first release: an existing table needs it added.
-			return schemaErr(fmt.Sprintf("column first_at is missing (a table made by an earlier version: ALTER TABLE %s ADD COLUMN first_at %s NOT NULL DEFAULT 0)", s.dialect.quote(s.table), c.typ))
+			return s.schemaErr(fmt.Sprintf("column first_at is missing (a table made by an earlier version: ALTER TABLE %s ADD COLUMN first_at %s NOT NULL DEFAULT 0)", s.dialect.quote(s.table), c.typ))
 		}
 		if !ok {
-			return schemaErr(fmt.Sprintf("column %s is missing", c.name))
+			return s.schemaErr(fmt.Sprintf("column %s is missing", c.name))
 		}
 		if want := typeKind(c.typ); got != "" && typeKind(got) != "" && typeKind(got) != want {
-			return schemaErr(fmt.Sprintf("column %s is %s, want %s", c.name, got, c.typ))
+			return s.schemaErr(fmt.Sprintf("column %s is %s, want %s", c.name, got, c.typ))
 		}
 	}
-	return rows.Err()
+	return nil
 }
 
 type schemaColumn struct{ name, typ string }

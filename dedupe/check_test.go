@@ -1,6 +1,7 @@
 package dedupe_test
 
 import (
+	"context"
 	"errors"
 	"strings"
 	"testing"
@@ -14,7 +15,14 @@ import (
 // accepts the table that Schema creates.
 func TestCheck(t *testing.T) {
 	t.Parallel()
-	for _, d := range testenv.Databases() {
+	type checker interface {
+		Check(context.Context) error
+		Schema() []string
+	}
+	for _, d := range append(testenv.Databases(), struct {
+		Name string
+		Open func(testing.TB) testenv.DB
+	}{"postgres-pgx", testenv.Postgres}) {
 		t.Run(d.Name, func(t *testing.T) {
 			t.Parallel()
 			db := d.Open(t)
@@ -24,7 +32,14 @@ func TestCheck(t *testing.T) {
 				}
 				return `"` + s + `"`
 			}
-			store := func(table string) *dedupe.SQLStore {
+			store := func(table string) checker {
+				if d.Name == "postgres-pgx" {
+					s, err := dedupe.NewPgxStore(testenv.PgxPool(t), dedupe.PgxConfig{Table: table})
+					if err != nil {
+						t.Fatal(err)
+					}
+					return s
+				}
 				s, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: table})
 				if err != nil {
 					t.Fatal(err)

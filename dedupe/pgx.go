@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -254,4 +255,36 @@ func (s *SQLStore) readBackUntaken(ctx context.Context, claims []Claim, keys [][
 		}
 	}
 	return nil
+}
+
+// Check is [SQLStore.Check] on pgx: the database answers, and the claims
+// table exists with the columns of [Schema]; a missing or mis-shaped table
+// is a *SchemaError naming the statements to run.
+func (p *PgxStore) Check(ctx context.Context) error {
+	e, ok := p.s.ex.(pgxExec)
+	if !ok {
+		return errors.New("dedupe: check: the store does not run on pgx")
+	}
+	if err := e.db.QueryRow(ctx, "SELECT 1").Scan(new(int)); err != nil {
+		return fmt.Errorf("dedupe: check: the database does not answer: %w", err)
+	}
+	rows, err := e.db.Query(ctx, "SELECT * FROM "+p.s.dialect.quote(p.s.table)+" WHERE 1 = 0")
+	if err != nil {
+		return p.s.schemaErr(fmt.Sprintf("it cannot be read (%v)", err))
+	}
+	defer rows.Close()
+	types := rows.Conn().TypeMap()
+	have := map[string]string{}
+	for _, f := range rows.FieldDescriptions() {
+		name := ""
+		if t, ok := types.TypeForOID(f.DataTypeOID); ok {
+			name = strings.ToUpper(t.Name)
+		}
+		have[strings.ToLower(f.Name)] = name
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return p.s.schemaErr(fmt.Sprintf("it cannot be read (%v)", err))
+	}
+	return p.s.checkColumns(have)
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
@@ -77,5 +78,40 @@ func TestHandleTxChecksTheOutboxTable(t *testing.T) {
 	}
 	if _, err := p.HandleTx("charge", "orders", ps, nil, pipeline.TxConfig{DB: db.DB, Outbox: ob}, fn); err != nil {
 		t.Fatalf("HandleTx with the outbox table made: %v", err)
+	}
+}
+
+// The same on pgx: a PgxStore whose claims table is missing is refused by
+// New and by HandlePgxTx.
+func TestPgxStoreClaimsTableIsChecked(t *testing.T) {
+	t.Parallel()
+	pool := testenv.PgxPool(t)
+	ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	t.Cleanup(func() { _ = ps.Close() })
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	missing, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: "not_migrated"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: missing}); !errors.Is(err, dedupe.ErrSchema) {
+		t.Fatalf("New on a missing claims table = %v; want an error wrapping dedupe.ErrSchema", err)
+	}
+	p, err := pipeline.New(router, pipeline.Config{Publisher: ps})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fn := func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }
+	if _, err := p.HandlePgxTx("charge", "orders", ps, missing, pipeline.PgxTxConfig{DB: pool}, fn); !errors.Is(err, dedupe.ErrSchema) {
+		t.Fatalf("HandlePgxTx on a missing claims table = %v; want an error wrapping dedupe.ErrSchema", err)
+	}
+	present, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: testenv.DedupeTable(t, testenv.Postgres(t))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.HandlePgxTx("charge", "orders", ps, present, pipeline.PgxTxConfig{DB: pool}, fn); err != nil {
+		t.Fatalf("HandlePgxTx on a migrated claims table: %v", err)
 	}
 }

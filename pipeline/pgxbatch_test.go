@@ -359,7 +359,8 @@ func TestTypedPgxBatchTxPoisonsOneMessage(t *testing.T) {
 func TestPgxBatchTxConfigIsChecked(t *testing.T) {
 	t.Parallel()
 	fn := func(context.Context, pgx.Tx, []*message.Message, message.Publisher) error { return nil }
-	store, err := dedupe.NewPgxStore(&pgxpool.Pool{}, dedupe.PgxConfig{})
+	// A real pool and table: the pipeline checks the store's table.
+	store, err := dedupe.NewPgxStore(testenv.PgxPool(t), dedupe.PgxConfig{Table: testenv.DedupeTable(t, testenv.Postgres(t))})
 	must(t, err)
 	for _, c := range []struct {
 		cfg  pipeline.PgxTxConfig

@@ -201,6 +201,11 @@ func (p *Pipeline) handlePgxTx(method, name, topic string, sub message.Subscribe
 	if !ok {
 		return nil, fmt.Errorf("pipeline: %s %q needs a *dedupe.PgxStore, got %T", method, name, s)
 	}
+	if store != nil {
+		if err := checkStore(store); err != nil {
+			return nil, err
+		}
+	}
 	if cfg.BusyDelay == 0 {
 		cfg.BusyDelay = p.cfg.BusyDelay
 	}

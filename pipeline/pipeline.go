@@ -220,13 +220,14 @@ func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store, noDedup
 	return mws, nil
 }
 
-// checkStore checks a SQL store's claims table.
+// checkStore checks a store that can check itself (SQLStore, PgxStore:
+// the claims table).
 func checkStore(s dedupe.Store) error {
-	sql, ok := s.(*dedupe.SQLStore)
+	c, ok := s.(interface{ Check(context.Context) error })
 	if !ok {
 		return nil
 	}
-	if err := checkNow(sql.Check); err != nil {
+	if err := checkNow(c.Check); err != nil {
 		return fmt.Errorf("pipeline: Config.Store: %w", err)
 	}
 	return nil
