@@ -89,7 +89,7 @@ func (b *pgxBench) op(ctx context.Context, workload, side string, g int) (func(c
 		return nil, "", err
 	}
 	t := `"` + claims + `"`
-	now := `(extract(epoch from statement_timestamp()) * 1000000)::bigint`
+	now := pgNow
 	// The store's statements, as dedupe writes them for PostgreSQL.
 	claim := `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
 VALUES ($1, 1, $2, 1, ` + now + ` + $3, ` + now + `)
@@ -152,11 +152,6 @@ SELECT convert_to('dup-' || i, 'UTF8'), 2, '', 1, 0, `+now+` FROM generate_serie
 			slices.Sort(ks)
 			return ks
 		}
-		claimAll := `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
-SELECT k, 2, $2, 1, 0, ` + now + ` FROM unnest($1::bytea[]) AS k
-ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
-WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
-RETURNING key, attempts`
 		check := func(cs []dedupe.Claim) error {
 			for _, c := range cs {
 				if c.Result != dedupe.Duplicate {
@@ -169,17 +164,9 @@ RETURNING key, attempts`
 		case pgxFloor:
 			return func(ctx context.Context, key string) error {
 				ks := keys(key)
-				bk := make([][]byte, len(ks))
-				for i, k := range ks {
-					bk[i] = []byte(k)
-				}
 				return pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
-					rows, err := tx.Query(ctx, claimAll, bk, randomID())
+					bk, err := rawClaimAll(ctx, tx, t, ks)
 					if err != nil {
-						return err
-					}
-					rows.Close()
-					if err := rows.Err(); err != nil {
 						return err
 					}
 					var batch pgx.Batch
@@ -405,3 +392,28 @@ func pgxTable(r *PgxResults) string {
 	}
 	return b.String()
 }
+
+// rawClaimAll is the floor's claim of keys as confirmed in one statement,
+// the statement dedupe's ClaimConfirmedAll sends on PostgreSQL, written by
+// hand. table is quoted. It returns the keys as bytes.
+func rawClaimAll(ctx context.Context, tx pgx.Tx, table string, keys []string) ([][]byte, error) {
+	bk := make([][]byte, len(keys))
+	for i, k := range keys {
+		bk[i] = []byte(k)
+	}
+	now := pgNow
+	rows, err := tx.Query(ctx, `INSERT INTO `+table+` AS cur (key, state, token, attempts, expires_at, updated_at)
+SELECT k, 2, $2, 1, 0, `+now+` FROM unnest($1::bytea[]) AS k
+ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
+WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
+RETURNING key, attempts`, bk, randomID())
+	if err != nil {
+		return nil, err
+	}
+	rows.Close()
+	return bk, rows.Err()
+}
+
+// pgNow is the claims table's clock on PostgreSQL, as dedupe writes it:
+// microseconds since the epoch at the statement's start.
+const pgNow = `(extract(epoch from statement_timestamp()) * 1000000)::bigint`

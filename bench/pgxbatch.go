@@ -37,12 +37,6 @@ func (b *pgxBench) batchOp(ctx context.Context, side string, g int) (func(ctx co
 	if err != nil {
 		return nil, "", err
 	}
-	now := `(extract(epoch from statement_timestamp()) * 1000000)::bigint`
-	claimAll := `INSERT INTO "` + claims + `" AS cur (key, state, token, attempts, expires_at, updated_at)
-SELECT k, 2, $2, 1, 0, ` + now + ` FROM unnest($1::bytea[]) AS k
-ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
-WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
-RETURNING key, attempts`
 	insertAll := "INSERT INTO " + effects + " (msg) SELECT unnest($1::text[])"
 	ids := func(msgs []*message.Message) []string {
 		s := make([]string, len(msgs))
@@ -55,17 +49,8 @@ RETURNING key, attempts`
 	switch side {
 	case pgxFloor:
 		rb := &rawBatcher{max: g, wait: pipeline.DefaultBatchWait, run: func(ctx context.Context, keys []string) error {
-			bk := make([][]byte, len(keys))
-			for i, k := range keys {
-				bk[i] = []byte(k)
-			}
 			return pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
-				rows, err := tx.Query(ctx, claimAll, bk, randomID())
-				if err != nil {
-					return err
-				}
-				rows.Close()
-				if err := rows.Err(); err != nil {
+				if _, err := rawClaimAll(ctx, tx, `"`+claims+`"`, keys); err != nil {
 					return err
 				}
 				_, err = tx.Exec(ctx, insertAll, keys)
