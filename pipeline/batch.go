@@ -55,15 +55,6 @@ type BatchConfig struct {
 	// before the batch starts. Defaults to 2ms when 0; a negative value
 	// means no wait: a batch starts with whatever has already arrived.
 	MaxWait time.Duration
-	// InFlight is how many deliveries of the handler can be in flight at
-	// once: its competing subscriptions. When every one of them is in the
-	// handler (in the batch that is filling, or waiting for a batch that is
-	// running), no other delivery can join, so the filling batch starts
-	// without waiting out MaxWait. That keeps two batches in turn, one
-	// running while the other's deliveries are acked and the next ones
-	// arrive, instead of each paying MaxWait. pipeline's HandleTx sets it
-	// to Config.Concurrency; 0 leaves batches to MaxSize and MaxWait.
-	InFlight int
 }
 
 // DefaultBatchWait is BatchConfig.MaxWait when it is not set.
@@ -79,14 +70,13 @@ type batcher struct {
 	f    txFlow
 	wait time.Duration
 
-	mu     sync.Mutex
-	open   *batch // the batch deliveries join now; nil when none is open
-	inside int    // deliveries in handle: joining, or waiting for their batch
+	mu   sync.Mutex
+	open *batch // the batch deliveries join now; nil when none is open
 }
 
 type batch struct {
 	jobs []*job
-	full chan struct{} // closed when the batch may start before MaxWait
+	full chan struct{} // closed when jobs reaches MaxSize
 }
 
 // job is one delivery in a batch.
@@ -120,18 +110,11 @@ func (b *batcher) handle(msg *message.Message) error {
 		b.open = bt
 	}
 	bt.jobs = append(bt.jobs, j)
-	b.inside++
-	// Full, or every delivery that can be in flight is here already.
-	if len(bt.jobs) >= b.f.batch.MaxSize || (b.f.batch.InFlight > 0 && b.inside >= b.f.batch.InFlight) {
+	if len(bt.jobs) >= b.f.batch.MaxSize {
 		b.open = nil
 		close(bt.full)
 	}
 	b.mu.Unlock()
-	defer func() {
-		b.mu.Lock()
-		b.inside--
-		b.mu.Unlock()
-	}()
 
 	if leader {
 		if b.wait > 0 {

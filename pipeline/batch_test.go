@@ -485,39 +485,3 @@ func TestBatchIsolatesAFailingOutboxRow(t *testing.T) {
 		}
 	})
 }
-
-// When every delivery that can be in flight has joined, the batch starts at
-// once instead of waiting out MaxWait for deliveries that cannot come.
-func TestBatchStartsWhenAllInFlightHaveJoined(t *testing.T) {
-	t.Parallel()
-	forEachDB(t, func(t *testing.T, e *txEnv) {
-		var calls atomic.Int64
-		txs := map[*sql.Tx]bool{}
-		var mu sync.Mutex
-		h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB, Outbox: e.ob, Store: e.store,
-			Batch: pipeline.BatchConfig{MaxSize: 16, MaxWait: time.Minute, InFlight: 4}},
-			func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
-				calls.Add(1)
-				mu.Lock()
-				txs[tx] = true
-				mu.Unlock()
-				return e.charge(nil)(ctx, tx, msg, out)
-			})
-		must(t, err)
-		start := time.Now()
-		for i, err := range deliverAll(h, orders(4, "inflight")) {
-			if err != nil {
-				t.Fatalf("inflight-%d: %v", i, err)
-			}
-		}
-		if took := time.Since(start); took > 20*time.Second {
-			t.Fatalf("4 deliveries of 4 in flight took %v: the batch waited for MaxWait", took)
-		}
-		if n, p := e.rows(t), e.pending(t); n != 4 || p != 4 || calls.Load() != 4 {
-			t.Fatalf("charges=%d outbox=%d calls=%d, want 4 of each", n, p, calls.Load())
-		}
-		if len(txs) != 1 {
-			t.Fatalf("%d transactions for 4 deliveries that arrived together, want 1", len(txs))
-		}
-	})
-}

@@ -385,7 +385,6 @@ type txSetup struct {
 // addTx adds a transactional handler of either driver; s is its claims
 // store.
 func (p *Pipeline) addTx(name, topic string, sub message.Subscriber, s dedupe.Store, ts txSetup) (Handlers, error) {
-	ts.batch.InFlight = p.cfg.Concurrency
 	if ts.batch.enabled() && ts.batch.MaxSize > p.cfg.Concurrency {
 		// No more deliveries can be in flight; a batch of one is the
 		// one-statement mode.
