@@ -480,9 +480,13 @@ func (s *SQLStore) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Clai
 		claims[i].Result, claims[i].Attempt = Acquired, attempts
 	}
 	// The rest were confirmed or held already, or changed under the
-	// statement. Where the executor can pipeline (pgx), read them all back in
-	// one round trip; settle each of the others on its own.
-	if err := s.readBackUntaken(ctx, claims, bk); err != nil {
+	// statement. Read them all back in one round trip (pipelined on pgx, one
+	// statement otherwise); settle each of the others on its own.
+	readBack := s.readBackUntaken
+	if _, ok := s.ex.(pipeliner); !ok {
+		readBack = s.readBackUntakenAll
+	}
+	if err := readBack(ctx, claims, bk); err != nil {
 		return nil, fmt.Errorf("dedupe: claim confirmed: %w", err)
 	}
 	for i := range claims {
@@ -496,6 +500,74 @@ func (s *SQLStore) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Clai
 		claims[i] = c
 	}
 	return claims, nil
+}
+
+// readBackUntakenAll is readBackUntaken in one statement, for an executor
+// that cannot pipeline (database/sql): the rows of the keys that
+// ClaimConfirmedAll's statement did not take, read as readBack reads one.
+// Without it a batch that is redelivered whole (after a crash between its
+// commit and its acks) costs two round trips per message.
+//
+// The statement that did not take them locked them (PostgreSQL's ON
+// CONFLICT DO UPDATE locks the rows its WHERE turns down; MySQL reads them
+// FOR UPDATE, as readBack does; SQLite has one writer), so what is read is
+// what a claim would find until the transaction ends.
+func (s *SQLStore) readBackUntakenAll(ctx context.Context, claims []Claim, keys [][]byte) error {
+	index := map[string]int{}
+	var untaken [][]byte
+	for i := range claims {
+		if claims[i].Result == 0 {
+			index[string(keys[i])] = i
+			untaken = append(untaken, keys[i])
+		}
+	}
+	if len(untaken) == 0 {
+		return nil
+	}
+	t := s.dialect.quote(s.table)
+	var q string
+	var args []any
+	switch s.dialect {
+	case Postgres:
+		q = `SELECT key, state, token, attempts, expires_at, first_at, ` + s.dialect.nowMicros() + ` FROM ` + t + ` WHERE key = ANY($1::bytea[])`
+		args = []any{untaken}
+	default:
+		key, now, lock := "key", "0", ""
+		if s.dialect == MySQL {
+			key, now, lock = "`key`", s.dialect.nowMicros(), " FOR UPDATE"
+		}
+		q = `SELECT ` + key + `, state, token, attempts, expires_at, first_at, ` + now + ` FROM ` + t + ` WHERE ` + key + ` IN (?` + strings.Repeat(", ?", len(untaken)-1) + `)` + lock
+		for _, k := range untaken {
+			args = append(args, k)
+		}
+	}
+	rows := map[int]row{}
+	err := s.ex.query(ctx, q, args, func(scan func(dest ...any) error) error {
+		var k []byte
+		var r row
+		if err := scan(&k, &r.state, &r.token, &r.attempts, &r.expires, &r.first, &r.now); err != nil {
+			return err
+		}
+		i, ok := index[string(k)]
+		if !ok {
+			return fmt.Errorf("read back: a row of key %q, which was not asked for", k)
+		}
+		r.found = true
+		if s.dialect == SQLite {
+			r.now = micros(s.now())
+		}
+		rows[i] = r
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("read back: %w", err)
+	}
+	for i, r := range rows {
+		if res, ok := r.settled(); ok {
+			claims[i].Result, claims[i].Attempt = res, r.attempts
+		}
+	}
+	return nil
 }
 
 // claimDoneAll runs the many-key claimDone and returns the attempts of each

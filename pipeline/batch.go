@@ -29,12 +29,19 @@ import (
 // see dedupe.SQLStore.ClaimConfirmedAll), every handler
 // call of the batch runs in it, in the order of the keys (so that two
 // batches claiming the same keys lock them in the same order instead of
-// deadlocking), and every delivery is acked only after the commit. A message whose handler fails (or panics)
+// deadlocking), the outbox messages of all its calls are written together
+// just before the commit (one multi-row insert per run of messages to one
+// topic, instead of one insert per call), and every delivery is acked only
+// after the commit. A message whose handler fails (or panics)
 // is taken out: the transaction is rolled back and the rest of the batch is
 // run again without it, so the others still commit and only that message is
 // retried, dead-lettered or poisoned. The handler's writes must therefore be
 // in the transaction only (which is true of any transactional handler): a
-// run that was rolled back leaves nothing.
+// run that was rolled back leaves nothing. Since the outbox rows are
+// written at the end, a handler does not see its own outbox rows in the
+// transaction, and an outbox row that cannot be written fails the run
+// without naming its message: the batch is then split, as for a batch
+// function's failure (see BatchTxFunc), until that message is alone.
 //
 // The price is latency: the first delivery of a batch waits up to MaxWait
 // for others to join.
@@ -261,6 +268,9 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err err
 		// is stale: this run's claim decides it again.
 		settlement.FromContext(j.ctx).Undecide()
 	}
+	if ob, ok := tx.(outboxBuffering); ok {
+		ob.bufferOutbox()
+	}
 	// All keys in one statement; a batch whose claims fail fails whole.
 	claims, err := tx.claims().ClaimConfirmedAll(ctx, keys)
 	if err != nil {
@@ -298,6 +308,14 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err err
 			return runBatchFailed, err
 		}
 	}
+	if ob, ok := tx.(outboxBuffering); ok {
+		// The outbox messages of the whole run, in one insert per run of
+		// messages to one topic. Which message's row failed is not known:
+		// the batch is split like a batch function's unnamed failure.
+		if err := ob.flushOutbox(ctx); err != nil {
+			return runBatchFailed, fmt.Errorf("pipeline: outbox of the batch: %w", err)
+		}
+	}
 	if err := tx.commit(ctx); err != nil {
 		return runCommitFailed, fmt.Errorf("pipeline: commit batch: %w", err)
 	}
@@ -306,6 +324,65 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err err
 	}
 	return runCommitted, nil
 }
+
+// outboxBuffering is implemented by a txn that can hold back the outbox
+// messages its handler calls publish and write them all at once: a batch's
+// messages in one multi-row insert instead of one insert per handler call.
+// The batcher turns it on for each run of a batch and flushes before the
+// commit; a run that is rolled back drops what it held with its txn.
+type outboxBuffering interface {
+	bufferOutbox()
+	flushOutbox(ctx context.Context) error
+}
+
+// publishBuffer is the outbox publisher of a batch's run: it keeps what is
+// published, in order, and hands it to the outbox publisher at flush, one
+// Publish (one multi-row insert) per run of messages to the same topic, so
+// that the rows keep the order in which they were published.
+type publishBuffer struct {
+	next message.Publisher
+
+	mu      sync.Mutex
+	pending []published
+}
+
+type published struct {
+	topic string
+	msgs  []*message.Message
+}
+
+func (b *publishBuffer) Publish(topic string, msgs ...*message.Message) error {
+	if topic == "" {
+		return errors.New("pipeline: outbox publish: empty destination topic")
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if n := len(b.pending); n > 0 && b.pending[n-1].topic == topic {
+		b.pending[n-1].msgs = append(b.pending[n-1].msgs, msgs...)
+	} else {
+		b.pending = append(b.pending, published{topic: topic, msgs: slices.Clone(msgs)})
+	}
+	return nil
+}
+
+// flush writes what is held through the outbox publisher.
+func (b *publishBuffer) flush() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, p := range b.pending {
+		if err := b.next.Publish(p.topic, p.msgs...); err != nil {
+			return err
+		}
+	}
+	b.pending = nil
+	return nil
+}
+
+// Close does nothing: the buffer lives as long as its transaction.
+func (b *publishBuffer) Close() error { return nil }
 
 // call runs fn for one job, turning a panic into that job's error: the
 // panic belongs to one message, not to the batch or the leader's goroutine.
@@ -332,7 +409,8 @@ func (b *batcher) callBatch(ctx context.Context, tx txn, msgs []*message.Message
 // BatchTxFunc handles a batch of messages in one database transaction: for
 // bulk inserts, COPY, or one call of an API per batch. It does its writes on
 // tx and publishes on out, the outbox bound to tx (nil when TxConfig.Outbox
-// is nil); it must not commit or roll back tx. msgs holds only messages whose
+// is nil; what is published on it is written in one insert just before the
+// commit); it must not commit or roll back tx. msgs holds only messages whose
 // work is not done yet: duplicates of earlier deliveries, and keys held by
 // another worker, were filtered out before. ctx belongs to the batch; each
 // message has its own context too.

@@ -14,6 +14,7 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settlement"
+	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/poison"
 )
@@ -390,6 +391,97 @@ func TestBatchOutcomeIsTheLastRunsOutcome(t *testing.T) {
 		}
 		if o, _, _, _ := recs[0].Snapshot(); o != "" || recs[0].Deferred() {
 			t.Fatalf("held: outcome %q after it was done; want none set (the tracing middleware then reports done)", o)
+		}
+	})
+}
+
+// outboxInserts installs a trigger on e's outbox table that stamps every row
+// with the start time of the statement that inserted it, and returns a
+// function counting the distinct statements that inserted rows. It skips
+// SQLite, whose triggers cannot tell statements apart.
+func outboxInserts(t *testing.T, e *txEnv) func() int {
+	t.Helper()
+	name := testenv.Name(t, "stamps")
+	stamps := "st_" + name[len(name)-8:]
+	table := quote(e.db, e.ob.Table())
+	ctx := t.Context()
+	var ddl []string
+	switch e.db.Dialect {
+	case dedupe.Postgres:
+		ddl = []string{
+			"CREATE TABLE " + stamps + " (at TIMESTAMPTZ NOT NULL)",
+			"CREATE FUNCTION " + stamps + "_f() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN INSERT INTO " + stamps + " (at) VALUES (statement_timestamp()); RETURN NULL; END $$",
+			"CREATE TRIGGER " + stamps + "_t AFTER INSERT ON " + table + " FOR EACH ROW EXECUTE FUNCTION " + stamps + "_f()",
+		}
+		t.Cleanup(func() {
+			_, _ = e.db.ExecContext(context.Background(), "DROP TRIGGER IF EXISTS "+stamps+"_t ON "+table)
+			_, _ = e.db.ExecContext(context.Background(), "DROP FUNCTION IF EXISTS "+stamps+"_f()")
+		})
+	case dedupe.MySQL:
+		// NOW(6) in a trigger is the start of the statement that fired it.
+		ddl = []string{
+			"CREATE TABLE " + stamps + " (at DATETIME(6) NOT NULL)",
+			"CREATE TRIGGER " + stamps + "_t AFTER INSERT ON " + table + " FOR EACH ROW INSERT INTO " + stamps + " (at) VALUES (NOW(6))",
+		}
+	default:
+		t.Skip("SQLite triggers cannot tell statements apart")
+	}
+	t.Cleanup(func() { _, _ = e.db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+stamps) })
+	for _, s := range ddl {
+		must(t, func() error { _, err := e.db.ExecContext(ctx, s); return err }())
+	}
+	return func() int {
+		var n int
+		must(t, e.db.QueryRowContext(t.Context(), "SELECT COUNT(DISTINCT at) FROM "+stamps).Scan(&n))
+		return n
+	}
+}
+
+// The outbox messages of a batch are written together, in one insert per
+// transaction, not one per handler call.
+func TestBatchWritesItsOutboxInOneInsert(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *txEnv) {
+		inserts := outboxInserts(t, e)
+		b := newBatchEnv(t, e, func(*message.Message, int) error { return nil })
+		for i, err := range b.deliver(orders(16, "ob")...) {
+			if err != nil {
+				t.Fatalf("ob-%d: %v", i, err)
+			}
+		}
+		if n, p := e.rows(t), e.pending(t); n != 16 || p != 16 {
+			t.Fatalf("charges=%d outbox=%d, want 16 of each", n, p)
+		}
+		if n, txs := inserts(), b.transactions(); n != txs {
+			t.Fatalf("%d outbox inserts for 16 messages in %d transactions, want one per transaction", n, txs)
+		}
+	})
+}
+
+// A message whose outbox row cannot be written fails alone: the batch's
+// outbox insert fails without naming it, so the batch is split until it is
+// alone, and the others commit with their rows.
+func TestBatchIsolatesAFailingOutboxRow(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *txEnv) {
+		if e.db.Dialect == dedupe.SQLite {
+			t.Skip("SQLite cannot add a CHECK constraint to a table")
+		}
+		_, err := e.db.ExecContext(t.Context(), "ALTER TABLE "+quote(e.db, e.ob.Table())+
+			" ADD CONSTRAINT "+quote(e.db, "no_bad_"+e.ob.Table())+" CHECK (uuid <> 'receipt-obf-5')")
+		must(t, err)
+		b := newBatchEnv(t, e, func(*message.Message, int) error { return nil })
+		errs := b.deliver(orders(16, "obf")...)
+		for i, err := range errs {
+			switch {
+			case i == 5 && err == nil:
+				t.Fatal("obf-5 settled, want its outbox insert's error")
+			case i != 5 && err != nil:
+				t.Fatalf("obf-%d: %v", i, err)
+			}
+		}
+		if n, p := e.rows(t), e.pending(t); n != 15 || p != 15 {
+			t.Fatalf("charges=%d outbox=%d, want 15 of each (all but the failing one)", n, p)
 		}
 	})
 }

@@ -186,6 +186,8 @@ type sqlTxn struct {
 	batchFn BatchTxFunc
 	tx      *sql.Tx
 	out     message.Publisher // the outbox bound to tx; nil until the first call
+	buffer  bool              // hold outbox messages until flushOutbox (batches)
+	held    *publishBuffer    // out, when buffer is set
 }
 
 func (t *sqlTxn) claims() claimer                   { return t.cfg.Store.WithTx(t.tx) }
@@ -217,8 +219,21 @@ func (t *sqlTxn) bindOutbox() error {
 			return err
 		}
 		t.out = out
+		if t.buffer {
+			t.held = &publishBuffer{next: out}
+			t.out = t.held
+		}
 	}
 	return nil
+}
+
+func (t *sqlTxn) bufferOutbox() { t.buffer = true }
+
+func (t *sqlTxn) flushOutbox(context.Context) error {
+	if t.held == nil {
+		return nil
+	}
+	return t.held.flush()
 }
 
 func (t *sqlTxn) rollback(context.Context) error {
