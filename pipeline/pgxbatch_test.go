@@ -568,3 +568,60 @@ func (competing) Subscribe(context.Context, string) (<-chan *message.Message, er
 	return nil, errors.New("not subscribed in this test")
 }
 func (competing) Close() error { return nil }
+
+// Group commit on pgx writes a batch's outbox messages in one insert per
+// transaction, as on database/sql: a trigger stamps each insert statement.
+func TestPgxBatchWritesItsOutboxInOneInsert(t *testing.T) {
+	t.Parallel()
+	e := newPgxEnv(t)
+	ob := newPgxOutbox(t, e.pool)
+	name := testenv.Name(t, "stamps")
+	stamps := "st_" + name[len(name)-8:]
+	for _, ddl := range []string{
+		"CREATE TABLE " + stamps + " (at TIMESTAMPTZ NOT NULL)",
+		"CREATE FUNCTION " + stamps + "_f() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN INSERT INTO " + stamps + " (at) VALUES (statement_timestamp()); RETURN NULL; END $$",
+		`CREATE TRIGGER ` + stamps + `_t AFTER INSERT ON "` + ob.Table() + `" FOR EACH ROW EXECUTE FUNCTION ` + stamps + "_f()",
+	} {
+		_, err := e.pool.Exec(t.Context(), ddl)
+		must(t, err)
+	}
+	t.Cleanup(func() {
+		_, _ = e.pool.Exec(context.Background(), `DROP TRIGGER IF EXISTS `+stamps+`_t ON "`+ob.Table()+`"`)
+		_, _ = e.pool.Exec(context.Background(), "DROP FUNCTION IF EXISTS "+stamps+"_f()")
+		_, _ = e.pool.Exec(context.Background(), "DROP TABLE IF EXISTS "+stamps)
+	})
+	var mu sync.Mutex
+	txs := map[pgx.Tx]bool{}
+	h, err := pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: e.pool, Store: e.store, Outbox: ob,
+		Batch: pipeline.BatchConfig{MaxSize: 16, MaxWait: 50 * time.Millisecond}},
+		func(ctx context.Context, tx pgx.Tx, msg *message.Message, out message.Publisher) error {
+			mu.Lock()
+			txs[tx] = true
+			mu.Unlock()
+			if _, err := tx.Exec(ctx, `INSERT INTO "`+e.charges+`" (order_id) VALUES ($1)`, string(msg.Payload)); err != nil {
+				return err
+			}
+			return out.Publish("receipts", message.NewMessage("receipt-"+msg.UUID, msg.Payload))
+		})
+	must(t, err)
+	var wg sync.WaitGroup
+	for _, m := range orders(16, "pob") {
+		wg.Go(func() {
+			if err := h(m); err != nil {
+				t.Errorf("%s: %v", m.UUID, err)
+			}
+		})
+	}
+	wg.Wait()
+	if n := len(e.all(t)); n != 16 {
+		t.Fatalf("%d charges, want 16", n)
+	}
+	if p := pgxPending(t, ob, e.pool); p != 16 {
+		t.Fatalf("%d outbox rows, want 16", p)
+	}
+	var inserts int
+	must(t, e.pool.QueryRow(t.Context(), "SELECT COUNT(DISTINCT at) FROM "+stamps).Scan(&inserts))
+	if inserts != len(txs) {
+		t.Fatalf("%d outbox inserts for 16 messages in %d transactions, want one per transaction", inserts, len(txs))
+	}
+}

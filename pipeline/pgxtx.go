@@ -137,7 +137,7 @@ type pgxTxn struct {
 	fn      PgxTxFunc
 	batchFn PgxBatchTxFunc
 	tx      pgx.Tx
-	out     message.Publisher // the outbox bound to tx; nil until the first call
+	outboxBinding
 }
 
 func (t *pgxTxn) claims() claimer                   { return t.cfg.Store.WithTx(t.tx) }
@@ -164,14 +164,10 @@ func (t *pgxTxn) callBatch(ctx context.Context, msgs []*message.Message) error {
 
 // bindOutbox binds the outbox to the transaction once.
 func (t *pgxTxn) bindOutbox() error {
-	if t.cfg.Outbox != nil && t.out == nil {
-		out, err := t.cfg.Outbox.PgxTxPublisher(t.tx)
-		if err != nil {
-			return err
-		}
-		t.out = out
+	if t.cfg.Outbox == nil {
+		return nil
 	}
-	return nil
+	return t.bind(func() (message.Publisher, error) { return t.cfg.Outbox.PgxTxPublisher(t.tx) })
 }
 
 func (t *pgxTxn) rollback(ctx context.Context) error {

@@ -185,9 +185,7 @@ type sqlTxn struct {
 	fn      TxFunc
 	batchFn BatchTxFunc
 	tx      *sql.Tx
-	out     message.Publisher // the outbox bound to tx; nil until the first call
-	buffer  bool              // hold outbox messages until flushOutbox (batches)
-	held    *publishBuffer    // out, when buffer is set
+	outboxBinding
 }
 
 func (t *sqlTxn) claims() claimer                   { return t.cfg.Store.WithTx(t.tx) }
@@ -213,27 +211,45 @@ func (t *sqlTxn) callBatch(ctx context.Context, msgs []*message.Message) error {
 
 // bindOutbox binds the outbox to the transaction once.
 func (t *sqlTxn) bindOutbox() error {
-	if t.cfg.Outbox != nil && t.out == nil {
-		out, err := t.cfg.Outbox.TxPublisher(t.tx)
-		if err != nil {
-			return err
-		}
-		t.out = out
-		if t.buffer {
-			t.held = &publishBuffer{next: out}
-			t.out = t.held
-		}
+	if t.cfg.Outbox == nil {
+		return nil
+	}
+	return t.bind(func() (message.Publisher, error) { return t.cfg.Outbox.TxPublisher(t.tx) })
+}
+
+// outboxBinding is the outbox publisher of a transaction (sqlTxn, pgxTxn),
+// bound at its first handler call; in a batch it holds the messages back
+// and writes them in one insert before the commit (outboxBuffering).
+type outboxBinding struct {
+	out    message.Publisher // the outbox bound to the transaction; nil until bound
+	buffer bool              // hold outbox messages until flushOutbox (batches)
+	held   *publishBuffer    // out, when buffer is set
+}
+
+// bind binds the publisher that publisher makes, once.
+func (b *outboxBinding) bind(publisher func() (message.Publisher, error)) error {
+	if b.out != nil {
+		return nil
+	}
+	out, err := publisher()
+	if err != nil {
+		return err
+	}
+	b.out = out
+	if b.buffer {
+		b.held = &publishBuffer{next: out}
+		b.out = b.held
 	}
 	return nil
 }
 
-func (t *sqlTxn) bufferOutbox() { t.buffer = true }
+func (b *outboxBinding) bufferOutbox() { b.buffer = true }
 
-func (t *sqlTxn) flushOutbox(context.Context) error {
-	if t.held == nil {
+func (b *outboxBinding) flushOutbox(context.Context) error {
+	if b.held == nil {
 		return nil
 	}
-	return t.held.flush()
+	return b.held.flush()
 }
 
 func (t *sqlTxn) rollback(context.Context) error {
