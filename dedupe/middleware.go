@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -254,14 +255,15 @@ func (m *mw) overLimit(orig context.Context, claim Claim, limit int) error {
 // outer middleware can read the claim.
 func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Context, st *held) (out []*message.Message, err error) {
 	claim := st.claim
-	hctx, cancel := context.WithCancelCause(st)
+	hctx := &st.hctx
+	hctx.h = st
 	msg.SetContext(hctx)
-	m.renew(hctx, &st.ren, cancel, msg.UUID, claim)
+	m.renew(hctx, &st.ren, msg.UUID, claim)
 
 	settled := false
 	defer func() {
 		st.stopRenew()
-		cancel(nil)
+		hctx.end()
 		msg.SetContext(st)
 		if !settled {
 			// The handler panicked: free the key, then let the panic go on to
@@ -308,7 +310,99 @@ type held struct {
 	store           Store
 	ttl             time.Duration // the claim timeout, for HoldTx
 	ren             renewal       // allocated with the holder; started while the handler runs
+	hctx            handlerCtx    // the handler's context, allocated with the holder
 	confirmedInTx   bool
+}
+
+// handlerCtx is the handler's context: its parent h (the message's context
+// with the claim), cancelled with a cause wrapping ErrClaimLost when the
+// claim is lost, and cancelled when the handler has returned.
+//
+// The cancellable context (context.WithCancelCause of h) is made only when
+// something needs it: a call to Done (a select, a child context, a database
+// call), a lost claim, or Value after the handler returned (context.Cause).
+// Until then Err and Value answer from h and the state recorded here. Most
+// handlers finish before a renewal could lose their claim, and a handler that
+// never waits on its context then costs no context allocation, no
+// registration with the parent and no cancellation.
+type handlerCtx struct {
+	h     *held
+	made  atomic.Bool // inner and cancel are set, and never change again
+	ended atomic.Bool // the handler has returned
+
+	mu     sync.Mutex
+	inner  context.Context
+	cancel context.CancelCauseFunc
+}
+
+// Deadline is the parent's: losing the claim has no deadline.
+func (c *handlerCtx) Deadline() (time.Time, bool) { return c.h.Context.Deadline() }
+
+// Done returns the cancellable context's channel, making it on first use.
+func (c *handlerCtx) Done() <-chan struct{} { return c.materialize().Done() }
+
+// Err is the cancellable context's error once it is made; before that,
+// Canceled once the handler has returned, else the parent's.
+func (c *handlerCtx) Err() error {
+	if c.made.Load() {
+		return c.inner.Err()
+	}
+	if c.ended.Load() {
+		return context.Canceled
+	}
+	return c.h.Context.Err()
+}
+
+// Value returns the claim's holder for heldCtxKey. Other keys go to the
+// cancellable context once it is made (it answers context.Cause's key with
+// itself), and to the parent before: until it is made, the context has not
+// been cancelled by the claim, so the parent's cause is the cause.
+func (c *handlerCtx) Value(key any) any {
+	if _, ok := key.(heldCtxKey); ok {
+		return c.h
+	}
+	if c.made.Load() || c.ended.Load() {
+		return c.materialize().Value(key)
+	}
+	return c.h.Context.Value(key)
+}
+
+// String names the context (fmt, and context's own String of a child).
+func (c *handlerCtx) String() string { return "dedupe.handlerContext" }
+
+// materialize returns the cancellable context, making it (cancelled, if the
+// handler has returned) the first time.
+func (c *handlerCtx) materialize() context.Context {
+	if c.made.Load() {
+		return c.inner
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.inner == nil {
+		c.inner, c.cancel = context.WithCancelCause(c.h)
+		if c.ended.Load() {
+			c.cancel(nil)
+		}
+		c.made.Store(true)
+	}
+	return c.inner
+}
+
+// lose cancels the handler's context with cause: its claim is lost.
+func (c *handlerCtx) lose(cause error) {
+	c.materialize()
+	c.cancel(cause)
+}
+
+// end cancels the handler's context: the handler has returned.
+func (c *handlerCtx) end() {
+	c.mu.Lock()
+	c.ended.Store(true)
+	cancel := c.cancel
+	c.mu.Unlock()
+	if cancel != nil {
+		cancel(nil)
+	}
 }
 
 // Value returns h for heldCtxKey and asks the parent for any other key.
@@ -453,8 +547,8 @@ func (m *mw) settle(ctx context.Context, claim Claim, ok bool) error {
 //
 // It runs on a timer rather than a goroutine of its own: most handlers
 // finish before the first renewal is due, and then renewal costs one timer.
-func (m *mw) renew(ctx context.Context, r *renewal, cancel context.CancelCauseFunc, uuid string, claim Claim) {
-	r.m, r.ctx, r.cancel, r.uuid, r.claim, r.expires = m, ctx, cancel, uuid, claim, claim.ExpiresAt
+func (m *mw) renew(ctx *handlerCtx, r *renewal, uuid string, claim Claim) {
+	r.m, r.ctx, r.uuid, r.claim, r.expires = m, ctx, uuid, claim, claim.ExpiresAt
 	if r.expires.IsZero() {
 		r.expires = time.Now().Add(m.cfg.ClaimTimeout)
 	}
@@ -463,8 +557,7 @@ func (m *mw) renew(ctx context.Context, r *renewal, cancel context.CancelCauseFu
 
 type renewal struct {
 	m      *mw
-	ctx    context.Context
-	cancel context.CancelCauseFunc
+	ctx    *handlerCtx // the handler's, cancelled (lose) when the claim is lost
 	uuid   string
 	claim  Claim
 
@@ -517,11 +610,11 @@ func (r *renewal) once(rctx context.Context) bool {
 		return false
 	case errors.Is(err, ErrClaimLost):
 		m.cfg.Logger.Error("dedupe: claim lost while the handler ran; cancelling it", err, watermill.LogFields{"message_uuid": r.uuid})
-		r.cancel(ErrClaimLost)
+		r.ctx.lose(ErrClaimLost)
 		return false
 	case !time.Now().Before(r.expires):
 		m.cfg.Logger.Error("dedupe: claim expired while renewals failed; cancelling the handler", err, watermill.LogFields{"message_uuid": r.uuid})
-		r.cancel(fmt.Errorf("%w: it expired while renewals failed: %w", ErrClaimLost, err))
+		r.ctx.lose(fmt.Errorf("%w: it expired while renewals failed: %w", ErrClaimLost, err))
 		return false
 	default:
 		m.cfg.Logger.Error("dedupe: renewing claim failed; will retry", err, watermill.LogFields{"message_uuid": r.uuid})
