@@ -183,7 +183,7 @@ func NewMiddleware(cfg Config) (message.HandlerMiddleware, error) {
 		return nil, err
 	}
 	_, local := cfg.Store.(inProcess)
-	m := &mw{cfg: cfg, local: local, health: newDeferral(cfg.Logger)}
+	m := &mw{cfg: cfg, local: local, health: newDeferral(cfg.Logger), schedule: &schedule{interval: cfg.RenewInterval}}
 	return m.wrap, nil
 }
 
@@ -193,6 +193,8 @@ type mw struct {
 	// no timeout of its own.
 	local  bool
 	health *deferral
+	// schedule runs the claim renewals of the handlers running.
+	schedule *schedule
 }
 
 // inProcess is implemented by stores whose calls never wait on I/O.
@@ -542,34 +544,121 @@ func (m *mw) settle(ctx context.Context, claim Claim, ok bool) error {
 }
 
 // renew keeps the claim alive, with r (the holder's renewal), until r.stop
-// is called; r.stop of a renewal never started does nothing. stop waits for a renewal in flight to finish and may be called
-// twice.
+// is called; r.stop of a renewal never started does nothing. stop waits for
+// a renewal in flight to finish and may be called twice.
 //
-// It runs on a timer rather than a goroutine of its own: most handlers
-// finish before the first renewal is due, and then renewal costs one timer.
+// It runs on the middleware's renewal schedule rather than a goroutine or a
+// timer of its own: most handlers finish before the first renewal is due,
+// and then renewal costs two list operations.
 func (m *mw) renew(ctx *handlerCtx, r *renewal, uuid string, claim Claim) {
 	r.m, r.ctx, r.uuid, r.claim, r.expires = m, ctx, uuid, claim, claim.ExpiresAt
 	if r.expires.IsZero() {
 		r.expires = time.Now().Add(m.cfg.ClaimTimeout)
 	}
-	r.timer = time.AfterFunc(m.cfg.RenewInterval, r.fire)
+	m.schedule.add(r)
+}
+
+// schedule holds the renewals of one middleware's running handlers in the
+// order they are due (each is due RenewInterval after it was added, so the
+// list is kept in order by adding at its end), on one timer armed for the
+// first. The timer is not disarmed when a renewal leaves the list: when it
+// fires early it finds nothing due and is armed again for the new first.
+type schedule struct {
+	interval time.Duration
+
+	mu         sync.Mutex
+	head, tail *renewal
+	timer      *time.Timer // made on first use
+	armed      bool
+}
+
+// add makes r due one interval from now.
+func (s *schedule) add(r *renewal) {
+	now := time.Now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r.due, r.queued = now.Add(s.interval), true
+	r.prev, r.next = s.tail, nil
+	if s.tail != nil {
+		s.tail.next = r
+	} else {
+		s.head = r
+	}
+	s.tail = r
+	switch {
+	case s.timer == nil:
+		s.timer = time.AfterFunc(s.interval, s.fire)
+		s.armed = true
+	case !s.armed:
+		s.timer.Reset(s.interval)
+		s.armed = true
+	}
+}
+
+// remove takes r off the list, if it is there.
+func (s *schedule) remove(r *renewal) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.unlink(r)
+}
+
+func (s *schedule) unlink(r *renewal) {
+	if !r.queued {
+		return
+	}
+	if r.prev != nil {
+		r.prev.next = r.next
+	} else {
+		s.head = r.next
+	}
+	if r.next != nil {
+		r.next.prev = r.prev
+	} else {
+		s.tail = r.prev
+	}
+	r.prev, r.next, r.queued = nil, nil, false
+}
+
+// fire starts the renewals that are due, each on a goroutine of its own (a
+// store call may be slow), and arms the timer for the next.
+func (s *schedule) fire() {
+	var due []*renewal
+	now := time.Now()
+	s.mu.Lock()
+	for s.head != nil && !s.head.due.After(now) {
+		r := s.head
+		s.unlink(r)
+		due = append(due, r)
+	}
+	s.armed = s.head != nil
+	if s.armed {
+		s.timer.Reset(s.head.due.Sub(now))
+	}
+	s.mu.Unlock()
+	for _, r := range due {
+		go r.fire()
+	}
 }
 
 type renewal struct {
-	m      *mw
-	ctx    *handlerCtx // the handler's, cancelled (lose) when the claim is lost
-	uuid   string
-	claim  Claim
+	m     *mw
+	ctx   *handlerCtx // the handler's, cancelled (lose) when the claim is lost
+	uuid  string
+	claim Claim
+
+	// On the middleware's schedule, guarded by its lock.
+	prev, next *renewal
+	due        time.Time
+	queued     bool
 
 	mu       sync.Mutex
 	stopped  bool
-	timer    *time.Timer
 	rcancel  context.CancelFunc // cancels a renewal in flight
 	inflight sync.WaitGroup
 	// expires is when the claim lapses in the store unless a renewal lands:
 	// once renewals have failed past it, another worker may have taken the
 	// key over, so the handler is cancelled rather than left running without
-	// a claim. Only the timer's function touches it.
+	// a claim. Only fire touches it.
 	expires time.Time
 }
 
@@ -589,7 +678,7 @@ func (r *renewal) fire() {
 	again := r.once(rctx)
 	r.mu.Lock()
 	if again && !r.stopped {
-		r.timer.Reset(r.m.cfg.RenewInterval)
+		r.m.schedule.add(r)
 	}
 	r.mu.Unlock()
 }
@@ -626,8 +715,8 @@ func (r *renewal) stop() {
 	r.mu.Lock()
 	if !r.stopped {
 		r.stopped = true
-		if r.timer != nil { // nil: never started
-			r.timer.Stop()
+		if r.m != nil { // nil: never started
+			r.m.schedule.remove(r)
 		}
 		if r.rcancel != nil {
 			r.rcancel()

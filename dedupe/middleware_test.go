@@ -785,3 +785,67 @@ func TestHandlerContextFollowsParentAndEndsOnReturn(t *testing.T) {
 		})
 	}
 }
+
+// countingStore counts the renewals of each key.
+type countingStore struct {
+	dedupe.Store
+	mu     sync.Mutex
+	renews map[string]int
+}
+
+func (s *countingStore) Renew(ctx context.Context, c dedupe.Claim, ttl time.Duration) error {
+	s.mu.Lock()
+	s.renews[c.Key]++
+	s.mu.Unlock()
+	return s.Store.Renew(ctx, c, ttl)
+}
+
+// The renewals of many handlers running at once share one schedule: those
+// that finish early leave it, the others stay renewed for as long as they
+// run.
+func TestMiddlewareRenewsManyHandlersAtOnce(t *testing.T) {
+	t.Parallel()
+	const interval = 20 * time.Millisecond
+	store := &countingStore{Store: dedupe.NewMemoryStore(), renews: map[string]int{}}
+	h := newMiddleware(t, dedupe.Config{Store: store, ClaimTimeout: 10 * interval, RenewInterval: interval})(
+		func(msg *message.Message) ([]*message.Message, error) {
+			d, _ := time.ParseDuration(msg.Metadata.Get("run"))
+			select {
+			case <-time.After(d):
+				return nil, nil
+			case <-msg.Context().Done():
+				return nil, context.Cause(msg.Context())
+			}
+		})
+	const n = 24
+	runs := make([]time.Duration, n)
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i := range n {
+		runs[i] = []time.Duration{0, interval / 4, 8 * interval, 12 * interval}[i%4]
+		msg := newMsg(t, fmt.Sprintf("many-%02d", i))
+		msg.Metadata.Set("run", runs[i].String())
+		wg.Go(func() {
+			if _, err := h(msg); err != nil {
+				errs <- fmt.Errorf("%s: %w", msg.UUID, err)
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	store.mu.Lock()
+	defer store.mu.Unlock()
+	for i, d := range runs {
+		key := dedupe.ScopedKey("", fmt.Sprintf("many-%02d", i))
+		got := store.renews[key]
+		switch {
+		case d >= 8*interval && got < 3:
+			t.Errorf("%s ran %v and was renewed %d times, want at least 3 (every %v)", key, d, got, interval)
+		case d < interval/2 && got > 1:
+			t.Errorf("%s ran %v and was renewed %d times, want at most 1", key, d, got)
+		}
+	}
+}
