@@ -224,7 +224,9 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 				return nil, m.overLimit(orig, claim, limit)
 			}
 			rec.Count(claim.Attempt)
-			msg.Metadata.Set(settle.MetaAttempt, strconv.Itoa(claim.Attempt)) // the handler sees the durable count
+			if n := strconv.Itoa(claim.Attempt); msg.Metadata.Get(settle.MetaAttempt) != n {
+				msg.Metadata.Set(settle.MetaAttempt, n) // the handler sees the durable count
+			}
 		}
 		return m.run(h, msg, orig, st)
 	}
