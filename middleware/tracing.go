@@ -103,7 +103,8 @@ func WithLinkToProducer() Option {
 }
 
 // WithSettleWait bounds how long a settle span waits for the router to ack
-// or nack; after it the span ends with an error. Defaults to 30s.
+// or nack; after it (and at most 10ms later) the span ends with an error.
+// Defaults to 30s.
 func WithSettleWait(d time.Duration) Option {
 	return optionFunc(func(c *tracingConfig) {
 		if d > 0 {
@@ -154,6 +155,12 @@ type tracing struct {
 //
 // Metrics: settle.settlements (by outcome and handler), settle.handler.duration
 // (seconds) and settle.retries (in-process retries).
+//
+// Watermill tells that a message was acked or nacked only through channels
+// closed after the middleware chain has returned, so the settle spans need a
+// goroutine to wait on them: one per tracing middleware waits for all the
+// deliveries in flight (up to 32; more get a goroutine each). It runs while
+// any delivery waits and stops about 10–20ms after the last one settled.
 func NewTracing(opts ...Option) (message.HandlerMiddleware, error) {
 	cfg := tracingConfig{system: "watermill", settleWait: 30 * time.Second}
 	for _, o := range opts {
