@@ -219,10 +219,10 @@ func stackVerdict(s *StackResults) string {
 	rs, rt := s.Modes[modeSettle].Ratio, s.Modes[modeTracing].Ratio
 	var out []string
 	if rs < targetStack {
-		out = append(out, fmt.Sprintf("settle without tracing is at %s of the bare router, below the %s target: the bare router's no-op path costs only a few microseconds per message, so the fixed work settle must do per message (the `settle_attempt` write, the claim, a cancellable context and a renewal timer) is a large share of it. With any handler that does real work the share falls accordingly: on RabbitMQ (section 4) the Go process is not the bottleneck at all.", x(rs), x(targetStack)))
+		out = append(out, fmt.Sprintf("settle without tracing is at %s of the bare router, below the %s target: the bare router's no-op path costs only a few microseconds per message, so the fixed work settle must do per message (the `settle_attempt` write, the claim and its holder, and above all the growth of the delivery goroutine's stack that settle's deeper chain causes) is a large share of it. With any handler that does real work the share falls accordingly: on RabbitMQ (section 4) the Go process is not the bottleneck at all.", x(rs), x(targetStack)))
 	}
 	if rt < targetTracing {
-		out = append(out, fmt.Sprintf("With tracing, settle is at %s of the bare router, below the %s target: most of the added time is the OpenTelemetry SDK making and ending two spans per message and the goroutine that ends the settle span on the router's ack.", x(rt), x(targetTracing)))
+		out = append(out, fmt.Sprintf("With tracing, settle is at %s of the bare router, below the %s target: most of the added time is the OpenTelemetry SDK making and ending two spans per message, on top of settle's own work.", x(rt), x(targetTracing)))
 	}
 	if len(out) == 0 {
 		return "Both targets are met in this run."

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -182,7 +183,7 @@ func NewMiddleware(cfg Config) (message.HandlerMiddleware, error) {
 		return nil, err
 	}
 	_, local := cfg.Store.(inProcess)
-	m := &mw{cfg: cfg, local: local, health: newDeferral(cfg.Logger)}
+	m := &mw{cfg: cfg, local: local, health: newDeferral(cfg.Logger), schedule: &schedule{interval: cfg.RenewInterval}}
 	return m.wrap, nil
 }
 
@@ -192,6 +193,8 @@ type mw struct {
 	// no timeout of its own.
 	local  bool
 	health *deferral
+	// schedule runs the claim renewals of the handlers running.
+	schedule *schedule
 }
 
 // inProcess is implemented by stores whose calls never wait on I/O.
@@ -221,7 +224,9 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 				return nil, m.overLimit(orig, claim, limit)
 			}
 			rec.Count(claim.Attempt)
-			msg.Metadata.Set(settle.MetaAttempt, strconv.Itoa(claim.Attempt)) // the handler sees the durable count
+			if n := strconv.Itoa(claim.Attempt); msg.Metadata.Get(settle.MetaAttempt) != n {
+				msg.Metadata.Set(settle.MetaAttempt, n) // the handler sees the durable count
+			}
 		}
 		return m.run(h, msg, orig, st)
 	}
@@ -254,14 +259,15 @@ func (m *mw) overLimit(orig context.Context, claim Claim, limit int) error {
 // outer middleware can read the claim.
 func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Context, st *held) (out []*message.Message, err error) {
 	claim := st.claim
-	hctx, cancel := context.WithCancelCause(st)
+	hctx := &st.hctx
+	hctx.h = st
 	msg.SetContext(hctx)
-	m.renew(hctx, &st.ren, cancel, msg.UUID, claim)
+	m.renew(hctx, &st.ren, msg.UUID, claim)
 
 	settled := false
 	defer func() {
 		st.stopRenew()
-		cancel(nil)
+		hctx.end()
 		msg.SetContext(st)
 		if !settled {
 			// The handler panicked: free the key, then let the panic go on to
@@ -308,7 +314,99 @@ type held struct {
 	store           Store
 	ttl             time.Duration // the claim timeout, for HoldTx
 	ren             renewal       // allocated with the holder; started while the handler runs
+	hctx            handlerCtx    // the handler's context, allocated with the holder
 	confirmedInTx   bool
+}
+
+// handlerCtx is the handler's context: its parent h (the message's context
+// with the claim), cancelled with a cause wrapping ErrClaimLost when the
+// claim is lost, and cancelled when the handler has returned.
+//
+// The cancellable context (context.WithCancelCause of h) is made only when
+// something needs it: a call to Done (a select, a child context, a database
+// call), a lost claim, or Value after the handler returned (context.Cause).
+// Until then Err and Value answer from h and the state recorded here. Most
+// handlers finish before a renewal could lose their claim, and a handler that
+// never waits on its context then costs no context allocation, no
+// registration with the parent and no cancellation.
+type handlerCtx struct {
+	h     *held
+	made  atomic.Bool // inner and cancel are set, and never change again
+	ended atomic.Bool // the handler has returned
+
+	mu     sync.Mutex
+	inner  context.Context
+	cancel context.CancelCauseFunc
+}
+
+// Deadline is the parent's: losing the claim has no deadline.
+func (c *handlerCtx) Deadline() (time.Time, bool) { return c.h.Context.Deadline() }
+
+// Done returns the cancellable context's channel, making it on first use.
+func (c *handlerCtx) Done() <-chan struct{} { return c.materialize().Done() }
+
+// Err is the cancellable context's error once it is made; before that,
+// Canceled once the handler has returned, else the parent's.
+func (c *handlerCtx) Err() error {
+	if c.made.Load() {
+		return c.inner.Err()
+	}
+	if c.ended.Load() {
+		return context.Canceled
+	}
+	return c.h.Context.Err()
+}
+
+// Value returns the claim's holder for heldCtxKey. Other keys go to the
+// cancellable context once it is made (it answers context.Cause's key with
+// itself), and to the parent before: until it is made, the context has not
+// been cancelled by the claim, so the parent's cause is the cause.
+func (c *handlerCtx) Value(key any) any {
+	if _, ok := key.(heldCtxKey); ok {
+		return c.h
+	}
+	if c.made.Load() || c.ended.Load() {
+		return c.materialize().Value(key)
+	}
+	return c.h.Context.Value(key)
+}
+
+// String names the context (fmt, and context's own String of a child).
+func (c *handlerCtx) String() string { return "dedupe.handlerContext" }
+
+// materialize returns the cancellable context, making it (cancelled, if the
+// handler has returned) the first time.
+func (c *handlerCtx) materialize() context.Context {
+	if c.made.Load() {
+		return c.inner
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.inner == nil {
+		c.inner, c.cancel = context.WithCancelCause(c.h)
+		if c.ended.Load() {
+			c.cancel(nil)
+		}
+		c.made.Store(true)
+	}
+	return c.inner
+}
+
+// lose cancels the handler's context with cause: its claim is lost.
+func (c *handlerCtx) lose(cause error) {
+	c.materialize()
+	c.cancel(cause)
+}
+
+// end cancels the handler's context: the handler has returned.
+func (c *handlerCtx) end() {
+	c.mu.Lock()
+	c.ended.Store(true)
+	cancel := c.cancel
+	c.mu.Unlock()
+	if cancel != nil {
+		cancel(nil)
+	}
 }
 
 // Value returns h for heldCtxKey and asks the parent for any other key.
@@ -448,35 +546,121 @@ func (m *mw) settle(ctx context.Context, claim Claim, ok bool) error {
 }
 
 // renew keeps the claim alive, with r (the holder's renewal), until r.stop
-// is called; r.stop of a renewal never started does nothing. stop waits for a renewal in flight to finish and may be called
-// twice.
+// is called; r.stop of a renewal never started does nothing. stop waits for
+// a renewal in flight to finish and may be called twice.
 //
-// It runs on a timer rather than a goroutine of its own: most handlers
-// finish before the first renewal is due, and then renewal costs one timer.
-func (m *mw) renew(ctx context.Context, r *renewal, cancel context.CancelCauseFunc, uuid string, claim Claim) {
-	r.m, r.ctx, r.cancel, r.uuid, r.claim, r.expires = m, ctx, cancel, uuid, claim, claim.ExpiresAt
+// It runs on the middleware's renewal schedule rather than a goroutine or a
+// timer of its own: most handlers finish before the first renewal is due,
+// and then renewal costs two list operations.
+func (m *mw) renew(ctx *handlerCtx, r *renewal, uuid string, claim Claim) {
+	r.m, r.ctx, r.uuid, r.claim, r.expires = m, ctx, uuid, claim, claim.ExpiresAt
 	if r.expires.IsZero() {
 		r.expires = time.Now().Add(m.cfg.ClaimTimeout)
 	}
-	r.timer = time.AfterFunc(m.cfg.RenewInterval, r.fire)
+	m.schedule.add(r)
+}
+
+// schedule holds the renewals of one middleware's running handlers in the
+// order they are due (each is due RenewInterval after it was added, so the
+// list is kept in order by adding at its end), on one timer armed for the
+// first. The timer is not disarmed when a renewal leaves the list: when it
+// fires early it finds nothing due and is armed again for the new first.
+type schedule struct {
+	interval time.Duration
+
+	mu         sync.Mutex
+	head, tail *renewal
+	timer      *time.Timer // made on first use
+	armed      bool
+}
+
+// add makes r due one interval from now.
+func (s *schedule) add(r *renewal) {
+	now := time.Now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r.due, r.queued = now.Add(s.interval), true
+	r.prev, r.next = s.tail, nil
+	if s.tail != nil {
+		s.tail.next = r
+	} else {
+		s.head = r
+	}
+	s.tail = r
+	switch {
+	case s.timer == nil:
+		s.timer = time.AfterFunc(s.interval, s.fire)
+		s.armed = true
+	case !s.armed:
+		s.timer.Reset(s.interval)
+		s.armed = true
+	}
+}
+
+// remove takes r off the list, if it is there.
+func (s *schedule) remove(r *renewal) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.unlink(r)
+}
+
+func (s *schedule) unlink(r *renewal) {
+	if !r.queued {
+		return
+	}
+	if r.prev != nil {
+		r.prev.next = r.next
+	} else {
+		s.head = r.next
+	}
+	if r.next != nil {
+		r.next.prev = r.prev
+	} else {
+		s.tail = r.prev
+	}
+	r.prev, r.next, r.queued = nil, nil, false
+}
+
+// fire starts the renewals that are due, each on a goroutine of its own (a
+// store call may be slow), and arms the timer for the next.
+func (s *schedule) fire() {
+	var due []*renewal
+	now := time.Now()
+	s.mu.Lock()
+	for s.head != nil && !s.head.due.After(now) {
+		r := s.head
+		s.unlink(r)
+		due = append(due, r)
+	}
+	s.armed = s.head != nil
+	if s.armed {
+		s.timer.Reset(s.head.due.Sub(now))
+	}
+	s.mu.Unlock()
+	for _, r := range due {
+		go r.fire()
+	}
 }
 
 type renewal struct {
-	m      *mw
-	ctx    context.Context
-	cancel context.CancelCauseFunc
-	uuid   string
-	claim  Claim
+	m     *mw
+	ctx   *handlerCtx // the handler's, cancelled (lose) when the claim is lost
+	uuid  string
+	claim Claim
+
+	// On the middleware's schedule, guarded by its lock.
+	prev, next *renewal
+	due        time.Time
+	queued     bool
 
 	mu       sync.Mutex
 	stopped  bool
-	timer    *time.Timer
 	rcancel  context.CancelFunc // cancels a renewal in flight
 	inflight sync.WaitGroup
 	// expires is when the claim lapses in the store unless a renewal lands:
 	// once renewals have failed past it, another worker may have taken the
 	// key over, so the handler is cancelled rather than left running without
-	// a claim. Only the timer's function touches it.
+	// a claim. Only fire touches it.
 	expires time.Time
 }
 
@@ -496,7 +680,7 @@ func (r *renewal) fire() {
 	again := r.once(rctx)
 	r.mu.Lock()
 	if again && !r.stopped {
-		r.timer.Reset(r.m.cfg.RenewInterval)
+		r.m.schedule.add(r)
 	}
 	r.mu.Unlock()
 }
@@ -517,11 +701,11 @@ func (r *renewal) once(rctx context.Context) bool {
 		return false
 	case errors.Is(err, ErrClaimLost):
 		m.cfg.Logger.Error("dedupe: claim lost while the handler ran; cancelling it", err, watermill.LogFields{"message_uuid": r.uuid})
-		r.cancel(ErrClaimLost)
+		r.ctx.lose(ErrClaimLost)
 		return false
 	case !time.Now().Before(r.expires):
 		m.cfg.Logger.Error("dedupe: claim expired while renewals failed; cancelling the handler", err, watermill.LogFields{"message_uuid": r.uuid})
-		r.cancel(fmt.Errorf("%w: it expired while renewals failed: %w", ErrClaimLost, err))
+		r.ctx.lose(fmt.Errorf("%w: it expired while renewals failed: %w", ErrClaimLost, err))
 		return false
 	default:
 		m.cfg.Logger.Error("dedupe: renewing claim failed; will retry", err, watermill.LogFields{"message_uuid": r.uuid})
@@ -533,8 +717,8 @@ func (r *renewal) stop() {
 	r.mu.Lock()
 	if !r.stopped {
 		r.stopped = true
-		if r.timer != nil { // nil: never started
-			r.timer.Stop()
+		if r.m != nil { // nil: never started
+			r.m.schedule.remove(r)
 		}
 		if r.rcancel != nil {
 			r.rcancel()

@@ -684,3 +684,168 @@ func TestLostClaimIsErrClaimLostWhateverTheHandlerReturns(t *testing.T) {
 		t.Fatalf("err = %v, want one that is ErrClaimLost", err)
 	}
 }
+
+// The handler's context is made cancellable only when something waits on it;
+// a handler that only polls Err must still see a lost claim, with its cause.
+func TestClaimLostCancelsAHandlerThatNeverWaits(t *testing.T) {
+	t.Parallel()
+	store := &lostStore{Store: dedupe.NewMemoryStore()}
+	var err, cause error
+	h := newMiddleware(t, dedupe.Config{Store: store, ClaimTimeout: 60 * time.Millisecond})(func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		for deadline := time.Now().Add(waitTimeout); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+			if err = ctx.Err(); err != nil {
+				cause = context.Cause(ctx)
+				return nil, err
+			}
+		}
+		return nil, errors.New("handler context was not cancelled")
+	})
+	_, derr := h(newMsg(t, watermill.NewUUID()))
+	if !errors.Is(err, context.Canceled) || !errors.Is(cause, dedupe.ErrClaimLost) {
+		t.Errorf("handler saw Err %v, cause %v; want context.Canceled caused by ErrClaimLost", err, cause)
+	}
+	if !errors.Is(derr, dedupe.ErrClaimLost) {
+		t.Errorf("delivery error = %v, want ErrClaimLost", derr)
+	}
+}
+
+// The handler's context follows the message's context, and ends when the
+// handler returns, whether or not the handler waited on it; the message's
+// context outside stays as it was.
+func TestHandlerContextFollowsParentAndEndsOnReturn(t *testing.T) {
+	t.Parallel()
+	for _, wait := range []bool{false, true} {
+		t.Run(fmt.Sprintf("waits=%v", wait), func(t *testing.T) {
+			t.Parallel()
+			h := newMiddleware(t, dedupe.Config{Store: dedupe.NewMemoryStore()})
+
+			// Cancelling the message's context cancels the handler's.
+			parent, cancelParent := context.WithCancelCause(t.Context())
+			errStop := errors.New("router stopping")
+			var seen, seenCause error
+			run := h(func(msg *message.Message) ([]*message.Message, error) {
+				ctx := msg.Context()
+				if err := ctx.Err(); err != nil {
+					return nil, fmt.Errorf("context done before the parent was cancelled: %w", err)
+				}
+				cancelParent(errStop)
+				if wait {
+					select {
+					case <-ctx.Done():
+					case <-time.After(waitTimeout):
+					}
+				}
+				seen, seenCause = ctx.Err(), context.Cause(ctx)
+				return nil, nil
+			})
+			msg := newMsg(t, watermill.NewUUID())
+			msg.SetContext(parent)
+			_, _ = run(msg)
+			if !errors.Is(seen, context.Canceled) || !errors.Is(seenCause, errStop) {
+				t.Errorf("after the parent was cancelled the handler saw Err %v, cause %v; want context.Canceled caused by %v", seen, seenCause, errStop)
+			}
+
+			// After the handler returns its context is done, and so is a
+			// child made from it; the message's context is not.
+			var hctx, child context.Context
+			run = h(func(msg *message.Message) ([]*message.Message, error) {
+				hctx = msg.Context()
+				if wait {
+					var cancel context.CancelFunc
+					child, cancel = context.WithCancel(hctx)
+					t.Cleanup(cancel)
+				}
+				return nil, nil
+			})
+			msg = newMsg(t, watermill.NewUUID())
+			if _, err := run(msg); err != nil {
+				t.Fatal(err)
+			}
+			if err := hctx.Err(); !errors.Is(err, context.Canceled) {
+				t.Errorf("handler's context after return: Err = %v, want context.Canceled", err)
+			}
+			select {
+			case <-hctx.Done():
+			default:
+				t.Error("handler's context after return: Done is not closed")
+			}
+			if c := context.Cause(hctx); !errors.Is(c, context.Canceled) || errors.Is(c, dedupe.ErrClaimLost) {
+				t.Errorf("handler's context after return: cause = %v, want context.Canceled", c)
+			}
+			if _, ok := dedupe.ClaimFromContext(hctx); !ok {
+				t.Error("handler's context after return does not carry the claim")
+			}
+			if child != nil && !errors.Is(child.Err(), context.Canceled) {
+				t.Errorf("child of the handler's context after return: Err = %v, want context.Canceled", child.Err())
+			}
+			if err := msg.Context().Err(); err != nil {
+				t.Errorf("message context after return: %v, want the original, uncancelled context", err)
+			}
+		})
+	}
+}
+
+// countingStore counts the renewals of each key.
+type countingStore struct {
+	dedupe.Store
+	mu     sync.Mutex
+	renews map[string]int
+}
+
+func (s *countingStore) Renew(ctx context.Context, c dedupe.Claim, ttl time.Duration) error {
+	s.mu.Lock()
+	s.renews[c.Key]++
+	s.mu.Unlock()
+	return s.Store.Renew(ctx, c, ttl)
+}
+
+// The renewals of many handlers running at once share one schedule: those
+// that finish early leave it, the others stay renewed for as long as they
+// run.
+func TestMiddlewareRenewsManyHandlersAtOnce(t *testing.T) {
+	t.Parallel()
+	const interval = 20 * time.Millisecond
+	store := &countingStore{Store: dedupe.NewMemoryStore(), renews: map[string]int{}}
+	h := newMiddleware(t, dedupe.Config{Store: store, ClaimTimeout: 10 * interval, RenewInterval: interval})(
+		func(msg *message.Message) ([]*message.Message, error) {
+			d, _ := time.ParseDuration(msg.Metadata.Get("run"))
+			select {
+			case <-time.After(d):
+				return nil, nil
+			case <-msg.Context().Done():
+				return nil, context.Cause(msg.Context())
+			}
+		})
+	const n = 24
+	runs := make([]time.Duration, n)
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i := range n {
+		runs[i] = []time.Duration{0, interval / 4, 8 * interval, 12 * interval}[i%4]
+		msg := newMsg(t, fmt.Sprintf("many-%02d", i))
+		msg.Metadata.Set("run", runs[i].String())
+		wg.Go(func() {
+			if _, err := h(msg); err != nil {
+				errs <- fmt.Errorf("%s: %w", msg.UUID, err)
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	store.mu.Lock()
+	defer store.mu.Unlock()
+	for i, d := range runs {
+		key := dedupe.ScopedKey("", fmt.Sprintf("many-%02d", i))
+		got := store.renews[key]
+		switch {
+		case d >= 8*interval && got < 3:
+			t.Errorf("%s ran %v and was renewed %d times, want at least 3 (every %v)", key, d, got, interval)
+		case d < interval/2 && got > 1:
+			t.Errorf("%s ran %v and was renewed %d times, want at most 1", key, d, got)
+		}
+	}
+}

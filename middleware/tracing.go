@@ -103,7 +103,8 @@ func WithLinkToProducer() Option {
 }
 
 // WithSettleWait bounds how long a settle span waits for the router to ack
-// or nack; after it the span ends with an error. Defaults to 30s.
+// or nack; after it (and at most 10ms later) the span ends with an error.
+// Defaults to 30s.
 func WithSettleWait(d time.Duration) Option {
 	return optionFunc(func(c *tracingConfig) {
 		if d > 0 {
@@ -114,7 +115,9 @@ func WithSettleWait(d time.Duration) Option {
 
 type tracing struct {
 	cfg      tracingConfig
-	mattrs   sync.Map // metricKey -> metric.MeasurementOption, built once per outcome and handler
+	mattrs   sync.Map // metricKey -> *measurement, built once per outcome and handler
+	names    sync.Map // deliveryKey -> *spanNames, built once per handler and topic
+	settler  *settler
 	consumer trace.SpanStartOption
 	client   trace.SpanStartOption
 	tracer   trace.Tracer
@@ -152,6 +155,12 @@ type tracing struct {
 //
 // Metrics: settle.settlements (by outcome and handler), settle.handler.duration
 // (seconds) and settle.retries (in-process retries).
+//
+// Watermill tells that a message was acked or nacked only through channels
+// closed after the middleware chain has returned, so the settle spans need a
+// goroutine to wait on them: one per tracing middleware waits for all the
+// deliveries in flight (up to 32; more get a goroutine each). It runs while
+// any delivery waits and stops about 10–20ms after the last one settled.
 func NewTracing(opts ...Option) (message.HandlerMiddleware, error) {
 	cfg := tracingConfig{system: "watermill", settleWait: 30 * time.Second}
 	for _, o := range opts {
@@ -173,6 +182,7 @@ func NewTracing(opts ...Option) (message.HandlerMiddleware, error) {
 		consumer: trace.WithSpanKind(trace.SpanKindConsumer),
 		client:   trace.WithSpanKind(trace.SpanKindClient),
 		producer: trace.WithSpanKind(trace.SpanKindProducer),
+		settler:  newSettler(cfg.settleWait),
 	}
 	meter := cfg.mp.Meter(ScopeName, metric.WithInstrumentationVersion(Version), metric.WithSchemaURL(semconv.SchemaURL))
 	var err error
@@ -191,22 +201,20 @@ func NewTracing(opts ...Option) (message.HandlerMiddleware, error) {
 func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		orig := msg.Context()
-		topic := message.SubscribeTopicFromCtx(orig)
-		handler := message.HandlerNameFromCtx(orig)
+		d := t.spanNames(message.HandlerNameFromCtx(orig), message.SubscribeTopicFromCtx(orig))
 		start := time.Now()
 
 		producer := trace.SpanContextFromContext(t.cfg.prop.Extract(orig, settle.MetadataCarrier(msg.Metadata)))
-		ids := []attribute.KeyValue{t.systemKV, HandlerKey.String(handler)}
-		opts := []trace.SpanStartOption{
-			t.consumer,
-			trace.WithAttributes(ids...),
-			trace.WithAttributes(
-				semconv.MessagingDestinationName(topic),
-				semconv.MessagingMessageID(msg.UUID),
-				semconv.MessagingOperationTypeProcess,
-				semconv.MessagingOperationName("process"),
-			),
-		}
+		attrs := make([]attribute.KeyValue, 0, len(d.ids)+4)
+		attrs = append(attrs, d.ids...)
+		attrs = append(attrs,
+			d.destination,
+			semconv.MessagingMessageID(msg.UUID),
+			semconv.MessagingOperationTypeProcess,
+			operationProcess,
+		)
+		opts := make([]trace.SpanStartOption, 0, 4)
+		opts = append(opts, t.consumer, trace.WithAttributes(attrs...))
 		parent := orig
 		if producer.IsValid() {
 			if t.cfg.link {
@@ -215,13 +223,13 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 				parent = trace.ContextWithRemoteSpanContext(orig, producer)
 			}
 		}
-		ctx, span := t.tracer.Start(parent, spanName("process", topic), opts...)
-		ctx, rec := settlement.New(ctx, t.cfg.prop)
-		rec.SpanAttributes = ids
+		pctx, span := t.tracer.Start(parent, d.process, opts...)
+		ctx, rec := settlement.New(pctx, t.cfg.prop)
+		rec.SpanAttributes = d.ids
 		var out *output
 		if pub := message.PublishTopicFromCtx(orig); pub != "" {
 			// Only a handler with a publish topic has output to trace.
-			out = &output{t: t, ctx: ctx, ids: ids, topic: pub}
+			out = &output{t: t, ctx: ctx, ids: d.ids, topic: pub}
 			ctx = context.WithValue(ctx, outputKey{}, out)
 		}
 		msg.SetContext(ctx)
@@ -234,7 +242,7 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 			defer func() {
 				if p := recover(); p != nil {
 					err = &PanicError{Value: p}
-					t.finish(msg, span, rec, handler, topic, start, err)
+					t.finish(msg, pctx, span, rec, d, start, err)
 					msg.SetContext(orig)
 					panic(p)
 				}
@@ -246,10 +254,44 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 			// middleware returns: give each message its create span now.
 			out.trace(produced)
 		}
-		t.finish(msg, span, rec, handler, topic, start, err)
+		t.finish(msg, pctx, span, rec, d, start, err)
 		msg.SetContext(orig)
 		return produced, err
 	}
+}
+
+var (
+	operationProcess = semconv.MessagingOperationName("process")
+	operationAck     = semconv.MessagingOperationName("ack")
+	operationNack    = semconv.MessagingOperationName("nack")
+)
+
+// deliveryKey names the deliveries of one router handler on one topic.
+type deliveryKey struct{ handler, topic string }
+
+// spanNames is what the spans of every delivery of one handler on one topic
+// share, built once: span names and attributes are the same for all.
+type spanNames struct {
+	handler, topic     string
+	process, ack, nack string               // span names
+	ids                []attribute.KeyValue // messaging.system, settle.handler; full, so that an append copies
+	destination        attribute.KeyValue
+}
+
+func (t *tracing) spanNames(handler, topic string) *spanNames {
+	k := deliveryKey{handler, topic}
+	if v, ok := t.names.Load(k); ok {
+		return v.(*spanNames)
+	}
+	ids := []attribute.KeyValue{t.systemKV, HandlerKey.String(handler)}
+	d := &spanNames{
+		handler: handler, topic: topic,
+		process: spanName("process", topic), ack: spanName("ack", topic), nack: spanName("nack", topic),
+		ids:         ids[:len(ids):len(ids)],
+		destination: semconv.MessagingDestinationName(topic),
+	}
+	v, _ := t.names.LoadOrStore(k, d)
+	return v.(*spanNames)
 }
 
 // spanName is "{operation} {destination}", or the operation alone when the
@@ -333,8 +375,8 @@ func TraceProduced(h message.HandlerFunc) message.HandlerFunc {
 }
 
 // finish decides the outcome, ends the process span and starts the settle
-// span that ends on the router's ack or nack.
-func (t *tracing) finish(msg *message.Message, span trace.Span, rec *settlement.Record, handler, topic string, start time.Time, err error) {
+// span that ends on the router's ack or nack. pctx carries the process span.
+func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.Span, rec *settlement.Record, d *spanNames, start time.Time, err error) {
 	o, retries, parkedTo, reason := rec.Snapshot()
 	outcome := settle.Outcome(o)
 	switch {
@@ -343,7 +385,8 @@ func (t *tracing) finish(msg *message.Message, span trace.Span, rec *settlement.
 	case err != nil && outcome != settle.Deferred && outcome != settle.Retry:
 		outcome = settle.Retry
 	}
-	attrs := []attribute.KeyValue{OutcomeKey.String(string(outcome)), RetriesKey.Int(retries)}
+	attrs := make([]attribute.KeyValue, 0, 4)
+	attrs = append(attrs, OutcomeKey.String(string(outcome)), RetriesKey.Int(retries))
 	if n, aerr := strconv.Atoi(msg.Metadata.Get(settle.MetaAttempt)); aerr == nil {
 		attrs = append(attrs, AttemptKey.Int(n))
 	}
@@ -372,28 +415,29 @@ func (t *tracing) finish(msg *message.Message, span trace.Span, rec *settlement.
 	end := time.Now()
 
 	ctx := msg.Context()
-	mattrs := t.metricAttrs(outcome, handler)
-	t.settled.Add(ctx, 1, mattrs)
-	t.duration.Record(ctx, end.Sub(start).Seconds(), mattrs)
+	m := t.measurement(outcome, d.handler)
+	t.settled.Add(ctx, 1, m.add...)
+	t.duration.Record(ctx, end.Sub(start).Seconds(), m.record...)
 	if retries > 0 {
-		t.retries.Add(ctx, int64(retries), t.metricAttrs("", handler))
+		t.retries.Add(ctx, int64(retries), t.measurement("", d.handler).add...)
 	}
 
-	op := "ack"
+	op, name, opName := "ack", d.ack, operationAck
 	if err != nil {
-		op = "nack"
+		op, name, opName = "nack", d.nack, operationNack
 	}
-	_, settleSpan := t.tracer.Start(trace.ContextWithSpan(ctx, span), spanName(op, topic),
-		t.client,
-		trace.WithAttributes(rec.SpanAttributes...),
-		trace.WithAttributes(
-			semconv.MessagingDestinationName(topic),
-			semconv.MessagingMessageID(msg.UUID),
-			semconv.MessagingOperationTypeSettle,
-			semconv.MessagingOperationName(op),
-			OutcomeKey.String(string(outcome)),
-		))
-	go t.awaitSettlement(msg, settleSpan, op)
+	ids := rec.Attributes()
+	sattrs := make([]attribute.KeyValue, 0, len(ids)+5)
+	sattrs = append(sattrs, ids...)
+	sattrs = append(sattrs,
+		d.destination,
+		semconv.MessagingMessageID(msg.UUID),
+		semconv.MessagingOperationTypeSettle,
+		opName,
+		OutcomeKey.String(string(outcome)),
+	)
+	_, settleSpan := t.tracer.Start(pctx, name, t.client, trace.WithAttributes(sattrs...))
+	t.settler.add(msg, settleSpan, op)
 }
 
 type metricKey struct {
@@ -401,37 +445,26 @@ type metricKey struct {
 	handler string
 }
 
-// metricAttrs returns the measurement option for an outcome (or none) and a
-// handler, built once: attribute sets are sorted and hashed when made.
-func (t *tracing) metricAttrs(o settle.Outcome, handler string) metric.MeasurementOption {
+// measurement is the attribute set of an outcome (or none) and a handler, as
+// the options of the two kinds of recording.
+type measurement struct {
+	add    []metric.AddOption
+	record []metric.RecordOption
+}
+
+// measurement returns the options for an outcome (or none) and a handler,
+// built once: attribute sets are sorted and hashed when made, and the
+// option slices passed as they are allocate nothing.
+func (t *tracing) measurement(o settle.Outcome, handler string) *measurement {
 	k := metricKey{o, handler}
 	if v, ok := t.mattrs.Load(k); ok {
-		return v.(metric.MeasurementOption)
+		return v.(*measurement)
 	}
 	kvs := []attribute.KeyValue{HandlerKey.String(handler)}
 	if o != "" {
 		kvs = append(kvs, OutcomeKey.String(string(o)))
 	}
-	v, _ := t.mattrs.LoadOrStore(k, metric.WithAttributeSet(attribute.NewSet(kvs...)))
-	return v.(metric.MeasurementOption)
-}
-
-// awaitSettlement ends the settle span when the router acks or nacks.
-func (t *tracing) awaitSettlement(msg *message.Message, span trace.Span, decided string) {
-	timer := time.NewTimer(t.cfg.settleWait)
-	defer timer.Stop()
-	select {
-	case <-msg.Acked():
-		if decided != "ack" {
-			span.SetAttributes(attribute.String("settle.router_decision", "ack"))
-		}
-	case <-msg.Nacked():
-		if decided != "nack" {
-			span.SetAttributes(attribute.String("settle.router_decision", "nack"))
-			span.SetStatus(codes.Error, "the router nacked a message the middleware settled as ack (publishing its produced messages failed?)")
-		}
-	case <-timer.C:
-		span.SetStatus(codes.Error, "not acked or nacked within "+t.cfg.settleWait.String())
-	}
-	span.End()
+	opt := metric.WithAttributeSet(attribute.NewSet(kvs...))
+	v, _ := t.mattrs.LoadOrStore(k, &measurement{add: []metric.AddOption{opt}, record: []metric.RecordOption{opt}})
+	return v.(*measurement)
 }

@@ -3,6 +3,8 @@ package middleware_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"math/rand/v2"
 	"sort"
 	"sync/atomic"
 	"testing"
@@ -399,5 +401,97 @@ func TestTraceProducedAloneDoesNothing(t *testing.T) {
 	must(t, err)
 	if len(out) != 1 || len(out[0].Metadata) != 0 {
 		t.Fatalf("output %v with metadata %v; want it untouched", out, out[0].Metadata)
+	}
+}
+
+// Many deliveries wait for their settlement at once (more than one watcher
+// goroutine follows): each settle span ends on its own message's ack or nack,
+// never before, and reports a router decision that differs from the
+// middleware's.
+func TestSettleSpansOfManyDeliveriesEndOnTheirOwnSettlement(t *testing.T) {
+	t.Parallel()
+	tr := newTraced(t)
+	errFail := errors.New("fail")
+	h := tr.mw(func(msg *message.Message) ([]*message.Message, error) {
+		if msg.Metadata.Get("fail") != "" {
+			return nil, errFail
+		}
+		return nil, nil
+	})
+	const n = 80
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = message.NewMessage(fmt.Sprintf("m-%02d", i), nil)
+		if i%3 == 1 {
+			msgs[i].Metadata.Set("fail", "1")
+		}
+		_, _ = h(msgs[i])
+	}
+	settleSpans := func() map[string]sdktrace.ReadOnlySpan {
+		out := map[string]sdktrace.ReadOnlySpan{}
+		for _, s := range tr.rec.Ended() {
+			if op := attr(s, "messaging.operation.type").AsString(); op == "settle" {
+				out[attr(s, "messaging.message.id").AsString()] = s
+			}
+		}
+		return out
+	}
+	time.Sleep(30 * time.Millisecond) // give a wrongly eager settle span the chance to end
+	if got := len(settleSpans()); got != 0 {
+		t.Fatalf("%d settle spans ended before any message was settled", got)
+	}
+	order := rand.New(rand.NewPCG(1, 2)).Perm(n)
+	for k, i := range order {
+		msg := msgs[i]
+		routerNacks := i%5 == 0 // against the middleware's decision for some
+		if (msg.Metadata.Get("fail") != "") != routerNacks {
+			msg.Nack()
+		} else {
+			msg.Ack()
+		}
+		eventually(t, 5*time.Second, "the settle span of "+msg.UUID, func() bool { _, ok := settleSpans()[msg.UUID]; return ok })
+		spans := settleSpans()
+		if len(spans) != k+1 {
+			t.Fatalf("after %d settlements, %d settle spans ended", k+1, len(spans))
+		}
+		s := spans[msg.UUID]
+		decided := "ack"
+		if msg.Metadata.Get("fail") != "" {
+			decided = "nack"
+		}
+		if s.Name() != decided || attr(s, "messaging.operation.name").AsString() != decided {
+			t.Errorf("%s: settle span %q, want %q", msg.UUID, s.Name(), decided)
+		}
+		got := attr(s, "settle.router_decision").AsString()
+		switch {
+		case !routerNacks && got != "":
+			t.Errorf("%s: settle.router_decision %q on a message settled as decided", msg.UUID, got)
+		case routerNacks && got != map[string]string{"ack": "nack", "nack": "ack"}[decided]:
+			t.Errorf("%s: settle.router_decision %q; the router did the opposite of %q", msg.UUID, got, decided)
+		}
+	}
+}
+
+// A message that is never acked or nacked ends its settle span with an
+// error after the settle wait, once.
+func TestSettleSpanEndsAfterTheSettleWait(t *testing.T) {
+	t.Parallel()
+	tr := newTraced(t, middleware.WithSettleWait(40*time.Millisecond))
+	h := tr.mw(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	msg := message.NewMessage("never-acked", nil)
+	start := time.Now()
+	_, _ = h(msg)
+	spans := tr.spans(t, 2)
+	if took := time.Since(start); took < 40*time.Millisecond {
+		t.Fatalf("the settle span ended after %v, before the settle wait", took)
+	}
+	s := spans[1]
+	if s.Name() != "ack" || s.Status().Code != codes.Error || s.Status().Description != "not acked or nacked within 40ms" {
+		t.Fatalf("settle span %q status %v; want ack with an error saying it was not settled within 40ms", s.Name(), s.Status())
+	}
+	msg.Ack()
+	time.Sleep(30 * time.Millisecond)
+	if n := len(tr.rec.Ended()); n != 2 {
+		t.Fatalf("%d spans ended after the late ack, want 2", n)
 	}
 }

@@ -58,10 +58,29 @@ type Record struct {
 
 type key struct{}
 
+// recordCtx is a context carrying a record, made in one allocation rather
+// than a record and a context.WithValue.
+type recordCtx struct {
+	context.Context
+	rec Record
+}
+
+// Value returns the record for its key and asks the parent for any other.
+func (c *recordCtx) Value(k any) any {
+	if _, ok := k.(key); ok {
+		return &c.rec
+	}
+	return c.Context.Value(k)
+}
+
+// String names the context (fmt, and context's own String of a child).
+func (c *recordCtx) String() string { return "settlement.Context" }
+
 // New returns ctx carrying a new record.
 func New(ctx context.Context, p propagation.TextMapPropagator) (context.Context, *Record) {
-	r := &Record{Propagator: p}
-	return context.WithValue(ctx, key{}, r), r
+	c := &recordCtx{Context: ctx}
+	c.rec.Propagator = p
+	return c, &c.rec
 }
 
 // Ensure returns ctx's record, or ctx carrying a new one when it has none

@@ -2,6 +2,7 @@ package settlement_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 
 	"go.uber.org/goleak"
@@ -44,5 +45,31 @@ func TestRecord(t *testing.T) {
 	r.BeginRun()
 	if a, counted, _ := r.Attempt(); r.Deferred() || counted || a != 0 || !r.Durable() || r.Limit() != 3 {
 		t.Fatal("BeginRun kept the last run's state or lost the delivery's")
+	}
+}
+
+type otherKey struct{}
+
+// The record's context finds the record, passes other values and the
+// parent's cancellation through, and Ensure reuses it.
+func TestNewContext(t *testing.T) {
+	t.Parallel()
+	parent, cancel := context.WithCancelCause(context.WithValue(t.Context(), otherKey{}, "v"))
+	ctx, r := settlement.New(parent, nil)
+	if settlement.FromContext(ctx) != r || settlement.FromContext(parent) != nil {
+		t.Fatal("the record is not found in its context only")
+	}
+	if ctx.Value(otherKey{}) != "v" {
+		t.Fatal("a parent's value is lost")
+	}
+	if _, got, created := settlement.Ensure(ctx); got != r || created {
+		t.Fatal("Ensure made a second record")
+	}
+	child, stop := context.WithCancel(ctx)
+	defer stop()
+	errStop := errors.New("stop")
+	cancel(errStop)
+	if !errors.Is(ctx.Err(), context.Canceled) || !errors.Is(child.Err(), context.Canceled) || !errors.Is(context.Cause(child), errStop) {
+		t.Fatalf("after the parent's cancellation: Err %v, child Err %v, cause %v", ctx.Err(), child.Err(), context.Cause(child))
 	}
 }
