@@ -76,15 +76,7 @@ func (b *pgxBench) op(ctx context.Context, workload, side string, g int) (func(c
 	if workload == pgxTxBatch {
 		return b.batchOp(ctx, side, g)
 	}
-	sqlStore, claims, err := b.dedupeTable(ctx)
-	if err != nil {
-		return nil, "", err
-	}
-	effects, err := b.effectTable(ctx)
-	if err != nil {
-		return nil, "", err
-	}
-	ps, err := dedupe.NewPgxStore(b.pool, dedupe.PgxConfig{Table: claims})
+	sqlStore, ps, claims, effects, err := b.cellTables(ctx)
 	if err != nil {
 		return nil, "", err
 	}
@@ -417,3 +409,18 @@ RETURNING key, attempts`, bk, randomID())
 // pgNow is the claims table's clock on PostgreSQL, as dedupe writes it:
 // microseconds since the epoch at the statement's start.
 const pgNow = `(extract(epoch from statement_timestamp()) * 1000000)::bigint`
+
+// cellTables makes one cell's claims and effect tables, and the two stores
+// on the claims table.
+func (b *pgxBench) cellTables(ctx context.Context) (sqlStore *dedupe.SQLStore, ps *dedupe.PgxStore, claims, effects string, err error) {
+	if sqlStore, claims, err = b.dedupeTable(ctx); err != nil {
+		return nil, nil, "", "", err
+	}
+	if effects, err = b.effectTable(ctx); err != nil {
+		return nil, nil, "", "", err
+	}
+	if ps, err = dedupe.NewPgxStore(b.pool, dedupe.PgxConfig{Table: claims}); err != nil {
+		return nil, nil, "", "", err
+	}
+	return sqlStore, ps, claims, effects, nil
+}

@@ -9,7 +9,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/pipeline"
 )
 
@@ -25,15 +24,7 @@ const pgxTxBatch = "tx-batch"
 // batchOp returns the op of one side of the tx-batch workload at g
 // goroutines.
 func (b *pgxBench) batchOp(ctx context.Context, side string, g int) (func(ctx context.Context, key string) error, string, error) {
-	sqlStore, claims, err := b.dedupeTable(ctx)
-	if err != nil {
-		return nil, "", err
-	}
-	effects, err := b.effectTable(ctx)
-	if err != nil {
-		return nil, "", err
-	}
-	ps, err := dedupe.NewPgxStore(b.pool, dedupe.PgxConfig{Table: claims})
+	sqlStore, ps, claims, effects, err := b.cellTables(ctx)
 	if err != nil {
 		return nil, "", err
 	}
