@@ -450,13 +450,7 @@ func NewBatchTxHandler(cfg TxConfig, fn BatchTxFunc) (message.NoPublishHandlerFu
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if !cfg.Batch.enabled() {
-		return nil, fmt.Errorf("pipeline: NewBatchTxHandler needs TxConfig.Batch.MaxSize >= 2, got %d", cfg.Batch.MaxSize)
-	}
-	if fn == nil {
-		return nil, errors.New("pipeline: NewBatchTxHandler: fn is nil")
-	}
-	return newBatcher(cfg.flow(nil, fn)).handle, nil
+	return newBatchHandler("NewBatchTxHandler", "TxConfig", cfg.Batch, fn == nil, func() txFlow { return cfg.flow(nil, fn) })
 }
 
 // TypedBatchTx adapts fn to a BatchTxFunc that decodes every payload first.
@@ -465,16 +459,38 @@ func NewBatchTxHandler(cfg TxConfig, fn BatchTxFunc) (message.NoPublishHandlerFu
 // batch runs without it.
 func TypedBatchTx[T any](codec Codec, fn func(ctx context.Context, tx *sql.Tx, msgs []Message[T], out message.Publisher) error) BatchTxFunc {
 	return func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, out message.Publisher) error {
-		ms := make([]Message[T], len(msgs))
-		for i, msg := range msgs {
-			m, err := Decode[T](codec, msg)
-			if err != nil {
-				return MessageFailed(i, err)
-			}
-			ms[i] = m
+		ms, err := decodeBatch[T](codec, msgs)
+		if err != nil {
+			return err
 		}
 		return fn(ctx, tx, ms, out)
 	}
+}
+
+// decodeBatch decodes every message of a batch; the first that does not
+// decode is named (MessageFailed) with its decode error.
+func decodeBatch[T any](codec Codec, msgs []*message.Message) ([]Message[T], error) {
+	ms := make([]Message[T], len(msgs))
+	for i, msg := range msgs {
+		m, err := Decode[T](codec, msg)
+		if err != nil {
+			return nil, MessageFailed(i, err)
+		}
+		ms[i] = m
+	}
+	return ms, nil
+}
+
+// newBatchHandler is what NewBatchTxHandler and NewPgxBatchTxHandler share
+// once their config is valid: batching must be on and the function set.
+func newBatchHandler(method, config string, batch BatchConfig, noFn bool, flow func() txFlow) (message.NoPublishHandlerFunc, error) {
+	if !batch.enabled() {
+		return nil, fmt.Errorf("pipeline: %s needs %s.Batch.MaxSize >= 2, got %d", method, config, batch.MaxSize)
+	}
+	if noFn {
+		return nil, fmt.Errorf("pipeline: %s: fn is nil", method)
+	}
+	return newBatcher(flow()).handle, nil
 }
 
 // HandlerPanic is the error of a batched handler call that panicked. Only

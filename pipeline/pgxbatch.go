@@ -2,7 +2,6 @@ package pipeline
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -37,13 +36,7 @@ func NewPgxBatchTxHandler(cfg PgxTxConfig, fn PgxBatchTxFunc) (message.NoPublish
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if !cfg.Batch.enabled() {
-		return nil, fmt.Errorf("pipeline: NewPgxBatchTxHandler needs PgxTxConfig.Batch.MaxSize >= 2, got %d", cfg.Batch.MaxSize)
-	}
-	if fn == nil {
-		return nil, errors.New("pipeline: NewPgxBatchTxHandler: fn is nil")
-	}
-	return newBatcher(cfg.flow(nil, fn)).handle, nil
+	return newBatchHandler("NewPgxBatchTxHandler", "PgxTxConfig", cfg.Batch, fn == nil, func() txFlow { return cfg.flow(nil, fn) })
 }
 
 // HandlePgxBatchTx is HandleBatchTx on pgx: it adds a batch handler (see
@@ -67,13 +60,9 @@ func (p *Pipeline) HandlePgxBatchTx(name, topic string, sub message.Subscriber, 
 // poisoned and the rest of the batch runs without it.
 func TypedPgxBatchTx[T any](codec Codec, fn func(ctx context.Context, tx pgx.Tx, msgs []Message[T], out message.Publisher) error) PgxBatchTxFunc {
 	return func(ctx context.Context, tx pgx.Tx, msgs []*message.Message, out message.Publisher) error {
-		ms := make([]Message[T], len(msgs))
-		for i, msg := range msgs {
-			m, err := Decode[T](codec, msg)
-			if err != nil {
-				return MessageFailed(i, err)
-			}
-			ms[i] = m
+		ms, err := decodeBatch[T](codec, msgs)
+		if err != nil {
+			return err
 		}
 		return fn(ctx, tx, ms, out)
 	}
