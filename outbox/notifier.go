@@ -80,14 +80,6 @@ func (o *Outbox) newNotifier(fn string, db conn) (*Notifier, error) {
 	return n, nil
 }
 
-// request asks for a NOTIFY; a request already waiting absorbs it.
-func (n *Notifier) request() {
-	select {
-	case n.kick <- struct{}{}:
-	default:
-	}
-}
-
 func (n *Notifier) run() {
 	defer close(n.done)
 	for {

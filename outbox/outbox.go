@@ -242,13 +242,19 @@ func (o *Outbox) Notify() {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	for w := range o.wakers {
-		select {
-		case w <- struct{}{}:
-		default:
-		}
+		poke(w)
 	}
 	for n := range o.notifiers {
-		n.request()
+		poke(n.kick) // a request already waiting absorbs this one
+	}
+}
+
+// poke sends on a wake-up channel of capacity 1 without blocking: a wake-up
+// already pending absorbs this one.
+func poke(ch chan struct{}) {
+	select {
+	case ch <- struct{}{}:
+	default:
 	}
 }
 

@@ -318,12 +318,7 @@ func (r *Relay) Drain(ctx context.Context) error {
 }
 
 // signal wakes the relay's loop; a wake-up already pending absorbs it.
-func (r *Relay) signal() {
-	select {
-	case r.wake <- struct{}{}:
-	default:
-	}
-}
+func (r *Relay) signal() { poke(r.wake) }
 
 // sleep waits d, or until ctx ends; it reports whether ctx is still live.
 func sleep(ctx context.Context, d time.Duration) bool {
