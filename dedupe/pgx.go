@@ -272,7 +272,6 @@ func (p *PgxStore) Check(ctx context.Context) error {
 	if err != nil {
 		return p.s.schemaErr(fmt.Sprintf("it cannot be read (%v)", err))
 	}
-	defer rows.Close()
 	types := rows.Conn().TypeMap()
 	have := map[string]string{}
 	for _, f := range rows.FieldDescriptions() {

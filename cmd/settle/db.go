@@ -35,25 +35,23 @@ func runDedupePrune(e *env, args []string) (err error) {
 		return err
 	}
 	defer func() { err = errors.Join(err, d.Close()) }()
-	store, err := dedupe.NewSQLStore(d.db, dedupe.SQLConfig{Dialect: d.dialect, Table: *table})
+	var store interface {
+		Check(ctx context.Context) error
+		Prune(ctx context.Context, before time.Time) (int64, error)
+	}
+	if d.pool != nil {
+		store, err = dedupe.NewPgxStore(d.pool, dedupe.PgxConfig{Table: *table})
+	} else {
+		store, err = dedupe.NewSQLStore(d.db, dedupe.SQLConfig{Dialect: d.dialect, Table: *table})
+	}
 	if err != nil {
 		return fmt.Errorf("-table: %w", err)
 	}
-	// The table check reads column types, which only database/sql offers;
-	// on pgx its handle runs over the pool.
 	if err := store.Check(e.ctx); err != nil {
 		return fmt.Errorf("prune %s: %w", *table, err)
 	}
-	var pruner interface {
-		Prune(ctx context.Context, before time.Time) (int64, error)
-	} = store
-	if d.pool != nil {
-		if pruner, err = dedupe.NewPgxStore(d.pool, dedupe.PgxConfig{Table: *table}); err != nil {
-			return fmt.Errorf("-table: %w", err)
-		}
-	}
 	cutoff := time.Now().Add(-*olderThan)
-	n, err := pruner.Prune(e.ctx, cutoff)
+	n, err := store.Prune(e.ctx, cutoff)
 	if err != nil {
 		return fmt.Errorf("prune %s (%d rows removed before the error): %w", *table, n, err)
 	}

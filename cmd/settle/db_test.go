@@ -282,14 +282,16 @@ func TestDatabaseDriver(t *testing.T) {
 		if (d.pool != nil) != tc.pgx {
 			t.Errorf("%s -driver %s: on a pgx pool = %v, want %v", redact(tc.url), tc.driver, d.pool != nil, tc.pgx)
 		}
-		// Both handles answer; on pgx the database/sql one runs over the pool.
-		if err := d.db.PingContext(t.Context()); err != nil {
-			t.Errorf("%s -driver %s: %v", redact(tc.url), tc.driver, err)
-		}
+		// The one handle answers: on pgx there is no database/sql pool.
 		if d.pool != nil {
+			if d.db != nil {
+				t.Errorf("%s -driver %s: a database/sql handle beside the pgx pool", redact(tc.url), tc.driver)
+			}
 			if err := d.pool.Ping(t.Context()); err != nil {
 				t.Error(err)
 			}
+		} else if err := d.db.PingContext(t.Context()); err != nil {
+			t.Errorf("%s -driver %s: %v", redact(tc.url), tc.driver, err)
 		}
 		if err := d.Close(); err != nil {
 			t.Error(err)

@@ -7,7 +7,6 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settleenv"
@@ -31,20 +30,18 @@ func driverFlag(fs *flag.FlagSet) *string {
 // pgxpool.Pool for PostgreSQL.
 type database struct {
 	dialect dedupe.Dialect
-	// db is the database/sql handle. On pgx it runs over the pool's own
-	// connections (stdlib.OpenDBFromPool), for the one check that only
-	// database/sql offers (dedupe.SQLStore.Check reads column types).
+	// db is the database/sql handle; nil on pgx.
 	db *sql.DB
 	// pool is the pgx pool; nil on database/sql.
 	pool *pgxpool.Pool
 }
 
 func (d *database) Close() error {
-	err := d.db.Close()
 	if d.pool != nil {
 		d.pool.Close()
+		return nil
 	}
-	return err
+	return d.db.Close()
 }
 
 // openDatabase opens and pings the database at rawURL (or the one the
@@ -102,5 +99,5 @@ func openDatabase(e *env, flagURL, driver string) (*database, error) {
 		}
 		return nil, fmt.Errorf("%s: cannot reach the postgres database at %s: %w", from, redact(rawURL), err)
 	}
-	return &database{dialect: dedupe.Postgres, db: stdlib.OpenDBFromPool(pool), pool: pool}, nil
+	return &database{dialect: dedupe.Postgres, pool: pool}, nil
 }
