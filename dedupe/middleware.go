@@ -293,7 +293,13 @@ func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Conte
 	if err == nil && st.confirmedInTx {
 		return out, nil // the handler's transaction committed the confirmation
 	}
-	if serr := m.settle(orig, claim, err == nil); serr != nil {
+	var serr error
+	if err == nil {
+		serr = m.confirm(orig, msg.UUID, claim)
+	} else {
+		serr = m.settle(orig, claim, false)
+	}
+	if serr != nil {
 		if err != nil {
 			return nil, errors.Join(err, serr)
 		}
@@ -522,6 +528,45 @@ func (m *mw) publish(msg *message.Message, out []*message.Message) error {
 		return fmt.Errorf("dedupe: publishing %d produced messages to %q: %w", len(out), topic, err)
 	}
 	return nil
+}
+
+// confirmRetryMax caps the pause between tries of a confirmation that the
+// store could not take.
+const confirmRetryMax = time.Second
+
+// confirm records the claim of a handler that succeeded. A store that cannot
+// answer (database down, table renamed) is asked again, after pauses that
+// grow from 10ms to a second, for as long as it takes: the handler's effects
+// are done, and a delivery nacked now would come back once the claim had
+// expired and run the handler again. The delivery is held meanwhile, so no
+// other consumer gets it. It gives up, returning the error, only when the
+// claim is no longer this delivery's (ErrClaimLost) or the delivery's
+// context ends (the router is closing).
+func (m *mw) confirm(orig context.Context, uuid string, claim Claim) error {
+	pause := 10 * time.Millisecond
+	for try := 1; ; try++ {
+		err := m.settle(orig, claim, true)
+		if err == nil {
+			if try > 1 {
+				m.cfg.Logger.Info("dedupe: confirmed after the store came back", watermill.LogFields{"message_uuid": uuid, "tries": try})
+			}
+			return nil
+		}
+		if errors.Is(err, ErrClaimLost) || orig.Err() != nil {
+			return err
+		}
+		if try == 1 {
+			m.cfg.Logger.Error("dedupe: confirm failed after the handler succeeded; holding the delivery and trying again until the store answers", err, watermill.LogFields{"message_uuid": uuid})
+		}
+		t := time.NewTimer(pause)
+		select {
+		case <-t.C:
+		case <-orig.Done():
+			t.Stop()
+			return err
+		}
+		pause = min(2*pause, confirmRetryMax)
+	}
 }
 
 // settle confirms or releases the claim, even if ctx was cancelled.
