@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/workers"
 	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/middleware"
 )
@@ -281,6 +282,11 @@ func (p *Pipeline) add(name string, sub message.Subscriber, mws []message.Handle
 			n = fmt.Sprintf("%s#%d", name, i+1)
 		}
 		hs[i] = register(n)
+		// settle's chain runs on workers kept by the handler (see
+		// internal/workers), outside all other middleware.
+		h := hs[i]
+		pool := workers.New(func() <-chan struct{} { return h.Stopped() })
+		hs[i].AddMiddleware(pool.Middleware)
 		hs[i].AddMiddleware(mws...)
 	}
 	return hs, nil
