@@ -182,36 +182,69 @@ func (b *amqpBench) prefill(ctx context.Context, queue string, m amqp.Marshaler,
 // consume runs router with its handlers until count reaches n and returns the
 // rate from the first handled message to the last.
 func consume(ctx context.Context, router *message.Router, count *atomic.Int64, first *atomic.Int64, n int, prof string) (float64, error) {
+	r, _, err := consumeSteady(ctx, router, count, first, n, 0, prof)
+	return r, err
+}
+
+// consumeSteady is consume with a warm-up: with warm > 0 the clock starts
+// when warm messages have been handled (the subscriptions have their
+// channels, the pool its connections), and the rate is that of the rest.
+// It also returns the processor time spent in the timed window, by whom.
+func consumeSteady(ctx context.Context, router *message.Router, count *atomic.Int64, first *atomic.Int64, n, warm int, prof string) (float64, steadyWindow, error) {
+	var win steadyWindow
 	runDone := make(chan error, 1)
 	go func() { runDone <- router.Run(ctx) }()
 	defer func() { _ = router.Close(); <-runDone }()
 	select {
 	case <-router.Running():
 	case err := <-runDone:
-		return 0, fmt.Errorf("router stopped: %w", err)
+		return 0, win, fmt.Errorf("router stopped: %w", err)
 	}
 	stopProf, err := startProfile(prof)
 	if err != nil {
-		return 0, err
+		return 0, win, err
 	}
 	defer stopProf()
 	deadline := time.After(5 * time.Minute)
 	tick := time.NewTicker(5 * time.Millisecond)
 	defer tick.Stop()
-	for count.Load() < int64(n) {
+	var (
+		start time.Time
+		from  int64
+		cpu   cpuSnap
+	)
+	if warm <= 0 {
+		cpu = snapCPU()
+	}
+	for c := count.Load(); c < int64(n); c = count.Load() {
+		if warm > 0 && start.IsZero() && c >= int64(warm) {
+			start, from, cpu = time.Now(), c, snapCPU()
+		}
 		select {
 		case <-tick.C:
 		case <-deadline:
-			return 0, fmt.Errorf("%d of %d messages handled in 5 minutes", count.Load(), n)
+			return 0, win, fmt.Errorf("%d of %d messages handled in 5 minutes", count.Load(), n)
 		case err := <-runDone:
 			runDone <- err
-			return 0, fmt.Errorf("router stopped: %v", err)
+			return 0, win, fmt.Errorf("router stopped: %v", err)
 		case <-ctx.Done():
-			return 0, ctx.Err()
+			return 0, win, ctx.Err()
 		}
 	}
-	elapsed := time.Since(time.Unix(0, first.Load()))
-	return float64(n) / elapsed.Seconds(), nil
+	end := time.Now()
+	win.CPU = cpu.until(snapCPU())
+	if start.IsZero() {
+		start = time.Unix(0, first.Load())
+	}
+	win.Messages = n - int(from)
+	return float64(win.Messages) / end.Sub(start).Seconds(), win, nil
+}
+
+// steadyWindow is the timed part of a run: how many messages it counted
+// and the processor time spent meanwhile.
+type steadyWindow struct {
+	Messages int
+	CPU      cpuUse
 }
 
 func markFirst(first *atomic.Int64) {
@@ -223,18 +256,29 @@ func markFirst(first *atomic.Int64) {
 // raw consumes n prefilled messages with c competing watermill-amqp
 // subscriptions and a no-op handler.
 func (b *amqpBench) raw(ctx context.Context, c, n int) (float64, error) {
+	router, count, first, err := b.rawRouter(ctx, c, n)
+	if err != nil {
+		return 0, err
+	}
+	return consume(ctx, router, count, first, n, "")
+}
+
+// rawRouter prefills a queue with n messages and returns a router with c
+// competing watermill-amqp subscriptions on it and a no-op handler that
+// counts. Its subscriber closes with the router.
+func (b *amqpBench) rawRouter(ctx context.Context, c, n int) (*message.Router, *atomic.Int64, *atomic.Int64, error) {
 	queue := "bench_raw_" + randomID()
 	if err := b.prefill(ctx, queue, amqp.DefaultMarshaler{}, n); err != nil {
-		return 0, err
+		return nil, nil, nil, err
 	}
 	sub, err := amqp.NewSubscriber(b.config(amqp.DefaultMarshaler{}), watermill.NopLogger{})
 	if err != nil {
-		return 0, err
+		return nil, nil, nil, err
 	}
-	defer sub.Close()
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	if err != nil {
-		return 0, err
+		_ = sub.Close()
+		return nil, nil, nil, err
 	}
 	var count, first atomic.Int64
 	for i := range c {
@@ -244,7 +288,7 @@ func (b *amqpBench) raw(ctx context.Context, c, n int) (float64, error) {
 			return nil
 		})
 	}
-	return consume(ctx, router, &count, &first, n, "")
+	return router, &count, &first, nil
 }
 
 // pgTx measures BEGIN; INSERT; COMMIT from c goroutines, no broker.

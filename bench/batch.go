@@ -25,13 +25,14 @@ import (
 
 // Batch cells: RabbitMQ + a database, 16 deliveries in flight.
 const (
+	batchRawAMQP = "raw-consume"   // watermill-amqp, 16 subscriptions, a no-op handler, no database
 	batchRawTx   = "raw-tx"        // BEGIN; INSERT; COMMIT from 16 goroutines, no broker
 	batchPerMsg  = "per-message"   // settle HandleTx, one-statement, one commit per message
 	batchGrouped = "batched"       // settle HandleTx with Batch: one commit per batch
 	batchHandler = "batch-handler" // settle HandleBatchTx: one commit and one multi-row insert per batch
 )
 
-var batchCells = []string{batchRawTx, batchPerMsg, batchGrouped, batchHandler}
+var batchCells = []string{batchRawAMQP, batchRawTx, batchPerMsg, batchGrouped, batchHandler}
 
 // batchSettleCells are the cells that run settle on RabbitMQ.
 var batchSettleCells = []string{batchPerMsg, batchGrouped, batchHandler}
@@ -50,6 +51,7 @@ const batchPrefetch = 4
 // BatchResults: section batch.
 type BatchResults struct {
 	Messages    int        `json:"messages"`
+	Warm        int        `json:"warm_up"` // messages handled before the clock starts
 	InFlight    int        `json:"in_flight"`
 	Prefetch    int        `json:"prefetch"`
 	LatencyRate int        `json:"latency_msgs_per_s"` // publish rate of the latency runs
@@ -63,6 +65,7 @@ type BatchRow struct {
 	Rate    map[string]float64 `json:"msgs_per_s"`
 	P50     map[string]float64 `json:"p50_ms"`
 	P99     map[string]float64 `json:"p99_ms"`
+	CPU     map[string]CPUPerK `json:"cpu_per_1000"` // the median run's
 	Checked int                `json:"effects_checked"`
 }
 
@@ -125,10 +128,17 @@ func (d *batchDB) close() {
 }
 
 func runBatch(ctx context.Context, o options, log io.Writer) (*BatchResults, error) {
-	res := &BatchResults{Messages: 8_000, InFlight: batchInFlight, Prefetch: max(o.prefetch, batchPrefetch), LatencyRate: 500}
+	// Every subscription of the section, the raw consume's too, has the
+	// same prefetch.
+	o.prefetch = max(o.prefetch, batchPrefetch)
+	res := &BatchResults{Messages: 20_000, InFlight: batchInFlight, Prefetch: o.prefetch, LatencyRate: 500}
 	if o.quick {
-		res.Messages = 2_000
+		res.Messages = 4_000
 	}
+	// The first fifth is not timed: it opens the subscriptions' channels and
+	// the pool's connections, which a run of a few seconds would otherwise
+	// count against settle's cells but not against the raw transaction's.
+	res.Warm = res.Messages / 5
 	b := &amqpBench{o: o, log: log}
 	defer b.closeQueues()
 	for _, target := range []struct{ name, url string }{{"postgres", o.pgURL}, {"mariadb", o.mysqlURL}} {
@@ -150,32 +160,48 @@ func runBatch(ctx context.Context, o options, log io.Writer) (*BatchResults, err
 }
 
 func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults) (BatchRow, error) {
-	row := BatchRow{DB: d.name, Rate: map[string]float64{}, P50: map[string]float64{}, P99: map[string]float64{}}
+	row := BatchRow{DB: d.name, Rate: map[string]float64{}, P50: map[string]float64{}, P99: map[string]float64{}, CPU: map[string]CPUPerK{}}
 	rates := map[string][]float64{}
+	cpus := map[string][]CPUPerK{}
 	for r := range b.o.runs {
 		for _, cell := range batchCells {
-			var rate float64
-			var err error
-			if cell == batchRawTx {
-				rate, err = b.rawTx(ctx, d)
-			} else {
-				rate, _, err = b.batchSettle(ctx, d, cell, res.Messages, 0)
+			var (
+				rate float64
+				win  steadyWindow
+				err  error
+			)
+			switch cell {
+			case batchRawTx:
+				rate, win, err = b.rawTx(ctx, d)
+			case batchRawAMQP:
+				rate, win, err = b.rawSteady(ctx, batchInFlight, res.Messages, res.Warm)
+			default:
+				rate, win, _, err = b.batchSettle(ctx, d, cell, res.Messages, res.Warm, 0)
 				row.Checked += res.Messages
 			}
 			if err != nil {
 				return row, fmt.Errorf("%s: %w", cell, err)
 			}
-			fmt.Fprintf(b.log, "run %d %s %s: %.0f msgs/s\n", r+1, d.name, cell, rate)
+			use := win.CPU.perK(win.Messages)
+			fmt.Fprintf(b.log, "run %d %s %s: %.0f msgs/s; CPU ms per 1,000: go %.0f, broker %.0f, db %.0f, machine %.0f\n",
+				r+1, d.name, cell, rate, use.Go, use.Broker, use.DB, use.Busy)
 			rates[cell] = append(rates[cell], rate)
+			cpus[cell] = append(cpus[cell], use)
 		}
 	}
 	for _, c := range batchCells {
 		row.Rate[c] = median(rates[c])
+		// The CPU use of the run whose rate is the median.
+		for i, r := range rates[c] {
+			if r == row.Rate[c] {
+				row.CPU[c] = cpus[c][i]
+			}
+		}
 	}
 	// Latency at a steady publish rate well below either mode's capacity.
 	n := res.LatencyRate * 4
 	for _, cell := range batchSettleCells {
-		_, lat, err := b.batchSettle(ctx, d, cell, n, res.LatencyRate)
+		_, _, lat, err := b.batchSettle(ctx, d, cell, n, 0, res.LatencyRate)
 		if err != nil {
 			return row, fmt.Errorf("%s latency: %w", cell, err)
 		}
@@ -186,11 +212,21 @@ func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults)
 	return row, nil
 }
 
+// rawSteady is raw with a warm-up, and the processor time of its window.
+func (b *amqpBench) rawSteady(ctx context.Context, c, n, warm int) (float64, steadyWindow, error) {
+	router, count, first, err := b.rawRouter(ctx, c, n)
+	if err != nil {
+		return 0, steadyWindow{}, err
+	}
+	return consumeSteady(ctx, router, count, first, n, warm, "")
+}
+
 // rawTx measures BEGIN; INSERT; COMMIT from batchInFlight goroutines.
-func (b *amqpBench) rawTx(ctx context.Context, d *batchDB) (float64, error) {
+func (b *amqpBench) rawTx(ctx context.Context, d *batchDB) (float64, steadyWindow, error) {
+	var win steadyWindow
 	effects, err := d.effectTable(ctx)
 	if err != nil {
-		return 0, err
+		return 0, win, err
 	}
 	insert := "INSERT INTO " + effects + " (id, msg) VALUES (" + d.ph(1) + ", " + d.ph(2) + ")"
 	dur := 3 * time.Second
@@ -198,6 +234,7 @@ func (b *amqpBench) rawTx(ctx context.Context, d *batchDB) (float64, error) {
 		dur = time.Second
 	}
 	var id atomic.Int64
+	cpu := snapCPU()
 	n, el, err := forDuration(ctx, batchInFlight, dur, "raw-"+randomID()+"-", func(ctx context.Context, key string) error {
 		tx, err := d.db.BeginTx(ctx, nil)
 		if err != nil {
@@ -209,10 +246,11 @@ func (b *amqpBench) rawTx(ctx context.Context, d *batchDB) (float64, error) {
 		}
 		return tx.Commit()
 	})
+	win.CPU, win.Messages = cpu.until(snapCPU()), n
 	if err != nil {
-		return 0, err
+		return 0, win, err
 	}
-	return float64(n) / el.Seconds(), d.checkEffects(ctx, effects, n)
+	return float64(n) / el.Seconds(), win, d.checkEffects(ctx, effects, n)
 }
 
 // batchSettle consumes n messages from RabbitMQ with a settle transactional
@@ -220,47 +258,49 @@ func (b *amqpBench) rawTx(ctx context.Context, d *batchDB) (float64, error) {
 // subscriptions, then checks one effect row per message. With rate 0 the
 // queue is prefilled and the result is the throughput; with a rate the
 // messages are published at that rate while the router runs, and the
-// latencies from publish to commit are returned.
-func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, cell string, n, rate int) (float64, []float64, error) {
+// latencies from publish to commit are returned. The first warm messages of
+// a throughput run are not timed.
+func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, cell string, n, warm, rate int) (float64, steadyWindow, []float64, error) {
+	var win steadyWindow
 	m, err := amqpmarshal.New(amqpmarshal.Config{})
 	if err != nil {
-		return 0, nil, err
+		return 0, win, nil, err
 	}
 	queue := "bench_batch_" + randomID()
 	if rate == 0 {
 		if err := b.prefill(ctx, queue, m, n); err != nil {
-			return 0, nil, err
+			return 0, win, nil, err
 		}
 	} else if err := b.prefill(ctx, queue, m, 0); err != nil {
-		return 0, nil, err
+		return 0, win, nil, err
 	}
 	store, err := d.store(ctx)
 	if err != nil {
-		return 0, nil, err
+		return 0, win, nil, err
 	}
 	effects, err := d.effectTable(ctx)
 	if err != nil {
-		return 0, nil, err
+		return 0, win, nil, err
 	}
 	cfg := b.config(m)
 	cfg.Consume.Qos.PrefetchCount = max(b.o.prefetch, batchPrefetch)
 	sub, err := amqp.NewSubscriber(cfg, watermill.NopLogger{})
 	if err != nil {
-		return 0, nil, err
+		return 0, win, nil, err
 	}
 	defer sub.Close()
 	pub, err := amqp.NewPublisher(cfg, watermill.NopLogger{})
 	if err != nil {
-		return 0, nil, err
+		return 0, win, nil, err
 	}
 	defer pub.Close()
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	if err != nil {
-		return 0, nil, err
+		return 0, win, nil, err
 	}
 	p, err := pipeline.New(router, pipeline.Config{Publisher: pub, Store: store, Concurrency: batchInFlight, DisableTracing: true})
 	if err != nil {
-		return 0, nil, err
+		return 0, win, nil, err
 	}
 	insert := "INSERT INTO " + effects + " (id, msg) VALUES (" + d.ph(1) + ", " + d.ph(2) + ")"
 	var (
@@ -299,7 +339,7 @@ func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, cell string, n,
 		})
 	}
 	if err != nil {
-		return 0, nil, err
+		return 0, win, nil, err
 	}
 	// Innermost: the handler has returned, so its transaction committed.
 	hs.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
@@ -332,11 +372,11 @@ func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, cell string, n,
 	if b.o.profile != "" && rate == 0 {
 		prof = filepath.Join(b.o.profile, "batch-"+d.name+"-"+cell)
 	}
-	r, err := consume(ctx, router, &count, &first, n, prof)
+	r, win, err := consumeSteady(ctx, router, &count, &first, n, warm, prof)
 	if err != nil {
-		return 0, nil, err
+		return 0, win, nil, err
 	}
-	return r, lat, d.checkEffects(ctx, effects, n)
+	return r, win, lat, d.checkEffects(ctx, effects, n)
 }
 
 func percentile(xs []float64, p float64) float64 {
@@ -354,14 +394,34 @@ func batchTable(t *BatchResults) string {
 		return "(not measured)\n"
 	}
 	var b strings.Builder
-	b.WriteString("| database | raw BEGIN; INSERT; COMMIT (16 goroutines) | settle per message | settle batched | settle batch handler | batched / per message | batch handler / per message | batched / raw tx | batch handler / raw tx | per message p50 / p99 | batched p50 / p99 | batch handler p50 / p99 | effects checked |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	fmt.Fprintf(&b, "Throughput, msgs/s (median of the runs; %d messages per settle run, the first %d not timed):\n\n", t.Messages, t.Warm)
+	b.WriteString("| database | raw watermill-amqp consume | raw BEGIN; INSERT; COMMIT | settle per message | settle batched | settle batch handler | batched / per message | batch handler / per message | batched / raw tx | batch handler / raw tx | batch handler / raw consume | effects checked |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, r := range t.Rows {
-		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f / %.1f ms | %.1f / %.1f ms | %.1f / %.1f ms | %s |\n", r.DB,
-			num(r.Rate[batchRawTx]), num(r.Rate[batchPerMsg]), num(r.Rate[batchGrouped]), num(r.Rate[batchHandler]),
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.DB,
+			num(r.Rate[batchRawAMQP]), num(r.Rate[batchRawTx]), num(r.Rate[batchPerMsg]), num(r.Rate[batchGrouped]), num(r.Rate[batchHandler]),
 			x(ratio(r.Rate[batchGrouped], r.Rate[batchPerMsg])), x(ratio(r.Rate[batchHandler], r.Rate[batchPerMsg])),
 			x(ratio(r.Rate[batchGrouped], r.Rate[batchRawTx])), x(ratio(r.Rate[batchHandler], r.Rate[batchRawTx])),
-			r.P50[batchPerMsg], r.P99[batchPerMsg], r.P50[batchGrouped], r.P99[batchGrouped],
-			r.P50[batchHandler], r.P99[batchHandler], num(float64(r.Checked)))
+			x(ratio(r.Rate[batchHandler], r.Rate[batchRawAMQP])), num(float64(r.Checked)))
+	}
+	fmt.Fprintf(&b, "\nPublish to commit at a steady %d msgs/s, p50 / p99:\n\n", t.LatencyRate)
+	b.WriteString("| database | settle per message | settle batched | settle batch handler |\n|---|---:|---:|---:|\n")
+	for _, r := range t.Rows {
+		fmt.Fprintf(&b, "| %s | %.1f / %.1f ms | %.1f / %.1f ms | %.1f / %.1f ms |\n", r.DB,
+			r.P50[batchPerMsg], r.P99[batchPerMsg], r.P50[batchGrouped], r.P99[batchGrouped], r.P50[batchHandler], r.P99[batchHandler])
+	}
+	b.WriteString("\nProcessor time per 1,000 messages in the timed part of the median run, ms: this process (settle and the clients) / RabbitMQ / the database server / the whole machine (2 cores, so at most 2,000 ms per second):\n\n")
+	b.WriteString("| database |")
+	for _, c := range batchCells {
+		b.WriteString(" " + c + " |")
+	}
+	b.WriteString("\n|---|" + strings.Repeat("---:|", len(batchCells)) + "\n")
+	for _, r := range t.Rows {
+		b.WriteString("| " + r.DB + " |")
+		for _, c := range batchCells {
+			u := r.CPU[c]
+			fmt.Fprintf(&b, " %.0f / %.0f / %.0f / %.0f |", u.Go, u.Broker, u.DB, u.Busy)
+		}
+		b.WriteString("\n")
 	}
 	return b.String()
 }

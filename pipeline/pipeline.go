@@ -11,8 +11,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/settle-go/settle/dedupe"
-	"github.com/settle-go/settle/internal/workers"
 	"github.com/settle-go/settle/internal/settlement"
+	"github.com/settle-go/settle/internal/workers"
 	"github.com/settle-go/settle/middleware"
 )
 
