@@ -209,6 +209,23 @@ func summary(res *Results) string {
 		fmt.Fprintf(&b, "| 4. the same, %s, against both dependencies in series | | 1/(1/amqp + 1/pg) | %s–%s | – | (no target; see the section) |\n",
 			settleOne, x(lo), x(hi))
 	}
+	if t := res.Batch; t != nil {
+		for _, r := range t.Rows {
+			h := r.Rate[batchHandler]
+			for _, c := range []struct {
+				floor, name string
+				target      float64
+			}{
+				{batchPerMsg, "settle per message", targetBatchPerMsg},
+				{batchRawTx, "raw BEGIN; INSERT; COMMIT", targetBatchRawTx},
+				{batchRawAMQP, "raw watermill-amqp consume (stretch)", targetBatchConsume},
+			} {
+				v := ratio(h, r.Rate[c.floor])
+				fmt.Fprintf(&b, "| 4b. RabbitMQ + %s, batch handler, 16 in flight | %s msgs/s | %s msgs/s (%s) | %s | %s | %s |\n",
+					r.DB, num(h), num(r.Rate[c.floor]), c.name, x(v), x(c.target), met(v, c.target))
+			}
+		}
+	}
 	return b.String()
 }
 

@@ -12,6 +12,11 @@ const (
 	targetTracing = 0.5
 	targetStores  = 0.8
 	targetAMQP    = 0.7
+	// Issue 16: the batch handler against settle's per-message handler and
+	// the raw per-message transaction; the raw consume ratio is its stretch.
+	targetBatchPerMsg  = 3.0
+	targetBatchRawTx   = 1.0
+	targetBatchConsume = 0.5
 )
 
 // num formats a rate with thousands separators.
