@@ -121,6 +121,13 @@ func (c Config) Validate() error {
 //
 // Each piece is also a plain message.HandlerMiddleware of its own package,
 // for routers assembled by hand.
+//
+// The stack of each router handler runs on worker goroutines that the
+// handler keeps, one per delivery in flight at its busiest: the router's
+// goroutine for a delivery hands the stack over and waits for it, so that
+// the deeper stack settle needs is grown once per worker rather than once
+// per delivery. Router-level middleware still runs on the router's
+// goroutine; the workers exit when the router handler stops.
 type Pipeline struct {
 	router  *message.Router
 	cfg     Config
