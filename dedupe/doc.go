@@ -34,6 +34,13 @@
 // message later. It is a plain message.HandlerMiddleware and can be added to
 // any router.
 //
+// When the handler succeeded and the store cannot take the confirmation
+// (the database restarting, the claims table renamed), the middleware holds
+// the delivery and tries Confirm again, after pauses growing to a second,
+// until the store answers: nacked, the delivery would come back once the
+// claim had expired and run the handler a second time. It gives up only when
+// the claim is no longer its own or the message's context ends.
+//
 // # Stores
 //
 // [MemoryStore] is per-process. [SQLStore] keeps claims in a table of

@@ -59,10 +59,12 @@ type Config struct {
 	// RenewInterval is how often a running handler's claim is renewed.
 	// Defaults to ClaimTimeout/3. Must be > 0 and < ClaimTimeout.
 	RenewInterval time.Duration
-	// SettleTimeout bounds Confirm and Release, which run even when the
-	// message's context was cancelled (router shutdown) so that a finished
-	// handler is recorded and a failed one frees its key. Defaults to 5s.
-	// Must be > 0.
+	// SettleTimeout bounds each Confirm and Release call, which run even
+	// when the message's context was cancelled (router shutdown) so that a
+	// finished handler is recorded and a failed one frees its key. A
+	// Confirm the store could not take after the handler succeeded is tried
+	// again until the store answers, holding the delivery (see the package
+	// documentation). Defaults to 5s. Must be > 0.
 	SettleTimeout time.Duration
 	// Logger receives renewal failures and lost claims. Defaults to
 	// watermill.NopLogger.
