@@ -459,7 +459,7 @@ var ErrNoClaim = errors.New("dedupe: no claim in the context (is the handler beh
 // store must be a *SQLStore (or a *PgxStore) on the same database as tx.
 // For a pgx.Tx, call [ConfirmPgxTx].
 func ConfirmTx(ctx context.Context, tx DB) error {
-	return confirmIn(ctx, sqlExec{tx})
+	return confirmIn(ctx, sqlExec{db: tx})
 }
 
 // confirmIn confirms the claim in ctx with the statements run by ex, the

@@ -101,13 +101,13 @@ func NewSQLStore(db DB, cfg SQLConfig) (*SQLStore, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("dedupe: %w", err)
 	}
-	return newStore(sqlExec{db}, cfg), nil
+	return newStore(sqlExec{db: db}, cfg), nil
 }
 
 // newStore builds the store on ex; cfg is checked.
 func newStore(ex executor, cfg SQLConfig) *SQLStore {
 	return &SQLStore{
-		ex:      ex,
+		ex:      cfg.Dialect.executor(ex),
 		dialect: cfg.Dialect,
 		table:   cfg.Table,
 		batch:   cfg.PruneBatch,
@@ -119,13 +119,23 @@ func newStore(ex executor, cfg SQLConfig) *SQLStore {
 // WithTx returns a store with the same configuration that runs its
 // statements on tx (or any other DB, such as a *sql.Conn). It is cheap: call
 // it once per transaction.
-func (s *SQLStore) WithTx(tx DB) *SQLStore { return s.on(sqlExec{tx}) }
+func (s *SQLStore) WithTx(tx DB) *SQLStore { return s.on(sqlExec{db: tx}) }
 
 // on returns a copy of s that runs its statements with ex.
 func (s *SQLStore) on(ex executor) *SQLStore {
 	c := *s
-	c.ex = ex
+	c.ex = s.dialect.executor(ex)
 	return &c
+}
+
+// executor is ex as the dialect runs it: on MySQL, a database/sql executor
+// writes its arguments into its statements (see inlineArgs).
+func (d Dialect) executor(ex executor) executor {
+	if e, ok := ex.(sqlExec); ok && d == MySQL {
+		e.inline = true
+		return e
+	}
+	return ex
 }
 
 // Schema returns the statements that create the claims table and its index,
