@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"fmt"
 	"io"
+	"math"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -190,13 +191,15 @@ func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults)
 		}
 	}
 	for _, c := range batchCells {
-		row.Rate[c] = median(rates[c])
-		// The CPU use of the run whose rate is the median.
+		row.Rate[c] = median(slices.Clone(rates[c])) // median sorts
+		// The CPU use of the run whose rate is nearest the median.
+		near := 0
 		for i, r := range rates[c] {
-			if r == row.Rate[c] {
-				row.CPU[c] = cpus[c][i]
+			if math.Abs(r-row.Rate[c]) < math.Abs(rates[c][near]-row.Rate[c]) {
+				near = i
 			}
 		}
+		row.CPU[c] = cpus[c][near]
 	}
 	// Latency at a steady publish rate well below either mode's capacity.
 	n := res.LatencyRate * 4

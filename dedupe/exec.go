@@ -83,9 +83,9 @@ func (e sqlExec) inTx() bool {
 
 // inlineArgs writes args into a MySQL statement as literals, so that the
 // statement goes to the server as one text query. go-sql-driver/mysql sends
-// a statement that has arguments as three round trips (prepare, execute,
-// close) unless the DSN says interpolateParams=true, which it does not by
-// default; a claim then cost three times the round trips it needs. The
+// a statement that has arguments as a prepare and an execute (two round
+// trips) and a close unless the DSN says interpolateParams=true, which it
+// does not by default; a claim then cost twice the round trips it needs. The
 // arguments of the store's statements are keys ([]byte, written as hex
 // literals, so no byte of a key can end the literal), tokens (hex strings)
 // and integers. A statement with any other argument, or a string with
