@@ -164,6 +164,12 @@ type queries struct {
 	// cutoff and now. Args: cutoff, limit (SQLite: cutoff, min(cutoff, now),
 	// limit).
 	prune string
+
+	// claimReturning and claimDoneReturning are claim and claimDone with
+	// the row as the statement left it (readBack's columns) returned, for a
+	// MySQL-dialect server that takes INSERT … RETURNING (MariaDB 10.5 and
+	// later): the claim in one round trip instead of two.
+	claimReturning, claimDoneReturning string
 }
 
 // nowMicros is the database's clock in Unix microseconds, one value per
@@ -174,10 +180,13 @@ func (d Dialect) nowMicros() string {
 	case Postgres:
 		return `(extract(epoch from statement_timestamp()) * 1000000)::bigint`
 	case MySQL:
-		return `CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)`
+		return mysqlNowMicros
 	}
 	return ""
 }
+
+// mysqlNowMicros is the MySQL/MariaDB clock in microseconds.
+const mysqlNowMicros = `CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)`
 
 func (d Dialect) queries(table string) queries {
 	t := d.quote(table)
@@ -258,6 +267,8 @@ RETURNING attempts`
 			"\texpires_at = IF(" + cond + ", 0, expires_at),\n" +
 			"\tstate = IF(" + cond + ", 2, state)"
 		q.readBack = "SELECT state, token, attempts, expires_at, first_at, " + now + " FROM " + t + " WHERE `key` = ? FOR UPDATE"
+		q.claimReturning = q.claim + "\nRETURNING " + mysqlReturnedRow
+		q.claimDoneReturning = q.claimDone + "\nRETURNING " + mysqlReturnedRow
 		q.renew = "UPDATE " + t + " SET expires_at = " + now + " + ? WHERE `key` = ? AND state = 1 AND token = ?"
 		q.confirm = "UPDATE " + t + " SET state = 2, token = '', expires_at = 0, updated_at = " + now + " WHERE `key` = ? AND state = 1 AND token = ?"
 		q.release = "UPDATE " + t + " SET state = 0, token = '', expires_at = 0, updated_at = " + now + " WHERE `key` = ? AND state = 1 AND token = ?"
@@ -269,3 +280,9 @@ RETURNING attempts`
 	}
 	return q
 }
+
+// mysqlReturnedRow is what a MariaDB claim returns: readBack's columns, from
+// the row as the statement left it (inserted, taken over, or untouched and
+// locked). NOW(6) is fixed for the statement, so the clock agrees with the
+// one the statement's condition read.
+const mysqlReturnedRow = "state, token, attempts, expires_at, first_at, " + mysqlNowMicros

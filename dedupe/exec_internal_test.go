@@ -38,3 +38,19 @@ func TestInlineArgs(t *testing.T) {
 		})
 	}
 }
+
+func TestMariaDBReturning(t *testing.T) {
+	for v, want := range map[string]bool{
+		"10.11.19-MariaDB-0+deb12u1": true,
+		"10.5.0-MariaDB":             true,
+		"11.4.2-MariaDB-log":         true,
+		"10.4.34-MariaDB":            false,
+		"8.0.36":                     false,
+		"8.4.0-MySQL":                false,
+		"MariaDB":                    false,
+	} {
+		if got := mariaDBReturning(v); got != want {
+			t.Errorf("mariaDBReturning(%q) = %v, want %v", v, got, want)
+		}
+	}
+}

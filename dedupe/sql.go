@@ -5,7 +5,9 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-sql-driver/mysql"
@@ -73,8 +75,9 @@ func (c SQLConfig) Validate() error {
 // from the calling process, that is from the one machine the file is on.
 //
 // Whether a statement took a key is decided from what it wrote (the row it
-// returns, or on MySQL the row read back and its token), never from
-// affected-row counts, which driver options such as clientFoundRows change.
+// returns, on MariaDB 10.5+ too; on MySQL, which has no RETURNING, the row
+// read back and its token), never from affected-row counts, which driver
+// options such as clientFoundRows change.
 //
 // A SQLStore built on a *sql.Tx (directly or with [SQLStore.WithTx]) makes
 // the claim part of that transaction: commit it and the claim, the handler's
@@ -90,6 +93,59 @@ type SQLStore struct {
 	batch   int
 	q       queries
 	now     func() time.Time
+	server  *server // shared with the copies WithTx makes
+}
+
+// server is what a store learned of its server.
+type server struct {
+	// returning, for the MySQL dialect: 0 not known yet, 1 the server
+	// takes INSERT … RETURNING (MariaDB 10.5 and later), 2 it does not
+	// (MySQL).
+	returning atomic.Int32
+}
+
+// returning reports whether claims can read the row they wrote back in the
+// same statement (RETURNING): always on PostgreSQL and SQLite, on the MySQL
+// dialect only with MariaDB 10.5 or later. The server's version is asked for
+// once; a failure to ask is asked again at the next claim.
+func (s *SQLStore) returning(ctx context.Context) bool {
+	if s.dialect != MySQL {
+		return true
+	}
+	switch s.server.returning.Load() {
+	case 1:
+		return true
+	case 2:
+		return false
+	}
+	var v string
+	if err := s.ex.queryRow(ctx, "SELECT VERSION()", nil, &v); err != nil {
+		return false
+	}
+	ok := mariaDBReturning(v)
+	if ok {
+		s.server.returning.Store(1)
+	} else {
+		s.server.returning.Store(2)
+	}
+	return ok
+}
+
+// mariaDBReturning reports whether a server VERSION() names MariaDB 10.5 or
+// later ("10.11.19-MariaDB-0+deb12u1", "11.4.2-MariaDB-log"), the first with
+// INSERT … RETURNING.
+func mariaDBReturning(version string) bool {
+	if !strings.Contains(version, "MariaDB") {
+		return false
+	}
+	major, rest, _ := strings.Cut(version, ".")
+	minor, _, _ := strings.Cut(rest, ".")
+	ma, err1 := strconv.Atoi(major)
+	mi, err2 := strconv.Atoi(minor)
+	if err1 != nil || err2 != nil {
+		return false
+	}
+	return ma > 10 || ma == 10 && mi >= 5
 }
 
 // NewSQLStore returns a store on db. It checks cfg but touches no table.
@@ -113,6 +169,7 @@ func newStore(ex executor, cfg SQLConfig) *SQLStore {
 		batch:   cfg.PruneBatch,
 		q:       cfg.Dialect.queries(cfg.Table),
 		now:     time.Now,
+		server:  &server{},
 	}
 }
 
@@ -187,7 +244,7 @@ func (s *SQLStore) Claim(ctx context.Context, key string, ttl time.Duration) (Cl
 	k := []byte(key)
 	for range claimRetries {
 		token := newToken()
-		c, took, err := s.tryClaim(ctx, k, token, ttl)
+		c, took, r, err := s.tryClaim(ctx, k, token, ttl)
 		if err != nil && s.deadlocked(err) {
 			continue // rolled back whole: nothing was written, try again
 		}
@@ -198,9 +255,10 @@ func (s *SQLStore) Claim(ctx context.Context, key string, ttl time.Duration) (Cl
 			c.Key, c.Result, c.Token = key, Acquired, token
 			return c, nil
 		}
-		r, err := s.readBack(ctx, k)
-		if err != nil {
-			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
+		if !r.found {
+			if r, err = s.readBack(ctx, k); err != nil {
+				return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
+			}
 		}
 		if s.dialect == MySQL && r.found && r.state == stateClaimed && r.token == token {
 			// The statement took the key: its token is ours.
@@ -216,13 +274,20 @@ func (s *SQLStore) Claim(ctx context.Context, key string, ttl time.Duration) (Cl
 
 // tryClaim runs the claim statement once. took reports that it wrote the
 // key for token; on MySQL it is never set, the caller reads the row back.
-func (s *SQLStore) tryClaim(ctx context.Context, k []byte, token string, ttl time.Duration) (c Claim, took bool, err error) {
+//
+// On MariaDB the statement returns the row as it left it (r, found), which
+// the caller reads instead of reading it back.
+func (s *SQLStore) tryClaim(ctx context.Context, k []byte, token string, ttl time.Duration) (c Claim, took bool, r row, err error) {
 	var attempts int
 	var expires, first int64
 	switch s.dialect {
 	case MySQL:
+		if s.returning(ctx) {
+			r, err = s.returned(ctx, s.q.claimReturning, k, token, ttl.Microseconds())
+			return Claim{}, false, r, err
+		}
 		_, err := s.ex.exec(ctx, s.q.claim, k, token, ttl.Microseconds())
-		return Claim{}, false, err
+		return Claim{}, false, row{}, err
 	case SQLite:
 		now := s.now()
 		exp := micros(now.Add(ttl))
@@ -236,11 +301,25 @@ func (s *SQLStore) tryClaim(ctx context.Context, k []byte, token string, ttl tim
 	}
 	switch {
 	case errors.Is(err, errNoRows):
-		return Claim{}, false, nil
+		return Claim{}, false, row{}, nil
 	case err != nil:
-		return Claim{}, false, err
+		return Claim{}, false, row{}, err
 	}
-	return Claim{Attempt: attempts, ExpiresAt: fromMicros(expires), FirstAt: firstAt(first)}, true, nil
+	return Claim{Attempt: attempts, ExpiresAt: fromMicros(expires), FirstAt: firstAt(first)}, true, row{}, nil
+}
+
+// returned runs a MariaDB claim statement with RETURNING and reads the row
+// it returns, which is there whatever the statement did to it.
+func (s *SQLStore) returned(ctx context.Context, query string, args ...any) (row, error) {
+	var r row
+	if err := s.ex.queryRow(ctx, query, args, &r.state, &r.token, &r.attempts, &r.expires, &r.first, &r.now); err != nil {
+		if errors.Is(err, errNoRows) {
+			err = errors.New("the claim statement returned no row")
+		}
+		return row{}, err
+	}
+	r.found = true
+	return r, nil
 }
 
 // row is a key's row as read back after a write that did not take it.
@@ -396,7 +475,7 @@ func (s *SQLStore) ClaimConfirmed(ctx context.Context, key string) (Claim, error
 	k := []byte(key)
 	for range claimRetries {
 		token := newToken()
-		took, attempts, err := s.tryClaimDone(ctx, k, token)
+		took, attempts, r, err := s.tryClaimDone(ctx, k, token)
 		if err != nil && s.deadlocked(err) {
 			continue
 		}
@@ -406,9 +485,10 @@ func (s *SQLStore) ClaimConfirmed(ctx context.Context, key string) (Claim, error
 		if took {
 			return Claim{Key: key, Result: Acquired, Attempt: attempts}, nil
 		}
-		r, err := s.readBack(ctx, k)
-		if err != nil {
-			return Claim{}, fmt.Errorf("dedupe: claim confirmed: %w", err)
+		if !r.found {
+			if r, err = s.readBack(ctx, k); err != nil {
+				return Claim{}, fmt.Errorf("dedupe: claim confirmed: %w", err)
+			}
 		}
 		if s.dialect == MySQL && r.found && r.state == stateConfirmed && r.token == token {
 			return Claim{Key: key, Result: Acquired, Attempt: r.attempts}, nil
@@ -421,11 +501,15 @@ func (s *SQLStore) ClaimConfirmed(ctx context.Context, key string) (Claim, error
 }
 
 // tryClaimDone runs the claimDone statement once; took as for tryClaim.
-func (s *SQLStore) tryClaimDone(ctx context.Context, k []byte, token string) (took bool, attempts int, err error) {
+func (s *SQLStore) tryClaimDone(ctx context.Context, k []byte, token string) (took bool, attempts int, r row, err error) {
 	switch s.dialect {
 	case MySQL:
+		if s.returning(ctx) {
+			r, err = s.returned(ctx, s.q.claimDoneReturning, k, token)
+			return false, 0, r, err
+		}
 		_, err := s.ex.exec(ctx, s.q.claimDone, k, token)
-		return false, 0, err
+		return false, 0, row{}, err
 	case SQLite:
 		err = s.ex.queryRow(ctx, s.q.claimDone, []any{k, token, micros(s.now())}, &attempts)
 	default:
@@ -433,11 +517,11 @@ func (s *SQLStore) tryClaimDone(ctx context.Context, k []byte, token string) (to
 	}
 	switch {
 	case errors.Is(err, errNoRows):
-		return false, 0, nil
+		return false, 0, row{}, nil
 	case err != nil:
-		return false, 0, err
+		return false, 0, row{}, err
 	}
-	return true, attempts, nil
+	return true, attempts, row{}, nil
 }
 
 // deadlocked reports an error that the database raised to break a deadlock
@@ -460,7 +544,8 @@ func (s *SQLStore) deadlocked(err error) bool {
 }
 
 // ClaimConfirmedAll is ClaimConfirmed for many keys in one statement (plus,
-// on MySQL, one read-back): the keys of a batch that commits together. The
+// on MySQL but not MariaDB, one read-back): the keys of a batch that commits
+// together. The
 // claims come back in the order of keys. Keys must be distinct.
 func (s *SQLStore) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Claim, error) {
 	claims := make([]Claim, len(keys))
@@ -481,24 +566,46 @@ func (s *SQLStore) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Clai
 		claims[i].Key = k
 	}
 	token := newToken()
-	taken, err := s.claimDoneAll(ctx, bk, token)
-	if err != nil {
-		return nil, fmt.Errorf("dedupe: claim confirmed: %w", err)
+	if s.dialect == MySQL && s.returning(ctx) {
+		// MariaDB: every key's row comes back from the one statement.
+		rows, err := s.claimDoneAllReturning(ctx, bk, token)
+		if err != nil {
+			return nil, fmt.Errorf("dedupe: claim confirmed: %w", err)
+		}
+		for k, r := range rows {
+			i, asked := index[k]
+			if !asked {
+				return nil, fmt.Errorf("dedupe: claim confirmed: a row of key %q, which was not asked for", k)
+			}
+			switch res, ok := r.settled(); {
+			case r.state == stateConfirmed && r.token == token:
+				claims[i].Result, claims[i].Attempt = Acquired, r.attempts
+			case ok:
+				claims[i].Result, claims[i].Attempt = res, r.attempts
+			}
+		}
+	} else {
+		taken, err := s.claimDoneAll(ctx, bk, token)
+		if err != nil {
+			return nil, fmt.Errorf("dedupe: claim confirmed: %w", err)
+		}
+		for k, attempts := range taken {
+			i := index[k]
+			claims[i].Result, claims[i].Attempt = Acquired, attempts
+		}
+		// The rest were confirmed or held already, or changed under the
+		// statement. Read them all back in one round trip (pipelined on pgx,
+		// one statement otherwise).
+		readBack := s.readBackUntaken
+		if _, ok := s.ex.(pipeliner); !ok {
+			readBack = s.readBackUntakenAll
+		}
+		if err := readBack(ctx, claims, bk); err != nil {
+			return nil, fmt.Errorf("dedupe: claim confirmed: %w", err)
+		}
 	}
-	for k, attempts := range taken {
-		i := index[k]
-		claims[i].Result, claims[i].Attempt = Acquired, attempts
-	}
-	// The rest were confirmed or held already, or changed under the
-	// statement. Read them all back in one round trip (pipelined on pgx, one
-	// statement otherwise); settle each of the others on its own.
-	readBack := s.readBackUntaken
-	if _, ok := s.ex.(pipeliner); !ok {
-		readBack = s.readBackUntakenAll
-	}
-	if err := readBack(ctx, claims, bk); err != nil {
-		return nil, fmt.Errorf("dedupe: claim confirmed: %w", err)
-	}
+	// Settle each of the others (a key whose row changed under the
+	// statement) on its own.
 	for i := range claims {
 		if claims[i].Result != 0 {
 			continue
@@ -630,9 +737,10 @@ func takenRow(taken map[string]int) func(scan func(dest ...any) error) error {
 	}
 }
 
-// claimDoneAllMySQL writes every key it may with one multi-row upsert, then
-// reads the rows back to see which carry its token.
-func (s *SQLStore) claimDoneAllMySQL(ctx context.Context, keys [][]byte, token string) (map[string]int, error) {
+// claimDoneAllUpsert is the MySQL multi-row claimDone: every key that may
+// be taken is written as confirmed with token; the others are left as they
+// are (and locked).
+func (s *SQLStore) claimDoneAllUpsert(keys [][]byte, token string) (*strings.Builder, []any) {
 	t := s.dialect.quote(s.table)
 	now := s.dialect.nowMicros()
 	cond := "(state = 0 OR (state = 1 AND expires_at <= VALUES(updated_at)))"
@@ -651,6 +759,39 @@ func (s *SQLStore) claimDoneAllMySQL(ctx context.Context, keys [][]byte, token s
 		"\tupdated_at = IF(" + cond + ", VALUES(updated_at), updated_at),\n" +
 		"\texpires_at = IF(" + cond + ", 0, expires_at),\n" +
 		"\tstate = IF(" + cond + ", 2, state)")
+	return &b, args
+}
+
+// claimDoneAllReturning is claimDoneAllUpsert on MariaDB, with every key's
+// row returned as the statement left it.
+func (s *SQLStore) claimDoneAllReturning(ctx context.Context, keys [][]byte, token string) (map[string]row, error) {
+	b, args := s.claimDoneAllUpsert(keys, token)
+	b.WriteString("\nRETURNING `key`, " + mysqlReturnedRow)
+	rows := make(map[string]row, len(keys))
+	err := s.ex.query(ctx, b.String(), args, func(scan func(dest ...any) error) error {
+		var k []byte
+		var r row
+		if err := scan(&k, &r.state, &r.token, &r.attempts, &r.expires, &r.first, &r.now); err != nil {
+			return err
+		}
+		r.found = true
+		rows[string(k)] = r
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	if len(rows) != len(keys) {
+		return nil, fmt.Errorf("the claim statement returned %d rows for %d keys", len(rows), len(keys))
+	}
+	return rows, nil
+}
+
+// claimDoneAllMySQL writes every key it may with one multi-row upsert, then
+// reads the rows back to see which carry its token.
+func (s *SQLStore) claimDoneAllMySQL(ctx context.Context, keys [][]byte, token string) (map[string]int, error) {
+	t := s.dialect.quote(s.table)
+	b, args := s.claimDoneAllUpsert(keys, token)
 	if _, err := s.ex.exec(ctx, b.String(), args...); err != nil {
 		return nil, err
 	}

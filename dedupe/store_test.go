@@ -2,6 +2,7 @@ package dedupe_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -26,17 +27,60 @@ func TestSQLStore(t *testing.T) {
 			t.Parallel()
 			db := d.Open(t)
 			dedupetest.Run(t, func(t *testing.T) dedupetest.Harness {
-				return sqlHarness(t, db)
+				return sqlHarness(t, db, false)
 			})
 		})
 	}
 }
 
-func sqlHarness(t *testing.T, db testenv.DB) dedupetest.Harness {
+// On the MySQL dialect a store claims in one statement with RETURNING where
+// the server has it (MariaDB 10.5+), and with a write and a read-back
+// where it does not (MySQL). The server here is MariaDB; the second path
+// runs on it too, forced.
+func TestSQLStoreWithoutReturning(t *testing.T) {
+	t.Parallel()
+	for _, d := range testenv.Databases() {
+		if !strings.HasPrefix(d.Name, "mysql") {
+			continue
+		}
+		t.Run(d.Name, func(t *testing.T) {
+			t.Parallel()
+			db := d.Open(t)
+			dedupetest.Run(t, func(t *testing.T) dedupetest.Harness {
+				return sqlHarness(t, db, true)
+			})
+		})
+	}
+}
+
+func TestSQLStoreAsksMariaDBForReturning(t *testing.T) {
+	t.Parallel()
+	db := testenv.MySQL(t)
+	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := store.Claim(t.Context(), "k", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	var version string
+	if err := db.QueryRowContext(t.Context(), "SELECT VERSION()").Scan(&version); err != nil {
+		t.Fatal(err)
+	}
+	known, returning := dedupe.ReturningKnown(store)
+	if !known || returning != strings.Contains(version, "MariaDB") {
+		t.Errorf("server %q: store knows %v, claims with RETURNING %v", version, known, returning)
+	}
+}
+
+func sqlHarness(t *testing.T, db testenv.DB, withoutReturning bool) dedupetest.Harness {
 	table := testenv.DedupeTable(t, db)
 	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: table})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if withoutReturning {
+		dedupe.WithoutReturning(store)
 	}
 	return dedupetest.Harness{
 		Store: store,
