@@ -95,9 +95,14 @@ func TestAWorkerPerDeliveryInFlight(t *testing.T) {
 		}
 		return nil
 	})
-	// Each message on its own topic subscription would be simpler, but one
-	// handler with its deliveries held is what a router sees under load.
-	go publish(t, ps, n)
+	go func() {
+		for i := range n {
+			if err := ps.Publish("t", message.NewMessage(strconv.Itoa(i), nil)); err != nil {
+				t.Errorf("publish: %v", err)
+				return
+			}
+		}
+	}()
 	waited := make(chan struct{})
 	go func() { arrived.Wait(); close(waited) }()
 	select {
