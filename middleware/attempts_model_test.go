@@ -104,6 +104,8 @@ func TestFailedPoisonParkIsNotAnAttempt(t *testing.T) {
 			pub.Publisher = s.pubsub
 			s.publish(message.NewMessage(watermill.NewUUID(), nil))
 			s.waitAcked(1)
+			// The copy reaches the poison topic's subscriber after the ack.
+			eventually(t, 5*time.Second, "the poison copy", func() bool { _, d, p := s.snapshot(); return len(d)+len(p) > 0 })
 			settled, dead, pois := s.snapshot()
 			if s.calls.Load() != 1 {
 				t.Fatalf("the handler ran %d times; a permanent failure runs once", s.calls.Load())
