@@ -560,11 +560,7 @@ func (m *mw) confirm(orig context.Context, uuid string, claim Claim) error {
 		if try == 1 {
 			m.cfg.Logger.Error("dedupe: confirm failed after the handler succeeded; holding the delivery and trying again until the store answers", err, watermill.LogFields{"message_uuid": uuid})
 		}
-		t := time.NewTimer(pause)
-		select {
-		case <-t.C:
-		case <-orig.Done():
-			t.Stop()
+		if !settlement.Sleep(orig, pause) {
 			return err
 		}
 		pause = min(2*pause, confirmRetryMax)
