@@ -241,10 +241,7 @@ func (s *SQLStore) readBackUntaken(ctx context.Context, claims []Claim, keys [][
 	for j, i := range idx {
 		args[j] = []any{keys[i]}
 	}
-	found, err := p.queryRowEach(ctx, s.q.readBack, args, func(j int) []any {
-		r := &rows[j]
-		return []any{&r.state, &r.token, &r.attempts, &r.expires, &r.first, &r.now}
-	})
+	found, err := p.queryRowEach(ctx, s.q.readBack, args, func(j int) []any { return rows[j].columns() })
 	if err != nil {
 		return fmt.Errorf("read back: %w", err)
 	}

@@ -312,7 +312,7 @@ func (s *SQLStore) tryClaim(ctx context.Context, k []byte, token string, ttl tim
 // it returns, which is there whatever the statement did to it.
 func (s *SQLStore) returned(ctx context.Context, query string, args ...any) (row, error) {
 	var r row
-	if err := s.ex.queryRow(ctx, query, args, &r.state, &r.token, &r.attempts, &r.expires, &r.first, &r.now); err != nil {
+	if err := s.ex.queryRow(ctx, query, args, r.columns()...); err != nil {
 		if errors.Is(err, errNoRows) {
 			err = errors.New("the claim statement returned no row")
 		}
@@ -333,6 +333,12 @@ type row struct {
 	now      int64 // µs, the clock the store compares expiries with
 }
 
+// columns are where readBack's columns (state, token, attempts, expires_at,
+// first_at, now) are scanned into r.
+func (r *row) columns() []any {
+	return []any{&r.state, &r.token, &r.attempts, &r.expires, &r.first, &r.now}
+}
+
 // settled reports the result a claim of r's key gets without writing:
 // Duplicate for a confirmed key, Busy for a live claim. Anything else (a
 // released key, an expired claim, no row) can be taken, so ok is false.
@@ -350,7 +356,7 @@ func (r row) settled() (Result, bool) {
 
 func (s *SQLStore) readBack(ctx context.Context, k []byte) (row, error) {
 	var r row
-	err := s.ex.queryRow(ctx, s.q.readBack, []any{k}, &r.state, &r.token, &r.attempts, &r.expires, &r.first, &r.now)
+	err := s.ex.queryRow(ctx, s.q.readBack, []any{k}, r.columns()...)
 	if errors.Is(err, errNoRows) {
 		return row{}, nil
 	}
@@ -662,7 +668,7 @@ func (s *SQLStore) readBackUntakenAll(ctx context.Context, claims []Claim, keys 
 	err := s.ex.query(ctx, q, args, func(scan func(dest ...any) error) error {
 		var k []byte
 		var r row
-		if err := scan(&k, &r.state, &r.token, &r.attempts, &r.expires, &r.first, &r.now); err != nil {
+		if err := scan(append([]any{&k}, r.columns()...)...); err != nil {
 			return err
 		}
 		i, ok := index[string(k)]
@@ -771,7 +777,7 @@ func (s *SQLStore) claimDoneAllReturning(ctx context.Context, keys [][]byte, tok
 	err := s.ex.query(ctx, b.String(), args, func(scan func(dest ...any) error) error {
 		var k []byte
 		var r row
-		if err := scan(&k, &r.state, &r.token, &r.attempts, &r.expires, &r.first, &r.now); err != nil {
+		if err := scan(append([]any{&k}, r.columns()...)...); err != nil {
 			return err
 		}
 		r.found = true
