@@ -551,8 +551,8 @@ func (s *SQLStore) deadlocked(err error) bool {
 
 // ClaimConfirmedAll is ClaimConfirmed for many keys in one statement (plus,
 // on MySQL but not MariaDB, one read-back): the keys of a batch that commits
-// together. The
-// claims come back in the order of keys. Keys must be distinct.
+// together. The claims come back in the order of keys. Keys must be
+// distinct.
 func (s *SQLStore) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Claim, error) {
 	claims := make([]Claim, len(keys))
 	if len(keys) == 0 {
