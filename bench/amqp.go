@@ -256,11 +256,18 @@ func markFirst(first *atomic.Int64) {
 // raw consumes n prefilled messages with c competing watermill-amqp
 // subscriptions and a no-op handler.
 func (b *amqpBench) raw(ctx context.Context, c, n int) (float64, error) {
+	r, _, err := b.rawSteady(ctx, c, n, 0)
+	return r, err
+}
+
+// rawSteady is raw with a warm-up (see consumeSteady), and the processor
+// time of its window.
+func (b *amqpBench) rawSteady(ctx context.Context, c, n, warm int) (float64, steadyWindow, error) {
 	router, count, first, err := b.rawRouter(ctx, c, n)
 	if err != nil {
-		return 0, err
+		return 0, steadyWindow{}, err
 	}
-	return consume(ctx, router, count, first, n, "")
+	return consumeSteady(ctx, router, count, first, n, warm, "")
 }
 
 // rawRouter prefills a queue with n messages and returns a router with c

@@ -66,7 +66,7 @@ type BatchRow struct {
 	Rate    map[string]float64 `json:"msgs_per_s"`
 	P50     map[string]float64 `json:"p50_ms"`
 	P99     map[string]float64 `json:"p99_ms"`
-	CPU     map[string]CPUPerK `json:"cpu_per_1000"` // the median run's
+	CPU     map[string]CPUPerK `json:"cpu_per_1000"` // of the run nearest the median
 	Checked int                `json:"effects_checked"`
 }
 
@@ -213,15 +213,6 @@ func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults)
 		fmt.Fprintf(b.log, "%s %s at %d msgs/s: publish to commit p50 %.1f ms, p99 %.1f ms\n", d.name, cell, res.LatencyRate, row.P50[cell], row.P99[cell])
 	}
 	return row, nil
-}
-
-// rawSteady is raw with a warm-up, and the processor time of its window.
-func (b *amqpBench) rawSteady(ctx context.Context, c, n, warm int) (float64, steadyWindow, error) {
-	router, count, first, err := b.rawRouter(ctx, c, n)
-	if err != nil {
-		return 0, steadyWindow{}, err
-	}
-	return consumeSteady(ctx, router, count, first, n, warm, "")
 }
 
 // rawTx measures BEGIN; INSERT; COMMIT from batchInFlight goroutines.
