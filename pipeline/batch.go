@@ -54,6 +54,10 @@ type BatchConfig struct {
 	// MaxWait is how long the first delivery of a batch waits for others
 	// before the batch starts. Defaults to 2ms when 0; a negative value
 	// means no wait: a batch starts with whatever has already arrived.
+	// The batch's transaction begins when its first delivery arrives, so
+	// that BEGIN's round trip to the server is part of the wait, not added
+	// to it; a batch starts once BEGIN has returned, even if that took
+	// longer than MaxWait.
 	MaxWait time.Duration
 }
 
@@ -117,8 +121,13 @@ func (b *batcher) handle(msg *message.Message) error {
 	b.mu.Unlock()
 
 	if leader {
-		if b.wait > 0 {
-			t := time.NewTimer(b.wait)
+		// The batch's transaction begins while the others join: BEGIN is
+		// a round trip to the server that would otherwise come after the
+		// wait.
+		arrived := time.Now()
+		pre := b.begin(context.WithoutCancel(j.ctx))
+		if rest := b.wait - time.Since(arrived); rest > 0 {
+			t := time.NewTimer(rest)
 			select {
 			case <-bt.full:
 			case <-t.C:
@@ -131,7 +140,7 @@ func (b *batcher) handle(msg *message.Message) error {
 		}
 		jobs := bt.jobs
 		b.mu.Unlock()
-		b.run(jobs)
+		b.run(jobs, pre)
 	}
 	err := <-j.done
 	if errors.Is(err, dedupe.ErrBusy) || errors.Is(err, dedupe.ErrUnavailable) {
@@ -141,11 +150,40 @@ func (b *batcher) handle(msg *message.Message) error {
 	return err
 }
 
-// run settles a closed batch and answers every job.
-func (b *batcher) run(jobs []*job) {
+// begun is a transaction begun for a batch's first run, or why it could not
+// begin.
+type begun struct {
+	tx  txn
+	err error
+}
+
+func (b *batcher) begin(ctx context.Context) *begun {
+	tx, err := b.f.begin(ctx)
+	return &begun{tx: tx, err: err}
+}
+
+// take returns the transaction for a run: the one begun early for the first
+// run (pre is then used up), a new one for the others.
+func (b *batcher) take(ctx context.Context, pre **begun) (txn, error) {
+	if p := *pre; p != nil {
+		*pre = nil
+		return p.tx, p.err
+	}
+	return b.f.begin(ctx)
+}
+
+// run settles a closed batch and answers every job. pre is the transaction
+// begun for its first run.
+func (b *batcher) run(jobs []*job, pre *begun) {
 	// The batch belongs to all its deliveries: a router shutdown cancelling
 	// the leader's message must not abandon the others halfway.
 	ctx := context.WithoutCancel(jobs[0].ctx)
+	defer func() {
+		if pre != nil && pre.tx != nil {
+			// No run used it: every key failed.
+			_ = pre.tx.rollback(ctx)
+		}
+	}()
 
 	// Keys first: a job whose key cannot be derived fails alone, and a key
 	// that appears twice in one batch (the same message delivered twice at
@@ -168,7 +206,7 @@ func (b *batcher) run(jobs []*job) {
 	slices.SortFunc(pending, func(a, b *job) int { return strings.Compare(a.key, b.key) })
 
 	result := make(map[string]error, len(pending))
-	b.settle(ctx, pending, result)
+	b.settle(ctx, pending, result, &pre)
 	for _, j := range jobs {
 		if j.key == "" {
 			continue // answered above
@@ -200,9 +238,9 @@ func (b *batcher) run(jobs []*job) {
 // naming its message (see MessageFailed) fails the whole run; then the batch
 // is split in two and each half settled on its own, until the message that
 // fails is alone.
-func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]error) {
+func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]error, pre **begun) {
 	for len(pending) > 0 {
-		failed, err := b.runOnce(ctx, pending)
+		failed, err := b.runOnce(ctx, pending, pre)
 		switch {
 		case failed == runCommitted:
 			for _, j := range pending {
@@ -234,8 +272,8 @@ func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]
 				break
 			}
 			h := len(pending) / 2
-			b.settle(ctx, pending[:h], result)
-			b.settle(ctx, pending[h:], result)
+			b.settle(ctx, pending[:h], result, pre)
+			b.settle(ctx, pending[h:], result, pre)
 			return
 		}
 		result[pending[failed].key] = err
@@ -251,11 +289,11 @@ const (
 	runCommitFailed = -4 // err says why
 )
 
-// runOnce runs jobs in one transaction. It returns the index of a job that
-// failed, with its error (the transaction was rolled back), or one of the
-// run results above.
-func (b *batcher) runOnce(ctx context.Context, jobs []*job) (failed int, err error) {
-	tx, err := b.f.begin(ctx)
+// runOnce runs jobs in one transaction (the one begun early when pre still
+// holds it). It returns the index of a job that failed, with its error (the
+// transaction was rolled back), or one of the run results above.
+func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre **begun) (failed int, err error) {
+	tx, err := b.take(ctx, pre)
 	if err != nil {
 		return runNotStarted, fmt.Errorf("pipeline: begin batch: %w", err)
 	}

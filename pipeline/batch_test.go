@@ -485,3 +485,44 @@ func TestBatchIsolatesAFailingOutboxRow(t *testing.T) {
 		}
 	})
 }
+
+// A batch's transaction begins when its first delivery arrives, before the
+// keys are known. A batch in which no message has a key runs nothing, and
+// must give that transaction back: the connection is free afterwards and
+// the next batch commits.
+func TestBatchWithoutKeysEndsItsTransaction(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *txEnv) {
+		noKey := errors.New("no key")
+		h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB, Outbox: e.ob, Store: e.store,
+			Key: func(msg *message.Message) (string, error) {
+				if msg.Metadata.Get("bad") != "" {
+					return "", noKey
+				}
+				return msg.UUID, nil
+			},
+			Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 50 * time.Millisecond}},
+			e.charge(nil))
+		must(t, err)
+		bad := orders(4, "nokey")
+		for _, m := range bad {
+			m.Metadata.Set("bad", "1")
+		}
+		for i, err := range deliverAll(h, bad) {
+			if !errors.Is(err, noKey) {
+				t.Fatalf("nokey-%d: %v, want the key function's error", i, err)
+			}
+		}
+		if s := e.db.DB.Stats(); s.InUse != 0 {
+			t.Fatalf("%d connections in use after a batch without keys, want 0: its transaction was left open", s.InUse)
+		}
+		for i, err := range deliverAll(h, orders(4, "haskey")) {
+			if err != nil {
+				t.Fatalf("haskey-%d: %v", i, err)
+			}
+		}
+		if n := e.rows(t); n != 4 {
+			t.Fatalf("charges=%d, want 4", n)
+		}
+	})
+}
