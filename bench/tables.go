@@ -84,6 +84,8 @@ func stackTable(s *StackResults) string {
 		c := s.Modes[m]
 		r, t := "1.00x", "–"
 		switch m {
+		case modeOTel:
+			r = x(c.Ratio) + " (no settle)"
 		case modeSettle:
 			r, t = verdict(c.Ratio, targetStack), ">= 0.8x"
 		case modeTracing:
