@@ -62,13 +62,19 @@ func TestReliabilityShort(t *testing.T) {
 // without the message). Afterwards the campaign checks, per kill, that the
 // batch it reported left no row: the kill landed before the commit. Every
 // placed message must have exactly one effect: a kill mid-batch loses
-// nothing and doubles nothing. Not parallel, like TestReliabilityShort; the
-// two databases run one after the other, about 10s each.
+// nothing and doubles nothing. On PostgreSQL every connection of the run is
+// then killed with pg_terminate_backend while messages keep flowing (batches
+// open, their transactions begun while they fill), and the consumers must
+// produce effects again. Not parallel, like TestReliabilityShort; the two
+// databases run one after the other, about 10s each.
 func TestReliabilityShortBatch(t *testing.T) {
 	amqpURL := testenv.AMQPURL(t)
-	for _, db := range []struct{ name, env string }{
-		{"postgres", testenv.PostgresURLEnv},
-		{"mariadb", testenv.MySQLURLEnv},
+	for _, db := range []struct {
+		name, env string
+		faults    []string
+	}{
+		{"postgres", testenv.PostgresURLEnv, []string{reliability.FaultPGTerminate}},
+		{"mariadb", testenv.MySQLURLEnv, nil},
 	} {
 		t.Run(db.name, func(t *testing.T) {
 			dbURL := testenv.Require(t, db.env)
@@ -80,8 +86,17 @@ func TestReliabilityShortBatch(t *testing.T) {
 				Messages: 200,
 				Aim:      1,
 				FailRate: 0.05,
+				Faults:   db.faults,
 			})
 			wantEffects(t, res, 200)
+			if len(res.Faults) != len(db.faults) {
+				t.Errorf("faults %+v, want %v", res.Faults, db.faults)
+			}
+			for _, f := range res.Faults {
+				if !f.Recovered {
+					t.Errorf("fault %+v: the consumers did not produce effects again", f)
+				}
+			}
 			if res.BatchKillsUncommitted == 0 {
 				t.Errorf("%d kills aimed, %d in a batch, none before its commit: the campaign did not kill mid-batch", res.Aimed, res.BatchKills)
 			}
