@@ -213,6 +213,9 @@ func Schema(d Dialect, table string) ([]string, error) {
 // Schema returns the DDL of this store's table; see the package-level Schema.
 func (s *SQLStore) Schema() []string { return s.dialect.schema(s.table) }
 
+// Dialect returns the SQL dialect the store was made with.
+func (s *SQLStore) Dialect() Dialect { return s.dialect }
+
 func micros(t time.Time) int64 { return t.UnixMicro() }
 
 // firstAt turns a stored first_at into Claim.FirstAt: zero for 0 (a row

@@ -54,10 +54,11 @@ type BatchConfig struct {
 	// MaxWait is how long the first delivery of a batch waits for others
 	// before the batch starts. Defaults to 2ms when 0; a negative value
 	// means no wait: a batch starts with whatever has already arrived.
-	// The batch's transaction begins when its first delivery arrives, so
-	// that BEGIN's round trip to the server is part of the wait, not added
-	// to it; a batch starts once BEGIN has returned, even if that took
-	// longer than MaxWait.
+	// On PostgreSQL and MariaDB/MySQL the batch's transaction begins when
+	// its first delivery arrives, so that BEGIN's round trip to the server
+	// is part of the wait, not added to it; a batch starts once BEGIN has
+	// returned, even if that took longer than MaxWait. On SQLite it begins
+	// when the batch starts.
 	MaxWait time.Duration
 }
 
@@ -125,7 +126,10 @@ func (b *batcher) handle(msg *message.Message) error {
 		// a round trip to the server that would otherwise come after the
 		// wait.
 		arrived := time.Now()
-		pre := b.begin(context.WithoutCancel(j.ctx))
+		var pre *begun
+		if b.f.beginEarly {
+			pre = b.begin(context.WithoutCancel(j.ctx))
+		}
 		if rest := b.wait - time.Since(arrived); rest > 0 {
 			t := time.NewTimer(rest)
 			select {

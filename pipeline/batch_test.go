@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settlement"
+	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/poison"
@@ -525,4 +527,34 @@ func TestBatchWithoutKeysEndsItsTransaction(t *testing.T) {
 			t.Fatalf("charges=%d, want 4", n)
 		}
 	})
+}
+
+// On SQLite a batch begins its transaction when it starts, not when its
+// first delivery arrives: settle's SQLite URLs begin IMMEDIATE, and a batch
+// waiting for more deliveries must not hold the database's write lock while
+// it waits.
+func TestSQLiteBatchDoesNotLockWhileItFills(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "settle.db")
+	db, dialect, err := sqlurl.Open("sqlite://" + path)
+	must(t, err)
+	t.Cleanup(func() { _ = db.Close() })
+	e := newTxEnv(t, testenv.DB{DB: db, Dialect: dialect})
+	h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: db, Outbox: e.ob, Store: e.store,
+		Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 500 * time.Millisecond}}, e.charge(nil))
+	must(t, err)
+	done := make(chan error, 1)
+	go func() { done <- h(message.NewMessage("alone-1", []byte("alone-1"))) }()
+	time.Sleep(100 * time.Millisecond) // the batch waits for three more
+
+	other, err := sql.Open("sqlite", "file:"+path+"?_pragma=busy_timeout(50)")
+	must(t, err)
+	defer other.Close()
+	if _, err := other.ExecContext(t.Context(), "INSERT INTO "+e.charges+" (order_id, cents) VALUES ('other', 1)"); err != nil {
+		t.Fatalf("another writer while a batch fills: %v; the batch holds the write lock", err)
+	}
+	must(t, <-done)
+	if n := e.rows(t); n != 2 {
+		t.Fatalf("charges=%d, want 2 (the batch's and the other writer's)", n)
+	}
 }

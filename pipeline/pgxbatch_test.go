@@ -625,3 +625,42 @@ func TestPgxBatchWritesItsOutboxInOneInsert(t *testing.T) {
 		t.Fatalf("%d outbox inserts for 16 messages in %d transactions, want one per transaction", inserts, len(txs))
 	}
 }
+
+// The pgx batch also begins its transaction when its first delivery
+// arrives; a batch in which no message has a key gives that transaction
+// back to the pool.
+func TestPgxBatchWithoutKeysEndsItsTransaction(t *testing.T) {
+	t.Parallel()
+	e := newPgxEnv(t)
+	noKey := errors.New("no key")
+	h, err := pipeline.NewPgxBatchTxHandler(pipeline.PgxTxConfig{DB: e.pool, Store: e.store,
+		Key: func(msg *message.Message) (string, error) {
+			if msg.Metadata.Get("bad") != "" {
+				return "", noKey
+			}
+			return msg.UUID, nil
+		},
+		Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 50 * time.Millisecond}},
+		e.insertAll)
+	must(t, err)
+	bad := orders(4, "nokey")
+	for _, m := range bad {
+		m.Metadata.Set("bad", "1")
+	}
+	for i, err := range deliverAll(h, bad) {
+		if !errors.Is(err, noKey) {
+			t.Fatalf("nokey-%d: %v, want the key function's error", i, err)
+		}
+	}
+	if n := e.pool.Stat().AcquiredConns(); n != 0 {
+		t.Fatalf("%d connections acquired after a batch without keys, want 0: its transaction was left open", n)
+	}
+	for i, err := range deliverAll(h, orders(4, "haskey")) {
+		if err != nil {
+			t.Fatalf("haskey-%d: %v", i, err)
+		}
+	}
+	if got := e.all(t); len(got) != 4 {
+		t.Fatalf("effects %v, want 4", got)
+	}
+}

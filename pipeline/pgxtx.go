@@ -119,7 +119,7 @@ func (cfg PgxTxConfig) flow(fn PgxTxFunc, batchFn PgxBatchTxFunc) txFlow {
 		},
 		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
 		batchHandler: fn == nil, busyDelay: settlement.Delay(cfg.BusyDelay, time.Second),
-		committed: notifier(cfg.Outbox),
+		committed: notifier(cfg.Outbox), beginEarly: true,
 	}
 }
 

@@ -159,6 +159,7 @@ type txFlow struct {
 	scope        dedupe.ScopeFunc
 	batch        BatchConfig
 	batchHandler bool          // the batcher calls callBatch, not call
+	beginEarly   bool          // a batch begins its transaction at its first delivery, before it fills
 	busyDelay    time.Duration // with its default applied
 	committed    func()        // after each commit; nil for none
 }
@@ -176,6 +177,11 @@ func (cfg TxConfig) flow(fn TxFunc, batchFn BatchTxFunc) txFlow {
 		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
 		batchHandler: fn == nil, busyDelay: settlement.Delay(cfg.BusyDelay, time.Second),
 		committed: notifier(cfg.Outbox), // a relay of this process forwards at once
+		// BEGIN is a round trip to a server worth hiding in the batch's
+		// wait; SQLite's is a call in the process, and settle's SQLite
+		// URLs begin IMMEDIATE, which would hold the database's write lock
+		// while the batch fills.
+		beginEarly: cfg.Store != nil && cfg.Store.Dialect() != dedupe.SQLite,
 	}
 }
 
