@@ -3,6 +3,7 @@ package testenv
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -16,7 +17,18 @@ func PgxPool(t testing.TB) *pgxpool.Pool {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(pool.Close)
+	t.Cleanup(func() {
+		// Close waits for every acquired connection: a test that leaked
+		// one (a transaction never ended) would hang here to the test
+		// binary's timeout instead of failing.
+		closed := make(chan struct{})
+		go func() { pool.Close(); close(closed) }()
+		select {
+		case <-closed:
+		case <-time.After(10 * time.Second):
+			t.Errorf("pgx pool: %d connections still acquired 10s after the test: a connection or a transaction was leaked", pool.Stat().AcquiredConns())
+		}
+	})
 	if err := pool.Ping(t.Context()); err != nil {
 		t.Fatalf("postgres is not reachable through pgx: %v", err)
 	}
