@@ -76,7 +76,8 @@ type batcher struct {
 	wait time.Duration
 
 	mu   sync.Mutex
-	open *batch // the batch deliveries join now; nil when none is open
+	open *batch        // the batch deliveries join now; nil when none is open
+	late time.Duration // how late this batcher's timers fire, on average (see wakeLate)
 }
 
 type batch struct {
@@ -130,15 +131,24 @@ func (b *batcher) handle(msg *message.Message) error {
 		if b.f.beginEarly {
 			pre = b.begin(context.WithoutCancel(j.ctx))
 		}
-		if rest := b.wait - time.Since(arrived); rest > 0 {
+		b.mu.Lock()
+		early := b.late
+		b.mu.Unlock()
+		var late time.Duration // how late the timer fired; 0 when it did not
+		if rest := b.wait - time.Since(arrived) - early; rest > 0 {
+			due := time.Now().Add(rest)
 			t := time.NewTimer(rest)
 			select {
 			case <-bt.full:
 			case <-t.C:
+				late = max(time.Since(due), 1)
 			}
 			t.Stop()
 		}
 		b.mu.Lock()
+		if late > 0 {
+			b.late = wakeLate(b.late, late, b.wait)
+		}
 		if b.open == bt {
 			b.open = nil
 		}
@@ -152,6 +162,17 @@ func (b *batcher) handle(msg *message.Message) error {
 		settlement.Sleep(j.ctx, b.f.busyDelay)
 	}
 	return err
+}
+
+// wakeLate returns the average lateness of a batcher's timers after one
+// that fired late by late: a moving average over about the last eight,
+// at most half of wait. The runtime wakes a goroutine whose timer has
+// fired some time after it is due (0.2–0.3 ms on an idle Linux machine, where
+// it sleeps in epoll_wait); a leader sets its timer that much early, so that
+// its batch starts MaxWait after its first delivery arrived, not MaxWait
+// plus that delay.
+func wakeLate(avg, late, wait time.Duration) time.Duration {
+	return min(avg+(late-avg)/8, wait/2)
 }
 
 // begun is a transaction begun for a batch's first run, or why it could not
