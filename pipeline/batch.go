@@ -90,11 +90,18 @@ type job struct {
 	ctx  context.Context
 	msg  *message.Message
 	key  string
-	done chan error // the delivery's result, sent once
+	done chan error // the delivery's result, sent once (answer)
+	sent bool       // done has its result; only the batch's leader sets it
 
 	// Per run of the batch:
 	claimed bool  // the key was written as confirmed in this run
 	err     error // a result decided without running fn (busy)
+}
+
+// answer gives the job its result.
+func (j *job) answer(err error) {
+	j.done <- err
+	j.sent = true
 }
 
 func newBatcher(f txFlow) *batcher {
@@ -135,7 +142,7 @@ func (b *batcher) handle(msg *message.Message) error {
 		early := b.late
 		b.mu.Unlock()
 		var late time.Duration // how late the timer fired; 0 when it did not
-		if rest := b.wait - time.Since(arrived) - early; rest > 0 {
+		if rest := timerFor(b.wait-time.Since(arrived), early); rest > 0 {
 			due := time.Now().Add(rest)
 			t := time.NewTimer(rest)
 			select {
@@ -162,6 +169,18 @@ func (b *batcher) handle(msg *message.Message) error {
 		settlement.Sleep(j.ctx, b.f.busyDelay)
 	}
 	return err
+}
+
+// timerFor is how long a leader sets its timer for, rest of MaxWait being
+// left: early (the timers' usual lateness) less, when there is that much
+// left. When BEGIN took most of the wait, the timer is set for what is left
+// as it is, so that it still fires and its lateness is learned: an estimate
+// that no timer fed could not come down again.
+func timerFor(rest, early time.Duration) time.Duration {
+	if rest > early {
+		return rest - early
+	}
+	return rest
 }
 
 // wakeLate returns the average lateness of a batcher's timers after one
@@ -192,7 +211,11 @@ func (b *batcher) begin(ctx context.Context) *begun {
 func (b *batcher) take(ctx context.Context, pre **begun) (txn, error) {
 	if p := *pre; p != nil {
 		*pre = nil
-		return p.tx, p.err
+		if p.err == nil {
+			return p.tx, nil
+		}
+		// It failed at the first delivery's arrival; the batch starts
+		// later, and the database may answer now.
 	}
 	return b.f.begin(ctx)
 }
@@ -209,6 +232,19 @@ func (b *batcher) run(jobs []*job, pre *begun) {
 			_ = pre.tx.rollback(ctx)
 		}
 	}()
+	defer func() {
+		// A panic here (none is expected: handler and key panics are
+		// each their message's error) must not leave the deliveries of
+		// the batch waiting for an answer that never comes.
+		if p := recover(); p != nil {
+			err := &HandlerPanic{Value: p, Stack: debug.Stack()}
+			for _, j := range jobs {
+				if !j.sent {
+					j.answer(err)
+				}
+			}
+		}
+	}()
 
 	// Keys first: a job whose key cannot be derived fails alone, and a key
 	// that appears twice in one batch (the same message delivered twice at
@@ -216,9 +252,9 @@ func (b *batcher) run(jobs []*job, pre *begun) {
 	var pending []*job
 	first := map[string]*job{}
 	for _, j := range jobs {
-		key, err := dedupe.MessageKey(j.msg, b.f.key, b.f.scope)
+		key, err := b.keyOf(j)
 		if err != nil {
-			j.done <- fmt.Errorf("pipeline: key of message %s: %w", j.msg.UUID, err)
+			j.answer(fmt.Errorf("pipeline: key of message %s: %w", j.msg.UUID, err))
 			continue
 		}
 		j.key = key
@@ -242,17 +278,17 @@ func (b *batcher) run(jobs []*job, pre *begun) {
 		}
 		switch {
 		case ok:
-			j.done <- err
+			j.answer(err)
 		case result[j.key] == nil:
 			// A twin of a job that settled (done, or a duplicate already):
 			// the key is confirmed, this delivery is a duplicate.
 			settlement.FromContext(j.ctx).SetOutcome(settlement.Duplicate)
-			j.done <- nil
+			j.answer(nil)
 		default:
 			// Its twin failed and left nothing durable: this delivery comes
 			// back later and finds the key as its twin left it.
 			settlement.FromContext(j.ctx).Defer()
-			j.done <- fmt.Errorf("%w (message %s, delivered twice in one batch)", dedupe.ErrBusy, j.msg.UUID)
+			j.answer(fmt.Errorf("%w (message %s, delivered twice in one batch)", dedupe.ErrBusy, j.msg.UUID))
 		}
 	}
 }
@@ -447,6 +483,17 @@ func (b *publishBuffer) flush() error {
 // Close does nothing: the buffer lives as long as its transaction.
 func (b *publishBuffer) Close() error { return nil }
 
+// keyOf derives the job's key, turning a panic of the key or scope function
+// into that job's error, as for a handler call.
+func (b *batcher) keyOf(j *job) (key string, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = &HandlerPanic{Value: p, Stack: debug.Stack()}
+		}
+	}()
+	return dedupe.MessageKey(j.msg, b.f.key, b.f.scope)
+}
+
 // call runs fn for one job, turning a panic into that job's error: the
 // panic belongs to one message, not to the batch or the leader's goroutine.
 func (b *batcher) call(j *job, tx txn) (err error) {
@@ -556,8 +603,9 @@ func newBatchHandler(method, config string, batch BatchConfig, noFn bool, flow f
 	return newBatcher(flow()).handle, nil
 }
 
-// HandlerPanic is the error of a batched handler call that panicked. Only
-// that message fails; the rest of its batch commits.
+// HandlerPanic is the error of a batched handler call that panicked, or of
+// a message whose key or scope function panicked in a batch. Only that
+// message fails; the rest of its batch commits.
 type HandlerPanic struct {
 	Value any
 	Stack []byte

@@ -558,3 +558,42 @@ func TestSQLiteBatchDoesNotLockWhileItFills(t *testing.T) {
 		t.Fatalf("charges=%d, want 2 (the batch's and the other writer's)", n)
 	}
 }
+
+// A key function that panics on one message of a batch fails that message
+// alone, with the panic as its error; the rest of the batch commits, and no
+// delivery is left waiting.
+func TestBatchContainsAPanickingKeyFunction(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *txEnv) {
+		h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB, Outbox: e.ob, Store: e.store,
+			Key: func(msg *message.Message) (string, error) {
+				if msg.UUID == "keypanic-2" {
+					panic("no key for you")
+				}
+				return msg.UUID, nil
+			},
+			Batch: pipeline.BatchConfig{MaxSize: 8, MaxWait: 50 * time.Millisecond}},
+			e.charge(nil))
+		must(t, err)
+		done := make(chan []error, 1)
+		go func() { done <- deliverAll(h, orders(8, "keypanic")) }()
+		var errs []error
+		select {
+		case errs = <-done:
+		case <-time.After(20 * time.Second):
+			t.Fatal("deliveries still waiting 20s after a key function panicked in their batch")
+		}
+		for i, err := range errs {
+			var hp *pipeline.HandlerPanic
+			switch {
+			case i == 2 && !errors.As(err, &hp):
+				t.Errorf("keypanic-2: %v, want a HandlerPanic", err)
+			case i != 2 && err != nil:
+				t.Errorf("keypanic-%d: %v", i, err)
+			}
+		}
+		if n := e.rows(t); n != 7 {
+			t.Fatalf("charges=%d, want 7 (all but the message without a key)", n)
+		}
+	})
+}
