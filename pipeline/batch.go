@@ -132,7 +132,7 @@ func (b *batcher) handle(msg *message.Message) error {
 	if leader {
 		// The batch's transaction begins while the others join: BEGIN is
 		// a round trip to the server that would otherwise come after the
-		// wait.
+		// wait (not on SQLite, see txFlow.beginEarly).
 		arrived := time.Now()
 		var pre *begun
 		if b.f.beginEarly {
@@ -186,8 +186,8 @@ func timerFor(rest, early time.Duration) time.Duration {
 // wakeLate returns the average lateness of a batcher's timers after one
 // that fired late by late: a moving average over about the last eight,
 // at most half of wait. The runtime wakes a goroutine whose timer has
-// fired some time after it is due (0.2–0.3 ms on an idle Linux machine, where
-// it sleeps in epoll_wait); a leader sets its timer that much early, so that
+// fired some time after it is due (0.2–0.3 ms measured on an idle Linux
+// machine); a leader sets its timer that much early, so that
 // its batch starts MaxWait after its first delivery arrived, not MaxWait
 // plus that delay.
 func wakeLate(avg, late, wait time.Duration) time.Duration {
