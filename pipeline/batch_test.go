@@ -495,26 +495,11 @@ func TestBatchIsolatesAFailingOutboxRow(t *testing.T) {
 func TestBatchWithoutKeysEndsItsTransaction(t *testing.T) {
 	t.Parallel()
 	forEachDB(t, func(t *testing.T, e *txEnv) {
-		noKey := errors.New("no key")
 		h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB, Outbox: e.ob, Store: e.store,
-			Key: func(msg *message.Message) (string, error) {
-				if msg.Metadata.Get("bad") != "" {
-					return "", noKey
-				}
-				return msg.UUID, nil
-			},
-			Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 50 * time.Millisecond}},
+			Key: keyUnlessMarked, Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 50 * time.Millisecond}},
 			e.charge(nil))
 		must(t, err)
-		bad := orders(4, "nokey")
-		for _, m := range bad {
-			m.Metadata.Set("bad", "1")
-		}
-		for i, err := range deliverAll(h, bad) {
-			if !errors.Is(err, noKey) {
-				t.Fatalf("nokey-%d: %v, want the key function's error", i, err)
-			}
-		}
+		deliverWithoutKeys(t, h)
 		if s := e.db.DB.Stats(); s.InUse != 0 {
 			t.Fatalf("%d connections in use after a batch without keys, want 0: its transaction was left open", s.InUse)
 		}
@@ -596,4 +581,30 @@ func TestBatchContainsAPanickingKeyFunction(t *testing.T) {
 			t.Fatalf("charges=%d, want 7 (all but the message without a key)", n)
 		}
 	})
+}
+
+var errNoKey = errors.New("no key")
+
+// keyUnlessMarked is a key function that has no key for a message marked
+// "nokey".
+func keyUnlessMarked(msg *message.Message) (string, error) {
+	if msg.Metadata.Get("nokey") != "" {
+		return "", errNoKey
+	}
+	return msg.UUID, nil
+}
+
+// deliverWithoutKeys delivers a batch of four messages none of which has a
+// key (see keyUnlessMarked), and checks that each fails with that.
+func deliverWithoutKeys(t *testing.T, h message.NoPublishHandlerFunc) {
+	t.Helper()
+	msgs := orders(4, "nokey")
+	for _, m := range msgs {
+		m.Metadata.Set("nokey", "1")
+	}
+	for i, err := range deliverAll(h, msgs) {
+		if !errors.Is(err, errNoKey) {
+			t.Fatalf("nokey-%d: %v, want the key function's error", i, err)
+		}
+	}
 }

@@ -632,26 +632,11 @@ func TestPgxBatchWritesItsOutboxInOneInsert(t *testing.T) {
 func TestPgxBatchWithoutKeysEndsItsTransaction(t *testing.T) {
 	t.Parallel()
 	e := newPgxEnv(t)
-	noKey := errors.New("no key")
 	h, err := pipeline.NewPgxBatchTxHandler(pipeline.PgxTxConfig{DB: e.pool, Store: e.store,
-		Key: func(msg *message.Message) (string, error) {
-			if msg.Metadata.Get("bad") != "" {
-				return "", noKey
-			}
-			return msg.UUID, nil
-		},
-		Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 50 * time.Millisecond}},
+		Key: keyUnlessMarked, Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 50 * time.Millisecond}},
 		e.insertAll)
 	must(t, err)
-	bad := orders(4, "nokey")
-	for _, m := range bad {
-		m.Metadata.Set("bad", "1")
-	}
-	for i, err := range deliverAll(h, bad) {
-		if !errors.Is(err, noKey) {
-			t.Fatalf("nokey-%d: %v, want the key function's error", i, err)
-		}
-	}
+	deliverWithoutKeys(t, h)
 	if n := e.pool.Stat().AcquiredConns(); n != 0 {
 		t.Fatalf("%d connections acquired after a batch without keys, want 0: its transaction was left open", n)
 	}
