@@ -342,6 +342,16 @@ func (r *row) columns() []any {
 	return []any{&r.state, &r.token, &r.attempts, &r.expires, &r.first, &r.now}
 }
 
+// keyRow scans a row of a key followed by readBack's columns, as the
+// many-key read-back and the MariaDB many-key claim return them.
+func keyRow(scan func(dest ...any) error) (k []byte, r row, err error) {
+	if err := scan(append([]any{&k}, r.columns()...)...); err != nil {
+		return nil, row{}, err
+	}
+	r.found = true
+	return k, r, nil
+}
+
 // settled reports the result a claim of r's key gets without writing:
 // Duplicate for a confirmed key, Busy for a live claim. Anything else (a
 // released key, an expired claim, no row) can be taken, so ok is false.
@@ -669,16 +679,14 @@ func (s *SQLStore) readBackUntakenAll(ctx context.Context, claims []Claim, keys 
 	}
 	rows := map[int]row{}
 	err := s.ex.query(ctx, q, args, func(scan func(dest ...any) error) error {
-		var k []byte
-		var r row
-		if err := scan(append([]any{&k}, r.columns()...)...); err != nil {
+		k, r, err := keyRow(scan)
+		if err != nil {
 			return err
 		}
 		i, ok := index[string(k)]
 		if !ok {
 			return fmt.Errorf("read back: a row of key %q, which was not asked for", k)
 		}
-		r.found = true
 		if s.dialect == SQLite {
 			r.now = micros(s.now())
 		}
@@ -778,12 +786,10 @@ func (s *SQLStore) claimDoneAllReturning(ctx context.Context, keys [][]byte, tok
 	b.WriteString("\nRETURNING `key`, " + mysqlReturnedRow)
 	rows := make(map[string]row, len(keys))
 	err := s.ex.query(ctx, b.String(), args, func(scan func(dest ...any) error) error {
-		var k []byte
-		var r row
-		if err := scan(append([]any{&k}, r.columns()...)...); err != nil {
+		k, r, err := keyRow(scan)
+		if err != nil {
 			return err
 		}
-		r.found = true
 		rows[string(k)] = r
 		return nil
 	})
