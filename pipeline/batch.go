@@ -134,9 +134,9 @@ func (b *batcher) handle(msg *message.Message) error {
 		// a round trip to the server that would otherwise come after the
 		// wait (not on SQLite, see txFlow.beginEarly).
 		arrived := time.Now()
-		var pre *begun
+		var pre txn // nil when not begun early, or when BEGIN failed (it is tried again)
 		if b.f.beginEarly {
-			pre = b.begin(context.WithoutCancel(j.ctx))
+			pre, _ = b.f.begin(context.WithoutCancel(j.ctx))
 		}
 		b.mu.Lock()
 		early := b.late
@@ -194,42 +194,28 @@ func wakeLate(avg, late, wait time.Duration) time.Duration {
 	return min(avg+(late-avg)/8, wait/2)
 }
 
-// begun is a transaction begun for a batch's first run, or why it could not
-// begin.
-type begun struct {
-	tx  txn
-	err error
-}
-
-func (b *batcher) begin(ctx context.Context) *begun {
-	tx, err := b.f.begin(ctx)
-	return &begun{tx: tx, err: err}
-}
-
 // take returns the transaction for a run: the one begun early for the first
-// run (pre is then used up), a new one for the others.
-func (b *batcher) take(ctx context.Context, pre **begun) (txn, error) {
-	if p := *pre; p != nil {
+// run (pre is then used up), a new one for the others, and for the first
+// when its early BEGIN failed (the batch starts later, and the database may
+// answer by then).
+func (b *batcher) take(ctx context.Context, pre *txn) (txn, error) {
+	if tx := *pre; tx != nil {
 		*pre = nil
-		if p.err == nil {
-			return p.tx, nil
-		}
-		// It failed at the first delivery's arrival; the batch starts
-		// later, and the database may answer now.
+		return tx, nil
 	}
 	return b.f.begin(ctx)
 }
 
 // run settles a closed batch and answers every job. pre is the transaction
-// begun for its first run.
-func (b *batcher) run(jobs []*job, pre *begun) {
+// begun for its first run, or nil.
+func (b *batcher) run(jobs []*job, pre txn) {
 	// The batch belongs to all its deliveries: a router shutdown cancelling
 	// the leader's message must not abandon the others halfway.
 	ctx := context.WithoutCancel(jobs[0].ctx)
 	defer func() {
-		if pre != nil && pre.tx != nil {
+		if pre != nil {
 			// No run used it: every key failed.
-			_ = pre.tx.rollback(ctx)
+			_ = pre.rollback(ctx)
 		}
 	}()
 	defer func() {
@@ -299,7 +285,7 @@ func (b *batcher) run(jobs []*job, pre *begun) {
 // naming its message (see MessageFailed) fails the whole run; then the batch
 // is split in two and each half settled on its own, until the message that
 // fails is alone.
-func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]error, pre **begun) {
+func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]error, pre *txn) {
 	for len(pending) > 0 {
 		failed, err := b.runOnce(ctx, pending, pre)
 		switch {
@@ -353,7 +339,7 @@ const (
 // runOnce runs jobs in one transaction (the one begun early when pre still
 // holds it). It returns the index of a job that failed, with its error (the
 // transaction was rolled back), or one of the run results above.
-func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre **begun) (failed int, err error) {
+func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed int, err error) {
 	tx, err := b.take(ctx, pre)
 	if err != nil {
 		return runNotStarted, fmt.Errorf("pipeline: begin batch: %w", err)
