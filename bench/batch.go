@@ -62,12 +62,17 @@ type BatchResults struct {
 // BatchRow is one database: median msgs/s of each cell, and the latency from
 // publish to commit of the settle cells.
 type BatchRow struct {
-	DB      string             `json:"db"`
-	Rate    map[string]float64 `json:"msgs_per_s"`
-	P50     map[string]float64 `json:"p50_ms"`
-	P99     map[string]float64 `json:"p99_ms"`
-	CPU     map[string]CPUPerK `json:"cpu_per_1000"` // of the run nearest the median
-	Checked int                `json:"effects_checked"`
+	DB   string             `json:"db"`
+	Rate map[string]float64 `json:"msgs_per_s"`
+	P50  map[string]float64 `json:"p50_ms"` // median over the rounds
+	P99  map[string]float64 `json:"p99_ms"`
+	// Added is, per batching cell, how much later than the per-message
+	// cell of the same round its messages committed, at p50 and at p99:
+	// one value per round, in order.
+	AddedP50 map[string][]float64 `json:"added_p50_ms,omitempty"`
+	AddedP99 map[string][]float64 `json:"added_p99_ms,omitempty"`
+	CPU      map[string]CPUPerK   `json:"cpu_per_1000"` // of the run nearest the median
+	Checked  int                  `json:"effects_checked"`
 }
 
 // batchDB is the database of one row: its handle, the SQL it needs, and the
@@ -201,19 +206,36 @@ func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults)
 		}
 		row.CPU[c] = cpus[c][near]
 	}
-	// Latency at a steady publish rate well below either mode's capacity.
+	// Latency at a steady publish rate well below either mode's capacity,
+	// the cells in turn within each round, so that what batching adds is
+	// read against the per-message cell of the same round.
 	n := res.LatencyRate * 4
-	for _, cell := range batchSettleCells {
-		_, _, lat, err := b.batchSettle(ctx, d, cell, n, 0, res.LatencyRate)
-		if err != nil {
-			return row, fmt.Errorf("%s latency: %w", cell, err)
+	p50s, p99s := map[string][]float64{}, map[string][]float64{}
+	row.AddedP50, row.AddedP99 = map[string][]float64{}, map[string][]float64{}
+	for r := range b.o.runs {
+		for _, cell := range batchSettleCells {
+			_, _, lat, err := b.batchSettle(ctx, d, cell, n, 0, res.LatencyRate)
+			if err != nil {
+				return row, fmt.Errorf("%s latency: %w", cell, err)
+			}
+			row.Checked += n
+			p50, p99 := percentile(lat, 50), percentile(lat, 99)
+			p50s[cell], p99s[cell] = append(p50s[cell], p50), append(p99s[cell], p99)
+			fmt.Fprintf(b.log, "run %d %s %s at %d msgs/s: publish to commit p50 %.2f ms, p99 %.2f ms\n", r+1, d.name, cell, res.LatencyRate, p50, p99)
+			if cell != batchPerMsg {
+				row.AddedP50[cell] = append(row.AddedP50[cell], p50-p50s[batchPerMsg][r])
+				row.AddedP99[cell] = append(row.AddedP99[cell], p99-p99s[batchPerMsg][r])
+			}
 		}
-		row.Checked += n
-		row.P50[cell], row.P99[cell] = percentile(lat, 50), percentile(lat, 99)
-		fmt.Fprintf(b.log, "%s %s at %d msgs/s: publish to commit p50 %.1f ms, p99 %.1f ms\n", d.name, cell, res.LatencyRate, row.P50[cell], row.P99[cell])
+	}
+	for _, cell := range batchSettleCells {
+		row.P50[cell], row.P99[cell] = median(p50s[cell]), median(p99s[cell])
 	}
 	return row, nil
 }
+
+// batchWait is the MaxWait of the batching cells (the default).
+const batchWait = pipeline.DefaultBatchWait
 
 // rawTx measures BEGIN; INSERT; COMMIT from batchInFlight goroutines.
 func (b *amqpBench) rawTx(ctx context.Context, d *batchDB) (float64, steadyWindow, error) {
@@ -397,11 +419,13 @@ func batchTable(t *BatchResults) string {
 			x(ratio(r.Rate[batchGrouped], r.Rate[batchRawTx])), x(ratio(r.Rate[batchHandler], r.Rate[batchRawTx])),
 			x(ratio(r.Rate[batchHandler], r.Rate[batchRawAMQP])), num(float64(r.Checked)))
 	}
-	fmt.Fprintf(&b, "\nPublish to commit at a steady %d msgs/s, p50 / p99:\n\n", t.LatencyRate)
-	b.WriteString("| database | settle per message | settle batched | settle batch handler |\n|---|---:|---:|---:|\n")
+	fmt.Fprintf(&b, "\nPublish to commit at a steady %d msgs/s, p50 / p99 (median of the runs), and what batching adds to the per-message cell of the same run (median, and the range over the runs), against its maximum wait of %s:\n\n",
+		t.LatencyRate, batchWait)
+	b.WriteString("| database | settle per message | settle batched | settle batch handler | batched adds, p50 | batched adds, p99 | batch handler adds, p50 | batch handler adds, p99 |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, r := range t.Rows {
-		fmt.Fprintf(&b, "| %s | %.1f / %.1f ms | %.1f / %.1f ms | %.1f / %.1f ms |\n", r.DB,
-			r.P50[batchPerMsg], r.P99[batchPerMsg], r.P50[batchGrouped], r.P99[batchGrouped], r.P50[batchHandler], r.P99[batchHandler])
+		fmt.Fprintf(&b, "| %s | %.1f / %.1f ms | %.1f / %.1f ms | %.1f / %.1f ms | %s | %s | %s | %s |\n", r.DB,
+			r.P50[batchPerMsg], r.P99[batchPerMsg], r.P50[batchGrouped], r.P99[batchGrouped], r.P50[batchHandler], r.P99[batchHandler],
+			added(r.AddedP50[batchGrouped]), added(r.AddedP99[batchGrouped]), added(r.AddedP50[batchHandler]), added(r.AddedP99[batchHandler]))
 	}
 	b.WriteString("\nProcessor time per 1,000 messages in the timed part of the median run, ms: this process (settle and the clients) / RabbitMQ / the database server / the whole machine (2 cores, so at most 2,000 ms per second):\n\n")
 	b.WriteString("| database |")
@@ -418,4 +442,18 @@ func batchTable(t *BatchResults) string {
 		b.WriteString("\n")
 	}
 	return b.String()
+}
+
+// added formats what batching added over the runs: the median, and the
+// range when there was more than one run.
+func added(xs []float64) string {
+	if len(xs) == 0 {
+		return "–"
+	}
+	lo, hi := slices.Min(xs), slices.Max(xs)
+	m := median(slices.Clone(xs))
+	if len(xs) == 1 {
+		return fmt.Sprintf("%.2f ms", m)
+	}
+	return fmt.Sprintf("%.2f ms (%.2f–%.2f)", m, lo, hi)
 }

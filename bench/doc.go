@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"text/template"
+	"time"
 )
 
 //go:embed benchmarks.md.tmpl
@@ -229,6 +230,19 @@ func summary(res *Results) string {
 				v := ratio(h, r.Rate[c.floor])
 				fmt.Fprintf(&b, "| 4b. RabbitMQ + %s, batch handler, 16 in flight | %s msgs/s | %s msgs/s (%s) | %s | %s | %s |\n",
 					r.DB, num(h), num(r.Rate[c.floor]), c.name, x(v), x(c.target), met(v, c.target))
+			}
+			for _, cell := range []string{batchGrouped, batchHandler} {
+				a := r.AddedP50[cell]
+				if len(a) == 0 {
+					continue
+				}
+				m := median(slices.Clone(a))
+				verdict := "yes"
+				if m > float64(batchWait)/float64(time.Millisecond) {
+					verdict = "no (see the section)"
+				}
+				fmt.Fprintf(&b, "| 4b. RabbitMQ + %s, %s at %d msgs/s: latency added at p50 | %.2f ms | settle per message, same run | – | at most MaxWait, %s | %s |\n",
+					r.DB, cell, t.LatencyRate, m, batchWait, verdict)
 			}
 		}
 	}
