@@ -31,12 +31,20 @@ const (
 	batchPerMsg  = "per-message"   // settle HandleTx, one-statement, one commit per message
 	batchGrouped = "batched"       // settle HandleTx with Batch: one commit per batch
 	batchHandler = "batch-handler" // settle HandleBatchTx: one commit and one multi-row insert per batch
+	// batchPaused is settle per message behind a plain pause of MaxWait
+	// (latency runs only): what a wait of that length costs on this machine
+	// by itself, the round trips after an idle spell included, with no
+	// batching.
+	batchPaused = "per-message-paused"
 )
 
 var batchCells = []string{batchRawAMQP, batchRawTx, batchPerMsg, batchGrouped, batchHandler}
 
 // batchSettleCells are the cells that run settle on RabbitMQ.
 var batchSettleCells = []string{batchPerMsg, batchGrouped, batchHandler}
+
+// batchLatencyCells are the cells of the latency runs.
+var batchLatencyCells = []string{batchPerMsg, batchPaused, batchGrouped, batchHandler}
 
 // batchInFlight is the concurrency of the batch section: competing
 // subscriptions, and goroutines for the raw floor.
@@ -66,9 +74,9 @@ type BatchRow struct {
 	Rate map[string]float64 `json:"msgs_per_s"`
 	P50  map[string]float64 `json:"p50_ms"` // median over the rounds
 	P99  map[string]float64 `json:"p99_ms"`
-	// Added is, per batching cell, how much later than the per-message
-	// cell of the same round its messages committed, at p50 and at p99:
-	// one value per round, in order.
+	// Added is, per latency cell other than per-message, how much later
+	// than the per-message cell of the same round its messages committed,
+	// at p50 and at p99: one value per round, in order.
 	AddedP50 map[string][]float64 `json:"added_p50_ms,omitempty"`
 	AddedP99 map[string][]float64 `json:"added_p99_ms,omitempty"`
 	CPU      map[string]CPUPerK   `json:"cpu_per_1000"` // of the run nearest the median
@@ -213,7 +221,7 @@ func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults)
 	p50s, p99s := map[string][]float64{}, map[string][]float64{}
 	row.AddedP50, row.AddedP99 = map[string][]float64{}, map[string][]float64{}
 	for r := range b.o.runs {
-		for _, cell := range batchSettleCells {
+		for _, cell := range batchLatencyCells {
 			_, _, lat, err := b.batchSettle(ctx, d, cell, n, 0, res.LatencyRate)
 			if err != nil {
 				return row, fmt.Errorf("%s latency: %w", cell, err)
@@ -228,7 +236,7 @@ func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults)
 			}
 		}
 	}
-	for _, cell := range batchSettleCells {
+	for _, cell := range batchLatencyCells {
 		row.P50[cell], row.P99[cell] = median(p50s[cell]), median(p99s[cell])
 	}
 	return row, nil
@@ -334,6 +342,18 @@ func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, cell string, n,
 	switch cell {
 	case batchPerMsg:
 		hs, err = p.HandleTx("tx", queue, sub, nil, pipeline.TxConfig{DB: d.db, OneStatement: true}, perMessage)
+	case batchPaused:
+		hs, err = p.HandleTx("tx", queue, sub, nil, pipeline.TxConfig{DB: d.db, OneStatement: true}, perMessage)
+		if err == nil {
+			// Before the handler, so before its BEGIN, as a batch's wait is
+			// before its claim.
+			hs.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+				return func(msg *message.Message) ([]*message.Message, error) {
+					time.Sleep(batchWait)
+					return h(msg)
+				}
+			})
+		}
 	case batchGrouped:
 		hs, err = p.HandleTx("tx", queue, sub, nil, pipeline.TxConfig{DB: d.db, Batch: batched}, perMessage)
 	case batchHandler:
@@ -419,13 +439,24 @@ func batchTable(t *BatchResults) string {
 			x(ratio(r.Rate[batchGrouped], r.Rate[batchRawTx])), x(ratio(r.Rate[batchHandler], r.Rate[batchRawTx])),
 			x(ratio(r.Rate[batchHandler], r.Rate[batchRawAMQP])), num(float64(r.Checked)))
 	}
-	fmt.Fprintf(&b, "\nPublish to commit at a steady %d msgs/s, p50 / p99 (median of the runs), and what batching adds to the per-message cell of the same run (median, and the range over the runs), against its maximum wait of %s:\n\n",
+	fmt.Fprintf(&b, "\nPublish to commit at a steady %d msgs/s, p50 / p99 (median of the runs); \"per message after a pause\" is the per-message cell with a plain sleep of the batches' maximum wait (%s) before each message's transaction:\n\n",
 		t.LatencyRate, batchWait)
-	b.WriteString("| database | settle per message | settle batched | settle batch handler | batched adds, p50 | batched adds, p99 | batch handler adds, p50 | batch handler adds, p99 |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
+	b.WriteString("| database | settle per message | per message after a pause | settle batched | settle batch handler |\n|---|---:|---:|---:|---:|\n")
 	for _, r := range t.Rows {
-		fmt.Fprintf(&b, "| %s | %.1f / %.1f ms | %.1f / %.1f ms | %.1f / %.1f ms | %s | %s | %s | %s |\n", r.DB,
-			r.P50[batchPerMsg], r.P99[batchPerMsg], r.P50[batchGrouped], r.P99[batchGrouped], r.P50[batchHandler], r.P99[batchHandler],
-			added(r.AddedP50[batchGrouped]), added(r.AddedP99[batchGrouped]), added(r.AddedP50[batchHandler]), added(r.AddedP99[batchHandler]))
+		b.WriteString("| " + r.DB + " |")
+		for _, c := range batchLatencyCells {
+			fmt.Fprintf(&b, " %.1f / %.1f ms |", r.P50[c], r.P99[c])
+		}
+		b.WriteString("\n")
+	}
+	b.WriteString("\nWhat each adds to the per-message cell of the same run, at p50 and at p99 (median of the runs, and their range):\n\n")
+	b.WriteString("| database | pause, p50 | pause, p99 | batched, p50 | batched, p99 | batch handler, p50 | batch handler, p99 |\n|---|---:|---:|---:|---:|---:|---:|\n")
+	for _, r := range t.Rows {
+		b.WriteString("| " + r.DB + " |")
+		for _, c := range batchLatencyCells[1:] {
+			fmt.Fprintf(&b, " %s | %s |", added(r.AddedP50[c]), added(r.AddedP99[c]))
+		}
+		b.WriteString("\n")
 	}
 	b.WriteString("\nProcessor time per 1,000 messages in the timed part of the median run, ms: this process (settle and the clients) / RabbitMQ / the database server / the whole machine (2 cores, so at most 2,000 ms per second):\n\n")
 	b.WriteString("| database |")
