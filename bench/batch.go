@@ -72,8 +72,11 @@ type BatchResults struct {
 type BatchRow struct {
 	DB   string             `json:"db"`
 	Rate map[string]float64 `json:"msgs_per_s"`
-	P50  map[string]float64 `json:"p50_ms"` // median over the rounds
-	P99  map[string]float64 `json:"p99_ms"`
+	// Rates holds each cell's rate in every round, in order: the cells of
+	// a round ran one after the other, so ratios are read per round too.
+	Rates map[string][]float64 `json:"msgs_per_s_runs,omitempty"`
+	P50   map[string]float64   `json:"p50_ms"` // median over the rounds
+	P99   map[string]float64   `json:"p99_ms"`
 	// Added is, per latency cell other than per-message, how much later
 	// than the per-message cell of the same round its messages committed,
 	// at p50 and at p99: one value per round, in order.
@@ -203,6 +206,7 @@ func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults)
 			cpus[cell] = append(cpus[cell], use)
 		}
 	}
+	row.Rates = rates
 	for _, c := range batchCells {
 		row.Rate[c] = median(slices.Clone(rates[c])) // median sorts
 		// The CPU use of the run whose rate is nearest the median.
@@ -487,4 +491,49 @@ func added(xs []float64) string {
 		return fmt.Sprintf("%.2f ms", m)
 	}
 	return fmt.Sprintf("%.2f ms (%.2f–%.2f)", m, lo, hi)
+}
+
+// batchVerdict says, for each database, where the batch handler stands
+// against the targets of the section: the ratio of the medians, and the
+// range of the ratios within each round.
+func batchVerdict(t *BatchResults) string {
+	if t == nil {
+		return "(not measured)\n"
+	}
+	var b strings.Builder
+	for _, r := range t.Rows {
+		var parts, rounds []string
+		for _, c := range []struct {
+			floor, name string
+			target      float64
+		}{
+			{batchPerMsg, "the per-message handler", targetBatchPerMsg},
+			{batchRawTx, "the raw transaction", targetBatchRawTx},
+			{batchRawAMQP, "the raw consume", targetBatchConsume},
+		} {
+			v := ratio(r.Rate[batchHandler], r.Rate[c.floor])
+			verdict := "met"
+			if v < c.target {
+				verdict = "not met"
+			}
+			if c.floor == batchRawAMQP {
+				verdict = "stretch " + verdict
+			}
+			parts = append(parts, fmt.Sprintf("%s %s (%s)", x(v), c.name, verdict))
+			h, f := r.Rates[batchHandler], r.Rates[c.floor]
+			if len(h) > 1 && len(h) == len(f) {
+				per := make([]float64, len(h))
+				for i := range h {
+					per[i] = ratio(h[i], f[i])
+				}
+				rounds = append(rounds, x(slices.Min(per))+"–"+x(slices.Max(per)))
+			}
+		}
+		fmt.Fprintf(&b, "- **%s**: %s.", r.DB, strings.Join(parts, ", "))
+		if len(rounds) > 0 {
+			fmt.Fprintf(&b, " Per round: %s.", strings.Join(rounds, ", "))
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
 }

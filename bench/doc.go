@@ -60,6 +60,7 @@ func renderDoc(res *Results) (string, error) {
 		"TxN":               "–",
 		"AMQP":              amqpTable(res.AMQP),
 		"Batch":             batchTable(res.Batch),
+		"BatchVerdict":      batchVerdict(res.Batch),
 		"Outbox":            "(not measured)",
 		"OutboxTitle":       "",
 		"OutboxArgs":        "",
@@ -267,7 +268,14 @@ func stackVerdict(s *StackResults) string {
 		if ro := s.Modes[modeOTel].Ratio; ro > 0 {
 			verdict := "the SDK alone is below the " + x(targetTracing) + " target before settle does anything"
 			if ro >= targetTracing {
+				// Per message, in units of the bare router's time: settle
+				// adds 1/rs-1, the SDK 1/ro-1. If the two only add up,
+				// settle with tracing reaches at most this.
+				bound := 1 / (1/ro + 1/rs - 1)
 				verdict = "the SDK alone leaves room for the target in this run"
+				if bound < targetTracing {
+					verdict = fmt.Sprintf("the SDK alone leaves room for the target in this run, but not with settle's own work beside it: with the time each adds per message (the settle row's and this row's) simply added up, settle with tracing could reach at most %s", x(bound))
+				}
 			}
 			out = append(out, fmt.Sprintf("What the tracing alone costs is the `%s` row: the bare router with what DESIGN.md asks of tracing made directly with the SDK (the trace context read from the metadata, a consumer span and a settle span with the messaging attributes, the outcome, two metric recordings), the settle span ended at once instead of on the ack, and nothing of settle. It reaches %s of the bare router: %s. settle with tracing, at %s, is at %s of that floor while also deduplicating, retrying and parking.", modeOTel, x(ro), verdict, x(rt), x(rt/ro)))
 		}
