@@ -2,7 +2,6 @@ package pipeline
 
 import (
 	"context"
-	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
@@ -41,13 +40,13 @@ func NewPgxBatchTxHandler(cfg PgxTxConfig, fn PgxBatchTxFunc) (message.NoPublish
 
 // HandlePgxBatchTx is HandleBatchTx on pgx: it adds a batch handler (see
 // NewPgxBatchTxHandler) whose deliveries in flight, up to cfg.Batch.MaxSize
-// (capped at Config.Concurrency, which must be at least 2), are handed to fn
+// (capped at the deliveries in flight, see Config.Concurrency; at least 2), are handed to fn
 // together, and whose writes, outbox messages and dedupe keys commit in one
 // pgx transaction. store must be a PgxStore on cfg.DB's database; nil means
 // Config.Store, which must then be one.
 func (p *Pipeline) HandlePgxBatchTx(name, topic string, sub message.Subscriber, store *dedupe.PgxStore, cfg PgxTxConfig, fn PgxBatchTxFunc) (Handlers, error) {
-	if !cfg.Batch.enabled() || p.cfg.Concurrency < 2 {
-		return nil, fmt.Errorf("pipeline: HandlePgxBatchTx %q needs PgxTxConfig.Batch.MaxSize and Config.Concurrency >= 2 (got %d and %d): a batch is the deliveries in flight at once", name, cfg.Batch.MaxSize, p.cfg.Concurrency)
+	if err := p.canBatch("HandlePgxBatchTx", "PgxTxConfig", name, sub, cfg.Batch); err != nil {
+		return nil, err
 	}
 	return p.handlePgxTx("HandlePgxBatchTx", name, topic, sub, store, cfg, func(cfg PgxTxConfig) (message.NoPublishHandlerFunc, error) {
 		return NewPgxBatchTxHandler(cfg, fn)

@@ -74,6 +74,11 @@ type Config struct {
 	// messages, such as RabbitMQ queues and SQL subscribers of one consumer
 	// group: GoChannel gives every subscription every message, so it is
 	// refused there. Defaults to 1. Must be >= 0 (0 means 1).
+	//
+	// A subscriber that hands its router several deliveries of one
+	// subscription at once says how many with an InFlight() int method
+	// (amqpsub.Subscriber does): a handler then has Concurrency times that
+	// many in flight, which is what sizes its batches (TxConfig.Batch).
 	Concurrency int
 	// Logger defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
@@ -339,12 +344,13 @@ func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *d
 
 // HandleBatchTx adds a batch handler (see NewBatchTxHandler and
 // BatchTxFunc): the deliveries in flight, up to cfg.Batch.MaxSize (capped at
-// Config.Concurrency, which must be at least 2), are handed to fn together,
+// the deliveries the handler can have in flight, see Config.Concurrency,
+// which must be at least 2), are handed to fn together,
 // and their writes, outbox messages and dedupe keys commit in one
 // transaction. store is as for HandleTx.
 func (p *Pipeline) HandleBatchTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore, cfg TxConfig, fn BatchTxFunc) (Handlers, error) {
-	if !cfg.Batch.enabled() || p.cfg.Concurrency < 2 {
-		return nil, fmt.Errorf("pipeline: HandleBatchTx %q needs TxConfig.Batch.MaxSize and Config.Concurrency >= 2 (got %d and %d): a batch is the deliveries in flight at once", name, cfg.Batch.MaxSize, p.cfg.Concurrency)
+	if err := p.canBatch("HandleBatchTx", "TxConfig", name, sub, cfg.Batch); err != nil {
+		return nil, err
 	}
 	return p.handleTx("HandleBatchTx", name, topic, sub, store, cfg, func(cfg TxConfig) (message.NoPublishHandlerFunc, error) {
 		return NewBatchTxHandler(cfg, fn)
@@ -399,10 +405,10 @@ type txSetup struct {
 // addTx adds a transactional handler of either driver; s is its claims
 // store.
 func (p *Pipeline) addTx(name, topic string, sub message.Subscriber, s dedupe.Store, ts txSetup) (Handlers, error) {
-	if ts.batch.enabled() && ts.batch.MaxSize > p.cfg.Concurrency {
+	if n := p.inFlight(sub); ts.batch.enabled() && ts.batch.MaxSize > n {
 		// No more deliveries can be in flight; a batch of one is the
 		// one-statement mode.
-		ts.batch.MaxSize = p.cfg.Concurrency
+		ts.batch.MaxSize = n
 		*ts.oneStatement = *ts.oneStatement || !ts.batch.enabled()
 	}
 	oneStatement := *ts.oneStatement || ts.batch.enabled()
@@ -423,4 +429,25 @@ func (p *Pipeline) addTx(name, topic string, sub message.Subscriber, s dedupe.St
 	return p.add(name, sub, mws, func(n string) *message.Handler {
 		return p.router.AddConsumerHandler(n, topic, sub, h)
 	})
+}
+
+// inFlight is how many deliveries of one handler on sub can be in flight at
+// once: one per subscription, times what a subscriber that hands its router
+// several deliveries of a subscription at once reports.
+func (p *Pipeline) inFlight(sub message.Subscriber) int {
+	n := 1
+	if s, ok := sub.(interface{ InFlight() int }); ok && s.InFlight() > 1 {
+		n = s.InFlight()
+	}
+	return p.cfg.Concurrency * n
+}
+
+// canBatch reports why a batch handler of batch on sub cannot be added, or
+// nil: a batch is the deliveries in flight at once, so there must be at
+// least two.
+func (p *Pipeline) canBatch(method, config, name string, sub message.Subscriber, batch BatchConfig) error {
+	if n := p.inFlight(sub); !batch.enabled() || n < 2 {
+		return fmt.Errorf("pipeline: %s %q needs %s.Batch.MaxSize >= 2 and at least 2 deliveries in flight (Config.Concurrency, or a subscriber with InFlight); got %d and %d", method, name, config, batch.MaxSize, n)
+	}
+	return nil
 }

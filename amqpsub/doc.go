@@ -1,0 +1,46 @@
+// Package amqpsub is a Watermill subscriber for RabbitMQ that hands the
+// router many deliveries of one subscription at once.
+//
+// # Why
+//
+// watermill-amqp's subscriber hands its router one delivery at a time: it
+// sends a message, waits for its ack or nack, and only then reads the next,
+// whatever the channel's prefetch. A handler therefore runs as many messages
+// at once as it has subscriptions, and a batch (pipeline's TxConfig.Batch,
+// HandleBatchTx) can hold no more deliveries than that; pipeline's
+// Config.Concurrency opens one subscription, each with its own AMQP
+// channel, per delivery in flight.
+//
+// This subscriber reads the next delivery without waiting: up to
+// Config.InFlight deliveries of one subscription are in the router at the
+// same time, on one AMQP channel. A batch of sixteen then comes from one
+// subscription, and the acks of a batch that commits at once leave the
+// client in one frame (basic.ack with multiple set) instead of sixteen, on
+// one channel instead of sixteen.
+//
+// # What stays the same
+//
+// It takes watermill-amqp's own amqp.Config: the connection and its
+// reconnection, queue and exchange names, topology, consume options and
+// marshaler (use amqpmarshal's). Each delivery is acked only when the router
+// acks its message and nacked (requeued unless Consume.NoRequeueOnNack)
+// when the router nacks it; a delivery is never acked before the deliveries
+// that arrived before it have been answered, so an ack covering several
+// deliveries covers only answered ones. When the channel or the connection
+// is lost, or the subscriber is closed, the deliveries not yet acked go back
+// to the queue and are delivered again: at least once, as with
+// watermill-amqp, and settle's dedupe makes their effects happen once.
+//
+// # Using it
+//
+//	sub, err := amqpsub.NewSubscriber(amqpsub.Config{
+//		AMQP:     amqpCfg, // e.g. amqp.NewDurableQueueConfig(url), Marshaler from amqpmarshal
+//		InFlight: 16,
+//	}, logger)
+//
+// With pipeline, give it to HandleTx or HandleBatchTx with Config.Concurrency
+// 1: pipeline reads InFlight to size the batches. Consume.Qos.PrefetchCount
+// should be above InFlight, so that the next deliveries are already on the
+// client when the ones in flight are acked; one below InFlight (the 1 of
+// watermill-amqp's configurations) or 0 is raised to 4 × InFlight.
+package amqpsub

@@ -1,0 +1,419 @@
+package amqpsub
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+)
+
+// DefaultInFlight is Config.InFlight when it is not set.
+const DefaultInFlight = 16
+
+// Config configures a Subscriber.
+type Config struct {
+	// AMQP is watermill-amqp's configuration, used as its own Subscriber
+	// uses it: the connection and its reconnection, the queue, exchange and
+	// binding names, the topology, the consume options and the marshaler.
+	// A Consume.Qos.PrefetchCount below InFlight (watermill-amqp's
+	// configurations set 1; 0, unlimited, counts as not set) is raised to
+	// 4 × InFlight: the broker sends no more unacked deliveries than the
+	// prefetch, and a few more than InFlight have the next deliveries
+	// already on the client when the ones in flight are acked.
+	AMQP amqp.Config
+	// InFlight is how many deliveries of one subscription are handed to
+	// the router at once, before any of them is acked. Defaults to
+	// DefaultInFlight.
+	InFlight int
+}
+
+// Subscriber is a Watermill subscriber for RabbitMQ that keeps up to
+// Config.InFlight deliveries of each subscription unacked in the router at
+// once, on one AMQP channel, and acks them in as few frames as it can. See
+// the package documentation.
+type Subscriber struct {
+	cfg    Config
+	conn   *amqp.ConnectionWrapper
+	logger watermill.LoggerAdapter
+
+	mu     sync.Mutex
+	closed bool
+	stop   chan struct{} // closed by Close
+	subs   sync.WaitGroup
+}
+
+// NewSubscriber connects to the broker and returns a subscriber that owns
+// the connection (Close closes it). logger may be nil.
+func NewSubscriber(cfg Config, logger watermill.LoggerAdapter) (*Subscriber, error) {
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	if cfg.InFlight < 0 {
+		return nil, fmt.Errorf("amqpsub: Config.InFlight must be >= 0, got %d", cfg.InFlight)
+	}
+	if cfg.InFlight == 0 {
+		cfg.InFlight = DefaultInFlight
+	}
+	if cfg.AMQP.Consume.Qos.PrefetchCount < cfg.InFlight {
+		cfg.AMQP.Consume.Qos.PrefetchCount = 4 * cfg.InFlight
+	}
+	if err := cfg.AMQP.ValidateSubscriber(); err != nil {
+		return nil, fmt.Errorf("amqpsub: %w", err)
+	}
+	conn, err := amqp.NewConnection(cfg.AMQP.Connection, logger)
+	if err != nil {
+		return nil, fmt.Errorf("amqpsub: %w", err)
+	}
+	return &Subscriber{cfg: cfg, conn: conn, logger: logger, stop: make(chan struct{})}, nil
+}
+
+// InFlight returns how many deliveries of one subscription the router may
+// hold at once (Config.InFlight). pipeline reads it to size batches.
+func (s *Subscriber) InFlight() int { return s.cfg.InFlight }
+
+// Subscribe starts consuming topic's queue and returns its messages. The
+// channel is closed when the subscriber is closed or ctx is done. A lost
+// connection or channel is reopened (the connection with watermill-amqp's
+// reconnection settings); the deliveries that were in flight on the lost
+// channel are redelivered by the broker, whatever their handlers return.
+func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, errors.New("amqpsub: subscriber is closed")
+	}
+	if !s.conn.IsConnected() {
+		return nil, errors.New("amqpsub: not connected to AMQP")
+	}
+	c := &consumer{
+		s:      s,
+		params: s.params(topic),
+		fields: watermill.LogFields{"topic": topic},
+		out:    make(chan *message.Message),
+	}
+	if err := s.prepare(c.params); err != nil {
+		return nil, fmt.Errorf("amqpsub: prepare consume of %q: %w", topic, err)
+	}
+	s.subs.Add(1)
+	go func() {
+		defer s.subs.Done()
+		c.run(ctx)
+	}()
+	return c.out, nil
+}
+
+// SubscribeInitialize declares the topology of topic (queue, exchange,
+// binding) without consuming.
+func (s *Subscriber) SubscribeInitialize(topic string) error {
+	if err := s.prepare(s.params(topic)); err != nil {
+		return fmt.Errorf("amqpsub: prepare consume of %q: %w", topic, err)
+	}
+	return nil
+}
+
+// Close stops every subscription, closes their message channels and then the
+// connection. Deliveries that were not acked yet go back to the queue.
+func (s *Subscriber) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	close(s.stop)
+	s.mu.Unlock()
+	s.subs.Wait()
+	return s.conn.Close()
+}
+
+func (s *Subscriber) params(topic string) amqp.BuildTopologyParams {
+	return amqp.BuildTopologyParams{
+		Topic:        topic,
+		QueueName:    s.cfg.AMQP.Queue.GenerateName(topic),
+		ExchangeName: s.cfg.AMQP.Exchange.GenerateName(topic),
+		RoutingKey:   s.cfg.AMQP.QueueBind.GenerateRoutingKey(topic),
+	}
+}
+
+// prepare declares the topology on a channel of its own.
+func (s *Subscriber) prepare(p amqp.BuildTopologyParams) (err error) {
+	ch, err := s.channel()
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, ignoreClosed(ch.Close())) }()
+	return s.cfg.AMQP.TopologyBuilder.BuildTopology(ch, p, s.cfg.AMQP, s.logger)
+}
+
+// channel opens a channel with the configured QoS.
+func (s *Subscriber) channel() (*amqp091.Channel, error) {
+	if !s.conn.IsConnected() {
+		return nil, errors.New("not connected to AMQP")
+	}
+	ch, err := s.conn.Connection().Channel()
+	if err != nil {
+		return nil, fmt.Errorf("open channel: %w", err)
+	}
+	q := s.cfg.AMQP.Consume.Qos
+	if err := ch.Qos(q.PrefetchCount, q.PrefetchSize, q.Global); err != nil {
+		_ = ch.Close()
+		return nil, fmt.Errorf("set QoS: %w", err)
+	}
+	return ch, nil
+}
+
+func ignoreClosed(err error) error {
+	if errors.Is(err, amqp091.ErrClosed) {
+		return nil
+	}
+	return err
+}
+
+// consumer is one subscription: it consumes on one channel at a time and
+// opens another when that one is lost.
+type consumer struct {
+	s      *Subscriber
+	params amqp.BuildTopologyParams
+	fields watermill.LogFields
+	out    chan *message.Message
+}
+
+// reopenDelay is how long a consumer waits before it opens a channel again
+// after losing one.
+const reopenDelay = 100 * time.Millisecond
+
+func (c *consumer) run(ctx context.Context) {
+	defer close(c.out)
+	for first := true; ; first = false {
+		if !first {
+			// Before a new session: the topology may be gone with the
+			// broker (a non-durable queue), so it is declared again.
+			if err := c.s.prepare(c.params); err != nil {
+				c.s.logger.Error("amqpsub: prepare consume", err, c.fields)
+			}
+		}
+		select {
+		case <-c.s.conn.Connected():
+			c.session(ctx)
+		case <-c.s.stop:
+			return
+		case <-ctx.Done():
+			return
+		}
+		select {
+		case <-c.s.stop:
+			return
+		case <-ctx.Done():
+			return
+		case <-time.After(reopenDelay):
+		}
+	}
+}
+
+// result is what the router said of one delivery.
+type result struct {
+	tag uint64
+	ack bool
+}
+
+// session consumes on one channel until it is lost, the subscriber closes
+// or ctx is done. It returns once every goroutine it started has ended.
+func (c *consumer) session(ctx context.Context) {
+	ch, err := c.s.channel()
+	if err != nil {
+		c.s.logger.Error("amqpsub: open consume channel", err, c.fields)
+		return
+	}
+	lost := ch.NotifyClose(make(chan *amqp091.Error, 1))
+	cc := c.s.cfg.AMQP.Consume
+	deliveries, err := ch.Consume(c.params.QueueName, cc.Consumer, false, cc.Exclusive, cc.NoLocal, cc.NoWait, cc.Arguments)
+	if err != nil {
+		c.s.logger.Error("amqpsub: consume", err, c.fields)
+		_ = ch.Close()
+		return
+	}
+	c.s.logger.Info("amqpsub: consuming", c.fields)
+
+	done := make(chan struct{}) // closed when the session ends
+	var wg sync.WaitGroup
+	a := &acker{ch: ch, requeue: !cc.NoRequeueOnNack, results: make(chan result, c.s.cfg.InFlight)}
+	slots := make(chan struct{}, c.s.cfg.InFlight)
+	finish, finished := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(finished)
+		a.run(finish)
+	}()
+	defer func() {
+		// What was answered is settled with the broker first; closing the
+		// channel then hands every delivery not acked back to it, and the
+		// goroutines of the ones still in the router end with done.
+		close(finish)
+		<-finished
+		close(done)
+		_ = ch.Close()
+		wg.Wait()
+	}()
+
+	for {
+		var d amqp091.Delivery
+		var ok bool
+		select {
+		case d, ok = <-deliveries:
+			if !ok {
+				return // the channel or the connection is gone
+			}
+		case err := <-lost:
+			c.s.logger.Error("amqpsub: channel closed", err, c.fields)
+			return
+		case <-c.s.stop:
+			return
+		case <-ctx.Done():
+			return
+		}
+		msg, err := c.s.cfg.AMQP.Marshaler.Unmarshal(d)
+		if err != nil {
+			// As watermill-amqp does: the delivery cannot become a message.
+			c.s.logger.Error("amqpsub: unmarshal", err, c.fields)
+			a.nackNow(d.DeliveryTag)
+			continue
+		}
+		if d.Redelivered {
+			msg.Metadata.Set(amqp.MetadataRedeliveredKey, "true")
+		}
+		// A slot first: no more than InFlight deliveries in the router.
+		select {
+		case slots <- struct{}{}:
+		case <-done:
+			return
+		case <-c.s.stop:
+			return
+		case <-ctx.Done():
+			return
+		}
+		mctx, cancel := context.WithCancel(ctx)
+		msg.SetContext(mctx)
+		a.delivered(d.DeliveryTag)
+		select {
+		case c.out <- msg:
+		case <-c.s.stop:
+			cancel()
+			return
+		case <-ctx.Done():
+			cancel()
+			return
+		}
+		wg.Add(1)
+		go func(tag uint64) {
+			defer wg.Done()
+			defer cancel()
+			var r result
+			select {
+			case <-msg.Acked():
+				r = result{tag: tag, ack: true}
+			case <-msg.Nacked():
+				r = result{tag: tag}
+			case <-done:
+				return // the channel is gone: the broker redelivers it
+			}
+			<-slots
+			select {
+			case a.results <- r:
+			case <-done:
+			}
+		}(d.DeliveryTag)
+	}
+}
+
+// acker acks and nacks the deliveries of one channel. Deliveries are
+// settled with the broker in the order they arrived: a run of acked ones is
+// one frame (multiple=true up to the last of the run), a nacked one a frame
+// of its own. A delivery answered early waits for the ones before it.
+type acker struct {
+	ch      *amqp091.Channel
+	requeue bool
+	results chan result
+
+	mu      sync.Mutex
+	pending []uint64 // delivery tags handed to the router, in order, not yet settled with the broker
+}
+
+// delivered records a delivery handed to the router.
+func (a *acker) delivered(tag uint64) {
+	a.mu.Lock()
+	a.pending = append(a.pending, tag)
+	a.mu.Unlock()
+}
+
+// nackNow nacks a delivery that never reached the router.
+func (a *acker) nackNow(tag uint64) {
+	_ = a.ch.Nack(tag, false, a.requeue)
+}
+
+// run settles answers as they come until finish is closed, then once more
+// with what has come by then.
+func (a *acker) run(finish <-chan struct{}) {
+	answered := map[uint64]bool{} // tag -> acked, for tags not yet settled
+	for last := false; !last; {
+		select {
+		case r := <-a.results:
+			answered[r.tag] = r.ack
+		case <-finish:
+			last = true
+		}
+		// Whatever else has been answered meanwhile goes in the same pass.
+	more:
+		for {
+			select {
+			case r := <-a.results:
+				answered[r.tag] = r.ack
+			default:
+				break more
+			}
+		}
+		if err := a.settle(answered); err != nil {
+			// The channel is failing; the session ends on its close
+			// notification and the broker redelivers what was not acked.
+			return
+		}
+	}
+}
+
+// settle sends the frames for the answered deliveries at the head of
+// pending.
+func (a *acker) settle(answered map[uint64]bool) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var run uint64 // the last tag of a run of acked deliveries, not sent yet
+	for len(a.pending) > 0 {
+		tag := a.pending[0]
+		ack, ok := answered[tag]
+		if !ok {
+			break
+		}
+		delete(answered, tag)
+		a.pending = a.pending[1:]
+		if ack {
+			run = tag
+			continue
+		}
+		if run != 0 {
+			if err := a.ch.Ack(run, true); err != nil {
+				return err
+			}
+			run = 0
+		}
+		if err := a.ch.Nack(tag, false, a.requeue); err != nil {
+			return err
+		}
+	}
+	if run != 0 {
+		return a.ch.Ack(run, true)
+	}
+	return nil
+}
