@@ -19,6 +19,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle/amqpmarshal"
+	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/pipeline"
@@ -46,9 +47,19 @@ var batchSettleCells = []string{batchPerMsg, batchGrouped, batchHandler}
 // batchLatencyCells are the cells of the latency runs.
 var batchLatencyCells = []string{batchPerMsg, batchPaused, batchGrouped, batchHandler}
 
-// batchInFlight is the concurrency of the batch section: competing
-// subscriptions, and goroutines for the raw floor.
+// batchInFlight is the concurrency of the batch section: deliveries in
+// flight, and goroutines for the raw floor.
 const batchInFlight = 16
+
+// How the settle cells of a row consume: batchInFlight watermill-amqp
+// subscriptions (each hands the router one delivery at a time), or one
+// amqpsub subscription with batchInFlight deliveries in flight.
+const (
+	subWatermill = "watermill-amqp"
+	subOne       = "amqpsub"
+)
+
+var batchSubscribers = []string{subWatermill, subOne}
 
 // batchPrefetch is the least prefetch of the batch section's subscriptions.
 // A Watermill subscription handles one delivery at a time whatever its
@@ -70,8 +81,11 @@ type BatchResults struct {
 // BatchRow is one database: median msgs/s of each cell, and the latency from
 // publish to commit of the settle cells.
 type BatchRow struct {
-	DB   string             `json:"db"`
-	Rate map[string]float64 `json:"msgs_per_s"`
+	DB string `json:"db"`
+	// Subscriber is how the settle cells consumed: subWatermill (also
+	// when empty, in results of earlier runs) or subOne.
+	Subscriber string             `json:"subscriber,omitempty"`
+	Rate       map[string]float64 `json:"msgs_per_s"`
 	// Rates holds each cell's rate in every round, in order: the cells of
 	// a round ran one after the other, so ratios are read per round too.
 	Rates map[string][]float64 `json:"msgs_per_s_runs,omitempty"`
@@ -166,18 +180,21 @@ func runBatch(ctx context.Context, o options, log io.Writer) (*BatchResults, err
 		db.SetMaxOpenConns(batchInFlight + 8)
 		db.SetMaxIdleConns(batchInFlight + 8)
 		d := &batchDB{name: target.name, db: db, dialect: dialect}
-		row, err := b.batchRow(ctx, d, res)
-		d.close()
-		if err != nil {
-			return nil, fmt.Errorf("%s: %w", target.name, err)
+		for _, kind := range batchSubscribers {
+			row, err := b.batchRow(ctx, d, res, kind)
+			if err != nil {
+				d.close()
+				return nil, fmt.Errorf("%s, %s: %w", target.name, kind, err)
+			}
+			res.Rows = append(res.Rows, row)
 		}
-		res.Rows = append(res.Rows, row)
+		d.close()
 	}
 	return res, nil
 }
 
-func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults) (BatchRow, error) {
-	row := BatchRow{DB: d.name, Rate: map[string]float64{}, P50: map[string]float64{}, P99: map[string]float64{}, CPU: map[string]CPUPerK{}}
+func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults, kind string) (BatchRow, error) {
+	row := BatchRow{DB: d.name, Subscriber: kind, Rate: map[string]float64{}, P50: map[string]float64{}, P99: map[string]float64{}, CPU: map[string]CPUPerK{}}
 	rates := map[string][]float64{}
 	cpus := map[string][]CPUPerK{}
 	for r := range b.o.runs {
@@ -193,7 +210,7 @@ func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults)
 			case batchRawAMQP:
 				rate, win, err = b.rawSteady(ctx, batchInFlight, res.Messages, res.Warm)
 			default:
-				rate, win, _, err = b.batchSettle(ctx, d, cell, res.Messages, res.Warm, 0)
+				rate, win, _, err = b.batchSettle(ctx, d, kind, cell, res.Messages, res.Warm, 0)
 				row.Checked += res.Messages
 			}
 			if err != nil {
@@ -201,7 +218,7 @@ func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults)
 			}
 			use := win.CPU.perK(win.Messages)
 			fmt.Fprintf(b.log, "run %d %s %s: %.0f msgs/s; CPU ms per 1,000: go %.0f, broker %.0f, db %.0f, machine %.0f\n",
-				r+1, d.name, cell, rate, use.Go, use.Broker, use.DB, use.Busy)
+				r+1, row.label(), cell, rate, use.Go, use.Broker, use.DB, use.Busy)
 			rates[cell] = append(rates[cell], rate)
 			cpus[cell] = append(cpus[cell], use)
 		}
@@ -226,14 +243,14 @@ func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults)
 	row.AddedP50, row.AddedP99 = map[string][]float64{}, map[string][]float64{}
 	for r := range b.o.runs {
 		for _, cell := range batchLatencyCells {
-			_, _, lat, err := b.batchSettle(ctx, d, cell, n, 0, res.LatencyRate)
+			_, _, lat, err := b.batchSettle(ctx, d, kind, cell, n, 0, res.LatencyRate)
 			if err != nil {
 				return row, fmt.Errorf("%s latency: %w", cell, err)
 			}
 			row.Checked += n
 			p50, p99 := percentile(lat, 50), percentile(lat, 99)
 			p50s[cell], p99s[cell] = append(p50s[cell], p50), append(p99s[cell], p99)
-			fmt.Fprintf(b.log, "run %d %s %s at %d msgs/s: publish to commit p50 %.2f ms, p99 %.2f ms\n", r+1, d.name, cell, res.LatencyRate, p50, p99)
+			fmt.Fprintf(b.log, "run %d %s %s at %d msgs/s: publish to commit p50 %.2f ms, p99 %.2f ms\n", r+1, row.label(), cell, res.LatencyRate, p50, p99)
 			if cell != batchPerMsg {
 				row.AddedP50[cell] = append(row.AddedP50[cell], p50-p50s[batchPerMsg][r])
 				row.AddedP99[cell] = append(row.AddedP99[cell], p99-p99s[batchPerMsg][r])
@@ -288,7 +305,7 @@ func (b *amqpBench) rawTx(ctx context.Context, d *batchDB) (float64, steadyWindo
 // messages are published at that rate while the router runs, and the
 // latencies from publish to commit are returned. The first warm messages of
 // a throughput run are not timed.
-func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, cell string, n, warm, rate int) (float64, steadyWindow, []float64, error) {
+func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, kind, cell string, n, warm, rate int) (float64, steadyWindow, []float64, error) {
 	var win steadyWindow
 	m, err := amqpmarshal.New(amqpmarshal.Config{})
 	if err != nil {
@@ -312,7 +329,16 @@ func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, cell string, n,
 	}
 	cfg := b.config(m)
 	cfg.Consume.Qos.PrefetchCount = max(b.o.prefetch, batchPrefetch)
-	sub, err := amqp.NewSubscriber(cfg, watermill.NopLogger{})
+	var sub message.Subscriber
+	concurrency := batchInFlight
+	if kind == subOne {
+		// One subscription, all the deliveries in flight on it; the
+		// prefetch is raised to 4 × InFlight.
+		sub, err = amqpsub.NewSubscriber(amqpsub.Config{AMQP: cfg, InFlight: batchInFlight}, watermill.NopLogger{})
+		concurrency = 1
+	} else {
+		sub, err = amqp.NewSubscriber(cfg, watermill.NopLogger{})
+	}
 	if err != nil {
 		return 0, win, nil, err
 	}
@@ -326,7 +352,7 @@ func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, cell string, n,
 	if err != nil {
 		return 0, win, nil, err
 	}
-	p, err := pipeline.New(router, pipeline.Config{Publisher: pub, Store: store, Concurrency: batchInFlight, DisableTracing: true})
+	p, err := pipeline.New(router, pipeline.Config{Publisher: pub, Store: store, Concurrency: concurrency, DisableTracing: true})
 	if err != nil {
 		return 0, win, nil, err
 	}
@@ -410,7 +436,7 @@ func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, cell string, n,
 	}
 	prof := ""
 	if b.o.profile != "" && rate == 0 {
-		prof = filepath.Join(b.o.profile, "batch-"+d.name+"-"+cell)
+		prof = filepath.Join(b.o.profile, "batch-"+d.name+"-"+kind+"-"+cell)
 	}
 	r, win, err := consumeSteady(ctx, router, &count, &first, n, warm, prof)
 	if err != nil {
@@ -437,7 +463,7 @@ func batchTable(t *BatchResults) string {
 	fmt.Fprintf(&b, "Throughput, msgs/s (median of the runs; %d messages per settle run, the first %d not timed):\n\n", t.Messages, t.Warm)
 	b.WriteString("| database | raw watermill-amqp consume | raw BEGIN; INSERT; COMMIT | settle per message | settle batched | settle batch handler | batched / per message | batch handler / per message | batched / raw tx | batch handler / raw tx | batch handler / raw consume | effects checked |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, r := range t.Rows {
-		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.DB,
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.label(),
 			num(r.Rate[batchRawAMQP]), num(r.Rate[batchRawTx]), num(r.Rate[batchPerMsg]), num(r.Rate[batchGrouped]), num(r.Rate[batchHandler]),
 			x(ratio(r.Rate[batchGrouped], r.Rate[batchPerMsg])), x(ratio(r.Rate[batchHandler], r.Rate[batchPerMsg])),
 			x(ratio(r.Rate[batchGrouped], r.Rate[batchRawTx])), x(ratio(r.Rate[batchHandler], r.Rate[batchRawTx])),
@@ -447,7 +473,7 @@ func batchTable(t *BatchResults) string {
 		t.LatencyRate, batchWait)
 	b.WriteString("| database | settle per message | per message after a pause | settle batched | settle batch handler |\n|---|---:|---:|---:|---:|\n")
 	for _, r := range t.Rows {
-		b.WriteString("| " + r.DB + " |")
+		b.WriteString("| " + r.label() + " |")
 		for _, c := range batchLatencyCells {
 			fmt.Fprintf(&b, " %.1f / %.1f ms |", r.P50[c], r.P99[c])
 		}
@@ -456,7 +482,7 @@ func batchTable(t *BatchResults) string {
 	b.WriteString("\nWhat each adds to the per-message cell of the same run, at p50 and at p99 (median of the runs, and their range):\n\n")
 	b.WriteString("| database | pause, p50 | pause, p99 | batched, p50 | batched, p99 | batch handler, p50 | batch handler, p99 |\n|---|---:|---:|---:|---:|---:|---:|\n")
 	for _, r := range t.Rows {
-		b.WriteString("| " + r.DB + " |")
+		b.WriteString("| " + r.label() + " |")
 		for _, c := range batchLatencyCells[1:] {
 			fmt.Fprintf(&b, " %s | %s |", added(r.AddedP50[c]), added(r.AddedP99[c]))
 		}
@@ -469,7 +495,7 @@ func batchTable(t *BatchResults) string {
 	}
 	b.WriteString("\n|---|" + strings.Repeat("---:|", len(batchCells)) + "\n")
 	for _, r := range t.Rows {
-		b.WriteString("| " + r.DB + " |")
+		b.WriteString("| " + r.label() + " |")
 		for _, c := range batchCells {
 			u := r.CPU[c]
 			fmt.Fprintf(&b, " %.0f / %.0f / %.0f / %.0f |", u.Go, u.Broker, u.DB, u.Busy)
@@ -529,11 +555,19 @@ func batchVerdict(t *BatchResults) string {
 				rounds = append(rounds, x(slices.Min(per))+"–"+x(slices.Max(per)))
 			}
 		}
-		fmt.Fprintf(&b, "- **%s**: %s.", r.DB, strings.Join(parts, ", "))
+		fmt.Fprintf(&b, "- **%s**: %s.", r.label(), strings.Join(parts, ", "))
 		if len(rounds) > 0 {
 			fmt.Fprintf(&b, " Per round: %s.", strings.Join(rounds, ", "))
 		}
 		b.WriteString("\n")
 	}
 	return b.String()
+}
+
+// label names the row: its database, and how the settle cells consumed.
+func (r BatchRow) label() string {
+	if r.Subscriber == subOne {
+		return r.DB + ", one amqpsub subscription"
+	}
+	return r.DB + ", 16 watermill-amqp subscriptions"
 }

@@ -230,7 +230,7 @@ func summary(res *Results) string {
 			} {
 				v := ratio(h, r.Rate[c.floor])
 				fmt.Fprintf(&b, "| 4b. RabbitMQ + %s, batch handler, 16 in flight | %s msgs/s | %s msgs/s (%s) | %s | %s | %s |\n",
-					r.DB, num(h), num(r.Rate[c.floor]), c.name, x(v), x(c.target), met(v, c.target))
+					r.label(), num(h), num(r.Rate[c.floor]), c.name, x(v), x(c.target), met(v, c.target))
 			}
 			for _, cell := range []string{batchGrouped, batchHandler} {
 				a := r.AddedP50[cell]
@@ -247,7 +247,7 @@ func summary(res *Results) string {
 					}
 				}
 				fmt.Fprintf(&b, "| 4b. RabbitMQ + %s, %s at %d msgs/s, latency added at p50 | %.2f ms | settle per message, same round | – | ≤ MaxWait (%s) | %s |\n",
-					r.DB, cell, t.LatencyRate, m, batchWait, verdict)
+					r.label(), cell, t.LatencyRate, m, batchWait, verdict)
 			}
 		}
 	}
