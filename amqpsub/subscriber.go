@@ -242,7 +242,7 @@ func (c *consumer) session(ctx context.Context) {
 
 	done := make(chan struct{}) // closed when the session ends
 	var wg sync.WaitGroup
-	a := &acker{ch: ch, requeue: !cc.NoRequeueOnNack, results: make(chan result, c.s.cfg.InFlight)}
+	a := &acker{ch: ch, requeue: !cc.NoRequeueOnNack, results: make(chan result, c.s.cfg.InFlight), msgs: map[uint64]*message.Message{}}
 	slots := make(chan struct{}, c.s.cfg.InFlight)
 	finish, finished := make(chan struct{}), make(chan struct{})
 	go func() {
@@ -298,7 +298,7 @@ func (c *consumer) session(ctx context.Context) {
 		}
 		mctx, cancel := context.WithCancel(ctx)
 		msg.SetContext(mctx)
-		a.delivered(d.DeliveryTag)
+		a.delivered(d.DeliveryTag, msg)
 		select {
 		case c.out <- msg:
 		case <-c.s.stop:
@@ -340,13 +340,15 @@ type acker struct {
 	results chan result
 
 	mu      sync.Mutex
-	pending []uint64 // delivery tags handed to the router, in order, not yet settled with the broker
+	pending []uint64                    // delivery tags handed to the router, in order, not yet settled with the broker
+	msgs    map[uint64]*message.Message // the message of each pending tag
 }
 
 // delivered records a delivery handed to the router.
-func (a *acker) delivered(tag uint64) {
+func (a *acker) delivered(tag uint64, msg *message.Message) {
 	a.mu.Lock()
 	a.pending = append(a.pending, tag)
+	a.msgs[tag] = msg
 	a.mu.Unlock()
 }
 
@@ -376,10 +378,35 @@ func (a *acker) run(finish <-chan struct{}) {
 				break more
 			}
 		}
+		if last {
+			// The router may have answered messages whose goroutines have
+			// not reported yet: what it answered before the end is settled
+			// too, not handed back.
+			a.sweep(answered)
+		}
 		if err := a.settle(answered); err != nil {
 			// The channel is failing; the session ends on its close
 			// notification and the broker redelivers what was not acked.
 			return
+		}
+	}
+}
+
+// sweep adds to answered the pending messages that the router has acked or
+// nacked.
+func (a *acker) sweep(answered map[uint64]bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, tag := range a.pending {
+		if _, ok := answered[tag]; ok {
+			continue
+		}
+		select {
+		case <-a.msgs[tag].Acked():
+			answered[tag] = true
+		case <-a.msgs[tag].Nacked():
+			answered[tag] = false
+		default:
 		}
 	}
 }
@@ -397,6 +424,7 @@ func (a *acker) settle(answered map[uint64]bool) error {
 			break
 		}
 		delete(answered, tag)
+		delete(a.msgs, tag)
 		a.pending = a.pending[1:]
 		if ack {
 			run = tag

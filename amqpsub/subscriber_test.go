@@ -217,6 +217,30 @@ func TestNackedDeliveriesComeBackAmongAckedOnes(t *testing.T) {
 	}
 }
 
+// Messages the router acked before Close are acked to the broker, not
+// handed back: sixteen are received and acked, the subscriber is closed at
+// once, and only the messages never received are left in the queue.
+func TestAckedBeforeCloseStayAcked(t *testing.T) {
+	t.Parallel()
+	const n, inFlight = 40, 16
+	f := newFixture(t, n)
+	sub := f.subscriber(t, inFlight)
+	msgs, err := sub.Subscribe(t.Context(), f.queue)
+	must(t, err)
+	for range inFlight {
+		select {
+		case msg := <-msgs:
+			msg.Ack()
+		case <-time.After(10 * time.Second):
+			t.Fatal("no message within 10s")
+		}
+	}
+	must(t, sub.Close())
+	if r := f.ready(t); r != n-inFlight {
+		t.Errorf("%d messages in the queue after %d of %d were acked, want %d", r, inFlight, n, n-inFlight)
+	}
+}
+
 // With pipeline, one subscription fills a batch: Concurrency 1, InFlight 16,
 // and batches of more than one message form; every message is charged once.
 func TestBatchesFillFromOneSubscription(t *testing.T) {
@@ -320,6 +344,75 @@ func TestConsumingGoesOnAfterTheConnectionIsClosed(t *testing.T) {
 	if r := f.ready(t); r != 0 {
 		t.Errorf("%d messages back in the queue after every one was handled", r)
 	}
+}
+
+// A batch handler on PostgreSQL fed by one subscription, every message
+// published twice, and the subscriber's connection closed by the broker
+// while batches are in flight: each message's effect is written once (the
+// effect table's key refuses a second one) and none is missing.
+func TestBatchesOnPostgresThroughAClosedConnection(t *testing.T) {
+	if _, err := exec.LookPath("rabbitmqctl"); err != nil {
+		testenv.Require(t, "SETTLE_RABBITMQCTL")
+	}
+	const n = 500
+	f := newFixture(t, 0)
+	ch, err := f.conn.Channel()
+	must(t, err)
+	for i := range 2 * n {
+		must(t, ch.PublishWithContext(t.Context(), "", f.queue, false, false, amqp091.Publishing{
+			MessageId: "m" + strconv.Itoa(i%n), DeliveryMode: amqp091.Persistent, Body: []byte(`{}`),
+		}))
+	}
+	d := testenv.Postgres(t)
+	fx := testenv.Name(t, "fx")
+	_, err = d.ExecContext(t.Context(), "CREATE TABLE "+fx+" (msg TEXT NOT NULL PRIMARY KEY)")
+	must(t, err)
+	t.Cleanup(func() { _, _ = d.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+fx) })
+	store, err := dedupe.NewSQLStore(d, dedupe.SQLConfig{Dialect: d.Dialect, Table: testenv.DedupeTable(t, d)})
+	must(t, err)
+	name := testenv.Name(t, "conn")
+	f.cfg.Connection.AmqpConfig = &amqp091.Config{Heartbeat: 10 * time.Second, Locale: "en_US",
+		Properties: amqp091.Table{"connection_name": name}}
+	sub := f.subscriber(t, 16)
+
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	must(t, err)
+	p, err := pipeline.New(router, pipeline.Config{Publisher: discard{}, Store: store, DisableTracing: true, BusyDelay: 10 * time.Millisecond})
+	must(t, err)
+	var runs atomic.Int64
+	_, err = p.HandleBatchTx("charge", f.queue, sub, nil, pipeline.TxConfig{DB: d.DB, Batch: pipeline.BatchConfig{MaxSize: 16}},
+		func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, _ message.Publisher) error {
+			runs.Add(1)
+			time.Sleep(time.Duration(rand.IntN(2000)) * time.Microsecond)
+			for _, m := range msgs {
+				if _, err := tx.ExecContext(ctx, "INSERT INTO "+fx+" (msg) VALUES ($1)", m.UUID); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+	must(t, err)
+	var closed atomic.Bool
+	count := func() int {
+		var c int
+		must(t, d.QueryRowContext(t.Context(), "SELECT count(*) FROM "+fx).Scan(&c))
+		return c
+	}
+	runRouter(t, router, func() bool {
+		c := count()
+		if c >= n/3 && closed.CompareAndSwap(false, true) {
+			closeConnection(t, name)
+		}
+		return c == n
+	})
+	if !closed.Load() {
+		t.Fatal("the connection was never closed")
+	}
+	must(t, sub.Close())
+	if c := count(); c != n {
+		t.Errorf("%d effects for %d messages", c, n)
+	}
+	t.Logf("%d batch runs for %d deliveries", runs.Load(), 2*n)
 }
 
 // closeConnection has the broker close the client connection named name.

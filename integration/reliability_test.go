@@ -65,28 +65,34 @@ func TestReliabilityShort(t *testing.T) {
 // nothing and doubles nothing. On PostgreSQL every connection of the run is
 // then killed with pg_terminate_backend while messages keep flowing (batches
 // open, their transactions begun while they fill), and the consumers must
-// produce effects again. Not parallel, like TestReliabilityShort; the two
-// databases run one after the other, about 10s each.
+// produce effects again. A third run, on PostgreSQL, has each consumer take
+// its deliveries through one amqpsub subscription with all of a batch in
+// flight, instead of one watermill-amqp subscription per delivery. Not
+// parallel, like TestReliabilityShort; the runs go one after the other,
+// about 10s each.
 func TestReliabilityShortBatch(t *testing.T) {
 	amqpURL := testenv.AMQPURL(t)
 	for _, db := range []struct {
 		name, env string
 		faults    []string
+		oneSub    bool // each consumer on one amqpsub subscription
 	}{
-		{"postgres", testenv.PostgresURLEnv, []string{reliability.FaultPGTerminate}},
-		{"mariadb", testenv.MySQLURLEnv, nil},
+		{"postgres", testenv.PostgresURLEnv, []string{reliability.FaultPGTerminate}, false},
+		{"mariadb", testenv.MySQLURLEnv, nil, false},
+		{"postgres-amqpsub", testenv.PostgresURLEnv, nil, true},
 	} {
 		t.Run(db.name, func(t *testing.T) {
 			dbURL := testenv.Require(t, db.env)
 			res := runCampaign(t, reliability.Config{
-				DB:       dbURL,
-				AMQP:     amqpURL,
-				Mode:     reliability.ModeBatch,
-				Cycles:   20,
-				Messages: 200,
-				Aim:      1,
-				FailRate: 0.05,
-				Faults:   db.faults,
+				DB:              dbURL,
+				AMQP:            amqpURL,
+				Mode:            reliability.ModeBatch,
+				OneSubscription: db.oneSub,
+				Cycles:          20,
+				Messages:        200,
+				Aim:             1,
+				FailRate:        0.05,
+				Faults:          db.faults,
 			})
 			wantEffects(t, res, 200)
 			if len(res.Faults) != len(db.faults) {

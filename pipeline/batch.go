@@ -19,7 +19,8 @@ import (
 
 // BatchConfig turns on group commit for a transactional handler: deliveries
 // of the handler that are in flight at the same time (its competing
-// subscriptions, see Config.Concurrency) share one database transaction, so
+// subscriptions, see Config.Concurrency, or the deliveries in flight on one
+// subscription of a subscriber such as amqpsub's) share one database transaction, so
 // that one commit carries many messages. Commits are what a transactional
 // handler pays for; a commit per batch instead of one per message is how
 // exactly-once gets faster than the one-commit-per-message floor.
@@ -47,8 +48,9 @@ import (
 // for others to join.
 type BatchConfig struct {
 	// MaxSize is the most deliveries one transaction carries. 0 or 1 means
-	// no batching. pipeline's HandleTx caps it at Config.Concurrency, since
-	// no more deliveries of the handler can be in flight; a batch that has
+	// no batching. pipeline's HandleTx caps it at the deliveries the handler
+	// can have in flight (Config.Concurrency, times the InFlight of a
+	// subscriber such as amqpsub's), since no more can be; a batch that has
 	// them all starts at once.
 	MaxSize int
 	// MaxWait is how long the first delivery of a batch waits for others

@@ -49,6 +49,7 @@ func main() {
 	flag.DurationVar(&cfg.MaxDelay, "max-delay", 100*time.Millisecond, "longest random wait before a kill")
 	flag.DurationVar(&cfg.MaxSleep, "max-sleep", 10*time.Millisecond, "longest random sleep of a process in its handler, before an ack and after a forward")
 	flag.IntVar(&cfg.BatchSize, "batch-size", 8, "batch mode: deliveries in flight per consumer and most per transaction")
+	flag.BoolVar(&cfg.OneSubscription, "one-subscription", false, "batch mode: each consumer on one amqpsub subscription with -batch-size deliveries in flight, instead of -batch-size watermill-amqp subscriptions")
 	flag.DurationVar(&cfg.BatchWait, "batch-wait", 50*time.Millisecond, "batch mode: how long a batch's first delivery waits for others")
 	flag.Float64Var(&cfg.Aim, "aim", 0.5, "batch mode: share of consumer kills that wait for a batch between its claim statement and its commit")
 	flag.Float64Var(&cfg.FailRate, "fail-rate", 0, "share of handler calls that fail on purpose (transient; tx and batch mode: after the effect row)")

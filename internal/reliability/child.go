@@ -20,6 +20,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle/amqpmarshal"
+	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/middleware"
@@ -70,7 +71,10 @@ type childSpec struct {
 	MaxAttempts  int           `json:"max_attempts"`
 	BatchSize    int           `json:"batch_size"`
 	BatchWait    time.Duration `json:"batch_wait"`
-	FailRate     float64       `json:"fail_rate"`
+	// OneSubscription: one amqpsub subscription with BatchSize deliveries
+	// in flight (batch mode).
+	OneSubscription bool    `json:"one_subscription"`
+	FailRate        float64 `json:"fail_rate"`
 }
 
 // IsChild reports whether this process was started by the driver as one of
@@ -260,7 +264,12 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 		return err
 	}
 	defer pub.Close()
-	sub, err := amqp.NewSubscriber(cfg, logger)
+	var sub message.Subscriber
+	if spec.OneSubscription {
+		sub, err = amqpsub.NewSubscriber(amqpsub.Config{AMQP: cfg, InFlight: spec.BatchSize}, logger)
+	} else {
+		sub, err = amqp.NewSubscriber(cfg, logger)
+	}
 	if err != nil {
 		return err
 	}
@@ -301,8 +310,9 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 		}
 	})
 	concurrency := 1
-	if spec.Mode == ModeBatch {
-		// As many subscriptions as a batch holds, so that batches can fill.
+	if spec.Mode == ModeBatch && !spec.OneSubscription {
+		// As many subscriptions as a batch holds, so that batches can fill
+		// (one amqpsub subscription has them all in flight).
 		concurrency = spec.BatchSize
 	}
 	p, err := pipeline.New(router, pipeline.Config{

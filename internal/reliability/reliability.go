@@ -91,6 +91,10 @@ type Config struct {
 	// its TxConfig.Batch.MaxSize: the most deliveries one transaction
 	// carries. Defaults to 8. Must be >= 2.
 	BatchSize int
+	// OneSubscription makes, in ModeBatch, each consumer take its
+	// deliveries through one amqpsub subscription with BatchSize of them in
+	// flight, instead of BatchSize watermill-amqp subscriptions.
+	OneSubscription bool
 	// BatchWait is, in ModeBatch, TxConfig.Batch.MaxWait: how long the first
 	// delivery of a batch waits for others. Defaults to 50ms (the relay
 	// forwards one message at a time, so deliveries trickle in); a negative
@@ -185,6 +189,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("reliability: Config.MaxSleep must be >= 0, got %v", c.MaxSleep)
 	case c.BatchSize < 2:
 		return fmt.Errorf("reliability: Config.BatchSize must be >= 2, got %d", c.BatchSize)
+	case c.OneSubscription && c.Mode != ModeBatch:
+		return fmt.Errorf("reliability: Config.OneSubscription is for mode %q, got %q", ModeBatch, c.Mode)
 	case c.Aim < 0 || c.Aim > 1:
 		return fmt.Errorf("reliability: Config.Aim must be in [0, 1], got %v", c.Aim)
 	case c.FailRate < 0 || c.FailRate > 0.5:
@@ -481,6 +487,7 @@ func (d *driver) run(ctx context.Context) (Result, error) {
 		spec.StatusFile = filepath.Join(d.dir, spec.Name+".status")
 		spec.MaxSleep, spec.ClaimTimeout = d.cfg.MaxSleep, d.cfg.ClaimTimeout
 		spec.BatchSize, spec.BatchWait, spec.FailRate = d.cfg.BatchSize, d.cfg.BatchWait, d.cfg.FailRate
+		spec.OneSubscription = d.cfg.OneSubscription
 		// Attempts are counted per claim, and every kill of a consumer in
 		// its handler costs one: keep dead-lettering out of the picture.
 		spec.MaxAttempts = 1000
