@@ -16,7 +16,9 @@
 // same time, on one AMQP channel. A batch of sixteen then comes from one
 // subscription, and the acks of a batch that commits at once leave the
 // client in one frame (basic.ack with multiple set) instead of sixteen, on
-// one channel instead of sixteen.
+// one channel instead of sixteen. The messages of one subscription are then
+// handled concurrently and may finish in any order, as with competing
+// subscriptions; InFlight 1 handles them one at a time.
 //
 // # What stays the same
 //
