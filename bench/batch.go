@@ -519,6 +519,17 @@ func added(xs []float64) string {
 	return fmt.Sprintf("%.2f ms (%.2f–%.2f)", m, lo, hi)
 }
 
+// batchTargets are the floors the batch handler is held against: the cell,
+// its name in the summary table and in the verdict, and the target ratio.
+var batchTargets = []struct {
+	floor, name, short string
+	target             float64
+}{
+	{batchPerMsg, "settle per message", "the per-message handler", targetBatchPerMsg},
+	{batchRawTx, "raw BEGIN; INSERT; COMMIT", "the raw transaction", targetBatchRawTx},
+	{batchRawAMQP, "raw watermill-amqp consume; stretch", "the raw consume", targetBatchConsume},
+}
+
 // batchVerdict says, for each database, where the batch handler stands
 // against the targets of the section: the ratio of the medians, and the
 // range of the ratios within each round.
@@ -529,14 +540,7 @@ func batchVerdict(t *BatchResults) string {
 	var b strings.Builder
 	for _, r := range t.Rows {
 		var parts, rounds []string
-		for _, c := range []struct {
-			floor, name string
-			target      float64
-		}{
-			{batchPerMsg, "the per-message handler", targetBatchPerMsg},
-			{batchRawTx, "the raw transaction", targetBatchRawTx},
-			{batchRawAMQP, "the raw consume", targetBatchConsume},
-		} {
+		for _, c := range batchTargets {
 			v := ratio(r.Rate[batchHandler], r.Rate[c.floor])
 			verdict := "met"
 			if v < c.target {
@@ -545,7 +549,7 @@ func batchVerdict(t *BatchResults) string {
 			if c.floor == batchRawAMQP {
 				verdict = "stretch " + verdict
 			}
-			parts = append(parts, fmt.Sprintf("%s %s (%s)", x(v), c.name, verdict))
+			parts = append(parts, fmt.Sprintf("%s %s (%s)", x(v), c.short, verdict))
 			h, f := r.Rates[batchHandler], r.Rates[c.floor]
 			if len(h) > 1 && len(h) == len(f) {
 				per := make([]float64, len(h))

@@ -220,14 +220,7 @@ func summary(res *Results) string {
 	if t := res.Batch; t != nil {
 		for _, r := range t.Rows {
 			h := r.Rate[batchHandler]
-			for _, c := range []struct {
-				floor, name string
-				target      float64
-			}{
-				{batchPerMsg, "settle per message", targetBatchPerMsg},
-				{batchRawTx, "raw BEGIN; INSERT; COMMIT", targetBatchRawTx},
-				{batchRawAMQP, "raw watermill-amqp consume; stretch", targetBatchConsume},
-			} {
+			for _, c := range batchTargets {
 				v := ratio(h, r.Rate[c.floor])
 				fmt.Fprintf(&b, "| 4b. RabbitMQ + %s, batch handler, 16 in flight | %s msgs/s | %s msgs/s (%s) | %s | %s | %s |\n",
 					r.label(), num(h), num(r.Rate[c.floor]), c.name, x(v), x(c.target), met(v, c.target))
