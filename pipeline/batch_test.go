@@ -6,11 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle/dedupe"
@@ -608,3 +610,42 @@ func deliverWithoutKeys(t *testing.T, h message.NoPublishHandlerFunc) {
 		}
 	}
 }
+
+// inFlight is a subscriber that says it hands its router n deliveries of a
+// subscription at once, as amqpsub.Subscriber does; it is never subscribed
+// to here.
+type inFlight struct {
+	competing
+	n int
+}
+
+func (s inFlight) InFlight() int { return s.n }
+
+// A batch is the deliveries in flight: with Concurrency 1, a batch handler
+// is refused on a subscriber that hands its router one delivery at a time,
+// and accepted on one that says it has several in flight.
+func TestBatchNeedsDeliveriesInFlight(t *testing.T) {
+	t.Parallel()
+	e := newTxEnv(t, testenv.SQLite(t))
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	must(t, err)
+	p, err := pipeline.New(router, pipeline.Config{Publisher: competingPublisher{}, Store: e.store, Concurrency: 1})
+	must(t, err)
+	fn := func(context.Context, *sql.Tx, []*message.Message, message.Publisher) error { return nil }
+	cfg := pipeline.TxConfig{DB: e.db.DB, Batch: pipeline.BatchConfig{MaxSize: 8}}
+	if _, err := p.HandleBatchTx("one", "orders", competing{}, nil, cfg, fn); err == nil || !strings.Contains(err.Error(), "in flight") {
+		t.Fatalf("HandleBatchTx with one delivery in flight = %v; want it refused", err)
+	}
+	if _, err := p.HandleBatchTx("many", "orders", inFlight{n: 8}, nil, cfg, fn); err != nil {
+		t.Fatalf("HandleBatchTx on a subscriber with 8 in flight: %v", err)
+	}
+}
+
+// competingPublisher is a publisher for the parking topics that no message
+// reaches.
+type competingPublisher struct{}
+
+func (competingPublisher) Publish(string, ...*message.Message) error {
+	return errors.New("unexpected publish")
+}
+func (competingPublisher) Close() error { return nil }
