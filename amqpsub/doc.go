@@ -23,15 +23,25 @@
 // # What stays the same
 //
 // It takes watermill-amqp's own amqp.Config: the connection and its
-// reconnection, queue and exchange names, topology, consume options and
-// marshaler (use amqpmarshal's). Each delivery is acked only when the router
-// acks its message and nacked (requeued unless Consume.NoRequeueOnNack)
-// when the router nacks it; a delivery is never acked before the deliveries
-// that arrived before it have been answered, so an ack covering several
-// deliveries covers only answered ones. When the channel or the connection
-// is lost, or the subscriber is closed, the deliveries not yet acked go back
-// to the queue and are delivered again: at least once, as with
-// watermill-amqp, and settle's dedupe makes their effects happen once.
+// reconnection settings (Connection.Reconnect; the subscriber dials again
+// by itself, so amqp091's Recovery is refused), queue and exchange names,
+// topology, consume options and marshaler (use amqpmarshal's). Each
+// delivery is acked only when the router acks its message, and nacked
+// (requeued unless Consume.NoRequeueOnNack) when the router nacks it. A
+// nack is sent at once. Acks are sent in the order the deliveries arrived,
+// so that the acks of a batch that commits together go in one frame; an ack
+// that covers several deliveries covers only deliveries the router acked.
+// One acked behind a delivery the router has not answered yet waits for it,
+// unless InFlight or more deliveries are waiting: then each is acked on its
+// own, so that one slow message does not hold back the others until the
+// prefetch is used up.
+//
+// When the channel or the connection is lost, or the subscriber is closed,
+// the deliveries not yet acked go back to the queue and are delivered again:
+// at least once, as with watermill-amqp, and settle's dedupe makes their
+// effects happen once. The messages of a lost channel still in the router
+// have their contexts cancelled; until their handlers return, the router
+// may hold them beside InFlight deliveries of the new channel.
 //
 // # Using it
 //

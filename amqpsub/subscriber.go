@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"time"
 
@@ -29,7 +30,7 @@ type Config struct {
 	AMQP amqp.Config
 	// InFlight is how many deliveries of one subscription are handed to
 	// the router at once, before any of them is acked. Defaults to
-	// DefaultInFlight.
+	// DefaultInFlight; at most 65535, the largest prefetch AMQP can set.
 	InFlight int
 }
 
@@ -39,7 +40,7 @@ type Config struct {
 // the package documentation.
 type Subscriber struct {
 	cfg    Config
-	conn   *amqp.ConnectionWrapper
+	conn   *conn
 	logger watermill.LoggerAdapter
 
 	mu     sync.Mutex
@@ -54,19 +55,28 @@ func NewSubscriber(cfg Config, logger watermill.LoggerAdapter) (*Subscriber, err
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	if cfg.InFlight < 0 {
-		return nil, fmt.Errorf("amqpsub: Config.InFlight must be >= 0, got %d", cfg.InFlight)
+	// basic.qos carries the prefetch count in 16 bits.
+	if cfg.InFlight < 0 || cfg.InFlight > math.MaxUint16 {
+		return nil, fmt.Errorf("amqpsub: Config.InFlight must be in [0, %d], got %d", math.MaxUint16, cfg.InFlight)
+	}
+	if q := cfg.AMQP.Consume.Qos.PrefetchCount; q < 0 || q > math.MaxUint16 {
+		return nil, fmt.Errorf("amqpsub: Config.AMQP.Consume.Qos.PrefetchCount must be in [0, %d], got %d", math.MaxUint16, q)
+	}
+	if cfg.AMQP.Connection.AmqpConfig != nil && cfg.AMQP.Connection.AmqpConfig.Recovery != nil {
+		// amqp091 would recover the connection in place, under the
+		// subscriber's own reconnection and its delivery tags.
+		return nil, errors.New("amqpsub: Config.AMQP.Connection.AmqpConfig.Recovery is not supported; the subscriber reconnects by itself (Connection.Reconnect)")
 	}
 	if cfg.InFlight == 0 {
 		cfg.InFlight = DefaultInFlight
 	}
 	if cfg.AMQP.Consume.Qos.PrefetchCount < cfg.InFlight {
-		cfg.AMQP.Consume.Qos.PrefetchCount = 4 * cfg.InFlight
+		cfg.AMQP.Consume.Qos.PrefetchCount = min(4*cfg.InFlight, math.MaxUint16)
 	}
 	if err := cfg.AMQP.ValidateSubscriber(); err != nil {
 		return nil, fmt.Errorf("amqpsub: %w", err)
 	}
-	conn, err := amqp.NewConnection(cfg.AMQP.Connection, logger)
+	conn, err := dialConn(cfg.AMQP.Connection, logger)
 	if err != nil {
 		return nil, fmt.Errorf("amqpsub: %w", err)
 	}
@@ -79,17 +89,15 @@ func (s *Subscriber) InFlight() int { return s.cfg.InFlight }
 
 // Subscribe starts consuming topic's queue and returns its messages. The
 // channel is closed when the subscriber is closed or ctx is done. A lost
-// connection or channel is reopened (the connection with watermill-amqp's
-// reconnection settings); the deliveries that were in flight on the lost
-// channel are redelivered by the broker, whatever their handlers return.
+// connection or channel is opened again (the connection with the backoff of
+// Connection.Reconnect); the deliveries that were in flight on the lost
+// channel are redelivered by the broker, whatever their handlers return,
+// and their messages' contexts are cancelled.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
 		return nil, errors.New("amqpsub: subscriber is closed")
-	}
-	if !s.conn.IsConnected() {
-		return nil, errors.New("amqpsub: not connected to AMQP")
 	}
 	c := &consumer{
 		s:      s,
@@ -111,6 +119,11 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 // SubscribeInitialize declares the topology of topic (queue, exchange,
 // binding) without consuming.
 func (s *Subscriber) SubscribeInitialize(topic string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return errors.New("amqpsub: subscriber is closed")
+	}
 	if err := s.prepare(s.params(topic)); err != nil {
 		return fmt.Errorf("amqpsub: prepare consume of %q: %w", topic, err)
 	}
@@ -129,7 +142,7 @@ func (s *Subscriber) Close() error {
 	close(s.stop)
 	s.mu.Unlock()
 	s.subs.Wait()
-	return s.conn.Close()
+	return s.conn.close()
 }
 
 func (s *Subscriber) params(topic string) amqp.BuildTopologyParams {
@@ -153,10 +166,11 @@ func (s *Subscriber) prepare(p amqp.BuildTopologyParams) (err error) {
 
 // channel opens a channel with the configured QoS.
 func (s *Subscriber) channel() (*amqp091.Channel, error) {
-	if !s.conn.IsConnected() {
+	c, _ := s.conn.current()
+	if c == nil {
 		return nil, errors.New("not connected to AMQP")
 	}
-	ch, err := s.conn.Connection().Channel()
+	ch, err := c.Channel()
 	if err != nil {
 		return nil, fmt.Errorf("open channel: %w", err)
 	}
@@ -191,15 +205,17 @@ const reopenDelay = 100 * time.Millisecond
 func (c *consumer) run(ctx context.Context) {
 	defer close(c.out)
 	for first := true; ; first = false {
-		if !first {
-			// Before a new session: the topology may be gone with the
-			// broker (a non-durable queue), so it is declared again.
-			if err := c.s.prepare(c.params); err != nil {
-				c.s.logger.Error("amqpsub: prepare consume", err, c.fields)
-			}
-		}
+		_, up := c.s.conn.current()
 		select {
-		case <-c.s.conn.Connected():
+		case <-up:
+			if !first {
+				// Before a new session: the topology may be gone with
+				// the broker (a non-durable queue), so it is declared
+				// again.
+				if err := c.s.prepare(c.params); err != nil {
+					c.s.logger.Error("amqpsub: prepare consume", err, c.fields)
+				}
+			}
 			c.session(ctx)
 		case <-c.s.stop:
 			return
@@ -242,7 +258,8 @@ func (c *consumer) session(ctx context.Context) {
 
 	done := make(chan struct{}) // closed when the session ends
 	var wg sync.WaitGroup
-	a := &acker{ch: ch, requeue: !cc.NoRequeueOnNack, results: make(chan result, c.s.cfg.InFlight), msgs: map[uint64]*message.Message{}}
+	a := &acker{ch: ch, requeue: !cc.NoRequeueOnNack, spill: c.s.cfg.InFlight,
+		results: make(chan result, c.s.cfg.InFlight), msgs: map[uint64]*message.Message{}}
 	slots := make(chan struct{}, c.s.cfg.InFlight)
 	finish, finished := make(chan struct{}), make(chan struct{})
 	go func() {
@@ -286,10 +303,12 @@ func (c *consumer) session(ctx context.Context) {
 		if d.Redelivered {
 			msg.Metadata.Set(amqp.MetadataRedeliveredKey, "true")
 		}
-		// A slot first: no more than InFlight deliveries in the router.
+		// A slot first: no more than InFlight deliveries of this channel
+		// in the router.
 		select {
 		case slots <- struct{}{}:
-		case <-done:
+		case err := <-lost:
+			c.s.logger.Error("amqpsub: channel closed", err, c.fields)
 			return
 		case <-c.s.stop:
 			return
@@ -301,6 +320,11 @@ func (c *consumer) session(ctx context.Context) {
 		a.delivered(d.DeliveryTag, msg)
 		select {
 		case c.out <- msg:
+		case err := <-lost:
+			// Not handed over: it comes back on a new channel.
+			c.s.logger.Error("amqpsub: channel closed", err, c.fields)
+			cancel()
+			return
 		case <-c.s.stop:
 			cancel()
 			return
@@ -330,13 +354,18 @@ func (c *consumer) session(ctx context.Context) {
 	}
 }
 
-// acker acks and nacks the deliveries of one channel. Deliveries are
-// settled with the broker in the order they arrived: a run of acked ones is
-// one frame (multiple=true up to the last of the run), a nacked one a frame
-// of its own. A delivery answered early waits for the ones before it.
+// acker acks and nacks the deliveries of one channel. A nack is sent at
+// once. Acks are sent in the order the deliveries arrived, so that a run of
+// acked ones at the head is one frame (multiple=true up to the last of the
+// run), which covers no delivery that is not answered: one acked behind an
+// unanswered delivery waits for it, unless spill or more deliveries are
+// waiting to be settled; then each acked one is sent on its own, so that a
+// slow message does not hold back the acks of the others until the
+// broker's prefetch is used up and it stops sending.
 type acker struct {
 	ch      *amqp091.Channel
 	requeue bool
+	spill   int // pending deliveries from which acks behind the head go one by one
 	results chan result
 
 	mu      sync.Mutex
@@ -411,37 +440,65 @@ func (a *acker) sweep(answered map[uint64]bool) {
 	}
 }
 
-// settle sends the frames for the answered deliveries at the head of
-// pending.
+// settle sends the frames for the answered deliveries: every nack, the
+// run of acks at the head of pending, and the other acks when spill or more
+// deliveries are pending.
 func (a *acker) settle(answered map[uint64]bool) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	var run uint64 // the last tag of a run of acked deliveries, not sent yet
+	// Nacks go at once, wherever they are: an ack of several deliveries
+	// sent later passes over them, as they are no longer outstanding.
+	if err := a.settleEach(answered, false); err != nil {
+		return err
+	}
+	var run uint64 // the last tag of the run of acked deliveries at the head
 	for len(a.pending) > 0 {
 		tag := a.pending[0]
-		ack, ok := answered[tag]
-		if !ok {
+		if _, ok := answered[tag]; !ok {
 			break
 		}
-		delete(answered, tag)
-		delete(a.msgs, tag)
+		a.forget(answered, tag)
 		a.pending = a.pending[1:]
-		if ack {
-			run = tag
-			continue
-		}
-		if run != 0 {
-			if err := a.ch.Ack(run, true); err != nil {
-				return err
-			}
-			run = 0
-		}
-		if err := a.ch.Nack(tag, false, a.requeue); err != nil {
+		run = tag
+	}
+	if run != 0 {
+		if err := a.ch.Ack(run, true); err != nil {
 			return err
 		}
 	}
-	if run != 0 {
-		return a.ch.Ack(run, true)
+	if len(a.pending) >= a.spill {
+		return a.settleEach(answered, true)
 	}
 	return nil
+}
+
+// settleEach sends a frame of its own for each pending delivery answered
+// with ack, and takes it out of pending.
+func (a *acker) settleEach(answered map[uint64]bool, ack bool) error {
+	keep := a.pending[:0]
+	for i, tag := range a.pending {
+		if acked, ok := answered[tag]; !ok || acked != ack {
+			keep = append(keep, tag)
+			continue
+		}
+		a.forget(answered, tag)
+		var err error
+		if ack {
+			err = a.ch.Ack(tag, false)
+		} else {
+			err = a.ch.Nack(tag, false, a.requeue)
+		}
+		if err != nil {
+			a.pending = append(keep, a.pending[i+1:]...)
+			return err
+		}
+	}
+	a.pending = keep
+	return nil
+}
+
+// forget drops what is kept of a settled delivery.
+func (a *acker) forget(answered map[uint64]bool, tag uint64) {
+	delete(answered, tag)
+	delete(a.msgs, tag)
 }

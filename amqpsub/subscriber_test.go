@@ -75,7 +75,7 @@ func (f *fixture) ready(t *testing.T) int {
 
 func (f *fixture) subscriber(t *testing.T, inFlight int) *amqpsub.Subscriber {
 	t.Helper()
-	sub, err := amqpsub.NewSubscriber(amqpsub.Config{AMQP: f.cfg, InFlight: inFlight}, testenv.AMQPLogger(t, nil))
+	sub, err := amqpsub.NewSubscriber(amqpsub.Config{AMQP: f.cfg, InFlight: inFlight}, nil)
 	must(t, err)
 	t.Cleanup(func() { _ = sub.Close() })
 	return sub
