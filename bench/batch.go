@@ -41,9 +41,6 @@ const (
 
 var batchCells = []string{batchRawAMQP, batchRawTx, batchPerMsg, batchGrouped, batchHandler}
 
-// batchSettleCells are the cells that run settle on RabbitMQ.
-var batchSettleCells = []string{batchPerMsg, batchGrouped, batchHandler}
-
 // batchLatencyCells are the cells of the latency runs.
 var batchLatencyCells = []string{batchPerMsg, batchPaused, batchGrouped, batchHandler}
 
