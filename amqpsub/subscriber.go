@@ -266,6 +266,21 @@ func (c *consumer) session(ctx context.Context) {
 		defer close(finished)
 		a.run(finish)
 	}()
+	// quit is closed when the session must end: the channel is lost, the
+	// subscriber closes or ctx is done.
+	quit := make(chan struct{})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer close(quit)
+		select {
+		case err := <-lost:
+			c.s.logger.Error("amqpsub: channel closed", err, c.fields)
+		case <-c.s.stop:
+		case <-ctx.Done():
+		case <-done:
+		}
+	}()
 	defer func() {
 		// What was answered is settled with the broker first; closing the
 		// channel then hands every delivery not acked back to it, and the
@@ -285,12 +300,7 @@ func (c *consumer) session(ctx context.Context) {
 			if !ok {
 				return // the channel or the connection is gone
 			}
-		case err := <-lost:
-			c.s.logger.Error("amqpsub: channel closed", err, c.fields)
-			return
-		case <-c.s.stop:
-			return
-		case <-ctx.Done():
+		case <-quit:
 			return
 		}
 		msg, err := c.s.cfg.AMQP.Marshaler.Unmarshal(d)
@@ -307,12 +317,7 @@ func (c *consumer) session(ctx context.Context) {
 		// in the router.
 		select {
 		case slots <- struct{}{}:
-		case err := <-lost:
-			c.s.logger.Error("amqpsub: channel closed", err, c.fields)
-			return
-		case <-c.s.stop:
-			return
-		case <-ctx.Done():
+		case <-quit:
 			return
 		}
 		mctx, cancel := context.WithCancel(ctx)
@@ -320,16 +325,8 @@ func (c *consumer) session(ctx context.Context) {
 		a.delivered(d.DeliveryTag, msg)
 		select {
 		case c.out <- msg:
-		case err := <-lost:
-			// Not handed over: it comes back on a new channel.
-			c.s.logger.Error("amqpsub: channel closed", err, c.fields)
-			cancel()
-			return
-		case <-c.s.stop:
-			cancel()
-			return
-		case <-ctx.Done():
-			cancel()
+		case <-quit:
+			cancel() // not handed over: the broker delivers it again
 			return
 		}
 		wg.Add(1)
