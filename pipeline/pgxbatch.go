@@ -40,7 +40,8 @@ func NewPgxBatchTxHandler(cfg PgxTxConfig, fn PgxBatchTxFunc) (message.NoPublish
 
 // HandlePgxBatchTx is HandleBatchTx on pgx: it adds a batch handler (see
 // NewPgxBatchTxHandler) whose deliveries in flight, up to cfg.Batch.MaxSize
-// (capped at the deliveries in flight, see Config.Concurrency; at least 2), are handed to fn
+// (capped at the deliveries the handler can have in flight, see
+// Config.Concurrency; there must be at least 2), are handed to fn
 // together, and whose writes, outbox messages and dedupe keys commit in one
 // pgx transaction. store must be a PgxStore on cfg.DB's database; nil means
 // Config.Store, which must then be one.

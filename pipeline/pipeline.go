@@ -344,10 +344,10 @@ func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *d
 
 // HandleBatchTx adds a batch handler (see NewBatchTxHandler and
 // BatchTxFunc): the deliveries in flight, up to cfg.Batch.MaxSize (capped at
-// the deliveries the handler can have in flight, see Config.Concurrency,
-// which must be at least 2), are handed to fn together,
-// and their writes, outbox messages and dedupe keys commit in one
-// transaction. store is as for HandleTx.
+// the deliveries the handler can have in flight, see Config.Concurrency;
+// there must be at least 2), are handed to fn together, and their writes,
+// outbox messages and dedupe keys commit in one transaction. store is as
+// for HandleTx.
 func (p *Pipeline) HandleBatchTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore, cfg TxConfig, fn BatchTxFunc) (Handlers, error) {
 	if err := p.canBatch("HandleBatchTx", "TxConfig", name, sub, cfg.Batch); err != nil {
 		return nil, err
