@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"sync"
 	"time"
 
@@ -34,27 +35,56 @@ func dialConn(cfg amqp.ConnectionConfig, logger watermill.LoggerAdapter) (*conn,
 	if cfg.AmqpConfig != nil && cfg.AmqpConfig.TLSClientConfig != nil && cfg.TLSConfig != nil {
 		return nil, errors.New("both Connection.AmqpConfig.TLSClientConfig and Connection.TLSConfig are set")
 	}
-	c, err := dial(cfg)
+	k := &conn{cfg: cfg, logger: logger, up: make(chan struct{}), closing: make(chan struct{}), stopped: make(chan struct{})}
+	c, err := k.dial()
 	if err != nil {
 		return nil, err
 	}
-	k := &conn{cfg: cfg, logger: logger, c: c, up: make(chan struct{}), closing: make(chan struct{}), stopped: make(chan struct{})}
+	k.c = c
 	close(k.up)
 	go k.watch(c)
 	return k, nil
 }
 
-func dial(cfg amqp.ConnectionConfig) (*amqp091.Connection, error) {
-	var c *amqp091.Connection
-	var err error
+// dial connects as amqp091's Dial, DialTLS or DialConfig would for the
+// configuration, with a socket that close shuts if it comes while the
+// connection is being made, so that close never waits for a handshake
+// that does not end.
+func (k *conn) dial() (*amqp091.Connection, error) {
+	cfg := amqp091.Config{Heartbeat: 10 * time.Second, Locale: "en_US"} // amqp091.Dial's
 	switch {
-	case cfg.AmqpConfig != nil:
-		c, err = amqp091.DialConfig(cfg.AmqpURI, *cfg.AmqpConfig)
-	case cfg.TLSConfig != nil:
-		c, err = amqp091.DialTLS(cfg.AmqpURI, cfg.TLSConfig)
-	default:
-		c, err = amqp091.Dial(cfg.AmqpURI)
+	case k.cfg.AmqpConfig != nil:
+		cfg = *k.cfg.AmqpConfig
+	case k.cfg.TLSConfig != nil:
+		cfg.TLSClientConfig = k.cfg.TLSConfig
 	}
+	open := cfg.Dial
+	if open == nil {
+		open = amqp091.DefaultDial(30 * time.Second)
+	}
+	dialled := make(chan struct{})
+	var wg sync.WaitGroup
+	defer func() {
+		close(dialled)
+		wg.Wait()
+	}()
+	cfg.Dial = func(network, addr string) (net.Conn, error) {
+		c, err := open(network, addr)
+		if err != nil {
+			return nil, err
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			select {
+			case <-k.closing:
+				_ = c.Close()
+			case <-dialled:
+			}
+		}()
+		return c, nil
+	}
+	c, err := amqp091.DialConfig(k.cfg.AmqpURI, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("connect to AMQP: %w", err)
 	}
@@ -78,7 +108,9 @@ func (k *conn) watch(c *amqp091.Connection) {
 		case <-k.closing:
 			return
 		case err := <-lost:
-			k.logger.Error("amqpsub: connection lost, reconnecting", err, nil)
+			if err != nil { // nil when it was closed without an error
+				k.logger.Error("amqpsub: connection lost, reconnecting", err, nil)
+			}
 		}
 		k.mu.Lock()
 		k.c, k.up = nil, make(chan struct{})
@@ -102,12 +134,20 @@ func (k *conn) redial() (*amqp091.Connection, bool) {
 	if r == nil {
 		r = amqp.DefaultReconnectConfig()
 	}
-	wait := r.BackoffInitialInterval
-	if wait <= 0 {
-		wait = amqp.DefaultReconnectConfig().BackoffInitialInterval
+	initial := r.BackoffInitialInterval
+	if initial <= 0 {
+		initial = amqp.DefaultReconnectConfig().BackoffInitialInterval
 	}
+	most := max(r.BackoffMaxInterval, initial)
+	spread := min(max(r.BackoffRandomizationFactor, 0), 1)
+	wait := initial
 	for {
-		c, err := dial(k.cfg)
+		select {
+		case <-k.closing:
+			return nil, false
+		default:
+		}
+		c, err := k.dial()
 		if err == nil {
 			select {
 			case <-k.closing:
@@ -118,7 +158,7 @@ func (k *conn) redial() (*amqp091.Connection, bool) {
 			}
 		}
 		k.logger.Error("amqpsub: cannot reconnect, retrying", err, watermill.LogFields{"wait": wait})
-		jitter := 1 + r.BackoffRandomizationFactor*(2*rand.Float64()-1)
+		jitter := 1 + spread*(2*rand.Float64()-1)
 		t := time.NewTimer(time.Duration(float64(wait) * jitter))
 		select {
 		case <-k.closing:
@@ -126,7 +166,7 @@ func (k *conn) redial() (*amqp091.Connection, bool) {
 			return nil, false
 		case <-t.C:
 		}
-		wait = min(time.Duration(float64(wait)*max(r.BackoffMultiplier, 1)), max(r.BackoffMaxInterval, r.BackoffInitialInterval))
+		wait = min(time.Duration(float64(wait)*max(r.BackoffMultiplier, 1)), most)
 	}
 }
 

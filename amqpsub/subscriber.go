@@ -275,7 +275,9 @@ func (c *consumer) session(ctx context.Context) {
 		defer close(quit)
 		select {
 		case err := <-lost:
-			c.s.logger.Error("amqpsub: channel closed", err, c.fields)
+			if err != nil { // nil when it was closed without an error
+				c.s.logger.Error("amqpsub: channel closed", err, c.fields)
+			}
 		case <-c.s.stop:
 		case <-ctx.Done():
 		case <-done:
@@ -314,7 +316,11 @@ func (c *consumer) session(ctx context.Context) {
 			msg.Metadata.Set(amqp.MetadataRedeliveredKey, "true")
 		}
 		// A slot first: no more than InFlight deliveries of this channel
-		// in the router.
+		// in the router. (Each wait looks at quit first: a select picks
+		// at random among the cases that are ready.)
+		if ended(quit) {
+			return
+		}
 		select {
 		case slots <- struct{}{}:
 		case <-quit:
@@ -323,6 +329,10 @@ func (c *consumer) session(ctx context.Context) {
 		mctx, cancel := context.WithCancel(ctx)
 		msg.SetContext(mctx)
 		a.delivered(d.DeliveryTag, msg)
+		if ended(quit) {
+			cancel()
+			return
+		}
 		select {
 		case c.out <- msg:
 		case <-quit:
@@ -498,4 +508,14 @@ func (a *acker) settleEach(answered map[uint64]bool, ack bool) error {
 func (a *acker) forget(answered map[uint64]bool, tag uint64) {
 	delete(answered, tag)
 	delete(a.msgs, tag)
+}
+
+// ended reports whether quit is closed.
+func ended(quit <-chan struct{}) bool {
+	select {
+	case <-quit:
+		return true
+	default:
+		return false
+	}
 }
