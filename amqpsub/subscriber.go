@@ -20,8 +20,11 @@ const DefaultInFlight = 16
 // Config configures a Subscriber.
 type Config struct {
 	// AMQP is watermill-amqp's configuration, used as its own Subscriber
-	// uses it: the connection and its reconnection, the queue, exchange and
-	// binding names, the topology, the consume options and the marshaler.
+	// uses it: the connection and its reconnection backoff
+	// (Connection.Reconnect; amqp091's Connection.AmqpConfig.Recovery is
+	// refused, the subscriber dials again by itself), the queue, exchange
+	// and binding names, the topology, the consume options and the
+	// marshaler.
 	// A Consume.Qos.PrefetchCount below InFlight (watermill-amqp's
 	// configurations set 1; 0, unlimited, counts as not set) is raised to
 	// 4 × InFlight: the broker sends no more unacked deliveries than the
