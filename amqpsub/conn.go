@@ -142,20 +142,16 @@ func (k *conn) redial() (*amqp091.Connection, bool) {
 	spread := min(max(r.BackoffRandomizationFactor, 0), 1)
 	wait := initial
 	for {
-		select {
-		case <-k.closing:
+		if ended(k.closing) {
 			return nil, false
-		default:
 		}
 		c, err := k.dial()
 		if err == nil {
-			select {
-			case <-k.closing:
+			if ended(k.closing) {
 				_ = c.Close()
 				return nil, false
-			default:
-				return c, true
 			}
+			return c, true
 		}
 		k.logger.Error("amqpsub: cannot reconnect, retrying", err, watermill.LogFields{"wait": wait})
 		jitter := 1 + spread*(2*rand.Float64()-1)

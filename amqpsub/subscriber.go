@@ -513,10 +513,10 @@ func (a *acker) forget(answered map[uint64]bool, tag uint64) {
 	delete(a.msgs, tag)
 }
 
-// ended reports whether quit is closed.
-func ended(quit <-chan struct{}) bool {
+// ended reports whether ch is closed, without waiting.
+func ended(ch <-chan struct{}) bool {
 	select {
-	case <-quit:
+	case <-ch:
 		return true
 	default:
 		return false

@@ -553,7 +553,7 @@ func batchVerdict(t *BatchResults) string {
 				for i := range h {
 					per[i] = ratio(h[i], f[i])
 				}
-				rounds = append(rounds, x(slices.Min(per))+"–"+x(slices.Max(per)))
+				rounds = append(rounds, span(per))
 			}
 		}
 		fmt.Fprintf(&b, "- **%s**: %s.", r.label(), strings.Join(parts, ", "))
