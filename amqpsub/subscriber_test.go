@@ -298,10 +298,7 @@ func TestConsumingGoesOnAfterTheConnectionIsClosed(t *testing.T) {
 	const n = 600
 	f := newFixture(t, n)
 	// A connection name of its own, so that only this connection is closed.
-	name := testenv.Name(t, "conn")
-	f.cfg.Connection.AmqpConfig = &amqp091.Config{Heartbeat: 10 * time.Second, Locale: "en_US",
-		Properties: amqp091.Table{"connection_name": name}}
-	sub := f.subscriber(t, 16)
+	sub, name := f.namedSubscriber(t, 16, nil)
 	msgs, err := sub.Subscribe(t.Context(), f.queue)
 	must(t, err)
 
@@ -370,10 +367,7 @@ func TestBatchesOnPostgresThroughAClosedConnection(t *testing.T) {
 	t.Cleanup(func() { _, _ = d.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+fx) })
 	store, err := dedupe.NewSQLStore(d, dedupe.SQLConfig{Dialect: d.Dialect, Table: testenv.DedupeTable(t, d)})
 	must(t, err)
-	name := testenv.Name(t, "conn")
-	f.cfg.Connection.AmqpConfig = &amqp091.Config{Heartbeat: 10 * time.Second, Locale: "en_US",
-		Properties: amqp091.Table{"connection_name": name}}
-	sub := f.subscriber(t, 16)
+	sub, name := f.namedSubscriber(t, 16, nil)
 
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	must(t, err)
