@@ -152,6 +152,7 @@ type Relay struct {
 	id  string
 
 	wake    chan struct{}
+	busy    chan struct{} // holds a token while a batch runs (see Drain)
 	running chan struct{}
 	closing chan struct{}
 	done    chan struct{}
@@ -186,7 +187,7 @@ func (o *Outbox) newRelay(db conn, out message.Publisher, cfg RelayConfig) (*Rel
 	_, _ = rand.Read(b[:])
 	r := &Relay{
 		o: o, db: db, cfg: cfg, out: o.traced(out), id: hex.EncodeToString(b[:]),
-		wake: make(chan struct{}, 1), running: make(chan struct{}),
+		wake: make(chan struct{}, 1), busy: make(chan struct{}, 1), running: make(chan struct{}),
 		closing: make(chan struct{}), done: make(chan struct{}),
 	}
 	if err := r.instruments(); err != nil {
@@ -297,7 +298,9 @@ func (r *Relay) Status(ctx context.Context) (Status, error) {
 }
 
 // Drain waits until no committed row is pending (forwarded by this relay or
-// another one). Tests and tools use it instead of sleeping.
+// another one) and this relay's batch in progress, if any, has ended, so
+// that Counts includes every row this relay forwarded. Tests and tools use
+// it instead of sleeping.
 func (r *Relay) Drain(ctx context.Context) error {
 	t := time.NewTicker(10 * time.Millisecond)
 	defer t.Stop()
@@ -307,7 +310,15 @@ func (r *Relay) Drain(ctx context.Context) error {
 			return err
 		}
 		if st.Pending == 0 {
-			return nil
+			// The rows' marks are committed, but the batch that wrote
+			// them may not have counted them yet: wait for it.
+			select {
+			case r.busy <- struct{}{}:
+				<-r.busy
+				return nil
+			case <-ctx.Done():
+				return fmt.Errorf("outbox: drain: waiting for the relay's batch: %w", ctx.Err())
+			}
 		}
 		select {
 		case <-ctx.Done():
@@ -459,6 +470,8 @@ type row struct {
 // still written and committed, within the batch's AckDeadline: a relay
 // stopped mid-batch does not publish them twice.
 func (r *Relay) batch(ctx context.Context) (int, error) {
+	r.busy <- struct{}{}
+	defer func() { <-r.busy }()
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.AckDeadline)
 	defer cancel()
 	deadline, _ := ctx.Deadline()
