@@ -31,10 +31,12 @@
 // nack is sent at once. Acks are sent in the order the deliveries arrived,
 // so that the acks of a batch that commits together go in one frame; an ack
 // that covers several deliveries covers only deliveries the router acked.
-// One acked behind a delivery the router has not answered yet waits for it,
-// unless InFlight or more deliveries are waiting: then each is acked on its
-// own, so that one slow message does not hold back the others until the
-// prefetch is used up.
+// One acked behind a delivery the router has not answered yet waits for it
+// 10 ms at most, and not at all once InFlight or more deliveries are
+// waiting: then it is acked on its own, so that one slow message holds back
+// neither the broker (until the prefetch is used up) nor the acks of the
+// messages that finished (which a lost connection would deliver again).
+// Close sends the acks of every message the router acked before it.
 //
 // When the channel or the connection is lost, or the subscriber is closed,
 // the deliveries not yet acked go back to the queue and are delivered again:

@@ -368,10 +368,11 @@ func (c *consumer) session(ctx context.Context) {
 // once. Acks are sent in the order the deliveries arrived, so that a run of
 // acked ones at the head is one frame (multiple=true up to the last of the
 // run), which covers no delivery that is not answered: one acked behind an
-// unanswered delivery waits for it, unless spill or more deliveries are
-// waiting to be settled; then each acked one is sent on its own, so that a
-// slow message does not hold back the acks of the others until the
-// broker's prefetch is used up and it stops sending.
+// unanswered delivery waits for it, for maxAckHold at most and not at all
+// when spill or more deliveries are waiting to be settled; then each acked
+// one is sent on its own, so that a slow message holds back neither the
+// broker (which stops sending once its prefetch is used up) nor the acks of
+// the others.
 type acker struct {
 	ch      *amqp091.Channel
 	requeue bool
@@ -397,15 +398,22 @@ func (a *acker) nackNow(tag uint64) {
 }
 
 // run settles answers as they come until finish is closed, then once more
-// with what has come by then.
+// with what has come by then, sending every ack that is still held.
 func (a *acker) run(finish <-chan struct{}) {
 	answered := map[uint64]bool{} // tag -> acked, for tags not yet settled
+	hold := time.NewTimer(maxAckHold)
+	hold.Stop()
+	holding := false // hold runs: acks are held behind an unanswered delivery
+	defer hold.Stop()
 	for last := false; !last; {
+		all := false // send the held acks too
 		select {
 		case r := <-a.results:
 			answered[r.tag] = r.ack
+		case <-hold.C:
+			holding, all = false, true
 		case <-finish:
-			last = true
+			last, all = true, true
 		}
 		// Whatever else has been answered meanwhile goes in the same pass.
 	more:
@@ -423,13 +431,25 @@ func (a *acker) run(finish <-chan struct{}) {
 			// too, not handed back.
 			a.sweep(answered)
 		}
-		if err := a.settle(answered); err != nil {
+		if err := a.settle(answered, all); err != nil {
 			// The channel is failing; the session ends on its close
 			// notification and the broker redelivers what was not acked.
 			return
 		}
+		// What is left in answered are acks held behind an unanswered
+		// delivery: they wait for it at most maxAckHold.
+		if len(answered) > 0 && !holding {
+			hold.Reset(maxAckHold)
+			holding = true
+		}
 	}
 }
+
+// maxAckHold is the longest an ack waits behind an unanswered delivery for
+// the two to go in one frame. Past it the ack goes on its own: a message
+// the router has finished must not be delivered again because a slow one
+// before it was still running when the channel was lost.
+const maxAckHold = 10 * time.Millisecond
 
 // sweep adds to answered the pending messages that the router has acked or
 // nacked.
@@ -451,9 +471,9 @@ func (a *acker) sweep(answered map[uint64]bool) {
 }
 
 // settle sends the frames for the answered deliveries: every nack, the
-// run of acks at the head of pending, and the other acks when spill or more
-// deliveries are pending.
-func (a *acker) settle(answered map[uint64]bool) error {
+// run of acks at the head of pending, and the other acks when all is set or
+// spill or more deliveries are pending.
+func (a *acker) settle(answered map[uint64]bool, all bool) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	// Nacks go at once, wherever they are: an ack of several deliveries
@@ -476,7 +496,7 @@ func (a *acker) settle(answered map[uint64]bool) error {
 			return err
 		}
 	}
-	if len(a.pending) >= a.spill {
+	if all || len(a.pending) >= a.spill {
 		return a.settleEach(answered, true)
 	}
 	return nil
