@@ -42,7 +42,13 @@ import (
 // written at the end, a handler does not see its own outbox rows in the
 // transaction, and an outbox row that cannot be written fails the run
 // without naming its message: the batch is then split, as for a batch
-// function's failure (see BatchTxFunc), until that message is alone.
+// function's failure (see BatchTxFunc), until that message is alone. So is
+// a commit that fails (a constraint checked only at the commit).
+//
+// Behind the dedupe middleware (which pipeline does not put in front of a
+// batch), a batch takes the middleware's claim of each message instead of
+// claiming its key, and confirms it in the transaction, one statement per
+// message: correct, but most of what batching saves is lost.
 //
 // The price is latency: the first delivery of a batch waits up to MaxWait
 // for others to join.
@@ -95,8 +101,10 @@ type job struct {
 	done chan error // the delivery's result, sent once (answer)
 	sent bool       // done has its result; only the batch's leader sets it
 
+	held bool // the dedupe middleware in front claimed the key: the batch confirms its claim
+
 	// Per run of the batch:
-	claimed bool  // the key was written as confirmed in this run
+	claimed bool  // the key was written as confirmed (or held) in this run
 	err     error // a result decided without running fn (busy)
 }
 
@@ -240,7 +248,15 @@ func (b *batcher) run(jobs []*job, pre txn) {
 	var pending []*job
 	first := map[string]*job{}
 	for _, j := range jobs {
-		key, err := b.keyOf(j)
+		var key string
+		var err error
+		if c, ok := dedupe.ClaimFromContext(j.ctx); ok {
+			// Behind the dedupe middleware: its claim is the key's, taken
+			// outside the transaction, and confirmed inside it.
+			j.held, key = true, c.Key
+		} else {
+			key, err = b.keyOf(j)
+		}
 		if err != nil {
 			j.answer(fmt.Errorf("pipeline: key of message %s: %w", j.msg.UUID, err))
 			continue
@@ -304,17 +320,26 @@ func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]
 				result[j.key] = fmt.Errorf("%w: %w", dedupe.ErrUnavailable, err)
 			}
 			return
-		case failed == runCommitFailed:
-			for _, j := range pending {
-				result[j.key] = err // nothing landed; each message is retried
-			}
-			return
-		case failed == runBatchFailed:
+		case failed == runBatchFailed || failed == runCommitFailed:
+			// Nothing landed. Which message caused it is not known (a
+			// deferred constraint fails at the commit): the batch is split
+			// until the one that fails is alone, so that the others commit.
+			// A database that went away fails the halves' BEGIN or claims
+			// instead, and defers them.
 			var ran []*job
 			for _, j := range pending {
 				if j.claimed {
 					ran = append(ran, j)
 				}
+			}
+			if len(ran) == 0 {
+				// A commit that failed with no work in it: only duplicates
+				// and busy keys, which come back and are decided again.
+				for _, j := range pending {
+					settlement.FromContext(j.ctx).Defer()
+					result[j.key] = fmt.Errorf("%w: %w", dedupe.ErrUnavailable, err)
+				}
+				return
 			}
 			if len(ran) == 1 {
 				failed = slices.Index(pending, ran[0])
@@ -335,7 +360,7 @@ const (
 	runCommitted    = -1 // err is nil
 	runNotStarted   = -2 // begin or the claims failed: err says why
 	runBatchFailed  = -3 // the batch function failed without naming a message
-	runCommitFailed = -4 // err says why
+	runCommitFailed = -4 // err says why; nothing landed
 )
 
 // runOnce runs jobs in one transaction (the one begun early when pre still
@@ -347,9 +372,11 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 		return runNotStarted, fmt.Errorf("pipeline: begin batch: %w", err)
 	}
 	defer func() { _ = tx.rollback(ctx) }() // after commit: a no-op
-	keys := make([]string, len(jobs))
-	for i, j := range jobs {
-		keys[i] = j.key
+	keys := make([]string, 0, len(jobs))    // of the jobs not held by the middleware
+	for _, j := range jobs {
+		if !j.held {
+			keys = append(keys, j.key)
+		}
 		j.claimed, j.err = false, nil
 		// The outcome a previous run's claim set (deferred for a busy key)
 		// is stale: this run's claim decides it again.
@@ -359,19 +386,29 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 		ob.bufferOutbox()
 	}
 	// All keys in one statement; a batch whose claims fail fails whole.
-	claims, err := tx.claims().ClaimConfirmedAll(ctx, keys)
-	if err != nil {
-		return runNotStarted, err
+	var claims []dedupe.Claim
+	if len(keys) > 0 {
+		if claims, err = tx.claims().ClaimConfirmedAll(ctx, keys); err != nil {
+			return runNotStarted, err
+		}
 	}
 	var ran []int // indexes of the jobs the batch function gets
 	for i, j := range jobs {
-		done, err := claimResult(j.ctx, claims[i], j.msg)
-		switch {
-		case err != nil: // busy: nothing written for it, the others go on
-			j.err = err
-			continue
-		case done:
-			continue // a duplicate: acked with the batch
+		if j.held {
+			if err := tx.hold(j.ctx); err != nil {
+				return i, err
+			}
+		} else {
+			c := claims[0]
+			claims = claims[1:]
+			done, err := claimResult(j.ctx, c, j.msg)
+			switch {
+			case err != nil: // busy: nothing written for it, the others go on
+				j.err = err
+				continue
+			case done:
+				continue // a duplicate: acked with the batch
+			}
 		}
 		j.claimed = true
 		if b.f.batchHandler {
@@ -390,6 +427,11 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 		if err := b.callBatch(ctx, tx, msgs); err != nil {
 			var me *MessageError
 			if errors.As(err, &me) && me.Index >= 0 && me.Index < len(ran) {
+				if me.Err == nil {
+					// Named, but with no error: it failed all the same (the
+					// run is rolled back), and must not be taken as done.
+					return ran[me.Index], fmt.Errorf("pipeline: the batch function named message %s as failed with a nil error", jobs[ran[me.Index]].msg.UUID)
+				}
 				return ran[me.Index], me.Err
 			}
 			return runBatchFailed, err
@@ -401,6 +443,15 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 		// the batch is split like a batch function's unnamed failure.
 		if err := ob.flushOutbox(ctx); err != nil {
 			return runBatchFailed, fmt.Errorf("pipeline: outbox of the batch: %w", err)
+		}
+	}
+	// The claims of the dedupe middleware in front, confirmed last (each
+	// confirmation stops its claim's renewal), in the commit.
+	for i, j := range jobs {
+		if j.held && j.claimed {
+			if err := tx.confirm(j.ctx); err != nil {
+				return i, err
+			}
 		}
 	}
 	if err := tx.commit(ctx); err != nil {
@@ -536,7 +587,8 @@ func (e *MessageError) Unwrap() error { return e.Err }
 
 // MessageFailed returns the error a batch function returns when it knows
 // which message failed: msgs[index], because of err. Only that message is
-// settled with err; the rest of the batch runs again without it.
+// settled with err (an error saying so when err is nil: it is not done);
+// the rest of the batch runs again without it.
 func MessageFailed(index int, err error) error { return &MessageError{Index: index, Err: err} }
 
 // NewBatchTxHandler returns a handler that gathers the deliveries in flight

@@ -215,6 +215,8 @@ func TestPipelineProducingAndTx(t *testing.T) {
 		}
 		return n == 4
 	})
+	// The shipment reaches its subscriber after the router acked o-1.
+	waitFor(t, "a shipment", func() bool { return len(shipments()) > 0 })
 	if len(shipments()) != 1 || e.rows(t) != 1 {
 		t.Fatalf("shipments=%d charges=%d; want one each for two deliveries", len(shipments()), e.rows(t))
 	}

@@ -83,8 +83,11 @@ func (c TxConfig) Validate() error {
 // commits the handler's writes, its outbox messages and the dedupe
 // confirmation of the message's key together, or none of them. It publishes
 // through the outbox, never through the router, so it is a
-// message.NoPublishHandlerFunc. It must sit behind the dedupe middleware with
-// a dedupe.SQLStore on the same database:
+// message.NoPublishHandlerFunc. In its default mode it must sit behind the
+// dedupe middleware with a dedupe.SQLStore on the same database (with
+// OneStatement or Batch it claims the keys itself and needs no middleware;
+// behind one anyway, it confirms the middleware's claims in its
+// transaction):
 //
 //	dd, _ := dedupe.NewMiddleware(dedupe.Config{Store: store})
 //	h, _ := pipeline.NewTxHandler(pipeline.TxConfig{DB: db, Outbox: ob}, charge)
@@ -278,7 +281,11 @@ func runTx(ctx context.Context, f txFlow, msg *message.Message) (err error) {
 			err = errors.Join(err, fmt.Errorf("pipeline: rollback: %w", rerr))
 		}
 	}()
-	if f.oneStatement {
+	// Behind the dedupe middleware, its claim is the key's, even with
+	// OneStatement: it is confirmed in the transaction.
+	_, held := dedupe.ClaimFromContext(ctx)
+	inTx := f.oneStatement && !held
+	if inTx {
 		done, err := claimInTx(ctx, f, t, msg)
 		if errors.Is(err, dedupe.ErrBusy) {
 			_ = t.rollback(ctx) // hold no connection while waiting
@@ -293,7 +300,7 @@ func runTx(ctx context.Context, f txFlow, msg *message.Message) (err error) {
 	if err = t.call(ctx, msg); err != nil {
 		return err
 	}
-	if !f.oneStatement {
+	if !inTx {
 		if err = t.confirm(ctx); err != nil {
 			return err
 		}

@@ -1,0 +1,123 @@
+package pipeline_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/pipeline"
+)
+
+// NewTxHandler behind the dedupe middleware, as its documentation shows,
+// with Batch or OneStatement turned on (which claim keys themselves): the
+// middleware's claims are used, confirmed in the transaction. Before, the
+// transaction's own claim found the middleware's and deferred every
+// delivery, forever. A failing message is retried alone and a redelivered
+// one is a duplicate.
+func TestTxHandlerBehindDedupeMiddleware(t *testing.T) {
+	t.Parallel()
+	modes := []struct {
+		name string
+		cfg  func(*pipeline.TxConfig)
+	}{
+		{"batch", func(c *pipeline.TxConfig) { c.Batch = pipeline.BatchConfig{MaxSize: 4, MaxWait: 20 * time.Millisecond} }},
+		{"one-statement", func(c *pipeline.TxConfig) { c.OneStatement = true }},
+	}
+	for _, mode := range modes {
+		t.Run(mode.name, func(t *testing.T) {
+			t.Parallel()
+			forEachDB(t, func(t *testing.T, e *txEnv) {
+				dd, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 5 * time.Second,
+					BusyDelay: time.Millisecond})
+				must(t, err)
+				cfg := pipeline.TxConfig{DB: e.db.DB, Outbox: e.ob, Store: e.store, BusyDelay: time.Millisecond}
+				mode.cfg(&cfg)
+				declined := errors.New("card declined")
+				var calls sync.Map // message UUID -> *atomic.Int64
+				charge := e.charge(nil)
+				h, err := pipeline.NewTxHandler(cfg, func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
+					n, _ := calls.LoadOrStore(msg.UUID, new(atomic.Int64))
+					if n.(*atomic.Int64).Add(1) == 1 && msg.UUID == "mw-2" {
+						return declined
+					}
+					return charge(ctx, tx, msg, out)
+				})
+				must(t, err)
+				stack := dd(func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) })
+				handle := func(m *message.Message) error { _, err := stack(m); return err }
+				errs := deliverAll(handle, orders(4, "mw"))
+				for i, err := range errs {
+					if i == 2 != errors.Is(err, declined) {
+						t.Fatalf("first delivery of mw-%d: %v", i, err)
+					}
+				}
+				if n := e.rows(t); n != 3 {
+					t.Fatalf("charges=%d after the first delivery, want 3 (mw-2 failed alone)", n)
+				}
+				// The broker delivers all four again: mw-2 does its work,
+				// the others are duplicates.
+				for i, err := range deliverAll(handle, orders(4, "mw")) {
+					if err != nil {
+						t.Fatalf("second delivery of mw-%d: %v", i, err)
+					}
+				}
+				if n := e.rows(t); n != 4 {
+					t.Fatalf("charges=%d after the redelivery, want 4", n)
+				}
+				// Each key confirmed, on its first attempt but mw-2's (a
+				// rolled-back run of a batch is no attempt of the others).
+				for i := range 4 {
+					c, err := e.store.Claim(t.Context(), fmt.Sprintf("mw-%d", i), time.Minute)
+					must(t, err)
+					want := 1
+					if i == 2 {
+						want = 2
+					}
+					if c.Result != dedupe.Duplicate || c.Attempt != want {
+						t.Errorf("mw-%d's key: %v after %d attempts, want confirmed after %d", i, c.Result, c.Attempt, want)
+					}
+				}
+			})
+		})
+	}
+}
+
+// A batch function that returns MessageFailed(i, err) with a nil err (a
+// loop that names its message but whose error variable is nil, for
+// instance). The run is rolled back, and the named message is settled with
+// that nil "error": it is acked as done although its work never committed
+// and its key was never confirmed. Nothing acked that was not done.
+func TestBatchMessageFailedWithNilErrorIsAFailure(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *txEnv) {
+		var reason error // nil: the check below found nothing wrong with the message
+		h, err := pipeline.NewBatchTxHandler(pipeline.TxConfig{DB: e.db.DB, Store: e.store,
+			Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 20 * time.Millisecond}},
+			func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, _ message.Publisher) error {
+				if err := e.insertAll(ctx, tx, msgs); err != nil {
+					return err
+				}
+				for i, m := range msgs {
+					if m.UUID == "mf-1" {
+						return pipeline.MessageFailed(i, reason)
+					}
+				}
+				return nil
+			})
+		must(t, err)
+		errs := deliverAll(h, orders(4, "mf"))
+		c, err := e.store.Claim(t.Context(), "mf-1", time.Minute)
+		must(t, err)
+		if errs[1] == nil && (e.rows(t) != 4 || c.Result != dedupe.Duplicate) {
+			t.Fatalf("mf-1 acked (nil result), but charges=%d and its key is %v: acked without its work", e.rows(t), c.Result)
+		}
+	})
+}

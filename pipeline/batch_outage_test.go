@@ -1,0 +1,241 @@
+package pipeline_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"net/url"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/settle-go/settle/amqpmarshal"
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/sqlurl"
+	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/pipeline"
+)
+
+// batchAMQP is a durable-queue publisher and subscriber on RabbitMQ, with
+// the source queue and its parking queues declared (and deleted at the end).
+type batchAMQP struct {
+	pub *amqp.Publisher
+	sub *amqp.Subscriber
+	ch  *amqp091.Channel
+	src string
+}
+
+func newReviewAMQP(t *testing.T, prefix string) *batchAMQP {
+	t.Helper()
+	u := testenv.AMQPURL(t)
+	src := testenv.Name(t, prefix)
+	m, err := amqpmarshal.New(amqpmarshal.Config{})
+	must(t, err)
+	cfg := amqp.NewDurableQueueConfig(u)
+	cfg.Marshaler = m
+	cfg.Consume.Qos.PrefetchCount = 2
+	pub, err := amqp.NewPublisher(cfg, testenv.AMQPLogger(t, nil))
+	must(t, err)
+	t.Cleanup(func() { _ = pub.Close() })
+	sub, err := amqp.NewSubscriber(cfg, testenv.AMQPLogger(t, nil))
+	must(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	conn, err := amqp091.Dial(u)
+	must(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	must(t, err)
+	for _, q := range []string{src, src + ".poison", src + ".dead_letter"} {
+		_, err := ch.QueueDeclare(q, true, false, false, false, nil)
+		must(t, err)
+		t.Cleanup(func() { _, _ = ch.QueueDelete(q, false, false, false) })
+	}
+	return &batchAMQP{pub: pub, sub: sub, ch: ch, src: src}
+}
+
+func (a *batchAMQP) depth(t *testing.T, q string) int {
+	t.Helper()
+	st, err := a.ch.QueueDeclarePassive(q, true, false, false, false, nil)
+	must(t, err)
+	return st.Messages
+}
+
+// openPostgresAs opens SETTLE_POSTGRES_URL with an application_name of its
+// own, so that the test can terminate its own connections and no other.
+func openPostgresAs(t *testing.T, app string) testenv.DB {
+	t.Helper()
+	u, err := url.Parse(testenv.Require(t, testenv.PostgresURLEnv))
+	must(t, err)
+	q := u.Query()
+	q.Set("application_name", app)
+	u.RawQuery = q.Encode()
+	db, dialect, err := sqlurl.Open(u.String())
+	must(t, err)
+	t.Cleanup(func() { _ = db.Close() })
+	return testenv.DB{DB: db, Dialect: dialect}
+}
+
+// The database connections of a batched HandleTx are killed several times
+// while RabbitMQ feeds it: every order must still be charged exactly once,
+// with one outbox row, and no order may be dead-lettered for the outage.
+func TestBatchSurvivesKilledConnections(t *testing.T) {
+	t.Parallel()
+	app := testenv.Name(t, "app")
+	db := openPostgresAs(t, app)
+	admin := testenv.Postgres(t)
+	e := newTxEnv(t, db)
+	effects := "eff_" + app[len(app)-8:]
+	_, err := db.ExecContext(t.Context(), "CREATE TABLE "+effects+" (id TEXT NOT NULL)")
+	must(t, err)
+	t.Cleanup(func() { _, _ = admin.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+effects) })
+
+	a := newReviewAMQP(t, "outage")
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	must(t, err)
+	p, err := pipeline.New(router, pipeline.Config{Publisher: a.pub, Store: e.store, Concurrency: 4,
+		Retry: fastRetry(), DisableTracing: true, BusyDelay: 20 * time.Millisecond})
+	must(t, err)
+	var failures atomic.Int64
+	_, err = p.HandleTx("charge", a.src, a.sub, nil, pipeline.TxConfig{DB: db.DB, Outbox: e.ob,
+		Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 5 * time.Millisecond}},
+		func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
+			if _, err := tx.ExecContext(ctx, "INSERT INTO "+effects+" (id) VALUES ($1)", msg.UUID); err != nil {
+				failures.Add(1)
+				return err
+			}
+			time.Sleep(2 * time.Millisecond) // widen the window for the kill
+			return out.Publish("receipts", message.NewMessage("receipt-"+msg.UUID, msg.Payload))
+		})
+	must(t, err)
+	done := make(chan error, 1)
+	go func() { done <- router.Run(context.Background()) }()
+	<-router.Running()
+	t.Cleanup(func() {
+		must(t, router.Close())
+		must(t, <-done)
+	})
+
+	const n = 400
+	for i := range n {
+		id := fmt.Sprintf("ko-%d", i)
+		must(t, a.pub.Publish(a.src, message.NewMessage(id, []byte(id))))
+	}
+	var kills int64
+	for range 30 {
+		time.Sleep(40 * time.Millisecond)
+		var k int64
+		must(t, admin.QueryRowContext(t.Context(),
+			"SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1", app).Scan(&k))
+		kills += k
+	}
+	count := func() int {
+		var c int
+		must(t, admin.QueryRowContext(t.Context(), "SELECT COUNT(DISTINCT id) FROM "+effects).Scan(&c))
+		return c
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for count()+a.depth(t, a.src+".dead_letter")+a.depth(t, a.src+".poison") < n && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	time.Sleep(300 * time.Millisecond)
+	t.Logf("killed %d connections, %d handler statements failed", kills, failures.Load())
+	var total, distinct int
+	must(t, admin.QueryRowContext(t.Context(), "SELECT COUNT(*), COUNT(DISTINCT id) FROM "+effects).Scan(&total, &distinct))
+	var rows int
+	must(t, admin.QueryRowContext(t.Context(), "SELECT COUNT(*) FROM "+quote(admin, e.ob.Table())).Scan(&rows))
+	dl, ps := a.depth(t, a.src+".dead_letter"), a.depth(t, a.src+".poison")
+	if total != n || distinct != n || rows != n || dl != 0 || ps != 0 {
+		t.Fatalf("effects=%d distinct=%d outbox rows=%d dead-lettered=%d poisoned=%d; want %d effects, each once, %d rows, none parked",
+			total, distinct, rows, dl, ps, n, n)
+	}
+}
+
+// The claims table disappears (renamed) for a second while a batched
+// HandleTx runs on RabbitMQ, then comes back: every order is charged once,
+// and none is dead-lettered for the store's outage.
+func TestBatchSurvivesClaimsTableOutage(t *testing.T) {
+	t.Parallel()
+	for _, d := range testenv.Databases() {
+		t.Run(d.Name, func(t *testing.T) {
+			t.Parallel()
+			db := d.Open(t)
+			e := newTxEnv(t, db)
+			effects := "eff_" + e.charges[len(e.charges)-8:]
+			_, err := db.ExecContext(t.Context(), "CREATE TABLE "+effects+" (id VARCHAR(64) NOT NULL)")
+			must(t, err)
+			t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+effects) })
+			a := newReviewAMQP(t, "claimsout")
+			router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+			must(t, err)
+			p, err := pipeline.New(router, pipeline.Config{Publisher: a.pub, Store: e.store, Concurrency: 4,
+				Retry: fastRetry(), DisableTracing: true, BusyDelay: 20 * time.Millisecond})
+			must(t, err)
+			_, err = p.HandleTx("charge", a.src, a.sub, nil, pipeline.TxConfig{DB: db.DB, Outbox: e.ob,
+				Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 5 * time.Millisecond}},
+				func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
+					if _, err := tx.ExecContext(ctx, "INSERT INTO "+effects+" (id) VALUES ("+e.ph(1)+")", msg.UUID); err != nil {
+						return err
+					}
+					time.Sleep(time.Millisecond)
+					return out.Publish("receipts", message.NewMessage("receipt-"+msg.UUID, msg.Payload))
+				})
+			must(t, err)
+			done := make(chan error, 1)
+			go func() { done <- router.Run(context.Background()) }()
+			<-router.Running()
+			t.Cleanup(func() {
+				must(t, router.Close())
+				must(t, <-done)
+			})
+			const n = 300
+			for i := range n {
+				id := fmt.Sprintf("co-%d", i)
+				must(t, a.pub.Publish(a.src, message.NewMessage(id, []byte(id))))
+			}
+			time.Sleep(20 * time.Millisecond)
+			// The claims table goes away for a second, then comes back.
+			renameTo := func(from, to string) {
+				q := "ALTER TABLE " + quote(db, from) + " RENAME TO " + quote(db, to)
+				if db.Dialect == dedupe.MySQL {
+					q = "RENAME TABLE " + quote(db, from) + " TO " + quote(db, to)
+				}
+				_, err := db.ExecContext(t.Context(), q)
+				must(t, err)
+			}
+			renameTo(e.claims, e.claims+"_x")
+			time.Sleep(time.Second)
+			{
+				var c int
+				must(t, db.QueryRowContext(t.Context(), "SELECT COUNT(*) FROM "+effects).Scan(&c))
+				t.Logf("%d of %d charged when the claims table comes back", c, n)
+			}
+			renameTo(e.claims+"_x", e.claims)
+			count := func() (total, distinct int) {
+				must(t, db.QueryRowContext(t.Context(), "SELECT COUNT(*), COUNT(DISTINCT id) FROM "+effects).Scan(&total, &distinct))
+				return
+			}
+			deadline := time.Now().Add(30 * time.Second)
+			for {
+				_, c := count()
+				if c+a.depth(t, a.src+".dead_letter")+a.depth(t, a.src+".poison") >= n || time.Now().After(deadline) {
+					break
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+			time.Sleep(300 * time.Millisecond)
+			total, distinct := count()
+			var rows int
+			must(t, db.QueryRowContext(t.Context(), "SELECT COUNT(*) FROM "+quote(db, e.ob.Table())).Scan(&rows))
+			dl, ps := a.depth(t, a.src+".dead_letter"), a.depth(t, a.src+".poison")
+			if total != n || distinct != n || rows != n || dl != 0 || ps != 0 {
+				t.Fatalf("effects=%d distinct=%d outbox rows=%d dead-lettered=%d poisoned=%d; want %d effects, each once, %d rows, none parked",
+					total, distinct, rows, dl, ps, n, n)
+			}
+		})
+	}
+}
