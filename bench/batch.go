@@ -56,7 +56,20 @@ const (
 	subOne       = "amqpsub"
 )
 
-var batchSubscribers = []string{subWatermill, subOne}
+// batchRows are the rows of each database: how the settle cells consume,
+// and how many deliveries they have in flight (the raw cells run at the
+// same concurrency). Batches hold at most batchInFlight deliveries in every
+// row; the last row has twice as many in flight, so that one batch fills
+// while the one before it commits: beyond the targets' condition (16 in
+// flight), to show what that setting gives.
+var batchRows = []struct {
+	kind     string
+	inFlight int
+}{
+	{subWatermill, batchInFlight},
+	{subOne, batchInFlight},
+	{subOne, 2 * batchInFlight},
+}
 
 // batchPrefetch is the least prefetch of the batch section's subscriptions.
 // A Watermill subscription handles one delivery at a time whatever its
@@ -81,8 +94,12 @@ type BatchRow struct {
 	DB string `json:"db"`
 	// Subscriber is how the settle cells consumed: subWatermill (also
 	// when empty, in results of earlier runs) or subOne.
-	Subscriber string             `json:"subscriber,omitempty"`
-	Rate       map[string]float64 `json:"msgs_per_s"`
+	Subscriber string `json:"subscriber,omitempty"`
+	// InFlight is the deliveries in flight of the settle cells and the
+	// concurrency of the raw ones; 0 (results of earlier runs) means
+	// batchInFlight. Batches hold at most batchInFlight in every row.
+	InFlight int                `json:"in_flight,omitempty"`
+	Rate     map[string]float64 `json:"msgs_per_s"`
 	// Rates holds each cell's rate in every round, in order: the cells of
 	// a round ran one after the other, so ratios are read per round too.
 	Rates map[string][]float64 `json:"msgs_per_s_runs,omitempty"`
@@ -174,14 +191,14 @@ func runBatch(ctx context.Context, o options, log io.Writer) (*BatchResults, err
 		if err != nil {
 			return nil, err
 		}
-		db.SetMaxOpenConns(batchInFlight + 8)
-		db.SetMaxIdleConns(batchInFlight + 8)
+		db.SetMaxOpenConns(2*batchInFlight + 8)
+		db.SetMaxIdleConns(2*batchInFlight + 8)
 		d := &batchDB{name: target.name, db: db, dialect: dialect}
-		for _, kind := range batchSubscribers {
-			row, err := b.batchRow(ctx, d, res, kind)
+		for _, spec := range batchRows {
+			row, err := b.batchRow(ctx, d, res, spec.kind, spec.inFlight)
 			if err != nil {
 				d.close()
-				return nil, fmt.Errorf("%s, %s: %w", target.name, kind, err)
+				return nil, fmt.Errorf("%s, %s, %d in flight: %w", target.name, spec.kind, spec.inFlight, err)
 			}
 			res.Rows = append(res.Rows, row)
 		}
@@ -190,8 +207,8 @@ func runBatch(ctx context.Context, o options, log io.Writer) (*BatchResults, err
 	return res, nil
 }
 
-func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults, kind string) (BatchRow, error) {
-	row := BatchRow{DB: d.name, Subscriber: kind, Rate: map[string]float64{}, P50: map[string]float64{}, P99: map[string]float64{}, CPU: map[string]CPUPerK{}}
+func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults, kind string, inFlight int) (BatchRow, error) {
+	row := BatchRow{DB: d.name, Subscriber: kind, InFlight: inFlight, Rate: map[string]float64{}, P50: map[string]float64{}, P99: map[string]float64{}, CPU: map[string]CPUPerK{}}
 	rates := map[string][]float64{}
 	cpus := map[string][]CPUPerK{}
 	for r := range b.o.runs {
@@ -203,11 +220,11 @@ func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults,
 			)
 			switch cell {
 			case batchRawTx:
-				rate, win, err = b.rawTx(ctx, d)
+				rate, win, err = b.rawTx(ctx, d, inFlight)
 			case batchRawAMQP:
-				rate, win, err = b.rawSteady(ctx, batchInFlight, res.Messages, res.Warm)
+				rate, win, err = b.rawSteady(ctx, inFlight, res.Messages, res.Warm)
 			default:
-				rate, win, _, err = b.batchSettle(ctx, d, kind, cell, res.Messages, res.Warm, 0)
+				rate, win, _, err = b.batchSettle(ctx, d, kind, inFlight, cell, res.Messages, res.Warm, 0)
 				row.Checked += res.Messages
 			}
 			if err != nil {
@@ -240,7 +257,7 @@ func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults,
 	row.AddedP50, row.AddedP99 = map[string][]float64{}, map[string][]float64{}
 	for r := range b.o.runs {
 		for _, cell := range batchLatencyCells {
-			_, _, lat, err := b.batchSettle(ctx, d, kind, cell, n, 0, res.LatencyRate)
+			_, _, lat, err := b.batchSettle(ctx, d, kind, inFlight, cell, n, 0, res.LatencyRate)
 			if err != nil {
 				return row, fmt.Errorf("%s latency: %w", cell, err)
 			}
@@ -263,8 +280,8 @@ func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults,
 // batchWait is the MaxWait of the batching cells (the default).
 const batchWait = pipeline.DefaultBatchWait
 
-// rawTx measures BEGIN; INSERT; COMMIT from batchInFlight goroutines.
-func (b *amqpBench) rawTx(ctx context.Context, d *batchDB) (float64, steadyWindow, error) {
+// rawTx measures BEGIN; INSERT; COMMIT from inFlight goroutines.
+func (b *amqpBench) rawTx(ctx context.Context, d *batchDB, inFlight int) (float64, steadyWindow, error) {
 	var win steadyWindow
 	effects, err := d.effectTable(ctx)
 	if err != nil {
@@ -277,7 +294,7 @@ func (b *amqpBench) rawTx(ctx context.Context, d *batchDB) (float64, steadyWindo
 	}
 	var id atomic.Int64
 	cpu := snapCPU()
-	n, el, err := forDuration(ctx, batchInFlight, dur, "raw-"+randomID()+"-", func(ctx context.Context, key string) error {
+	n, el, err := forDuration(ctx, inFlight, dur, "raw-"+randomID()+"-", func(ctx context.Context, key string) error {
 		tx, err := d.db.BeginTx(ctx, nil)
 		if err != nil {
 			return err
@@ -296,13 +313,14 @@ func (b *amqpBench) rawTx(ctx context.Context, d *batchDB) (float64, steadyWindo
 }
 
 // batchSettle consumes n messages from RabbitMQ with a settle transactional
-// handler (one-statement per message, or batched) at batchInFlight
-// subscriptions, then checks one effect row per message. With rate 0 the
+// handler (one-statement per message, or batched) with inFlight deliveries
+// in flight (inFlight watermill-amqp subscriptions, or one amqpsub
+// subscription), then checks one effect row per message. With rate 0 the
 // queue is prefilled and the result is the throughput; with a rate the
 // messages are published at that rate while the router runs, and the
 // latencies from publish to commit are returned. The first warm messages of
 // a throughput run are not timed.
-func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, kind, cell string, n, warm, rate int) (float64, steadyWindow, []float64, error) {
+func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, kind string, inFlight int, cell string, n, warm, rate int) (float64, steadyWindow, []float64, error) {
 	var win steadyWindow
 	m, err := amqpmarshal.New(amqpmarshal.Config{})
 	if err != nil {
@@ -327,11 +345,11 @@ func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, kind, cell stri
 	cfg := b.config(m)
 	cfg.Consume.Qos.PrefetchCount = max(b.o.prefetch, batchPrefetch)
 	var sub message.Subscriber
-	concurrency := batchInFlight
+	concurrency := inFlight
 	if kind == subOne {
 		// One subscription, all the deliveries in flight on it; the
 		// prefetch is raised to 4 × InFlight.
-		sub, err = amqpsub.NewSubscriber(amqpsub.Config{AMQP: cfg, InFlight: batchInFlight}, watermill.NopLogger{})
+		sub, err = amqpsub.NewSubscriber(amqpsub.Config{AMQP: cfg, InFlight: inFlight}, watermill.NopLogger{})
 		concurrency = 1
 	} else {
 		sub, err = amqp.NewSubscriber(cfg, watermill.NopLogger{})
@@ -546,6 +564,13 @@ func batchVerdict(t *BatchResults) string {
 			if c.floor == batchRawAMQP {
 				verdict = "stretch " + verdict
 			}
+			if r.inFlight() != batchInFlight {
+				side := "above"
+				if v < c.target {
+					side = "below"
+				}
+				verdict = fmt.Sprintf("%s the %s target, which is for %d in flight", side, x(c.target), batchInFlight)
+			}
 			parts = append(parts, fmt.Sprintf("%s %s (%s)", x(v), c.short, verdict))
 			h, f := r.Rates[batchHandler], r.Rates[c.floor]
 			if len(h) > 1 && len(h) == len(f) {
@@ -568,7 +593,18 @@ func batchVerdict(t *BatchResults) string {
 // label names the row: its database, and how the settle cells consumed.
 func (r BatchRow) label() string {
 	if r.Subscriber == subOne {
+		if r.inFlight() != batchInFlight {
+			return fmt.Sprintf("%s, one amqpsub subscription, %d in flight", r.DB, r.inFlight())
+		}
 		return r.DB + ", one amqpsub subscription"
 	}
-	return r.DB + ", 16 watermill-amqp subscriptions"
+	return fmt.Sprintf("%s, %d watermill-amqp subscriptions", r.DB, r.inFlight())
+}
+
+// inFlight is the row's InFlight, batchInFlight in results of earlier runs.
+func (r BatchRow) inFlight() int {
+	if r.InFlight == 0 {
+		return batchInFlight
+	}
+	return r.InFlight
 }

@@ -222,8 +222,16 @@ func summary(res *Results) string {
 			h := r.Rate[batchHandler]
 			for _, c := range batchTargets {
 				v := ratio(h, r.Rate[c.floor])
-				fmt.Fprintf(&b, "| 4b. RabbitMQ + %s, batch handler, 16 in flight | %s msgs/s | %s msgs/s (%s) | %s | %s | %s |\n",
-					r.label(), num(h), num(r.Rate[c.floor]), c.name, x(v), x(c.target), met(v, c.target))
+				target, verdict := x(c.target), met(v, c.target)
+				if r.inFlight() != batchInFlight {
+					target, verdict = "–", fmt.Sprintf("(the targets are for %d in flight)", batchInFlight)
+				}
+				cell := fmt.Sprintf("batch handler, %d in flight", r.inFlight())
+				if strings.HasSuffix(r.label(), " in flight") {
+					cell = "batch handler"
+				}
+				fmt.Fprintf(&b, "| 4b. RabbitMQ + %s, %s | %s msgs/s | %s msgs/s (%s) | %s | %s | %s |\n",
+					r.label(), cell, num(h), num(r.Rate[c.floor]), c.name, x(v), target, verdict)
 			}
 			for _, cell := range []string{batchGrouped, batchHandler} {
 				a := r.AddedP50[cell]
