@@ -28,11 +28,8 @@ func TestBatchRouterCloseMidBatch(t *testing.T) {
 			t.Parallel()
 			db := d.Open(t)
 			e := newTxEnv(t, db)
-			effects := "eff_" + e.charges[len(e.charges)-8:]
-			_, err := db.ExecContext(t.Context(), "CREATE TABLE "+effects+" (h VARCHAR(16) NOT NULL, id VARCHAR(64) NOT NULL)")
-			must(t, err)
-			t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+effects) })
-			a := newReviewAMQP(t, "close")
+			effects := effectTable(t, e, &db, nil, "h VARCHAR(16) NOT NULL, id VARCHAR(64) NOT NULL")
+			a := newBatchAMQP(t, "close")
 			m, err := amqpmarshal.New(amqpmarshal.Config{})
 			must(t, err)
 			cfg := amqp.NewDurableQueueConfig(testenv.AMQPURL(t))

@@ -53,40 +53,49 @@ func TestTxHandlerBehindDedupeMiddleware(t *testing.T) {
 				must(t, err)
 				stack := dd(func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) })
 				handle := func(m *message.Message) error { _, err := stack(m); return err }
-				errs := deliverAll(handle, orders(4, "mw"))
-				for i, err := range errs {
-					if i == 2 != errors.Is(err, declined) {
-						t.Fatalf("first delivery of mw-%d: %v", i, err)
-					}
-				}
+				onlyFailed(t, deliverAll(handle, orders(4, "mw")), "mw", 2, declined)
 				if n := e.rows(t); n != 3 {
 					t.Fatalf("charges=%d after the first delivery, want 3 (mw-2 failed alone)", n)
 				}
 				// The broker delivers all four again: mw-2 does its work,
 				// the others are duplicates.
-				for i, err := range deliverAll(handle, orders(4, "mw")) {
-					if err != nil {
-						t.Fatalf("second delivery of mw-%d: %v", i, err)
-					}
-				}
+				onlyFailed(t, deliverAll(handle, orders(4, "mw")), "mw", -1, nil)
 				if n := e.rows(t); n != 4 {
 					t.Fatalf("charges=%d after the redelivery, want 4", n)
 				}
-				// Each key confirmed, on its first attempt but mw-2's (a
-				// rolled-back run of a batch is no attempt of the others).
-				for i := range 4 {
-					c, err := e.store.Claim(t.Context(), fmt.Sprintf("mw-%d", i), time.Minute)
-					must(t, err)
-					want := 1
-					if i == 2 {
-						want = 2
-					}
-					if c.Result != dedupe.Duplicate || c.Attempt != want {
-						t.Errorf("mw-%d's key: %v after %d attempts, want confirmed after %d", i, c.Result, c.Attempt, want)
-					}
-				}
+				confirmedAfter(t, e.store, "mw", 4, 2)
 			})
 		})
+	}
+}
+
+// onlyFailed requires that the delivery of prefix-failed (none when -1)
+// failed with want and that the others succeeded.
+func onlyFailed(t *testing.T, errs []error, prefix string, failed int, want error) {
+	t.Helper()
+	for i, err := range errs {
+		if (i == failed && !errors.Is(err, want)) || (i != failed && err != nil) {
+			t.Fatalf("delivery of %s-%d: %v", prefix, i, err)
+		}
+	}
+}
+
+// confirmedAfter requires the keys prefix-0 … prefix-(n-1) confirmed in
+// store, each on its first attempt but prefix-failed's, on its second (a
+// rolled-back run of a batch is no attempt of the others).
+func confirmedAfter(t *testing.T, store dedupe.Store, prefix string, n, failed int) {
+	t.Helper()
+	for i := range n {
+		id := fmt.Sprintf("%s-%d", prefix, i)
+		c, err := store.Claim(t.Context(), id, time.Minute)
+		must(t, err)
+		want := 1
+		if i == failed {
+			want = 2
+		}
+		if c.Result != dedupe.Duplicate || c.Attempt != want {
+			t.Errorf("%s's key: %v after %d attempts, want confirmed after %d", id, c.Result, c.Attempt, want)
+		}
 	}
 }
 

@@ -30,7 +30,7 @@ type batchAMQP struct {
 	src string
 }
 
-func newReviewAMQP(t *testing.T, prefix string) *batchAMQP {
+func newBatchAMQP(t *testing.T, prefix string) *batchAMQP {
 	t.Helper()
 	u := testenv.AMQPURL(t)
 	src := testenv.Name(t, prefix)
@@ -65,6 +65,86 @@ func (a *batchAMQP) depth(t *testing.T, q string) int {
 	return st.Messages
 }
 
+// effectTable creates a table of effects on db with the given columns,
+// dropped at the end of the test through drop (db itself when nil).
+func effectTable(t *testing.T, e *txEnv, db, drop *testenv.DB, columns string) string {
+	t.Helper()
+	if drop == nil {
+		drop = db
+	}
+	name := "eff_" + e.charges[len(e.charges)-8:]
+	_, err := db.ExecContext(t.Context(), "CREATE TABLE "+name+" ("+columns+")")
+	must(t, err)
+	t.Cleanup(func() { _, _ = drop.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+name) })
+	return name
+}
+
+// runBatchedCharge runs a router with a batched HandleTx on a's queue that
+// writes one row of effects per message (after pause) and publishes a
+// receipt through the outbox; inserts that fail are counted in failures.
+func runBatchedCharge(t *testing.T, a *batchAMQP, e *txEnv, db testenv.DB, effects string, pause time.Duration, failures *atomic.Int64) {
+	t.Helper()
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	must(t, err)
+	p, err := pipeline.New(router, pipeline.Config{Publisher: a.pub, Store: e.store, Concurrency: 4,
+		Retry: fastRetry(), DisableTracing: true, BusyDelay: 20 * time.Millisecond})
+	must(t, err)
+	_, err = p.HandleTx("charge", a.src, a.sub, nil, pipeline.TxConfig{DB: db.DB, Outbox: e.ob,
+		Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 5 * time.Millisecond}},
+		func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
+			if _, err := tx.ExecContext(ctx, "INSERT INTO "+effects+" (id) VALUES ("+e.ph(1)+")", msg.UUID); err != nil {
+				failures.Add(1)
+				return err
+			}
+			time.Sleep(pause) // widens the window for the fault
+			return out.Publish("receipts", message.NewMessage("receipt-"+msg.UUID, msg.Payload))
+		})
+	must(t, err)
+	done := make(chan error, 1)
+	go func() { done <- router.Run(context.Background()) }()
+	<-router.Running()
+	t.Cleanup(func() {
+		must(t, router.Close())
+		must(t, <-done)
+	})
+}
+
+// publishOrders publishes n orders prefix-0 … to a's queue.
+func (a *batchAMQP) publishOrders(t *testing.T, prefix string, n int) {
+	t.Helper()
+	for i := range n {
+		id := fmt.Sprintf("%s-%d", prefix, i)
+		must(t, a.pub.Publish(a.src, message.NewMessage(id, []byte(id))))
+	}
+}
+
+// checkEachOnce waits until n orders are charged or parked, then requires
+// n effects, each once, n outbox rows, and nothing parked.
+func (a *batchAMQP) checkEachOnce(t *testing.T, db testenv.DB, e *txEnv, effects string, n int) {
+	t.Helper()
+	count := func() (total, distinct int) {
+		must(t, db.QueryRowContext(t.Context(), "SELECT COUNT(*), COUNT(DISTINCT id) FROM "+effects).Scan(&total, &distinct))
+		return
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, c := count()
+		if c+a.depth(t, a.src+".dead_letter")+a.depth(t, a.src+".poison") >= n || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	time.Sleep(300 * time.Millisecond) // anything doubled arrives by then
+	total, distinct := count()
+	var rows int
+	must(t, db.QueryRowContext(t.Context(), "SELECT COUNT(*) FROM "+quote(db, e.ob.Table())).Scan(&rows))
+	dl, ps := a.depth(t, a.src+".dead_letter"), a.depth(t, a.src+".poison")
+	if total != n || distinct != n || rows != n || dl != 0 || ps != 0 {
+		t.Fatalf("effects=%d distinct=%d outbox rows=%d dead-lettered=%d poisoned=%d; want %d effects, each once, %d rows, none parked",
+			total, distinct, rows, dl, ps, n, n)
+	}
+}
+
 // openPostgresAs opens SETTLE_POSTGRES_URL with an application_name of its
 // own, so that the test can terminate its own connections and no other.
 func openPostgresAs(t *testing.T, app string) testenv.DB {
@@ -89,42 +169,12 @@ func TestBatchSurvivesKilledConnections(t *testing.T) {
 	db := openPostgresAs(t, app)
 	admin := testenv.Postgres(t)
 	e := newTxEnv(t, db)
-	effects := "eff_" + app[len(app)-8:]
-	_, err := db.ExecContext(t.Context(), "CREATE TABLE "+effects+" (id TEXT NOT NULL)")
-	must(t, err)
-	t.Cleanup(func() { _, _ = admin.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+effects) })
-
-	a := newReviewAMQP(t, "outage")
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
-	must(t, err)
-	p, err := pipeline.New(router, pipeline.Config{Publisher: a.pub, Store: e.store, Concurrency: 4,
-		Retry: fastRetry(), DisableTracing: true, BusyDelay: 20 * time.Millisecond})
-	must(t, err)
+	effects := effectTable(t, e, &db, &admin, "id TEXT NOT NULL")
+	a := newBatchAMQP(t, "outage")
 	var failures atomic.Int64
-	_, err = p.HandleTx("charge", a.src, a.sub, nil, pipeline.TxConfig{DB: db.DB, Outbox: e.ob,
-		Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 5 * time.Millisecond}},
-		func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
-			if _, err := tx.ExecContext(ctx, "INSERT INTO "+effects+" (id) VALUES ($1)", msg.UUID); err != nil {
-				failures.Add(1)
-				return err
-			}
-			time.Sleep(2 * time.Millisecond) // widen the window for the kill
-			return out.Publish("receipts", message.NewMessage("receipt-"+msg.UUID, msg.Payload))
-		})
-	must(t, err)
-	done := make(chan error, 1)
-	go func() { done <- router.Run(context.Background()) }()
-	<-router.Running()
-	t.Cleanup(func() {
-		must(t, router.Close())
-		must(t, <-done)
-	})
-
+	runBatchedCharge(t, a, e, db, effects, 2*time.Millisecond, &failures)
 	const n = 400
-	for i := range n {
-		id := fmt.Sprintf("ko-%d", i)
-		must(t, a.pub.Publish(a.src, message.NewMessage(id, []byte(id))))
-	}
+	a.publishOrders(t, "ko", n)
 	var kills int64
 	for range 30 {
 		time.Sleep(40 * time.Millisecond)
@@ -133,26 +183,8 @@ func TestBatchSurvivesKilledConnections(t *testing.T) {
 			"SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1", app).Scan(&k))
 		kills += k
 	}
-	count := func() int {
-		var c int
-		must(t, admin.QueryRowContext(t.Context(), "SELECT COUNT(DISTINCT id) FROM "+effects).Scan(&c))
-		return c
-	}
-	deadline := time.Now().Add(30 * time.Second)
-	for count()+a.depth(t, a.src+".dead_letter")+a.depth(t, a.src+".poison") < n && time.Now().Before(deadline) {
-		time.Sleep(50 * time.Millisecond)
-	}
-	time.Sleep(300 * time.Millisecond)
 	t.Logf("killed %d connections, %d handler statements failed", kills, failures.Load())
-	var total, distinct int
-	must(t, admin.QueryRowContext(t.Context(), "SELECT COUNT(*), COUNT(DISTINCT id) FROM "+effects).Scan(&total, &distinct))
-	var rows int
-	must(t, admin.QueryRowContext(t.Context(), "SELECT COUNT(*) FROM "+quote(admin, e.ob.Table())).Scan(&rows))
-	dl, ps := a.depth(t, a.src+".dead_letter"), a.depth(t, a.src+".poison")
-	if total != n || distinct != n || rows != n || dl != 0 || ps != 0 {
-		t.Fatalf("effects=%d distinct=%d outbox rows=%d dead-lettered=%d poisoned=%d; want %d effects, each once, %d rows, none parked",
-			total, distinct, rows, dl, ps, n, n)
-	}
+	a.checkEachOnce(t, admin, e, effects, n)
 }
 
 // The claims table disappears (renamed) for a second while a batched
@@ -165,38 +197,11 @@ func TestBatchSurvivesClaimsTableOutage(t *testing.T) {
 			t.Parallel()
 			db := d.Open(t)
 			e := newTxEnv(t, db)
-			effects := "eff_" + e.charges[len(e.charges)-8:]
-			_, err := db.ExecContext(t.Context(), "CREATE TABLE "+effects+" (id VARCHAR(64) NOT NULL)")
-			must(t, err)
-			t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+effects) })
-			a := newReviewAMQP(t, "claimsout")
-			router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
-			must(t, err)
-			p, err := pipeline.New(router, pipeline.Config{Publisher: a.pub, Store: e.store, Concurrency: 4,
-				Retry: fastRetry(), DisableTracing: true, BusyDelay: 20 * time.Millisecond})
-			must(t, err)
-			_, err = p.HandleTx("charge", a.src, a.sub, nil, pipeline.TxConfig{DB: db.DB, Outbox: e.ob,
-				Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 5 * time.Millisecond}},
-				func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
-					if _, err := tx.ExecContext(ctx, "INSERT INTO "+effects+" (id) VALUES ("+e.ph(1)+")", msg.UUID); err != nil {
-						return err
-					}
-					time.Sleep(time.Millisecond)
-					return out.Publish("receipts", message.NewMessage("receipt-"+msg.UUID, msg.Payload))
-				})
-			must(t, err)
-			done := make(chan error, 1)
-			go func() { done <- router.Run(context.Background()) }()
-			<-router.Running()
-			t.Cleanup(func() {
-				must(t, router.Close())
-				must(t, <-done)
-			})
+			effects := effectTable(t, e, &db, nil, "id VARCHAR(64) NOT NULL")
+			a := newBatchAMQP(t, "claimsout")
+			runBatchedCharge(t, a, e, db, effects, time.Millisecond, new(atomic.Int64))
 			const n = 300
-			for i := range n {
-				id := fmt.Sprintf("co-%d", i)
-				must(t, a.pub.Publish(a.src, message.NewMessage(id, []byte(id))))
-			}
+			a.publishOrders(t, "co", n)
 			time.Sleep(20 * time.Millisecond)
 			// The claims table goes away for a second, then comes back.
 			renameTo := func(from, to string) {
@@ -215,27 +220,7 @@ func TestBatchSurvivesClaimsTableOutage(t *testing.T) {
 				t.Logf("%d of %d charged when the claims table comes back", c, n)
 			}
 			renameTo(e.claims+"_x", e.claims)
-			count := func() (total, distinct int) {
-				must(t, db.QueryRowContext(t.Context(), "SELECT COUNT(*), COUNT(DISTINCT id) FROM "+effects).Scan(&total, &distinct))
-				return
-			}
-			deadline := time.Now().Add(30 * time.Second)
-			for {
-				_, c := count()
-				if c+a.depth(t, a.src+".dead_letter")+a.depth(t, a.src+".poison") >= n || time.Now().After(deadline) {
-					break
-				}
-				time.Sleep(50 * time.Millisecond)
-			}
-			time.Sleep(300 * time.Millisecond)
-			total, distinct := count()
-			var rows int
-			must(t, db.QueryRowContext(t.Context(), "SELECT COUNT(*) FROM "+quote(db, e.ob.Table())).Scan(&rows))
-			dl, ps := a.depth(t, a.src+".dead_letter"), a.depth(t, a.src+".poison")
-			if total != n || distinct != n || rows != n || dl != 0 || ps != 0 {
-				t.Fatalf("effects=%d distinct=%d outbox rows=%d dead-lettered=%d poisoned=%d; want %d effects, each once, %d rows, none parked",
-					total, distinct, rows, dl, ps, n, n)
-			}
+			a.checkEachOnce(t, db, e, effects, n)
 		})
 	}
 }

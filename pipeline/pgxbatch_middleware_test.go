@@ -40,31 +40,14 @@ func TestPgxBatchBehindDedupeMiddleware(t *testing.T) {
 	must(t, err)
 	stack := dd(func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) })
 	handle := func(m *message.Message) error { _, err := stack(m); return err }
-	for i, err := range deliverAll(handle, orders(4, "pmw")) {
-		if i == 2 != errors.Is(err, declined) {
-			t.Fatalf("first delivery of pmw-%d: %v", i, err)
-		}
-	}
-	for i, err := range deliverAll(handle, orders(4, "pmw")) {
-		if err != nil {
-			t.Fatalf("second delivery of pmw-%d: %v", i, err)
-		}
-	}
+	onlyFailed(t, deliverAll(handle, orders(4, "pmw")), "pmw", 2, declined)
+	onlyFailed(t, deliverAll(handle, orders(4, "pmw")), "pmw", -1, nil)
 	for i := range 4 {
-		id := fmt.Sprintf("pmw-%d", i)
-		if n := e.rows(t, id); n != 1 {
-			t.Errorf("%s charged %d times, want once", id, n)
-		}
-		c, err := e.store.Claim(t.Context(), id, time.Minute)
-		must(t, err)
-		want := 1
-		if i == 2 {
-			want = 2
-		}
-		if c.Result != dedupe.Duplicate || c.Attempt != want {
-			t.Errorf("%s's key: %v after %d attempts, want confirmed after %d", id, c.Result, c.Attempt, want)
+		if n := e.rows(t, fmt.Sprintf("pmw-%d", i)); n != 1 {
+			t.Errorf("pmw-%d charged %d times, want once", i, n)
 		}
 	}
+	confirmedAfter(t, e.store, "pmw", 4, 2)
 }
 
 // The pgx twin of TestBatchCommitFailureFailsOnlyItsMessage: a deferred

@@ -12,14 +12,11 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/settle-go/settle/amqpmarshal"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
@@ -390,31 +387,10 @@ func TestPgxBatchTxConfigIsChecked(t *testing.T) {
 // of more than one message really formed.
 func TestPipelineHandlePgxBatchTxOnRabbitMQ(t *testing.T) {
 	t.Parallel()
-	url := testenv.AMQPURL(t)
 	e := newPgxEnv(t)
 	ob := newPgxOutbox(t, e.pool)
-	src := testenv.Name(t, "pgxsrc")
-	m, err := amqpmarshal.New(amqpmarshal.Config{})
-	must(t, err)
-	cfg := amqp.NewDurableQueueConfig(url)
-	cfg.Marshaler = m
-	cfg.Consume.Qos.PrefetchCount = 2
-	pub, err := amqp.NewPublisher(cfg, testenv.AMQPLogger(t, nil))
-	must(t, err)
-	t.Cleanup(func() { _ = pub.Close() })
-	sub, err := amqp.NewSubscriber(cfg, testenv.AMQPLogger(t, nil))
-	must(t, err)
-	t.Cleanup(func() { _ = sub.Close() })
-	conn, err := amqp091.Dial(url)
-	must(t, err)
-	t.Cleanup(func() { _ = conn.Close() })
-	ch, err := conn.Channel()
-	must(t, err)
-	for _, q := range []string{src, src + ".poison", src + ".dead_letter"} {
-		_, err := ch.QueueDeclare(q, true, false, false, false, nil)
-		must(t, err)
-		t.Cleanup(func() { _, _ = ch.QueueDelete(q, false, false, false) })
-	}
+	a := newBatchAMQP(t, "pgxsrc")
+	pub, sub, src := a.pub, a.sub, a.src
 
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	must(t, err)
