@@ -358,7 +358,7 @@ func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]
 // Results of runOnce that name no job.
 const (
 	runCommitted    = -1 // err is nil
-	runNotStarted   = -2 // begin or the claims failed: err says why
+	runNotStarted   = -2 // begin or the claims (or the middleware's, held or confirmed) failed: err says why
 	runBatchFailed  = -3 // the batch function failed without naming a message
 	runCommitFailed = -4 // err says why; nothing landed
 )
@@ -392,13 +392,19 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 			return runNotStarted, err
 		}
 	}
-	var ran []int // indexes of the jobs the batch function gets
+	// Every claim of the dedupe middleware is held by the transaction before
+	// any handler runs: on SQLite the first hold takes the write lock, after
+	// which the middleware's renewals of the others could not land.
 	for i, j := range jobs {
 		if j.held {
-			if err := tx.hold(j.ctx); err != nil {
-				return i, err
+			if failed, err := heldFailed(i, tx.hold(j.ctx)); err != nil {
+				return failed, err
 			}
-		} else {
+		}
+	}
+	var ran []int // indexes of the jobs the batch function gets
+	for i, j := range jobs {
+		if !j.held {
 			c := claims[0]
 			claims = claims[1:]
 			done, err := claimResult(j.ctx, c, j.msg)
@@ -449,8 +455,8 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 	// confirmation stops its claim's renewal), in the commit.
 	for i, j := range jobs {
 		if j.held && j.claimed {
-			if err := tx.confirm(j.ctx); err != nil {
-				return i, err
+			if failed, err := heldFailed(i, tx.confirm(j.ctx)); err != nil {
+				return failed, err
 			}
 		}
 	}
@@ -461,6 +467,21 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 		b.f.committed()
 	}
 	return runCommitted, nil
+}
+
+// heldFailed is what runOnce returns when holding or confirming the
+// middleware's claim of job i failed with err: that job alone when its
+// claim is no longer its own (it expired and was taken over), the whole run
+// otherwise, as for claims that fail (the store is not answering, which is
+// no attempt of any handler). Nil err: nothing failed.
+func heldFailed(i int, err error) (int, error) {
+	switch {
+	case err == nil:
+		return 0, nil
+	case errors.Is(err, dedupe.ErrClaimLost):
+		return i, err
+	}
+	return runNotStarted, err
 }
 
 // outboxBuffering is implemented by a txn that can hold back the outbox

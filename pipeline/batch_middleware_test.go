@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
 )
 
@@ -129,4 +130,89 @@ func TestBatchMessageFailedWithNilErrorIsAFailure(t *testing.T) {
 			t.Fatalf("mf-1 acked (nil result), but charges=%d and its key is %v: acked without its work", e.rows(t), c.Result)
 		}
 	})
+}
+
+// SQLite, a batched NewTxHandler behind the dedupe middleware, handlers
+// that together take longer than the middleware's ClaimTimeout: every claim
+// is held by the batch's transaction before the first handler runs (after
+// which the middleware's renewals could not land), so every delivery
+// commits once, in one run. Before, the later claims expired while the
+// earlier handlers ran.
+func TestSQLiteBatchBehindMiddlewareKeepsLongClaims(t *testing.T) {
+	t.Parallel()
+	e := newTxEnv(t, testenv.SQLite(t))
+	dd, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 300 * time.Millisecond,
+		BusyDelay: time.Millisecond})
+	must(t, err)
+	var calls atomic.Int64
+	h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB, Store: e.store, BusyDelay: time.Millisecond,
+		Batch: pipeline.BatchConfig{MaxSize: 3, MaxWait: 100 * time.Millisecond}},
+		func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
+			calls.Add(1)
+			time.Sleep(250 * time.Millisecond) // a long handler: most of the claim timeout
+			_, err := tx.ExecContext(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES (?, 1)", msg.UUID)
+			return err
+		})
+	must(t, err)
+	stack := dd(func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) })
+	handle := func(m *message.Message) error { _, err := stack(m); return err }
+	errs := deliverAll(handle, orders(3, "sl"))
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("sl-%d: %v", i, err)
+		}
+	}
+	if n, c := e.rows(t), calls.Load(); n != 3 || c != 3 {
+		t.Fatalf("charges=%d handler calls=%d; want 3 charges from 3 calls (one run of the batch)", n, c)
+	}
+}
+
+// PostgreSQL: the claims table goes away (renamed) after the middleware
+// claimed the batch's keys and before the batch confirms them. That is the
+// store's outage, not a failure of any handler: without the middleware the
+// batch defers every delivery (ErrUnavailable, no attempt) when its claims
+// fail, and so it must behind the middleware. Before, each confirmation
+// failed in turn as that message's handler error, and the batch re-ran the
+// rest each time.
+func TestBatchBehindMiddlewareDefersAStoreOutage(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	admin := testenv.Postgres(t)
+	e := newTxEnv(t, db)
+	dd, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 5 * time.Second,
+		BusyDelay: time.Millisecond, UnavailableDelay: time.Millisecond, SettleTimeout: 200 * time.Millisecond})
+	must(t, err)
+	var calls atomic.Int64
+	renamed := false
+	h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: db.DB, Store: e.store, BusyDelay: time.Millisecond,
+		Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 100 * time.Millisecond}},
+		func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
+			if calls.Add(1) == 1 {
+				_, err := admin.ExecContext(ctx, `ALTER TABLE "`+e.claims+`" RENAME TO "`+e.claims+`_x"`)
+				must(t, err)
+				renamed = true
+			}
+			_, err := tx.ExecContext(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ($1, 1)", msg.UUID)
+			return err
+		})
+	must(t, err)
+	t.Cleanup(func() {
+		if renamed {
+			_, _ = admin.ExecContext(context.Background(), `ALTER TABLE "`+e.claims+`_x" RENAME TO "`+e.claims+`"`)
+		}
+	})
+	stack := dd(func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) })
+	handle := func(m *message.Message) error { _, err := stack(m); return err }
+	errs := deliverAll(handle, orders(4, "co"))
+	var notDeferred int
+	for i, err := range errs {
+		if !errors.Is(err, dedupe.ErrUnavailable) {
+			notDeferred++
+			t.Logf("co-%d: %v", i, err)
+		}
+	}
+	if c := calls.Load(); notDeferred > 0 || c > 4 {
+		t.Fatalf("%d of 4 deliveries failed as handler errors (not deferred as ErrUnavailable), %d handler calls for 4 messages; "+
+			"want all deferred, handlers run once", notDeferred, c)
+	}
 }
