@@ -216,3 +216,59 @@ func TestBatchBehindMiddlewareDefersAStoreOutage(t *testing.T) {
 			"want all deferred, handlers run once", notDeferred, c)
 	}
 }
+
+// The per-message twin of TestBatchBehindMiddlewareDefersAStoreOutage, in
+// the default mode and with OneStatement: the claims table goes away while
+// the handler runs, so the confirmation in its transaction fails. The
+// delivery is deferred (the store's outage), and once the table is back (and
+// the claim it could not release has expired) its redelivery does the work
+// once. Before, the failure was the handler's: a spent attempt.
+func TestTxHandlerBehindMiddlewareDefersAStoreOutage(t *testing.T) {
+	t.Parallel()
+	for _, one := range []bool{false, true} {
+		t.Run(fmt.Sprintf("one-statement=%v", one), func(t *testing.T) {
+			t.Parallel()
+			db := testenv.Postgres(t)
+			admin := testenv.Postgres(t)
+			e := newTxEnv(t, db)
+			dd, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 500 * time.Millisecond,
+				BusyDelay: time.Millisecond, UnavailableDelay: time.Millisecond, SettleTimeout: 200 * time.Millisecond})
+			must(t, err)
+			rename := func(from, to string) {
+				_, err := admin.ExecContext(context.Background(), `ALTER TABLE "`+from+`" RENAME TO "`+to+`"`)
+				must(t, err)
+			}
+			var calls atomic.Int64
+			h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: db.DB, Store: e.store, OneStatement: one, BusyDelay: time.Millisecond},
+				func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
+					if calls.Add(1) == 1 {
+						rename(e.claims, e.claims+"_x")
+					}
+					_, err := tx.ExecContext(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ($1, 1)", msg.UUID)
+					return err
+				})
+			must(t, err)
+			stack := dd(func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) })
+			if _, err := stack(message.NewMessage("so-1", []byte("so-1"))); !errors.Is(err, dedupe.ErrUnavailable) {
+				t.Fatalf("delivery during the outage: %v, want it deferred (dedupe.ErrUnavailable)", err)
+			}
+			rename(e.claims+"_x", e.claims)
+			// The claim could not be released during the outage: the
+			// redeliveries are deferred as busy until it expires.
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				_, err := stack(message.NewMessage("so-1", []byte("so-1")))
+				if err == nil {
+					break
+				}
+				if !errors.Is(err, dedupe.ErrBusy) || time.Now().After(deadline) {
+					t.Fatalf("redelivery after the outage: %v", err)
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+			if n := e.rows(t); n != 1 || calls.Load() != 2 {
+				t.Fatalf("charges=%d after %d handler calls, want 1 charge", n, calls.Load())
+			}
+		})
+	}
+}

@@ -295,14 +295,14 @@ func runTx(ctx context.Context, f txFlow, msg *message.Message) (err error) {
 			return err // a duplicate has nothing to commit: the rollback ends it
 		}
 	} else if err = t.hold(ctx); err != nil {
-		return err
+		return claimTrouble(ctx, f, err)
 	}
 	if err = t.call(ctx, msg); err != nil {
 		return err
 	}
 	if !inTx {
 		if err = t.confirm(ctx); err != nil {
-			return err
+			return claimTrouble(ctx, f, err)
 		}
 	}
 	if err = t.commit(ctx); err != nil {
@@ -341,6 +341,19 @@ func claimResult(ctx context.Context, c dedupe.Claim, msg *message.Message) (don
 		return false, fmt.Errorf("%w (message %s)", dedupe.ErrBusy, msg.UUID)
 	}
 	return false, nil
+}
+
+// claimTrouble is the result of a delivery whose claim from the dedupe
+// middleware could not be held or confirmed in its transaction: its own
+// failure when the claim is no longer its own (ErrClaimLost) or there is
+// none (ErrNoClaim: no middleware in front of the default mode); otherwise
+// the store is not answering, which defers the delivery, as when the
+// transaction cannot begin.
+func claimTrouble(ctx context.Context, f txFlow, err error) error {
+	if errors.Is(err, dedupe.ErrClaimLost) || errors.Is(err, dedupe.ErrNoClaim) {
+		return err
+	}
+	return unavailable(ctx, f.busyDelay, err)
 }
 
 // unavailable defers a delivery whose transaction could not begin or whose
