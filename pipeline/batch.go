@@ -315,10 +315,7 @@ func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]
 		case failed == runNotStarted:
 			// Begin or the claims failed: the database is not answering,
 			// which is no attempt of any handler.
-			for _, j := range pending {
-				settlement.FromContext(j.ctx).Defer()
-				result[j.key] = fmt.Errorf("%w: %w", dedupe.ErrUnavailable, err)
-			}
+			deferAll(pending, result, err)
 			return
 		case failed == runBatchFailed || failed == runCommitFailed:
 			// Nothing landed. Which message caused it is not known (a
@@ -335,10 +332,7 @@ func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]
 			if len(ran) == 0 {
 				// A commit that failed with no work in it: only duplicates
 				// and busy keys, which come back and are decided again.
-				for _, j := range pending {
-					settlement.FromContext(j.ctx).Defer()
-					result[j.key] = fmt.Errorf("%w: %w", dedupe.ErrUnavailable, err)
-				}
+				deferAll(pending, result, err)
 				return
 			}
 			if len(ran) == 1 {
@@ -352,6 +346,15 @@ func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]
 		}
 		result[pending[failed].key] = err
 		pending = append(pending[:failed:failed], pending[failed+1:]...)
+	}
+}
+
+// deferAll defers every job of pending: err, the database's, is no attempt
+// of any handler.
+func deferAll(pending []*job, result map[string]error, err error) {
+	for _, j := range pending {
+		settlement.FromContext(j.ctx).Defer()
+		result[j.key] = fmt.Errorf("%w: %w", dedupe.ErrUnavailable, err)
 	}
 }
 
@@ -470,15 +473,15 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 }
 
 // heldFailed is what runOnce returns when holding or confirming the
-// middleware's claim of job i failed with err: that job alone when its
-// claim is no longer its own (it expired and was taken over), the whole run
+// middleware's claim of job i failed with err: that job alone when the
+// failure is its claim's own (see claimsOwnFailure), the whole run
 // otherwise, as for claims that fail (the store is not answering, which is
 // no attempt of any handler). Nil err: nothing failed.
 func heldFailed(i int, err error) (int, error) {
 	switch {
 	case err == nil:
 		return 0, nil
-	case errors.Is(err, dedupe.ErrClaimLost):
+	case claimsOwnFailure(err):
 		return i, err
 	}
 	return runNotStarted, err

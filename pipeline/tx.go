@@ -345,15 +345,23 @@ func claimResult(ctx context.Context, c dedupe.Claim, msg *message.Message) (don
 
 // claimTrouble is the result of a delivery whose claim from the dedupe
 // middleware could not be held or confirmed in its transaction: its own
-// failure when the claim is no longer its own (ErrClaimLost) or there is
-// none (ErrNoClaim: no middleware in front of the default mode); otherwise
-// the store is not answering, which defers the delivery, as when the
-// transaction cannot begin.
+// failure when claimsOwnFailure says so; otherwise the store is not
+// answering, which defers the delivery, as when the transaction cannot
+// begin.
 func claimTrouble(ctx context.Context, f txFlow, err error) error {
-	if errors.Is(err, dedupe.ErrClaimLost) || errors.Is(err, dedupe.ErrNoClaim) {
+	if claimsOwnFailure(err) {
 		return err
 	}
 	return unavailable(ctx, f.busyDelay, err)
+}
+
+// claimsOwnFailure reports whether err, from holding or confirming the
+// dedupe middleware's claim in a transaction, is the delivery's own failure:
+// the claim is no longer its own (ErrClaimLost: it expired and was taken
+// over), or there is none (ErrNoClaim: no middleware in front of the default
+// mode). Any other error is the store's.
+func claimsOwnFailure(err error) bool {
+	return errors.Is(err, dedupe.ErrClaimLost) || errors.Is(err, dedupe.ErrNoClaim)
 }
 
 // unavailable defers a delivery whose transaction could not begin or whose
