@@ -226,9 +226,9 @@ func summary(res *Results) string {
 				if r.inFlight() != batchInFlight {
 					target, verdict = "–", fmt.Sprintf("(the targets are for %d in flight)", batchInFlight)
 				}
-				cell := fmt.Sprintf("batch handler, %d in flight", r.inFlight())
-				if strings.HasSuffix(r.label(), " in flight") {
-					cell = "batch handler"
+				cell := "batch handler" // the label names the in-flight count when it is not batchInFlight
+				if r.inFlight() == batchInFlight {
+					cell += fmt.Sprintf(", %d in flight", batchInFlight)
 				}
 				fmt.Fprintf(&b, "| 4b. RabbitMQ + %s, %s | %s msgs/s | %s msgs/s (%s) | %s | %s | %s |\n",
 					r.label(), cell, num(h), num(r.Rate[c.floor]), c.name, x(v), target, verdict)
