@@ -20,6 +20,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 
 	"github.com/settle-go/settle/dedupe"
@@ -121,7 +122,8 @@ func TestTraceCommandShowsADeliveryFromJaeger(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp),
+	ended := tracetest.NewSpanRecorder() // to know when the last span has ended
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp), sdktrace.WithSpanProcessor(ended),
 		sdktrace.WithResource(resource.NewSchemaless(semconv.ServiceName(service))))
 	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
@@ -166,7 +168,17 @@ func TestTraceCommandShowsADeliveryFromJaeger(t *testing.T) {
 	if err := errors.Join(router.Close(), <-done, ps.Close()); err != nil {
 		t.Fatal(err)
 	}
-	if err := tp.Shutdown(context.Background()); err != nil { // the settle spans end on the ack; all are exported now
+	// The settle spans end on the router's ack, on the tracing middleware's
+	// own goroutine, which may come after Close: a span ended after the
+	// provider's shutdown would never be exported.
+	settled := time.Now().Add(10 * time.Second)
+	for !hasEnded(ended, "ack shipments") {
+		if time.Now().After(settled) {
+			t.Fatal("the settle span of the poisoned delivery did not end within 10s")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := tp.Shutdown(context.Background()); err != nil { // all are exported now
 		t.Fatal(err)
 	}
 	transport.CloseIdleConnections()
@@ -282,4 +294,14 @@ func TestTraceFromASavedResponse(t *testing.T) {
 		t.Errorf("-id aa:\n%v", r)
 	}
 	mustRun(t, exitFail, "trace", "-in", path, "-tag", "order.id=A-2")
+}
+
+// hasEnded reports whether rec holds an ended span named name.
+func hasEnded(rec *tracetest.SpanRecorder, name string) bool {
+	for _, s := range rec.Ended() {
+		if s.Name() == name {
+			return true
+		}
+	}
+	return false
 }
