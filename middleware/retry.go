@@ -19,6 +19,7 @@ import (
 	"github.com/settle-go/settle/internal/lru"
 	"github.com/settle-go/settle/internal/park"
 	"github.com/settle-go/settle/internal/settlement"
+	"github.com/settle-go/settle/internal/telemetry"
 )
 
 // NoJitter, as RetryConfig.RandomizationFactor, makes every backoff exactly
@@ -329,7 +330,7 @@ func (r *retry) failed(ctx context.Context, h message.HandlerFunc, msg *message.
 			return f
 		})
 		trace.SpanFromContext(ctx).AddEvent("settle.attempt_failed", trace.WithAttributes(
-			attribute.Int("settle.attempt", attempt), attribute.String("exception.message", err.Error())))
+			attribute.Int("settle.attempt", attempt), attribute.String("exception.message", telemetry.Text(err.Error()))))
 		if attempt >= r.cfg.MaxAttempts {
 			return nil, r.exhausted(msg, d, attempt, err)
 		}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/settlement"
+	"github.com/settle-go/settle/internal/telemetry"
 )
 
 // ScopeName is the instrumentation scope of settle's settlement spans and
@@ -72,8 +73,10 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 }
 
 // WithPropagators sets how trace context is read from and written to
-// message metadata. Nil means the global propagator (W3C traceparent once
-// otel.SetTextMapPropagator is called; settle's examples do).
+// message metadata. Nil means the global propagator once the application
+// has set one (otel.SetTextMapPropagator), and W3C Trace Context and
+// Baggage while it is OTel's no-op default, so that a program that sets
+// none still gets one trace from producer to consumer.
 func WithPropagators(p propagation.TextMapPropagator) Option {
 	return optionFunc(func(c *tracingConfig) {
 		if p != nil {
@@ -173,7 +176,7 @@ func NewTracing(opts ...Option) (message.HandlerMiddleware, error) {
 		cfg.mp = otel.GetMeterProvider()
 	}
 	if cfg.prop == nil {
-		cfg.prop = otel.GetTextMapPropagator()
+		cfg.prop = telemetry.Propagator()
 	}
 	t := &tracing{
 		cfg:      cfg,
@@ -209,7 +212,7 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 		attrs = append(attrs, d.ids...)
 		attrs = append(attrs,
 			d.destination,
-			semconv.MessagingMessageID(msg.UUID),
+			telemetry.MessageID(msg.UUID),
 			semconv.MessagingOperationTypeProcess,
 			operationProcess,
 		)
@@ -283,6 +286,9 @@ func (t *tracing) spanNames(handler, topic string) *spanNames {
 	if v, ok := t.names.Load(k); ok {
 		return v.(*spanNames)
 	}
+	// Names come from the router's configuration, not from messages, but
+	// they end up in every span and metric: clean them once here.
+	handler, topic = telemetry.ID(handler), telemetry.ID(topic)
 	ids := []attribute.KeyValue{t.systemKV, HandlerKey.String(handler)}
 	d := &spanNames{
 		handler: handler, topic: topic,
@@ -335,12 +341,12 @@ func (o *output) trace(msgs []*message.Message) {
 			o.done = make(map[*message.Message]struct{}, len(msgs))
 		}
 		o.done[m] = struct{}{}
-		ctx, span := o.t.tracer.Start(o.ctx, spanName("create", o.topic),
+		ctx, span := o.t.tracer.Start(o.ctx, spanName("create", telemetry.ID(o.topic)),
 			o.t.producer,
 			trace.WithAttributes(o.ids...),
 			trace.WithAttributes(
-				semconv.MessagingDestinationName(o.topic),
-				semconv.MessagingMessageID(m.UUID),
+				semconv.MessagingDestinationName(telemetry.ID(o.topic)),
+				telemetry.MessageID(m.UUID),
 				semconv.MessagingOperationTypeCreate,
 				semconv.MessagingOperationName("create"),
 			))
@@ -391,19 +397,17 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 		attrs = append(attrs, AttemptKey.Int(n))
 	}
 	if parkedTo != "" {
-		attrs = append(attrs, ParkedToKey.String(parkedTo))
+		attrs = append(attrs, ParkedToKey.String(telemetry.ID(parkedTo)))
 	}
 	span.SetAttributes(attrs...)
 	switch outcome {
 	case settle.Retry:
 		if err != nil {
-			span.RecordError(err)
-			span.SetStatus(codes.Error, err.Error())
+			telemetry.RecordError(span, err)
 		}
 	case settle.DeadLettered, settle.Poisoned:
 		if reason != nil {
-			span.RecordError(reason)
-			span.SetStatus(codes.Error, reason.Error())
+			telemetry.RecordError(span, reason)
 		} else {
 			span.SetStatus(codes.Error, string(outcome))
 		}
@@ -431,7 +435,7 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 	sattrs = append(sattrs, ids...)
 	sattrs = append(sattrs,
 		d.destination,
-		semconv.MessagingMessageID(msg.UUID),
+		telemetry.MessageID(msg.UUID),
 		semconv.MessagingOperationTypeSettle,
 		opName,
 		OutcomeKey.String(string(outcome)),

@@ -5,12 +5,12 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/codes"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/settlement"
+	"github.com/settle-go/settle/internal/telemetry"
 )
 
 // The outbox's spans, in the trace of the code that published:
@@ -20,7 +20,8 @@ import (
 //
 // Each span's context is written into the message's metadata, so the
 // consumer's process span is a child of the relay's send span, which is a
-// child of the create span.
+// child of the create span. Message IDs, topics and error texts are cleaned
+// (valid UTF-8, bounded) before they become span data.
 
 // messagingSystem is messaging.system on the outbox's own spans.
 const messagingSystem = "settle_outbox"
@@ -32,15 +33,15 @@ func (o *Outbox) tracer() trace.Tracer {
 // startCreate starts the span of writing msg into the outbox and writes its
 // context into msg's metadata.
 func (o *Outbox) startCreate(topic string, msg *message.Message) trace.Span {
-	ctx, span := o.tracer().Start(msg.Context(), "create "+topic,
+	ctx, span := o.tracer().Start(msg.Context(), "create "+telemetry.ID(topic),
 		trace.WithSpanKind(trace.SpanKindProducer),
 		trace.WithAttributes(handlerOf(msg.Context())...),
 		trace.WithAttributes(
 			semconv.MessagingSystemKey.String(messagingSystem),
 			semconv.MessagingOperationTypeCreate,
 			semconv.MessagingOperationName("create"),
-			semconv.MessagingDestinationName(topic),
-			semconv.MessagingMessageID(msg.UUID),
+			semconv.MessagingDestinationName(telemetry.ID(topic)),
+			telemetry.MessageID(msg.UUID),
 			attribute.String("settle.outbox.topic", o.cfg.Topic),
 		))
 	o.cfg.Propagator.Inject(ctx, settle.MetadataCarrier(msg.Metadata))
@@ -73,14 +74,14 @@ func (p *tracedPublisher) Publish(topic string, msgs ...*message.Message) error 
 	spans := make([]trace.Span, len(msgs))
 	for i, m := range msgs {
 		parent := p.o.cfg.Propagator.Extract(context.Background(), settle.MetadataCarrier(m.Metadata))
-		ctx, span := p.o.tracer().Start(parent, "send "+topic,
+		ctx, span := p.o.tracer().Start(parent, "send "+telemetry.ID(topic),
 			trace.WithSpanKind(trace.SpanKindProducer),
 			trace.WithAttributes(
 				semconv.MessagingSystemKey.String(messagingSystem),
 				semconv.MessagingOperationTypeSend,
 				semconv.MessagingOperationName("send"),
-				semconv.MessagingDestinationName(topic),
-				semconv.MessagingMessageID(m.UUID),
+				semconv.MessagingDestinationName(telemetry.ID(topic)),
+				telemetry.MessageID(m.UUID),
 				attribute.String("settle.outbox.topic", p.o.cfg.Topic),
 			))
 		p.o.cfg.Propagator.Inject(ctx, settle.MetadataCarrier(m.Metadata))
@@ -95,8 +96,7 @@ func (p *tracedPublisher) Publish(topic string, msgs ...*message.Message) error 
 func endSpans(spans []trace.Span, err error) {
 	for _, s := range spans {
 		if err != nil {
-			s.RecordError(err)
-			s.SetStatus(codes.Error, err.Error())
+			telemetry.RecordError(s, err)
 		}
 		s.End()
 	}

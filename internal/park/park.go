@@ -15,13 +15,13 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/codes"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/lru"
 	"github.com/settle-go/settle/internal/settlement"
+	"github.com/settle-go/settle/internal/telemetry"
 )
 
 // Info is what a parked copy records about the failure.
@@ -217,7 +217,7 @@ func publish(ctx context.Context, pub message.Publisher, topic string, cp *messa
 			semconv.MessagingOperationTypeSend,
 			semconv.MessagingOperationName("send"),
 			semconv.MessagingDestinationName(topic),
-			semconv.MessagingMessageID(cp.UUID),
+			telemetry.MessageID(cp.UUID),
 			attribute.String("settle.outcome", cp.Metadata.Get(settle.MetaOutcome)),
 		))
 	defer span.End()
@@ -227,8 +227,7 @@ func publish(ctx context.Context, pub message.Publisher, topic string, cp *messa
 	cp.SetContext(ctx)
 	err := pub.Publish(topic, cp)
 	if err != nil {
-		span.RecordError(err)
-		span.SetStatus(codes.Error, err.Error())
+		telemetry.RecordError(span, err)
 	}
 	return err
 }
