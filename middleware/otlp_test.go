@@ -30,8 +30,8 @@ func TestTracingInvalidUTF8ReachesOTLP(t *testing.T) {
 	must(t, err)
 
 	long := strings.Repeat("x", 5000)
-	poisonID := "order-\xff\xfe-" + long             // invalid UTF-8, and longer than any ID should be
-	deadID := "order-\xc3\x28-dead"                   // an invalid two-byte sequence
+	poisonID := "order-\xff\xfe-" + long                // invalid UTF-8, and longer than any ID should be
+	deadID := "order-\xc3\x28-dead"                     // an invalid two-byte sequence
 	payload := "customer \xe2\x28\xa1 " + long + "\xff" // what a handler puts into its error text
 	s := newStack(t, stackOpts{retry: fastRetry(1, 0), outer: mw, noDedupe: true}, func(m *message.Message) error {
 		switch m.UUID {
