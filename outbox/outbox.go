@@ -20,6 +20,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/telemetry"
 )
 
 // DefaultTopic names the outbox when Config.Topic is empty: its rows live in
@@ -59,7 +60,8 @@ type Config struct {
 	NotifyAfterCommit bool
 	// Propagator writes the trace context of the publishing code into each
 	// message's metadata, so that the trace continues after the relay.
-	// Defaults to otel.GetTextMapPropagator() at the time of New.
+	// Defaults to OTel's global propagator once the application has set
+	// one, and to W3C Trace Context and Baggage while it is OTel's no-op.
 	Propagator propagation.TextMapPropagator
 	// TracerProvider makes the outbox's spans: "create <topic>" when a
 	// message is written, "send <topic>" when the relay publishes it.
@@ -79,7 +81,7 @@ func (c *Config) setDefaults() {
 		c.StuckAfter = DefaultStuckAfter
 	}
 	if c.Propagator == nil {
-		c.Propagator = otel.GetTextMapPropagator()
+		c.Propagator = telemetry.Propagator()
 	}
 	if c.TracerProvider == nil {
 		c.TracerProvider = otel.GetTracerProvider()
