@@ -1,0 +1,349 @@
+package doccheck_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/settle-go/settle/internal/otlptest"
+	"github.com/settle-go/settle/internal/testenv"
+)
+
+const guide = "../../docs/getting-started.md"
+
+// snippet is one ```go block of the guide; file is the name given by a
+// "<!-- file: NAME -->" line right above it, for the files of the guide's
+// whole program, and empty for a snippet that stands alone.
+type snippet struct {
+	file, src string
+}
+
+var (
+	block    = regexp.MustCompile("(?ms)^(?:<!-- file: ([A-Za-z0-9_./-]+) -->\n)?```go\n(.*?)^```")
+	shBlock  = regexp.MustCompile("(?ms)^<!-- doccheck: ([a-z-]+) -->\n```sh\n(.*?)^```")
+	readyLog = "welcome service running"
+)
+
+func snippets(t *testing.T) []snippet {
+	t.Helper()
+	doc, err := os.ReadFile(guide)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []snippet
+	for _, m := range block.FindAllStringSubmatch(string(doc), -1) {
+		out = append(out, snippet{file: m[1], src: m[2]})
+	}
+	return out
+}
+
+// program returns the files of the guide's whole program, by name.
+func program(t *testing.T) map[string]string {
+	t.Helper()
+	files := map[string]string{}
+	for _, s := range snippets(t) {
+		if s.file == "" {
+			continue
+		}
+		if _, dup := files[s.file]; dup {
+			t.Fatalf("the guide has two blocks for %s", s.file)
+		}
+		files[s.file] = s.src
+	}
+	if len(files) < 4 {
+		t.Fatalf("found %d files of the whole program in the guide; it has more", len(files))
+	}
+	return files
+}
+
+// shCommands returns the commands of the guide's ```sh block marked
+// "<!-- doccheck: name -->", without comments and blank lines.
+func shCommands(t *testing.T, name string) []string {
+	t.Helper()
+	doc, err := os.ReadFile(guide)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range shBlock.FindAllStringSubmatch(string(doc), -1) {
+		if m[1] != name {
+			continue
+		}
+		var cmds []string
+		for _, line := range strings.Split(m[2], "\n") {
+			if i := strings.Index(line, "#"); i >= 0 {
+				line = line[:i]
+			}
+			if line = strings.TrimSpace(line); line != "" {
+				cmds = append(cmds, line)
+			}
+		}
+		return cmds
+	}
+	t.Fatalf("the guide has no sh block marked <!-- doccheck: %s -->", name)
+	return nil
+}
+
+// run runs a command line of plain words in dir.
+func run(t *testing.T, dir string, env []string, line string) {
+	t.Helper()
+	words := strings.Fields(line)
+	cmd := exec.Command(words[0], words[1:]...)
+	cmd.Dir, cmd.Env = dir, append(os.Environ(), env...)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("%s (in the throwaway module): %v\n%s", line, err, out)
+	}
+}
+
+// The guide's install recipe and its whole program, as a newcomer would
+// use them: a module of its own outside this repository, settle added by the
+// documented replace recipe (there is no published version to go get), the
+// program's files copied from the guide, built, and run against RabbitMQ
+// and PostgreSQL. A good sign-up, one whose payload is not JSON (poison) and
+// one whose e-mail always fails (dead-lettered after its attempts): the
+// good one is recorded and its e-mail sent through the outbox and the
+// relay, in one trace; the two copies are on their queues; SIGTERM stops
+// the router and the relay, and the program exits 0.
+func TestGettingStartedService(t *testing.T) {
+	t.Parallel()
+	pgURL := testenv.Require(t, testenv.PostgresURLEnv)
+	amqpURL := testenv.AMQPURL(t)
+	pg := testenv.Postgres(t)
+	recv := otlptest.New(t)
+
+	name := testenv.Name(t, "gs")
+	run8 := name[len(name)-8:]
+	signedUp, welcome := "users.signed_up."+run8, "emails.welcome."+run8
+	queues := []string{signedUp, welcome, signedUp + ".poison", signedUp + ".dead_letter", welcome + ".poison", welcome + ".dead_letter"}
+	schema := "gs_" + run8
+	if _, err := pg.ExecContext(t.Context(), "CREATE SCHEMA "+schema); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = pg.ExecContext(context.Background(), "DROP SCHEMA "+schema+" CASCADE")
+		deleteQueues(amqpURL, queues)
+	})
+
+	// The newcomer's module, beside a checkout of settle (here, this one).
+	root, err := filepath.Abs("../..")
+	if err != nil {
+		t.Fatal(err)
+	}
+	parent := t.TempDir()
+	if err := os.Symlink(root, filepath.Join(parent, "settle")); err != nil {
+		t.Fatal(err)
+	}
+	mod := filepath.Join(parent, "welcome")
+	if err := os.Mkdir(mod, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for file, src := range program(t) {
+		// Queues of its own, so that the test shares RabbitMQ with others.
+		src = strings.ReplaceAll(src, `"users.signed_up"`, `"`+signedUp+`"`)
+		src = strings.ReplaceAll(src, `"emails.welcome"`, `"`+welcome+`"`)
+		if err := os.WriteFile(filepath.Join(mod, filepath.Base(file)), []byte(src), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	goEnv := []string{"GOFLAGS=-mod=mod", "GOWORK=off"}
+	run(t, mod, goEnv, "go mod init example.com/welcome")
+	for _, line := range shCommands(t, "replace") {
+		if !strings.HasPrefix(line, "go ") {
+			t.Fatalf("the replace recipe's command %q is not a go command: the test runs only those", line)
+		}
+		run(t, mod, goEnv, line)
+	}
+	run(t, mod, goEnv, "go build -o welcome .")
+	gomod, _ := os.ReadFile(filepath.Join(mod, "go.mod"))
+	if !strings.Contains(string(gomod), "github.com/settle-go/settle => ../settle") {
+		t.Fatalf("the recipe left no replace directive in go.mod:\n%s", gomod)
+	}
+
+	sep := "?"
+	if strings.Contains(pgURL, "?") {
+		sep = "&"
+	}
+	cmd := exec.Command(filepath.Join(mod, "welcome"))
+	cmd.Env = append(os.Environ(),
+		"DATABASE_URL="+pgURL+sep+"search_path="+schema,
+		"AMQP_URL="+amqpURL,
+		"OTEL_EXPORTER_OTLP_ENDPOINT=http://"+recv.Endpoint(),
+		"OTEL_SERVICE_NAME=welcome",
+	)
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	logPath := filepath.Join(t.TempDir(), "welcome.log")
+	logf, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer logf.Close()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	ready := make(chan struct{})
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		once := false
+		for sc.Scan() {
+			_, _ = fmt.Fprintln(logf, sc.Text())
+			if !once && strings.Contains(sc.Text(), readyLog) {
+				once = true
+				close(ready)
+			}
+		}
+		exited <- cmd.Wait()
+	}()
+	stopped := false
+	t.Cleanup(func() {
+		if !stopped {
+			_ = cmd.Process.Kill()
+			<-exited
+		}
+	})
+	logs := func() string { b, _ := os.ReadFile(logPath); return string(b) }
+	select {
+	case <-ready:
+	case err := <-exited:
+		stopped = true
+		t.Fatalf("the program exited before it was running: %v\n%s", err, logs())
+	case <-time.After(60 * time.Second):
+		t.Fatalf("the program did not log %q within 60s\n%s", readyLog, logs())
+	}
+
+	conn, err := amqp091.Dial(amqpURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ch.Confirm(false); err != nil {
+		t.Fatal(err)
+	}
+	for id, body := range map[string]string{
+		"signup-ada": `{"email":"ada@example.com"}`,
+		"signup-bad": `{"email": not json`,
+		"signup-bob": `{"email":"bob@example.invalid"}`,
+	} {
+		conf, err := ch.PublishWithDeferredConfirm("", signedUp, true, false, amqp091.Publishing{
+			MessageId: id, DeliveryMode: amqp091.Persistent, Body: []byte(body),
+			Headers: amqp091.Table{"_watermill_message_uuid": id},
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok, err := conf.WaitContext(t.Context()); err != nil || !ok {
+			t.Fatalf("publishing %s: confirmed %v, %v", id, ok, err)
+		}
+	}
+
+	// The copies: the poison one at once, the dead letter after five
+	// attempts and one redelivery.
+	poisonCopy := waitForMessage(t, conn, signedUp+".poison", 60*time.Second, logs)
+	deadCopy := waitForMessage(t, conn, welcome+".dead_letter", 90*time.Second, logs)
+	if got := fmt.Sprint(poisonCopy.Headers["settle_outcome"]); got != "poisoned" || string(poisonCopy.Body) != `{"email": not json` {
+		t.Errorf("poison copy: settle_outcome %q, body %q", got, poisonCopy.Body)
+	}
+	if got := fmt.Sprint(deadCopy.Headers["settle_outcome"]); got != "dead_lettered" || !strings.Contains(string(deadCopy.Body), "bob@example.invalid") {
+		t.Errorf("dead letter: settle_outcome %q, body %q", got, deadCopy.Body)
+	}
+	var welcomes int
+	if err := pg.QueryRowContext(t.Context(), "SELECT count(*) FROM "+schema+".welcomes").Scan(&welcomes); err != nil {
+		t.Fatal(err)
+	}
+	if welcomes != 2 {
+		t.Errorf("%d rows in welcomes, want 2 (ada and bob; the poison message writes none)", welcomes)
+	}
+
+	// SIGTERM stops the router and the relay; the program flushes its
+	// spans and exits 0.
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-exited:
+		stopped = true
+		if err != nil {
+			t.Fatalf("after SIGTERM the program exited with %v\n%s", err, logs())
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatalf("the program did not exit within 60s of SIGTERM\n%s", logs())
+	}
+
+	// One trace from the sign-up's delivery through the outbox and the
+	// relay to the e-mail's delivery, although the program sets no
+	// propagator.
+	traces := map[string]map[string]bool{} // trace ID -> span names
+	for _, sp := range recv.Spans() {
+		id := fmt.Sprintf("%x", sp.GetTraceId())
+		if traces[id] == nil {
+			traces[id] = map[string]bool{}
+		}
+		traces[id][sp.GetName()] = true
+	}
+	whole := false
+	for _, names := range traces {
+		if names["process "+signedUp] && names["send "+welcome] && names["process "+welcome] {
+			whole = true
+		}
+	}
+	if !whole {
+		t.Errorf("no trace holds process %s, send %s and process %s (%d spans in %d traces received)",
+			signedUp, welcome, welcome, len(recv.Spans()), len(traces))
+	}
+}
+
+// waitForMessage gets one message from queue within d, or fails.
+func waitForMessage(t *testing.T, conn *amqp091.Connection, queue string, d time.Duration, logs func() string) amqp091.Delivery {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for {
+		// A channel per try: a Get on a queue that does not exist closes it.
+		ch, err := conn.Channel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, ok, err := ch.Get(queue, true)
+		_ = ch.Close()
+		if err == nil && ok {
+			return m
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no message on %s within %v (%v): the copy was lost\n%s", queue, d, err, logs())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// deleteQueues deletes the test's queues, those that exist.
+func deleteQueues(url string, queues []string) {
+	conn, err := amqp091.Dial(url)
+	if err != nil {
+		return
+	}
+	defer conn.Close()
+	for _, q := range queues {
+		ch, err := conn.Channel()
+		if err != nil {
+			return
+		}
+		_, _ = ch.QueueDelete(q, false, false, false)
+		_ = ch.Close()
+	}
+}
