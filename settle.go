@@ -10,10 +10,22 @@
 //     work is done once per key however often the broker delivers it;
 //   - poison: the errors no retry can fix;
 //   - middleware: bounded retry, poison and dead-letter parking, and tracing;
-//   - outbox: the transactional outbox on Watermill's SQL forwarder;
+//   - outbox: the transactional outbox and settle's own relay;
 //   - pipeline: the whole stack assembled in the right order.
 //
-// See docs/settlement.md for the outcomes and the order of the middleware.
+// The outbox is not Watermill's SQL forwarder. That forwarder relays from an
+// offset bookmark, and under concurrent MariaDB writers it moved past rows
+// committed after a higher offset had been read: those messages were never
+// sent. It also polls, so a message waited up to its poll interval. settle's
+// relay keeps a forwarded mark on each row, claims unmarked committed rows
+// with FOR UPDATE SKIP LOCKED, and wakes on commit (PostgreSQL
+// LISTEN/NOTIFY, or in process), polling only as a fallback. Of
+// watermill-sql, settle keeps the executor types that let one set of
+// statements run on database/sql and on pgx, and the SQLite schema and
+// offsets adapters that let watermill-sql itself run on SQLite.
+//
+// See docs/settlement.md for the outcomes and the order of the middleware,
+// and docs/outbox.md for the relay.
 package settle
 
 import (
