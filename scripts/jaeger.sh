@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds Jaeger v2 from the Go module proxy (through the tools module, never
-# committed) and prints the binary's path. The first build takes a few
-# minutes; later ones come from the Go build cache.
+# committed) and prints the binary's path. The first build takes about 11.5
+# minutes on 2 cores (a ~120 MB binary); later ones come from the Go build
+# cache in seconds.
 #
 #   JAEGER=$(scripts/jaeger.sh)
 #   "$JAEGER" --config tools/jaeger.yaml   # OTLP on 127.0.0.1:4317/4318, API on 127.0.0.1:16686

@@ -21,9 +21,9 @@
 // the broker has confirmed its republished copy. trace prints one trace from
 // Jaeger's query API as a tree. See docs/cli.md.
 //
-// Install it with
+// Install it from a checkout of settle (there is no published version yet) with
 //
-//	go install github.com/settle-go/settle/cmd/settle@latest
+//	go install ./cmd/settle
 package main
 
 import (
