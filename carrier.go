@@ -5,7 +5,7 @@ import "github.com/ThreeDotsLabs/watermill/message"
 // MetadataCarrier lets an OpenTelemetry propagator (a
 // propagation.TextMapCarrier) read and write a message's metadata, so trace
 // context travels with the message: through a broker, and through the
-// outbox table and its forwarder.
+// outbox table and its relay.
 type MetadataCarrier message.Metadata
 
 // Get returns the value of key, or "".
