@@ -530,18 +530,60 @@ func (b *publishBuffer) Publish(topic string, msgs ...*message.Message) error {
 	return nil
 }
 
-// flush writes what is held through the outbox publisher.
-func (b *publishBuffer) flush() error {
+// flush writes what is held through the outbox publisher, under ctx, the
+// batch's: the handler calls that published have returned, and the context
+// a handler gave a message (m.SetContext) may be cancelled by now (a handler
+// that derived it and deferred its cancel). Each message is written under
+// settleContext(ctx, its context), then given its context back.
+func (b *publishBuffer) flush(ctx context.Context) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	for _, p := range b.pending {
-		if err := b.next.Publish(p.topic, p.msgs...); err != nil {
+		if err := publishUnder(ctx, b.next, p.topic, p.msgs); err != nil {
 			return err
 		}
 	}
 	b.pending = nil
 	return nil
 }
+
+// publishUnder publishes msgs on out with each message's context replaced,
+// for the call, by settleContext(ctx, its own).
+func publishUnder(ctx context.Context, out message.Publisher, topic string, msgs []*message.Message) error {
+	own := make([]context.Context, len(msgs))
+	for i, m := range msgs {
+		own[i] = m.Context()
+		m.SetContext(settleContext(ctx, own[i]))
+	}
+	defer func() {
+		for i, m := range msgs {
+			m.SetContext(own[i])
+		}
+	}()
+	return out.Publish(topic, msgs...)
+}
+
+// settleContext returns a context for work that settle does after a handler
+// has returned, on behalf of what the handler left with it (an outbox
+// message): the values of the handler's context (its trace context above
+// all, so that the outbox row continues the handler's trace), under the
+// deadline and cancellation of ctx, settle's own. Nothing the handler
+// cancels, or lets expire, reaches that work.
+func settleContext(ctx, values context.Context) context.Context {
+	if values == nil || values == ctx {
+		return ctx
+	}
+	return settled{Context: ctx, values: context.WithoutCancel(values)}
+}
+
+// settled is settleContext's context. values is a context.WithoutCancel, so
+// that context.Cause of settled is the cause of ctx, not the handler's.
+type settled struct {
+	context.Context // settle's: Deadline, Done, Err
+	values          context.Context
+}
+
+func (c settled) Value(key any) any { return c.values.Value(key) }
 
 // Close does nothing: the buffer lives as long as its transaction.
 func (b *publishBuffer) Close() error { return nil }
