@@ -3,16 +3,23 @@ package pipeline_test
 import (
 	"context"
 	"database/sql"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
 )
 
@@ -290,4 +297,85 @@ func TestBatchHandlersContextThroughRabbitMQ(t *testing.T) {
 			}
 		})
 	}
+}
+
+// What settle keeps of the handler's context when it writes the batch's
+// outbox rows: its values, so that each row continues the trace of the
+// handler that published it (the outbox's create span is a child of the
+// handler's span, and the row's metadata carries that trace).
+func TestBatchOutboxKeepsTheHandlersTrace(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *txEnv) {
+		rec := tracetest.NewSpanRecorder()
+		tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+		t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+		name := testenv.Name(t, "tr")
+		ob, err := outbox.New(outbox.Config{Dialect: e.db.Dialect, Topic: "tr_" + name[len(name)-8:],
+			Propagator: propagation.TraceContext{}, TracerProvider: tp})
+		must(t, err)
+		must(t, ob.InitSchema(t.Context(), e.db.DB))
+		t.Cleanup(func() {
+			for _, tbl := range []string{ob.Table(), ob.Table() + "_relays"} {
+				_, _ = e.db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+quote(e.db, tbl))
+			}
+		})
+		var mu sync.Mutex
+		handlerSpans := map[string]trace.SpanContext{} // receipt UUID -> the span of the handler that published it
+		h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB, Outbox: ob, Store: e.store,
+			Batch: pipeline.BatchConfig{MaxSize: 8, MaxWait: 200 * time.Millisecond}},
+			func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
+				ctx, span := tp.Tracer("handler").Start(ctx, "charge")
+				defer span.End()
+				ctx, cancel := context.WithTimeout(ctx, time.Minute)
+				defer cancel()
+				r := message.NewMessage("receipt-"+msg.UUID, msg.Payload)
+				r.SetContext(ctx)
+				mu.Lock()
+				handlerSpans[r.UUID] = span.SpanContext()
+				mu.Unlock()
+				return out.Publish("receipts", r)
+			})
+		must(t, err)
+		msgs := orders(8, "traced")
+		for i, err := range deliverAll(h, msgs) {
+			if err != nil {
+				t.Fatalf("%s: %v", msgs[i].UUID, err)
+			}
+		}
+		creates := 0
+		for _, s := range rec.Ended() {
+			if s.Name() != "create receipts" {
+				continue
+			}
+			creates++
+			var id string
+			for _, a := range s.Attributes() {
+				if a.Key == "messaging.message.id" {
+					id = a.Value.AsString()
+				}
+			}
+			if want := handlerSpans[id]; !want.IsValid() || s.Parent().SpanID() != want.SpanID() || s.SpanContext().TraceID() != want.TraceID() {
+				t.Errorf("create span of %s: parent %v in trace %v, want the handler's span %v", id, s.Parent().SpanID(), s.SpanContext().TraceID(), want.SpanID())
+			}
+		}
+		if creates != len(msgs) {
+			t.Fatalf("%d create spans, want %d", creates, len(msgs))
+		}
+		rows, err := e.db.QueryContext(t.Context(), "SELECT uuid, metadata FROM "+quote(e.db, ob.Table()))
+		must(t, err)
+		defer rows.Close()
+		n := 0
+		for rows.Next() {
+			var id, md string
+			must(t, rows.Scan(&id, &md))
+			n++
+			if want := handlerSpans[id].TraceID().String(); !strings.Contains(md, want) {
+				t.Errorf("outbox row %s: metadata %s does not carry the handler's trace %s", id, md, want)
+			}
+		}
+		must(t, rows.Err())
+		if n != len(msgs) {
+			t.Fatalf("%d outbox rows, want %d", n, len(msgs))
+		}
+	})
 }
