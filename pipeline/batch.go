@@ -585,6 +585,26 @@ type settled struct {
 
 func (c settled) Value(key any) any { return c.values.Value(key) }
 
+// detachProduced is the innermost middleware of a producing handler: the
+// messages the handler returns are published after it has returned (by the
+// dedupe middleware, or by the router when there is no store), so each one's
+// context becomes context.WithoutCancel of the context the handler gave it:
+// its values (the trace context) stay, its cancellation does not. A handler
+// that derived a context, gave it to its output and deferred the cancel
+// would otherwise have every publish refused (watermill-amqp publishes under
+// the message's context) and its delivery nacked again and again.
+func detachProduced(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		out, err := h(msg)
+		for _, m := range out {
+			if m != nil && m.Context().Done() != nil {
+				m.SetContext(context.WithoutCancel(m.Context()))
+			}
+		}
+		return out, err
+	}
+}
+
 // Close does nothing: the buffer lives as long as its transaction.
 func (b *publishBuffer) Close() error { return nil }
 

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -378,4 +379,83 @@ func TestBatchOutboxKeepsTheHandlersTrace(t *testing.T) {
 			t.Fatalf("%d outbox rows, want %d", n, len(msgs))
 		}
 	})
+}
+
+// A producing handler (HandleProducing) that gives its output a context it
+// derived and cancels when it returns: its messages are published after it
+// returned (by the dedupe middleware with a Store, by the router without
+// one), under their context's values but not its cancellation, so each
+// reaches its queue once and nothing is dead-lettered.
+func TestProducingHandlersContextThroughRabbitMQ(t *testing.T) {
+	t.Parallel()
+	for _, withStore := range []bool{true, false} {
+		name := "without-store"
+		if withStore {
+			name = "with-store"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			a := newBatchAMQP(t, "prod")
+			out := a.src + ".out"
+			_, err := a.ch.QueueDeclare(out, true, false, false, false, nil)
+			must(t, err)
+			t.Cleanup(func() { _, _ = a.ch.QueueDelete(out, false, false, false) })
+			router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+			must(t, err)
+			cfg := pipeline.Config{Publisher: a.pub, Retry: fastRetry(), DisableTracing: true}
+			if withStore {
+				db := testenv.SQLite(t)
+				cfg.Store, err = dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
+				must(t, err)
+			}
+			p, err := pipeline.New(router, cfg)
+			must(t, err)
+			var runs atomic.Int64
+			_, err = p.HandleProducing("ship", a.src, a.sub, out, func(msg *message.Message) ([]*message.Message, error) {
+				runs.Add(1)
+				ctx, cancel := context.WithTimeout(msg.Context(), time.Minute)
+				defer cancel()
+				m := message.NewMessage("ship-"+msg.UUID, msg.Payload)
+				m.SetContext(ctx)
+				return []*message.Message{m}, nil
+			})
+			must(t, err)
+			done := make(chan error, 1)
+			go func() { done <- router.Run(context.Background()) }()
+			<-router.Running()
+			t.Cleanup(func() {
+				must(t, router.Close())
+				must(t, <-done)
+			})
+			const n = 4
+			a.publishOrders(t, "prod", n)
+			parked := func() int { return a.depth(t, a.src+".dead_letter") + a.depth(t, a.src+".poison") }
+			deadline := time.Now().Add(30 * time.Second)
+			for a.depth(t, out)+parked() < n && time.Now().Before(deadline) {
+				time.Sleep(50 * time.Millisecond)
+			}
+			time.Sleep(300 * time.Millisecond)
+			if got, dl, r := a.depth(t, out), parked(), runs.Load(); got != n || dl != 0 || r != n {
+				t.Fatalf("published=%d parked=%d runs=%d; want %d published, none parked, %d runs", got, dl, r, n, n)
+			}
+		})
+	}
+}
+
+// A pipeline cannot be assembled so that a producing handler has no
+// publisher for its output: Config.Publisher is required, and
+// HandleProducing needs its publish topic.
+func TestPipelineRefusesAProducerWithoutPublisher(t *testing.T) {
+	t.Parallel()
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	must(t, err)
+	if _, err := pipeline.New(router, pipeline.Config{Store: dedupe.NewMemoryStore()}); err == nil || !strings.Contains(err.Error(), "Config.Publisher") {
+		t.Fatalf("New without a Publisher = %v; want it refused, naming Config.Publisher", err)
+	}
+	p, err := pipeline.New(router, pipeline.Config{Publisher: competingPublisher{}, Store: dedupe.NewMemoryStore()})
+	must(t, err)
+	produce := func(*message.Message) ([]*message.Message, error) { return nil, nil }
+	if _, err := p.HandleProducing("ship", "orders", competing{}, "", produce); err == nil || !strings.Contains(err.Error(), "publishTopic") {
+		t.Fatalf("HandleProducing without a publish topic = %v; want it refused", err)
+	}
 }
