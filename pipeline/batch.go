@@ -32,8 +32,9 @@ import (
 // batches claiming the same keys lock them in the same order instead of
 // deadlocking), the outbox messages of all its calls are written together
 // just before the commit (one multi-row insert per run of messages to one
-// topic, instead of one insert per call), and every delivery is acked only
-// after the commit. A message whose handler fails (or panics)
+// topic, instead of one insert per call; after the calls have returned,
+// so under the batch's context, with only the values of the context a call
+// gave a message), and every delivery is acked only after the commit. A message whose handler fails (or panics)
 // is taken out: the transaction is rolled back and the rest of the batch is
 // run again without it, so the others still commit and only that message is
 // retried, dead-lettered or poisoned. The handler's writes must therefore be
@@ -648,7 +649,10 @@ func (b *batcher) callBatch(ctx context.Context, tx txn, msgs []*message.Message
 // commit); it must not commit or roll back tx. msgs holds only messages whose
 // work is not done yet: duplicates of earlier deliveries, and keys held by
 // another worker, were filtered out before. ctx belongs to the batch; each
-// message has its own context too.
+// message has its own context too. The outbox insert runs after fn has
+// returned, under the batch's context: a context fn derives, gives to the
+// messages it publishes (SetContext) and cancels on return lends them its
+// values (their trace context) and nothing else.
 //
 // When it fails, no message of the batch is done. If the error names the
 // message that caused it (MessageFailed), that message alone is settled with
