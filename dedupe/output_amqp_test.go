@@ -2,6 +2,7 @@ package dedupe_test
 
 import (
 	"context"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -11,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/amqpmarshal"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
@@ -142,8 +144,8 @@ func TestOutputWithoutPublisherIsPoisonedOnRabbitMQ(t *testing.T) {
 		t.Fatal("the poison copy went away")
 	}
 	_ = d.Nack(false, true)
-	if reason, _ := d.Headers["settle_reason"].(string); reason == "" {
-		t.Fatalf("poison copy headers %v carry no reason", d.Headers)
+	if reason, _ := d.Headers[settle.MetaReason].(string); !strings.Contains(reason, "Config.Publisher") {
+		t.Fatalf("poison copy's reason %q does not name Config.Publisher", reason)
 	}
 }
 
