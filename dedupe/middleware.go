@@ -591,12 +591,16 @@ func (m *mw) publish(msg *message.Message, out []*message.Message) error {
 	}
 	own := make([]context.Context, len(out))
 	for i, o := range out {
-		own[i] = o.Context()
-		o.SetContext(context.WithoutCancel(own[i]))
+		if o != nil {
+			own[i] = o.Context()
+			o.SetContext(context.WithoutCancel(own[i]))
+		}
 	}
 	err := m.cfg.Publisher.Publish(topic, out...)
 	for i, o := range out {
-		o.SetContext(own[i])
+		if o != nil {
+			o.SetContext(own[i])
+		}
 	}
 	if err != nil {
 		return fmt.Errorf("dedupe: publishing %d produced messages to %q: %w", len(out), topic, err)

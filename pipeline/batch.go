@@ -34,10 +34,11 @@ import (
 // just before the commit (one multi-row insert per run of messages to one
 // topic, instead of one insert per call; after the calls have returned,
 // so under the batch's context, with only the values of the context a call
-// gave a message), and every delivery is acked only after the commit. A message whose handler fails (or panics)
-// is taken out: the transaction is rolled back and the rest of the batch is
-// run again without it, so the others still commit and only that message is
-// retried, dead-lettered or poisoned. The handler's writes must therefore be
+// gave a message), and every delivery is acked only after the commit. A
+// message whose handler fails (or panics) is taken out: the transaction is
+// rolled back and the rest of the batch is run again without it, so the
+// others still commit and only that message is retried, dead-lettered or
+// poisoned. The handler's writes must therefore be
 // in the transaction only (which is true of any transactional handler): a
 // run that was rolled back leaves nothing. Since the outbox rows are
 // written at the end, a handler does not see its own outbox rows in the
@@ -553,16 +554,23 @@ func (b *publishBuffer) flush(ctx context.Context) error {
 func publishUnder(ctx context.Context, out message.Publisher, topic string, msgs []*message.Message) error {
 	own := make([]context.Context, len(msgs))
 	for i, m := range msgs {
-		own[i] = m.Context()
-		m.SetContext(settleContext(ctx, own[i]))
+		if m != nil {
+			own[i] = m.Context()
+			m.SetContext(settleContext(ctx, own[i]))
+		}
 	}
 	defer func() {
 		for i, m := range msgs {
-			m.SetContext(own[i])
+			if m != nil {
+				m.SetContext(own[i])
+			}
 		}
 	}()
 	return out.Publish(topic, msgs...)
 }
+
+// Close does nothing: the buffer lives as long as its transaction.
+func (b *publishBuffer) Close() error { return nil }
 
 // settleContext returns a context for work that settle does after a handler
 // has returned, on behalf of what the handler left with it (an outbox
@@ -605,9 +613,6 @@ func detachProduced(h message.HandlerFunc) message.HandlerFunc {
 		return out, err
 	}
 }
-
-// Close does nothing: the buffer lives as long as its transaction.
-func (b *publishBuffer) Close() error { return nil }
 
 // keyOf derives the job's key, turning a panic of the key or scope function
 // into that job's error, as for a handler call.
