@@ -74,9 +74,14 @@ type Config struct {
 	// publish them only after the confirmation, and if that publish failed,
 	// the redelivery would be a duplicate and the messages would be lost.
 	// Required only for handlers that return messages: without it, such a
-	// handler's delivery fails with ErrOutputWithoutPublisher (and its key is
-	// released), never silently. Prefer the transactional outbox where the
-	// messages must commit with the handler's writes.
+	// handler's delivery fails permanently with an *OutputError wrapping
+	// ErrOutputWithoutPublisher, after its key is confirmed (the handler's
+	// other effects are done and must not be done again), so the poison
+	// parking in front parks it, and a router with no parking acks its
+	// redelivery as a duplicate: one run, never a redelivery loop, and the
+	// messages are dropped loudly (the error, and an Error log), never
+	// silently. Prefer the transactional outbox where the messages must
+	// commit with the handler's writes.
 	Publisher message.Publisher
 	// BusyDelay is how long a delivery whose key another worker holds is
 	// held before it is nacked, so that it does not spin; it is deferred, not
@@ -142,9 +147,10 @@ func (c Config) Validate() error {
 	return nil
 }
 
-// ErrOutputWithoutPublisher is returned when a handler returns messages but
+// ErrOutputWithoutPublisher is wrapped by the error (an *OutputError,
+// permanent) of a delivery whose handler returned messages while
 // Config.Publisher is not set; see Config.Publisher.
-var ErrOutputWithoutPublisher = errors.New("dedupe: handler returned messages but Config.Publisher is not set, so they could not be published before the key is confirmed")
+var ErrOutputWithoutPublisher = errors.New("dedupe: handler returned messages but Config.Publisher is not set")
 
 // ClaimFromContext returns the claim the dedupe middleware took for the
 // message being handled. The handler sees it in msg.Context(); middleware
@@ -286,14 +292,20 @@ func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Conte
 			err = fmt.Errorf("%w: %w", cause, err)
 		}
 	}
+	unpublished := 0 // messages returned with no Publisher to send them
 	if err == nil && len(out) > 0 {
-		err = m.publish(msg, out)
+		if m.cfg.Publisher == nil {
+			unpublished = len(out)
+		} else {
+			err = m.publish(msg, out)
+		}
 		out = nil
 	}
 	st.stopRenew()
 	settled = true
 	if err == nil && st.confirmedInTx {
-		return out, nil // the handler's transaction committed the confirmation
+		// The handler's transaction committed the confirmation.
+		return nil, m.withoutPublisher(msg, unpublished)
 	}
 	var serr error
 	if err == nil {
@@ -308,8 +320,53 @@ func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Conte
 		settlement.FromContext(orig).Defer() // the handler succeeded: not a failed attempt
 		return nil, serr
 	}
+	if err == nil {
+		err = m.withoutPublisher(msg, unpublished)
+	}
 	return out, err
 }
+
+// withoutPublisher is the result of a delivery whose handler succeeded and
+// returned n messages (n > 0) with no Config.Publisher to send them: an
+// OutputError, permanent, so that the poison parking in front parks the
+// delivery on its first failure and nothing retries it. Its key is
+// confirmed first (run does), because the handler's other effects are done
+// and must not happen again: a redelivery is a duplicate, acked without a
+// run, which also ends the loop of a router with no parking at all. The
+// messages are dropped, and said so in the error and the log. n == 0: nil.
+func (m *mw) withoutPublisher(msg *message.Message, n int) error {
+	if n == 0 {
+		return nil
+	}
+	err := &OutputError{Messages: n, Topic: message.PublishTopicFromCtx(msg.Context())}
+	m.cfg.Logger.Error("dedupe: handler returned messages but Config.Publisher is not set; they were not published, the key is confirmed and the delivery fails permanently", err, watermill.LogFields{
+		"message_uuid": msg.UUID, "handler": message.HandlerNameFromCtx(msg.Context()), "messages": n,
+	})
+	return err
+}
+
+// OutputError is the error of a delivery whose handler returned messages
+// while Config.Publisher was not set. It wraps ErrOutputWithoutPublisher and
+// is permanent (it has a Permanent method that returns true): the same
+// handler returns messages again on every run, and no retry can publish
+// them. The middleware confirms the key before returning it, since the
+// handler's other effects happened: a redelivery, or a replay of the
+// poisoned copy, is a duplicate and does not run the handler again.
+type OutputError struct {
+	Messages int    // how many messages the handler returned
+	Topic    string // the handler's publish topic; empty when it has none
+}
+
+func (e *OutputError) Error() string {
+	return fmt.Sprintf("%v: %d message(s) for topic %q dropped; the handler's key is confirmed, so its effects are not done again (set Config.Publisher)",
+		ErrOutputWithoutPublisher, e.Messages, e.Topic)
+}
+
+// Unwrap returns ErrOutputWithoutPublisher.
+func (e *OutputError) Unwrap() error { return ErrOutputWithoutPublisher }
+
+// Permanent reports true.
+func (e *OutputError) Permanent() bool { return true }
 
 type heldCtxKey struct{}
 
@@ -518,15 +575,34 @@ func HoldTx(ctx context.Context, tx DB) error {
 
 // publish sends the handler's output while the claim is still held, so that
 // a failure releases the key and the redelivery runs the handler again.
+//
+// The handler has returned: the context it gave a message (m.SetContext)
+// may be cancelled by now, typically one it derived and whose cancel it
+// deferred. Each message is published under context.WithoutCancel of its
+// own context, which keeps its values (its trace context) and nothing the
+// handler can cancel, and then gets its context back. Like the confirmation
+// that follows it, the publish is not cut short by the router's shutdown:
+// the handler's effects are done, and a publish abandoned now would have
+// the redelivery do them again.
 func (m *mw) publish(msg *message.Message, out []*message.Message) error {
-	if m.cfg.Publisher == nil {
-		return ErrOutputWithoutPublisher
-	}
 	topic := message.PublishTopicFromCtx(msg.Context())
 	if topic == "" {
 		return errors.New("dedupe: handler returned messages but the message context names no publish topic (is the handler added with AddHandler?)")
 	}
-	if err := m.cfg.Publisher.Publish(topic, out...); err != nil {
+	own := make([]context.Context, len(out))
+	for i, o := range out {
+		if o != nil {
+			own[i] = o.Context()
+			o.SetContext(context.WithoutCancel(own[i]))
+		}
+	}
+	err := m.cfg.Publisher.Publish(topic, out...)
+	for i, o := range out {
+		if o != nil {
+			o.SetContext(own[i])
+		}
+	}
+	if err != nil {
 		return fmt.Errorf("dedupe: publishing %d produced messages to %q: %w", len(out), topic, err)
 	}
 	return nil

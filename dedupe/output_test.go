@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 )
 
@@ -90,6 +91,10 @@ func TestProducedMessagesArePublishedBeforeConfirm(t *testing.T) {
 	}
 }
 
+// A handler that returns messages without Config.Publisher: the delivery
+// fails permanently (an *OutputError wrapping ErrOutputWithoutPublisher),
+// and its key is confirmed, since the handler's other effects are done: the
+// redelivery is a duplicate and does not run the handler again.
 func TestProducedMessagesWithoutPublisherFail(t *testing.T) {
 	t.Parallel()
 	store := dedupe.NewMemoryStore()
@@ -97,15 +102,21 @@ func TestProducedMessagesWithoutPublisherFail(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	runs := 0
 	h := dd(func(msg *message.Message) ([]*message.Message, error) {
+		runs++
 		return []*message.Message{message.NewMessage("out", nil)}, nil
 	})
 	out, err := h(message.NewMessage("in", nil))
-	if !errors.Is(err, dedupe.ErrOutputWithoutPublisher) || out != nil {
-		t.Fatalf("got %v, %v; want ErrOutputWithoutPublisher and no messages", out, err)
+	var oe *dedupe.OutputError
+	if !errors.Is(err, dedupe.ErrOutputWithoutPublisher) || !errors.As(err, &oe) || oe.Messages != 1 || !settle.IsPermanent(err) || out != nil {
+		t.Fatalf("got %v, %v; want a permanent *OutputError for 1 message, wrapping ErrOutputWithoutPublisher, and no messages", out, err)
 	}
 	c, err := store.Claim(t.Context(), "in", time.Minute)
-	if err != nil || c.Result != dedupe.Acquired {
-		t.Fatalf("claim after = %+v, %v; want the key released (Acquired)", c, err)
+	if err != nil || c.Result != dedupe.Duplicate {
+		t.Fatalf("claim after = %+v, %v; want the key confirmed (Duplicate)", c, err)
+	}
+	if out, err := h(message.NewMessage("in", nil)); err != nil || out != nil || runs != 1 {
+		t.Fatalf("redelivery: %v, %v after %d runs; want a duplicate acked without a second run", out, err, runs)
 	}
 }

@@ -32,11 +32,13 @@ import (
 // batches claiming the same keys lock them in the same order instead of
 // deadlocking), the outbox messages of all its calls are written together
 // just before the commit (one multi-row insert per run of messages to one
-// topic, instead of one insert per call), and every delivery is acked only
-// after the commit. A message whose handler fails (or panics)
-// is taken out: the transaction is rolled back and the rest of the batch is
-// run again without it, so the others still commit and only that message is
-// retried, dead-lettered or poisoned. The handler's writes must therefore be
+// topic, instead of one insert per call; after the calls have returned,
+// so under the batch's context, with only the values of the context a call
+// gave a message), and every delivery is acked only after the commit. A
+// message whose handler fails (or panics) is taken out: the transaction is
+// rolled back and the rest of the batch is run again without it, so the
+// others still commit and only that message is retried, dead-lettered or
+// poisoned. The handler's writes must therefore be
 // in the transaction only (which is true of any transactional handler): a
 // run that was rolled back leaves nothing. Since the outbox rows are
 // written at the end, a handler does not see its own outbox rows in the
@@ -530,12 +532,16 @@ func (b *publishBuffer) Publish(topic string, msgs ...*message.Message) error {
 	return nil
 }
 
-// flush writes what is held through the outbox publisher.
-func (b *publishBuffer) flush() error {
+// flush writes what is held through the outbox publisher, under ctx, the
+// batch's: the handler calls that published have returned, and the context
+// a handler gave a message (m.SetContext) may be cancelled by now (a handler
+// that derived it and deferred its cancel). Each message is written under
+// settleContext(ctx, its context), then given its context back.
+func (b *publishBuffer) flush(ctx context.Context) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	for _, p := range b.pending {
-		if err := b.next.Publish(p.topic, p.msgs...); err != nil {
+		if err := publishUnder(ctx, b.next, p.topic, p.msgs); err != nil {
 			return err
 		}
 	}
@@ -543,8 +549,70 @@ func (b *publishBuffer) flush() error {
 	return nil
 }
 
+// publishUnder publishes msgs on out with each message's context replaced,
+// for the call, by settleContext(ctx, its own).
+func publishUnder(ctx context.Context, out message.Publisher, topic string, msgs []*message.Message) error {
+	own := make([]context.Context, len(msgs))
+	for i, m := range msgs {
+		if m != nil {
+			own[i] = m.Context()
+			m.SetContext(settleContext(ctx, own[i]))
+		}
+	}
+	defer func() {
+		for i, m := range msgs {
+			if m != nil {
+				m.SetContext(own[i])
+			}
+		}
+	}()
+	return out.Publish(topic, msgs...)
+}
+
 // Close does nothing: the buffer lives as long as its transaction.
 func (b *publishBuffer) Close() error { return nil }
+
+// settleContext returns a context for work that settle does after a handler
+// has returned, on behalf of what the handler left with it (an outbox
+// message): the values of the handler's context (its trace context above
+// all, so that the outbox row continues the handler's trace), under the
+// deadline and cancellation of ctx, settle's own. Nothing the handler
+// cancels, or lets expire, reaches that work.
+func settleContext(ctx, values context.Context) context.Context {
+	if values == nil || values == ctx {
+		return ctx
+	}
+	return settled{Context: ctx, values: context.WithoutCancel(values)}
+}
+
+// settled is settleContext's context. values is a context.WithoutCancel, so
+// that context.Cause of settled is the cause of ctx, not the handler's.
+type settled struct {
+	context.Context // settle's: Deadline, Done, Err
+	values          context.Context
+}
+
+func (c settled) Value(key any) any { return c.values.Value(key) }
+
+// detachProduced is the innermost middleware of a producing handler: the
+// messages the handler returns are published after it has returned (by the
+// dedupe middleware, or by the router when there is no store), so each one's
+// context becomes context.WithoutCancel of the context the handler gave it:
+// its values (the trace context) stay, its cancellation does not. A handler
+// that derived a context, gave it to its output and deferred the cancel
+// would otherwise have every publish refused (watermill-amqp publishes under
+// the message's context) and its delivery nacked again and again.
+func detachProduced(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		out, err := h(msg)
+		for _, m := range out {
+			if m != nil && m.Context().Done() != nil {
+				m.SetContext(context.WithoutCancel(m.Context()))
+			}
+		}
+		return out, err
+	}
+}
 
 // keyOf derives the job's key, turning a panic of the key or scope function
 // into that job's error, as for a handler call.
@@ -586,7 +654,10 @@ func (b *batcher) callBatch(ctx context.Context, tx txn, msgs []*message.Message
 // commit); it must not commit or roll back tx. msgs holds only messages whose
 // work is not done yet: duplicates of earlier deliveries, and keys held by
 // another worker, were filtered out before. ctx belongs to the batch; each
-// message has its own context too.
+// message has its own context too. The outbox insert runs after fn has
+// returned, under the batch's context: a context fn derives, gives to the
+// messages it publishes (SetContext) and cancels on return lends them its
+// values (their trace context) and nothing else.
 //
 // When it fails, no message of the batch is done. If the error names the
 // message that caused it (MessageFailed), that message alone is settled with

@@ -28,6 +28,7 @@ type batchAMQP struct {
 	sub *amqp.Subscriber
 	ch  *amqp091.Channel
 	src string
+	cfg amqp.Config // of pub and sub, for a subscriber of another kind on src
 }
 
 func newBatchAMQP(t *testing.T, prefix string) *batchAMQP {
@@ -55,7 +56,7 @@ func newBatchAMQP(t *testing.T, prefix string) *batchAMQP {
 		must(t, err)
 		t.Cleanup(func() { _, _ = ch.QueueDelete(q, false, false, false) })
 	}
-	return &batchAMQP{pub: pub, sub: sub, ch: ch, src: src}
+	return &batchAMQP{pub: pub, sub: sub, ch: ch, src: src, cfg: cfg}
 }
 
 func (a *batchAMQP) depth(t *testing.T, q string) int {

@@ -230,6 +230,9 @@ func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store, noDedup
 		// get their trace context before that, right at the handler.
 		mws = append(mws, middleware.TraceProduced)
 	}
+	if publishTopic != "" {
+		mws = append(mws, detachProduced)
+	}
 	return mws, nil
 }
 

@@ -254,11 +254,13 @@ func (b *outboxBinding) bind(publisher func() (message.Publisher, error)) error 
 
 func (b *outboxBinding) bufferOutbox() { b.buffer = true }
 
-func (b *outboxBinding) flushOutbox(context.Context) error {
+// flushOutbox writes the held messages under ctx, settle's (see
+// publishBuffer.flush).
+func (b *outboxBinding) flushOutbox(ctx context.Context) error {
 	if b.held == nil {
 		return nil
 	}
-	return b.held.flush()
+	return b.held.flush(ctx)
 }
 
 func (t *sqlTxn) rollback(context.Context) error {
