@@ -14,6 +14,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/settle-go/settle/internal/sqlurl"
 )
 
 // envJaegerURL names the Jaeger query API the trace command asks by default.
@@ -66,7 +68,7 @@ func runTrace(e *env, args []string) (err error) {
 		base = defaultJaegerURL
 	}
 	if u, perr := url.Parse(base); perr != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return usagef(fs, name, "-jaeger: %q is not an http:// URL", base)
+		return usagef(fs, name, "-jaeger: %q is not an http:// URL", redact(base))
 	}
 
 	var traces []jTrace
@@ -208,19 +210,25 @@ func (q jaegerQuery) fetch(ctx context.Context) ([]jTrace, error) {
 	req.Close = true // one request per connection: nothing stays open after the command
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("-jaeger: cannot reach Jaeger's query API at %s: %w", q.base, err)
+		// net/http hides the password of the URL it quotes, not a token in
+		// its query.
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err
+		}
+		return nil, fmt.Errorf("-jaeger: cannot reach Jaeger's query API at %s: %w", redact(q.base), sqlurl.ScrubError(err, q.base))
 	}
 	defer resp.Body.Close()
 	switch {
 	case resp.StatusCode == http.StatusNotFound && q.id != "":
-		return nil, fmt.Errorf("no trace %s in the Jaeger at %s", q.id, q.base)
+		return nil, fmt.Errorf("no trace %s in the Jaeger at %s", q.id, redact(q.base))
 	case resp.StatusCode == http.StatusBadRequest && q.id == "":
 		// Jaeger answers 400 for a service it has never seen.
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
 		return nil, fmt.Errorf("the Jaeger at %s: %s (has service %q sent any span? its services: %s)",
-			q.base, strings.TrimSpace(string(b)), q.service, q.services(ctx))
+			redact(q.base), strings.TrimSpace(string(b)), q.service, q.services(ctx))
 	case resp.StatusCode != http.StatusOK:
-		return nil, fmt.Errorf("the Jaeger at %s: %s", u, resp.Status)
+		return nil, fmt.Errorf("the Jaeger at %s: %s", redact(u), resp.Status)
 	}
 	traces, err := decodeTraces(resp.Body)
 	if err != nil {
@@ -228,7 +236,7 @@ func (q jaegerQuery) fetch(ctx context.Context) ([]jTrace, error) {
 	}
 	if len(traces) == 0 && q.id == "" {
 		return nil, fmt.Errorf("no trace of service %q in the last %s matching %q in the Jaeger at %s (its services: %s)",
-			q.service, q.lookback, q.tag, q.base, q.services(ctx))
+			q.service, q.lookback, q.tag, redact(q.base), q.services(ctx))
 	}
 	return traces, nil
 }
