@@ -144,38 +144,40 @@ func (r *replayer) one(d amqp091.Delivery, en entry) error {
 	if dest == "" {
 		dest = en.OriginalTopic
 	}
+	// What the message says is shown escaped (safeLine).
+	id, to := safeLine(en.UUID), safeLine(dest)
 	switch {
 	case dest == "":
 		r.skipped++
-		fmt.Fprintf(out, "skip %s: no settle_original_topic (use -to)\n", en.UUID)
+		fmt.Fprintf(out, "skip %s: no settle_original_topic (use -to)\n", id)
 		return nil
 	case dest == r.s.queue:
 		r.skipped++
-		fmt.Fprintf(out, "skip %s: its original topic is the queue being replayed\n", en.UUID)
+		fmt.Fprintf(out, "skip %s: its original topic is the queue being replayed\n", id)
 		return nil
 	}
 	if err := r.checkDest(dest); err != nil {
 		if !r.act {
 			r.skipped++
-			fmt.Fprintf(out, "skip %s: %v\n", en.UUID, err)
+			fmt.Fprintf(out, "skip %s: %s\n", id, safeLine(err.Error()))
 			return nil
 		}
 		return err
 	}
 	p, newID := replayCopy(d, en, r.uuidHeader, time.Now())
 	if !r.act {
-		fmt.Fprintf(out, "would replay %s (%s, handler %s) to %s as %s\n", en.UUID, dash(en.Outcome), dash(en.Handler), dest, newID)
+		fmt.Fprintf(out, "would replay %s (%s, handler %s) to %s as %s\n", id, oneLine(dash(en.Outcome)), oneLine(dash(en.Handler)), to, newID)
 		return nil
 	}
 	if err := r.publish(dest, p); err != nil {
-		return fmt.Errorf("replay %s to %s: %w; it stays on %s", en.UUID, dest, err, r.s.queue)
+		return fmt.Errorf("replay %s to %s: %w; it stays on %s", id, to, err, r.s.queue)
 	}
 	if err := r.s.ack(d); err != nil {
 		return fmt.Errorf("replayed %s to %s as %s, but could not remove it from %s (a second replay gives the copy the same UUID, so dedupe drops it): %w",
-			en.UUID, dest, newID, r.s.queue, err)
+			id, to, newID, r.s.queue, err)
 	}
 	r.replayed++
-	fmt.Fprintf(out, "replayed %s to %s as %s\n", en.UUID, dest, newID)
+	fmt.Fprintf(out, "replayed %s to %s as %s\n", id, to, newID)
 	return nil
 }
 
@@ -248,7 +250,7 @@ func (r *replayer) handlerList() string {
 		if h == "" {
 			label = "(none)"
 		}
-		parts[i] = fmt.Sprintf("%s (%d)", label, r.handlers[h])
+		parts[i] = fmt.Sprintf("%s (%d)", oneLine(label), r.handlers[h])
 	}
 	return strings.Join(parts, ", ")
 }
