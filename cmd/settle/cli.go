@@ -62,11 +62,11 @@ var synopses = map[string]string{
 	"dlq list":      "dlq list -queue Q [-json] [-limit N]",
 	"dlq show":      "dlq show -queue Q [-json] ID",
 	"dlq replay":    "dlq replay -queue Q [-id ID ...] [-handler H] [-reason SUBSTR] [-all] [-to Q] [-yes]",
-	"dedupe prune":  "dedupe prune -db URL [-driver pgx|sql] [-table T] -older-than AGE",
+	"dedupe prune":  "dedupe prune -db URL [-driver pgx|sql] [-table T] -older-than AGE [-force] [-yes]",
 	"dedupe schema": "dedupe schema -dialect postgres|mysql|sqlite [-table T]",
 	"outbox schema": "outbox schema -dialect postgres|mysql|sqlite [-topic T]",
 	"outbox status": "outbox status -db URL [-driver pgx|sql] [-topic T] [-stuck-after D] [-json]",
-	"outbox prune":  "outbox prune -db URL [-driver pgx|sql] [-topic T] -older-than DURATION",
+	"outbox prune":  "outbox prune -db URL [-driver pgx|sql] [-topic T] -older-than AGE [-force] [-yes]",
 	"trace":         "trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag KEY=VALUE]) [-svg FILE]",
 }
 
