@@ -137,20 +137,8 @@ func isNotFound(err error) bool {
 }
 
 // queueDepth returns how many messages are ready on queue, or an error
-// saying that there is no such queue. It uses a channel of its own, since a
-// failed passive declare closes the channel.
+// saying that there is no such queue.
 func queueDepth(conn *amqp091.Connection, queue string) (int, error) {
-	ch, err := conn.Channel()
-	if err != nil {
-		return 0, fmt.Errorf("open channel: %w", err)
-	}
-	q, err := ch.QueueDeclarePassive(queue, false, false, false, false, nil)
-	if err != nil {
-		if isNotFound(err) {
-			return 0, fmt.Errorf("no queue named %q", queue)
-		}
-		return 0, fmt.Errorf("queue %q: %w", queue, err)
-	}
-	_ = ch.Close()
-	return q.Messages, nil
+	q, err := inspectQueue(conn, queue)
+	return q.Messages, err
 }
