@@ -62,11 +62,11 @@ var synopses = map[string]string{
 	"dlq list":      "dlq list -queue Q [-json] [-limit N]",
 	"dlq show":      "dlq show -queue Q [-json] ID",
 	"dlq replay":    "dlq replay -queue Q [-id ID ...] [-handler H] [-reason SUBSTR] [-all] [-to Q] [-yes]",
-	"dedupe prune":  "dedupe prune -db URL [-driver pgx|sql] [-table T] -older-than AGE",
+	"dedupe prune":  "dedupe prune -db URL [-driver pgx|sql] [-table T] -older-than AGE [-force] [-yes]",
 	"dedupe schema": "dedupe schema -dialect postgres|mysql|sqlite [-table T]",
 	"outbox schema": "outbox schema -dialect postgres|mysql|sqlite [-topic T]",
 	"outbox status": "outbox status -db URL [-driver pgx|sql] [-topic T] [-stuck-after D] [-json]",
-	"outbox prune":  "outbox prune -db URL [-driver pgx|sql] [-topic T] -older-than DURATION",
+	"outbox prune":  "outbox prune -db URL [-driver pgx|sql] [-topic T] -older-than AGE [-force] [-yes]",
 	"trace":         "trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag KEY=VALUE]) [-svg FILE]",
 }
 
@@ -108,6 +108,8 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 }
 
 func runEnv(e *env, args []string) int {
+	// No control character reaches the terminal, whoever printed it.
+	e.stdout, e.stderr = controlFilter{e.stdout}, controlFilter{e.stderr}
 	if len(args) == 0 {
 		fmt.Fprint(e.stderr, usage())
 		return exitUsage
@@ -154,7 +156,7 @@ func runEnv(e *env, args []string) int {
 	case errors.Is(err, errHelp):
 		return exitOK
 	case errors.As(err, &ue):
-		fmt.Fprintf(e.stderr, "settle %s: %s\n", cmd.name, ue.msg)
+		fmt.Fprintf(e.stderr, "settle %s: %s\n", cmd.name, safeText(ue.msg))
 		if ue.usage != "" {
 			fmt.Fprint(e.stderr, ue.usage)
 		} else {
@@ -162,7 +164,8 @@ func runEnv(e *env, args []string) int {
 		}
 		return exitUsage
 	default:
-		fmt.Fprintf(e.stderr, "settle: %v\n", err)
+		// An error may quote what a broker, a database or Jaeger sent.
+		fmt.Fprintf(e.stderr, "settle: %s\n", safeText(err.Error()))
 		return exitFail
 	}
 }

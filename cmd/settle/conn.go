@@ -64,7 +64,8 @@ func openDB(e *env, rawURL string) (*sql.DB, dedupe.Dialect, error) {
 	defer cancel()
 	if err := db.PingContext(pctx); err != nil {
 		_ = db.Close()
-		return nil, "", fmt.Errorf("%s: cannot reach the %s database at %s: %w", from, dialect, redact(rawURL), err)
+		// A driver's error may quote the connection string.
+		return nil, "", fmt.Errorf("%s: cannot reach the %s database at %s: %w", from, dialect, redact(rawURL), sqlurl.ScrubError(err, rawURL))
 	}
 	return db, dialect, nil
 }
@@ -77,7 +78,7 @@ func dialAMQP(ctx context.Context, rawURL string) (*amqp091.Connection, error) {
 	}
 	uri, err := amqp091.ParseURI(rawURL)
 	if err != nil {
-		return nil, &usageError{msg: fmt.Sprintf("-amqp: %q: %v (want amqp://user:password@host:5672/)", redact(rawURL), err)}
+		return nil, &usageError{msg: "-amqp: " + amqpURLError(rawURL) + " (want amqp://user:password@host:5672/)"}
 	}
 	addr := net.JoinHostPort(uri.Host, fmt.Sprint(uri.Port))
 	dialer := &net.Dialer{Timeout: connectTimeout}
@@ -101,18 +102,32 @@ func dialAMQP(ctx context.Context, rawURL string) (*amqp091.Connection, error) {
 		},
 	})
 	if err != nil {
-		return nil, fmt.Errorf("-amqp: cannot connect to the broker at %s: %w", addr, err)
+		return nil, fmt.Errorf("-amqp: cannot connect to the broker at %s: %w", addr, sqlurl.ScrubError(err, rawURL))
 	}
 	return conn, nil
 }
 
-// redact hides the password of a URL.
-func redact(u string) string {
-	if pu, err := url.Parse(u); err == nil && pu.User != nil {
-		return pu.Redacted()
+// amqpURLError says what is wrong with an AMQP URL that amqp091 refuses,
+// without the password: amqp091's error quotes the URL (url.Parse's does),
+// so it is taken from the redacted URL, and when that one parses, only the
+// user information can be wrong.
+func amqpURLError(rawURL string) string {
+	safe := redact(rawURL)
+	_, err := amqp091.ParseURI(safe)
+	if err == nil {
+		return fmt.Sprintf("%q: not a valid URL: percent-encode the user name and password (/ as %%2F, ? as %%3F, # as %%23, @ as %%40, %% as %%25)", safe)
 	}
-	return u
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		err = ue.Err
+	}
+	return fmt.Sprintf("%q: %v", safe, err)
 }
+
+// redact hides the passwords and tokens of a connection string, in any form
+// (sqlurl.Redact). Every connection string that goes into a message passes
+// through it first.
+func redact(u string) string { return sqlurl.Redact(u) }
 
 // isNotFound reports whether err is the broker's 404 NOT_FOUND (a passive
 // declare of a queue that does not exist).
@@ -122,20 +137,8 @@ func isNotFound(err error) bool {
 }
 
 // queueDepth returns how many messages are ready on queue, or an error
-// saying that there is no such queue. It uses a channel of its own, since a
-// failed passive declare closes the channel.
+// saying that there is no such queue.
 func queueDepth(conn *amqp091.Connection, queue string) (int, error) {
-	ch, err := conn.Channel()
-	if err != nil {
-		return 0, fmt.Errorf("open channel: %w", err)
-	}
-	q, err := ch.QueueDeclarePassive(queue, false, false, false, false, nil)
-	if err != nil {
-		if isNotFound(err) {
-			return 0, fmt.Errorf("no queue named %q", queue)
-		}
-		return 0, fmt.Errorf("queue %q: %w", queue, err)
-	}
-	_ = ch.Close()
-	return q.Messages, nil
+	q, err := inspectQueue(conn, queue)
+	return q.Messages, err
 }

@@ -19,7 +19,9 @@ func runDedupePrune(e *env, args []string) (err error) {
 	fs := newFlagSet(name)
 	dbURL, driver := dbFlag(fs), driverFlag(fs)
 	table := fs.String("table", dedupe.DefaultTable, "the dedupe table")
-	olderThan := ageFlag(fs, "older-than", "remove confirmed and released keys last touched longer ago than this, e.g. 7d or 36h (required)")
+	olderThan := ageFlag(fs, "older-than", "remove confirmed and released keys last touched longer ago than this, e.g. 7d or 36h (required; at least "+shortAge(pruneFloor)+" without -force)")
+	var pf pruneFlags
+	pf.register(fs)
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
@@ -29,6 +31,9 @@ func runDedupePrune(e *env, args []string) (err error) {
 		return usagef(fs, name, "unexpected argument %q", pos[0])
 	case *olderThan <= 0:
 		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 7d)")
+	}
+	if err := pf.checkFloor(e, *olderThan, whyDedupeFloor); err != nil {
+		return err
 	}
 	d, err := openDatabase(e, *dbURL, *driver)
 	if err != nil {
@@ -51,11 +56,30 @@ func runDedupePrune(e *env, args []string) (err error) {
 		return fmt.Errorf("prune %s: %w", *table, err)
 	}
 	cutoff := time.Now().Add(-*olderThan)
-	n, err := store.Prune(e.ctx, cutoff)
+	at := cutoff.UTC().Format(time.RFC3339)
+	n, sample, err := d.prunableKeys(e.ctx, *table, cutoff)
+	if err != nil {
+		return fmt.Errorf("count the keys to prune in %s: %w", *table, err)
+	}
+	if !pf.yes {
+		fmt.Fprintf(e.stdout, "would delete %d keys from %s (confirmed or released, last touched before %s)", n, *table, at)
+		if n > 0 {
+			fmt.Fprintf(e.stdout, "; the oldest:\n")
+			if err := writeSample(e.stdout, []string{"KEY", "STATE", "LAST TOUCHED"}, sample); err != nil {
+				return err
+			}
+		} else {
+			fmt.Fprintln(e.stdout)
+		}
+		fmt.Fprintln(e.stdout, "dry run: nothing deleted (add -yes to delete)")
+		return nil
+	}
+	fmt.Fprintf(e.stdout, "deleting %d keys from %s (confirmed or released, last touched before %s)\n", n, *table, at)
+	n, err = store.Prune(e.ctx, cutoff)
 	if err != nil {
 		return fmt.Errorf("prune %s (%d rows removed before the error): %w", *table, n, err)
 	}
-	fmt.Fprintf(e.stdout, "pruned %d rows from %s (keys settled before %s)\n", n, *table, cutoff.UTC().Format(time.RFC3339))
+	fmt.Fprintf(e.stdout, "pruned %d rows from %s (keys settled before %s)\n", n, *table, at)
 	return nil
 }
 
@@ -174,7 +198,9 @@ func runOutboxPrune(e *env, args []string) (err error) {
 	fs := newFlagSet(name)
 	dbURL, driver := dbFlag(fs), driverFlag(fs)
 	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
-	olderThan := ageFlag(fs, "older-than", "remove rows forwarded longer ago than this, e.g. 7d or 36h (required)")
+	olderThan := ageFlag(fs, "older-than", "remove rows forwarded longer ago than this, e.g. 7d or 36h (required; at least "+shortAge(pruneFloor)+" without -force)")
+	var pf pruneFlags
+	pf.register(fs)
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
@@ -185,12 +211,18 @@ func runOutboxPrune(e *env, args []string) (err error) {
 	case *olderThan <= 0:
 		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 7d)")
 	}
+	if err := pf.checkFloor(e, *olderThan, whyOutboxFloor); err != nil {
+		return err
+	}
 	d, ob, err := openOutbox(e, *dbURL, *driver, *topic, 0)
 	if err != nil {
 		return err
 	}
 	defer func() { err = errors.Join(err, d.Close()) }()
 	if err := d.checkOutbox(e.ctx, ob); err != nil {
+		return err
+	}
+	if err := d.outboxPrunePreview(e, *topic, *olderThan, pf.yes); err != nil || !pf.yes {
 		return err
 	}
 	var n int64

@@ -2,7 +2,9 @@ package main
 
 import (
 	"errors"
+	"flag"
 	"fmt"
+	"io"
 
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	amqp091 "github.com/rabbitmq/amqp091-go"
@@ -15,16 +17,16 @@ type amqpFlags struct {
 	url        string
 	queue      string
 	uuidHeader string
+	force      bool // read a queue that counts deliveries
 }
 
 // register adds the flags to fs. The URL's default is read after parsing
 // (see openDLQ), so that -h does not print a password from the environment.
-func (f *amqpFlags) register(fs interface {
-	StringVar(p *string, name, value, usage string)
-}) {
+func (f *amqpFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.url, "amqp", "", "RabbitMQ URL (default $"+envAMQPURL+")")
 	fs.StringVar(&f.queue, "queue", "", "the dead-letter or poison queue (required)")
 	fs.StringVar(&f.uuidHeader, "uuid-header", amqp.DefaultMessageUUIDHeaderKey, "header holding the message UUID (amqpmarshal.Config.MessageUUIDHeaderKey)")
+	fs.BoolVar(&f.force, "force", false, "read a queue that counts deliveries (a quorum queue), although every message read counts as a delivery and a delivery limit may drop or dead-letter it")
 }
 
 // dlqSession reads a queue with basic.get and manual acknowledgement. Every
@@ -38,6 +40,14 @@ type dlqSession struct {
 	marshaler amqpmarshal.Marshaler
 	depth     int // messages ready when the session started
 	held      int // messages got and not acked
+
+	// counting says whether the queue counts deliveries: queueCounts or
+	// queueMayCount, when the probe could not tell.
+	counting queueKind
+	force    bool // -force: read it anyway
+	stderr   io.Writer
+	// maxDeliveries is the highest x-delivery-count of a message read.
+	maxDeliveries int64
 }
 
 // openDLQ connects, checks that the queue exists and opens the reading
@@ -55,17 +65,30 @@ func openDLQ(e *env, f amqpFlags) (*dlqSession, error) {
 	if err != nil {
 		return nil, err
 	}
-	depth, err := queueDepth(conn, f.queue)
+	q, err := inspectQueue(conn, f.queue)
 	if err != nil {
 		_ = conn.Close()
 		return nil, err
+	}
+	if q.Consumers > 0 {
+		fmt.Fprintf(e.stderr, "warning: queue %s has %d consumer(s): the messages this command reads are held from them until it ends, and a dead-letter or poison queue should have none\n", f.queue, q.Consumers)
+	}
+	kind, perr := probeQueueKind(ctx, f.url, f.queue)
+	switch {
+	case kind == queueCounts && !f.force:
+		_ = conn.Close()
+		return nil, fmt.Errorf("%w: %s", errCountsDeliveries, countingHelp(f.queue))
+	case kind == queueCounts:
+		fmt.Fprintf(e.stderr, "warning: %s (-force)\n", countingHelp(f.queue))
+	case kind == queueMayCount:
+		fmt.Fprintf(e.stderr, "warning: cannot tell whether queue %s counts deliveries (%v); the command stops at the first message that carries a delivery count\n", f.queue, perr)
 	}
 	ch, err := conn.Channel()
 	if err != nil {
 		_ = conn.Close()
 		return nil, fmt.Errorf("open channel: %w", err)
 	}
-	return &dlqSession{conn: conn, ch: ch, queue: f.queue, marshaler: m, depth: depth}, nil
+	return &dlqSession{conn: conn, ch: ch, queue: f.queue, marshaler: m, depth: q.Messages, counting: kind, force: f.force, stderr: e.stderr}, nil
 }
 
 // next gets the next message, or ok=false when the queue has no more ready
@@ -79,8 +102,34 @@ func (s *dlqSession) next() (d amqp091.Delivery, e entry, ok bool, err error) {
 		return d, e, false, nil
 	}
 	s.held++
+	if n, ok := deliveryCount(d); ok {
+		s.maxDeliveries = max(s.maxDeliveries, n)
+		if s.counting == queueMayCount && !s.force {
+			// The probe could not tell, and the broker counts: stop
+			// before a second message is spent.
+			return d, e, false, fmt.Errorf("%w: %s", errCountsDeliveries, countingHelp(s.queue))
+		}
+	}
 	e, err = decode(s.marshaler, d)
 	return d, e, true, err
+}
+
+// deliveryCount returns the x-delivery-count header that quorum queues set
+// on every delivery.
+func deliveryCount(d amqp091.Delivery) (int64, bool) {
+	switch v := d.Headers["x-delivery-count"].(type) {
+	case int64:
+		return v, true
+	case int32:
+		return int64(v), true
+	case int16:
+		return int64(v), true
+	case int8:
+		return int64(v), true
+	case int:
+		return int64(v), true
+	}
+	return 0, false
 }
 
 // ack removes d from the queue.
@@ -97,6 +146,9 @@ func (s *dlqSession) ack(d amqp091.Delivery) error {
 // the broker reads as "every unacknowledged delivery on this channel", and
 // requeue set: RabbitMQ puts requeued messages back in their place.
 func (s *dlqSession) close() error {
+	if s.force && s.held > 0 && s.counting != queueClassic {
+		fmt.Fprintf(s.stderr, "note: the messages read had been delivered up to %d times before (x-delivery-count); handing them back adds one\n", s.maxDeliveries)
+	}
 	var errs []error
 	if s.held > 0 {
 		if err := s.ch.Nack(0, true, true); err != nil {

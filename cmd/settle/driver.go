@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"flag"
 	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -82,9 +83,14 @@ func openDatabase(e *env, flagURL, driver string) (*database, error) {
 		}
 		return &database{dialect: d, db: db}, nil
 	}
+	if _, _, _, err := sqlurl.Parse(rawURL); err != nil {
+		return nil, &usageError{msg: fmt.Sprintf("%s: %s", from, strings.TrimPrefix(err.Error(), "sqlurl: "))}
+	}
 	cfg, err := pgxpool.ParseConfig(rawURL)
 	if err != nil {
-		return nil, &usageError{msg: fmt.Sprintf("%s: %v", from, err)} // pgx redacts the password
+		// pgx redacts the URL it quotes, but not always what its parser
+		// says of it.
+		return nil, &usageError{msg: fmt.Sprintf("%s: %v", from, sqlurl.ScrubError(err, rawURL))}
 	}
 	cfg.MaxConns = 4 // a command runs a few statements, one after the other
 	pctx, cancel := context.WithTimeout(e.ctx, connectTimeout)
@@ -97,7 +103,7 @@ func openDatabase(e *env, flagURL, driver string) (*database, error) {
 		if pool != nil {
 			pool.Close()
 		}
-		return nil, fmt.Errorf("%s: cannot reach the postgres database at %s: %w", from, redact(rawURL), err)
+		return nil, fmt.Errorf("%s: cannot reach the postgres database at %s: %w", from, redact(rawURL), sqlurl.ScrubError(err, rawURL))
 	}
 	return &database{dialect: dedupe.Postgres, pool: pool}, nil
 }

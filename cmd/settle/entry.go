@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -124,10 +125,10 @@ func writeDetail(w io.Writer, e entry) error {
 	}
 	fmt.Fprintln(w, "metadata:")
 	for _, k := range slices.Sorted(maps.Keys(e.Metadata)) {
-		fmt.Fprintf(w, "  %s: %s\n", k, oneLine(e.Metadata[k]))
+		fmt.Fprintf(w, "  %s: %s\n", oneLine(k), oneLine(e.Metadata[k]))
 	}
 	if e.Payload != nil {
-		fmt.Fprintf(w, "payload (%d bytes):\n%s\n", e.PayloadBytes, *e.Payload)
+		fmt.Fprintf(w, "payload (%d bytes):\n%s\n", e.PayloadBytes, safeText(*e.Payload))
 	} else {
 		fmt.Fprintf(w, "payload (%d bytes, not UTF-8, base64):\n%s\n", e.PayloadBytes, mustJSONString(e.PayloadBase64))
 	}
@@ -139,12 +140,18 @@ func mustJSONString(b []byte) string {
 	return strings.Trim(string(s), `"`)
 }
 
-// writeJSON writes v as indented JSON.
+// writeJSON writes v as indented JSON, with the characters a terminal may
+// act on escaped (safeJSON): decoded, the strings are what they were.
 func writeJSON(w io.Writer, v any) error {
-	enc := json.NewEncoder(w)
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
 	enc.SetIndent("", "  ")
 	enc.SetEscapeHTML(false)
-	return enc.Encode(v)
+	if err := enc.Encode(v); err != nil {
+		return err
+	}
+	_, err := w.Write(safeJSON(b.Bytes()))
+	return err
 }
 
 func cell(s string) string {
@@ -154,16 +161,17 @@ func cell(s string) string {
 	return oneLine(s)
 }
 
-// oneLine keeps a value on one line of a table: newlines and tabs become
-// spaces.
+// oneLine keeps a value on one line of a table, safe for a terminal:
+// newlines and tabs become spaces, other control characters are escaped
+// (safeLine).
 func oneLine(s string) string {
-	return strings.Map(func(r rune) rune {
+	return safeLine(strings.Map(func(r rune) rune {
 		switch r {
 		case '\n', '\r', '\t':
 			return ' '
 		}
 		return r
-	}, s)
+	}, s))
 }
 
 // truncate shortens s to at most n runes, marking the cut with "...".

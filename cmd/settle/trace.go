@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"html"
 	"io"
 	"net/http"
 	"net/url"
@@ -14,6 +13,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/settle-go/settle/internal/sqlurl"
 )
 
 // envJaegerURL names the Jaeger query API the trace command asks by default.
@@ -66,7 +67,7 @@ func runTrace(e *env, args []string) (err error) {
 		base = defaultJaegerURL
 	}
 	if u, perr := url.Parse(base); perr != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return usagef(fs, name, "-jaeger: %q is not an http:// URL", base)
+		return usagef(fs, name, "-jaeger: %q is not an http:// URL", redact(base))
 	}
 
 	var traces []jTrace
@@ -208,19 +209,25 @@ func (q jaegerQuery) fetch(ctx context.Context) ([]jTrace, error) {
 	req.Close = true // one request per connection: nothing stays open after the command
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("-jaeger: cannot reach Jaeger's query API at %s: %w", q.base, err)
+		// net/http hides the password of the URL it quotes, not a token in
+		// its query.
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err
+		}
+		return nil, fmt.Errorf("-jaeger: cannot reach Jaeger's query API at %s: %w", redact(q.base), sqlurl.ScrubError(err, q.base))
 	}
 	defer resp.Body.Close()
 	switch {
 	case resp.StatusCode == http.StatusNotFound && q.id != "":
-		return nil, fmt.Errorf("no trace %s in the Jaeger at %s", q.id, q.base)
+		return nil, fmt.Errorf("no trace %s in the Jaeger at %s", q.id, redact(q.base))
 	case resp.StatusCode == http.StatusBadRequest && q.id == "":
 		// Jaeger answers 400 for a service it has never seen.
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
 		return nil, fmt.Errorf("the Jaeger at %s: %s (has service %q sent any span? its services: %s)",
-			q.base, strings.TrimSpace(string(b)), q.service, q.services(ctx))
+			redact(q.base), strings.TrimSpace(string(b)), q.service, q.services(ctx))
 	case resp.StatusCode != http.StatusOK:
-		return nil, fmt.Errorf("the Jaeger at %s: %s", u, resp.Status)
+		return nil, fmt.Errorf("the Jaeger at %s: %s", redact(u), resp.Status)
 	}
 	traces, err := decodeTraces(resp.Body)
 	if err != nil {
@@ -228,7 +235,7 @@ func (q jaegerQuery) fetch(ctx context.Context) ([]jTrace, error) {
 	}
 	if len(traces) == 0 && q.id == "" {
 		return nil, fmt.Errorf("no trace of service %q in the last %s matching %q in the Jaeger at %s (its services: %s)",
-			q.service, q.lookback, q.tag, q.base, q.services(ctx))
+			q.service, q.lookback, q.tag, redact(q.base), q.services(ctx))
 	}
 	return traces, nil
 }
@@ -404,11 +411,11 @@ func writeTree(w io.Writer, t jTrace) error {
 	for _, s := range t.Spans {
 		if p, ok := t.Processes[s.ProcessID]; ok && !seen[p.ServiceName] {
 			seen[p.ServiceName] = true
-			services = append(services, p.ServiceName)
+			services = append(services, safeLine(p.ServiceName))
 		}
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "trace %s: %d spans in %s", t.TraceID, len(t.Spans), micros(end-start))
+	fmt.Fprintf(&b, "trace %s: %d spans in %s", safeLine(t.TraceID), len(t.Spans), micros(end-start))
 	if len(services) > 0 {
 		fmt.Fprintf(&b, ", service %s", strings.Join(services, ", "))
 	}
@@ -438,6 +445,7 @@ func writeTree(w io.Writer, t jTrace) error {
 		if n := notes(s); len(n) > 0 {
 			line += "  [" + strings.Join(n, ", ") + "]"
 		}
+		line = safeLine(line) // names and tags are the traced program's
 		fmt.Fprintf(&b, "%9s %9s  %s%s\n", micros(s.StartTime-start), micros(s.Duration), prefix.String(), line)
 		for _, l := range s.Logs {
 			ev := tagOf(l.Fields, "event")
@@ -447,7 +455,7 @@ func writeTree(w io.Writer, t jTrace) error {
 					parts = append(parts, f.Key+"="+fmt.Sprint(f.Value))
 				}
 			}
-			fmt.Fprintf(&b, "%9s %9s  %s   · %s %s\n", micros(l.Timestamp-start), "", cont.String(), ev, strings.Join(parts, " "))
+			fmt.Fprintf(&b, "%9s %9s  %s   · %s %s\n", micros(l.Timestamp-start), "", cont.String(), safeLine(ev), safeLine(strings.Join(parts, " ")))
 		}
 	}
 	_, err := io.WriteString(w, b.String())
@@ -492,7 +500,7 @@ func drawSVG(w io.Writer, t jTrace) error {
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="monospace" font-size="12">`+"\n", width, height)
 	fmt.Fprintf(&b, `<rect width="100%%" height="100%%" fill="white"/>`+"\n")
 	fmt.Fprintf(&b, `<text x="%d" y="%d" font-weight="bold">trace %s: %d spans, %s</text>`+"\n",
-		padding, padding+12, html.EscapeString(t.TraceID), len(rows), time.Duration(total)*time.Microsecond)
+		padding, padding+12, svgText(t.TraceID), len(rows), time.Duration(total)*time.Microsecond)
 	for i, r := range rows {
 		y := padding + rowH*(i+1)
 		s := r.span
@@ -510,7 +518,7 @@ func drawSVG(w io.Writer, t jTrace) error {
 		if len(n) > 0 {
 			label += " [" + strings.Join(n, ", ") + "]"
 		}
-		fmt.Fprintf(&b, `<text x="%d" y="%d">%s</text>`+"\n", padding+14*r.depth, y+16, html.EscapeString(label))
+		fmt.Fprintf(&b, `<text x="%d" y="%d">%s</text>`+"\n", padding+14*r.depth, y+16, svgText(label))
 		x := padding + labelW + int(float64(s.StartTime-start)/float64(total)*barW)
 		bw := max(int(float64(s.Duration)/float64(total)*barW), 2)
 		fmt.Fprintf(&b, `<rect x="%d" y="%d" width="%d" height="%d" rx="2" fill="%s"/>`+"\n", x, y+4, bw, rowH-10, color(s))

@@ -4,10 +4,14 @@
 //	postgres://user:pass@host:5432/db?sslmode=disable   (pgx stdlib driver)
 //	mysql://user:pass@host:3306/db                      (go-sql-driver/mysql)
 //	sqlite:///path/to/file.db or sqlite://relative.db   (modernc.org/sqlite)
+//
+// No error of this package shows a password: messages are built from
+// [Redact]'s form of the URL, which also serves the callers' own messages.
 package sqlurl
 
 import (
 	"database/sql"
+	"errors"
 	"fmt"
 	"net/url"
 	"strings"
@@ -29,7 +33,7 @@ func Open(u string) (*sql.DB, dedupe.Dialect, error) {
 	}
 	db, err := sql.Open(driver, dsn)
 	if err != nil {
-		return nil, "", fmt.Errorf("sqlurl: open %s: %w", dialect, err)
+		return nil, "", fmt.Errorf("sqlurl: open %s: %w", dialect, ScrubError(err, u))
 	}
 	if dialect == dedupe.SQLite {
 		// One writer at a time is all SQLite allows; more connections only
@@ -39,19 +43,26 @@ func Open(u string) (*sql.DB, dedupe.Dialect, error) {
 	return db, dialect, nil
 }
 
-// Parse returns the driver name, driver DSN and dialect for u.
+// Parse returns the driver name, driver DSN and dialect for u. Its errors
+// never show a password: they are built from Redact(u), and from what a
+// parser says of the redacted URL.
 func Parse(u string) (driver, dsn string, dialect dedupe.Dialect, err error) {
 	scheme, rest, ok := strings.Cut(u, "://")
 	if !ok {
-		return "", "", "", fmt.Errorf("sqlurl: %q is not a URL (want postgres://, mysql:// or sqlite://)", redact(u))
+		return "", "", "", fmt.Errorf("sqlurl: %q is not a URL (want postgres://, mysql:// or sqlite://)", Redact(u))
 	}
 	switch scheme {
 	case "postgres", "postgresql":
+		// pgx parses the URL when it connects; a URL it cannot read is
+		// refused here, where the message can be made safe.
+		if _, err := parseURL(u); err != nil {
+			return "", "", "", err
+		}
 		return "pgx", u, dedupe.Postgres, nil
 	case "mysql":
-		pu, err := url.Parse(u)
+		pu, err := parseURL(u)
 		if err != nil {
-			return "", "", "", fmt.Errorf("sqlurl: %w", err)
+			return "", "", "", err
 		}
 		cfg := mysql.NewConfig()
 		cfg.Net = "tcp"
@@ -72,11 +83,33 @@ func Parse(u string) (driver, dsn string, dialect dedupe.Dialect, err error) {
 	case "sqlite", "sqlite3", "file":
 		path := rest
 		if path == "" {
-			return "", "", "", fmt.Errorf("sqlurl: %q names no file", u)
+			return "", "", "", fmt.Errorf("sqlurl: %q names no file", Redact(u))
 		}
 		return "sqlite", SQLiteDSN(path), dedupe.SQLite, nil
 	}
-	return "", "", "", fmt.Errorf("sqlurl: unsupported scheme %q (want postgres, mysql or sqlite)", scheme)
+	return "", "", "", fmt.Errorf("sqlurl: unsupported scheme %q in %q (want postgres, mysql or sqlite)", scheme, Redact(u))
+}
+
+// parseURL parses u with net/url. Its error is built from the redacted URL:
+// url.Parse quotes its input, and a password holding an unencoded / or ?
+// moves the host's end into the password, so that even its complaint
+// ("invalid port") quotes a piece of it.
+func parseURL(u string) (*url.URL, error) {
+	pu, err := url.Parse(u)
+	if err == nil {
+		return pu, nil
+	}
+	safe := Redact(u)
+	if _, rerr := url.Parse(safe); rerr != nil {
+		var ue *url.Error
+		if errors.As(rerr, &ue) {
+			rerr = ue.Err
+		}
+		return nil, fmt.Errorf("sqlurl: %q is not a valid URL: %w", safe, rerr)
+	}
+	// Only the user information differs: the password holds characters
+	// that a URL must percent-encode.
+	return nil, fmt.Errorf("sqlurl: %q is not a valid URL: percent-encode the user name and password (/ as %%2F, ? as %%3F, # as %%23, @ as %%40, %% as %%25)", safe)
 }
 
 // SQLitePath returns the file path of a sqlite:// URL (sqlite:///abs/path,
@@ -92,11 +125,4 @@ func SQLitePath(u string) string {
 // lock up front instead of failing when it upgrades.
 func SQLiteDSN(path string) string {
 	return "file:" + path + "?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_pragma=synchronous(NORMAL)&_txlock=immediate"
-}
-
-func redact(u string) string {
-	if pu, err := url.Parse(u); err == nil && pu.User != nil {
-		return pu.Redacted()
-	}
-	return u
 }

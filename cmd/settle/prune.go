@@ -1,0 +1,254 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/settle-go/settle/dedupe"
+)
+
+// pruneFloor is the shortest retention the prune commands accept without
+// -force.
+//
+// A dedupe key is what turns a redelivered message into a duplicate: delete
+// it while the message can still come back and the handler runs again, its
+// effect happening twice. Messages come back long after they were handled:
+// RabbitMQ redelivers an unacked delivery when its consumer's channel
+// closes, which may be after the broker's consumer timeout (30 minutes by
+// default); an outbox relay that was down forwards hours-old rows; an
+// operator replays a dead-letter queue the next morning. The claim timeout
+// (seconds) is a floor for none of these. A day covers the common ones; a
+// week is the usual retention. Forwarded outbox rows are the record of what
+// left the outbox; below a day there is little time to look at them when a
+// consumer reports a missing message.
+const pruneFloor = 24 * time.Hour
+
+// pruneSample is how many of the rows a prune would delete it shows.
+const pruneSample = 5
+
+// pruneFlags are the flags of the prune commands besides -older-than.
+type pruneFlags struct {
+	yes, force bool
+}
+
+func (p *pruneFlags) register(fs *flag.FlagSet) {
+	fs.BoolVar(&p.yes, "yes", false, "delete; without it, only count and show what would be deleted")
+	fs.BoolVar(&p.force, "force", false, fmt.Sprintf("accept an -older-than below the floor of %s", shortAge(pruneFloor)))
+}
+
+// checkFloor refuses a retention below pruneFloor unless -force is given,
+// saying why; with -force it warns.
+func (p pruneFlags) checkFloor(e *env, olderThan time.Duration, why string) error {
+	if olderThan >= pruneFloor {
+		return nil
+	}
+	if !p.force {
+		return &usageError{msg: fmt.Sprintf("-older-than %s is below the floor of %s: %s (add -force if you are sure)",
+			shortAge(olderThan), shortAge(pruneFloor), why)}
+	}
+	fmt.Fprintf(e.stderr, "warning: -older-than %s is below the floor of %s (-force): %s\n", shortAge(olderThan), shortAge(pruneFloor), why)
+	return nil
+}
+
+// whyDedupeFloor and whyOutboxFloor say what a short retention costs.
+const (
+	whyDedupeFloor = "a key deleted while its message can still be redelivered (a broker redelivery after a consumer's timeout, an outbox relay catching up, a replay) lets the message run again, and its effect happens twice; keep the retention longer than the longest time a message can take to come back"
+	whyOutboxFloor = "forwarded rows are the record of what left the outbox, and a short retention leaves little time to look at them when a consumer reports a missing message"
+)
+
+// shortAge prints a duration as -older-than takes it: 24h, 7d, 1m.
+func shortAge(d time.Duration) string {
+	if d >= 48*time.Hour && d%(24*time.Hour) == 0 {
+		return fmt.Sprintf("%dd", d/(24*time.Hour))
+	}
+	s := d.String()
+	if strings.HasSuffix(s, "m0s") {
+		s = strings.TrimSuffix(s, "0s")
+	}
+	if strings.HasSuffix(s, "h0m") {
+		s = strings.TrimSuffix(s, "0m")
+	}
+	return s
+}
+
+// quoteTable quotes a table name that the store or the outbox has already
+// validated (letters, digits and _, optionally schema.table), as dedupe
+// quotes it.
+func quoteTable(d dedupe.Dialect, table string) string {
+	q := `"`
+	if d == dedupe.MySQL {
+		q = "`"
+	}
+	parts := strings.Split(table, ".")
+	for i, p := range parts {
+		parts[i] = q + p + q
+	}
+	return strings.Join(parts, ".")
+}
+
+// placeholders turns $1, $2, ... into ? outside PostgreSQL. Each appears
+// once, in order.
+func placeholders(d dedupe.Dialect, q string) string {
+	if d == dedupe.Postgres {
+		return q
+	}
+	for i := 9; i >= 1; i-- {
+		q = strings.ReplaceAll(q, fmt.Sprintf("$%d", i), "?")
+	}
+	return q
+}
+
+// query runs q on the database's driver and calls each for every row.
+func (d *database) query(ctx context.Context, q string, args []any, each func(scan func(dest ...any) error) error) error {
+	if d.pool != nil {
+		rows, err := d.pool.Query(ctx, q, args...)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			if err := each(rows.Scan); err != nil {
+				return err
+			}
+		}
+		return rows.Err()
+	}
+	rows, err := d.db.QueryContext(ctx, q, args...)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		if err := each(rows.Scan); err != nil {
+			return err
+		}
+	}
+	return rows.Err()
+}
+
+// prunableKeys counts the keys of a dedupe table that Prune(before) would
+// delete (confirmed or released keys last touched before the cutoff, and
+// claims that expired before it) and returns the oldest few. It reads the
+// filter of dedupe's prune statement, with this machine's clock for the
+// claims' expiry; the prune itself decides with the database's.
+func (d *database) prunableKeys(ctx context.Context, table string, before time.Time) (int64, [][3]string, error) {
+	t := quoteTable(d.dialect, table)
+	key := "key"
+	if d.dialect == dedupe.MySQL {
+		key = "`key`"
+	}
+	cutoff := before.UnixMicro()
+	expired := min(cutoff, time.Now().UnixMicro())
+	cond := ` WHERE updated_at < $1 AND (state <> 1 OR expires_at < $2)`
+	var n int64
+	err := d.query(ctx, placeholders(d.dialect, `SELECT COUNT(*) FROM `+t+cond), []any{cutoff, expired}, func(scan func(...any) error) error {
+		return scan(&n)
+	})
+	if err != nil || n == 0 {
+		return n, nil, err
+	}
+	var sample [][3]string
+	err = d.query(ctx, placeholders(d.dialect, `SELECT `+key+`, state, updated_at FROM `+t+cond+fmt.Sprintf(` ORDER BY updated_at LIMIT %d`, pruneSample)),
+		[]any{cutoff, expired}, func(scan func(...any) error) error {
+			var k []byte
+			var state int
+			var updated int64
+			if err := scan(&k, &state, &updated); err != nil {
+				return err
+			}
+			sample = append(sample, [3]string{safeLine(string(k)), stateName(state), time.UnixMicro(updated).UTC().Format(time.RFC3339)})
+			return nil
+		})
+	return n, sample, err
+}
+
+func stateName(s int) string {
+	switch s {
+	case 0:
+		return "released"
+	case 1:
+		return "expired claim"
+	case 2:
+		return "confirmed"
+	}
+	return fmt.Sprint(s)
+}
+
+// writeSample writes rows under a header, indented, aligned.
+func writeSample(w io.Writer, header []string, rows [][3]string) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "  "+strings.Join(header, "\t"))
+	for _, r := range rows {
+		fmt.Fprintln(tw, "  "+strings.Join(r[:], "\t"))
+	}
+	return tw.Flush()
+}
+
+// outboxPrunePreview prints how many forwarded rows of the outbox topic
+// Outbox.Prune(olderThan) would delete and the oldest few, then, unless
+// act, that nothing was deleted. It reads the filter of the outbox's prune
+// statement (rows whose forwarded_at is older than olderThan by the
+// database's clock); rows not forwarded are never counted, as they are
+// never deleted.
+func (d *database) outboxPrunePreview(e *env, topic string, olderThan time.Duration, act bool) error {
+	t := quoteTable(d.dialect, topic)
+	var cond string
+	var age any
+	switch d.dialect {
+	case dedupe.Postgres:
+		cond = `"forwarded_at" < clock_timestamp() - make_interval(secs => $1)`
+		age = olderThan.Seconds()
+	case dedupe.MySQL:
+		cond = "forwarded_at < CURRENT_TIMESTAMP(6) - INTERVAL ? MICROSECOND"
+		age = olderThan.Microseconds()
+	default:
+		cond = `"forwarded_at" < strftime('%Y-%m-%d %H:%M:%f', 'now', '-' || ? || ' seconds')`
+		age = olderThan.Seconds()
+	}
+	var n int64
+	err := d.query(e.ctx, `SELECT COUNT(*) FROM `+t+` WHERE `+cond, []any{age}, func(scan func(...any) error) error { return scan(&n) })
+	if err != nil {
+		return fmt.Errorf("count the rows to prune in outbox %s: %w", topic, err)
+	}
+	what := fmt.Sprintf("%d rows from outbox %s (forwarded more than %s ago)", n, topic, olderThan)
+	if act {
+		fmt.Fprintf(e.stdout, "deleting %s\n", what)
+		return nil
+	}
+	fmt.Fprintf(e.stdout, "would delete %s", what)
+	if n > 0 {
+		cols, order := `"uuid", "topic", "forwarded_at"::text`, `"forwarded_at"`
+		switch d.dialect {
+		case dedupe.MySQL:
+			cols, order = "uuid, topic, CAST(forwarded_at AS CHAR)", "forwarded_at"
+		case dedupe.SQLite:
+			cols = `"uuid", "topic", "forwarded_at"`
+		}
+		var sample [][3]string
+		err := d.query(e.ctx, `SELECT `+cols+` FROM `+t+` WHERE `+cond+` ORDER BY `+order+fmt.Sprintf(` LIMIT %d`, pruneSample),
+			[]any{age}, func(scan func(...any) error) error {
+				var id, to, at string
+				if err := scan(&id, &to, &at); err != nil {
+					return err
+				}
+				sample = append(sample, [3]string{safeLine(id), safeLine(to), safeLine(at)})
+				return nil
+			})
+		if err != nil {
+			return fmt.Errorf("read the rows to prune in outbox %s: %w", topic, err)
+		}
+		fmt.Fprintf(e.stdout, "; the oldest:\n")
+		if err := writeSample(e.stdout, []string{"UUID", "DESTINATION", "FORWARDED AT"}, sample); err != nil {
+			return err
+		}
+	} else {
+		fmt.Fprintln(e.stdout)
+	}
+	fmt.Fprintln(e.stdout, "dry run: nothing deleted (add -yes to delete)")
+	return nil
+}
