@@ -20,8 +20,10 @@ import (
 const MetaHeaderTypes = "settle_amqp_header_types"
 
 // DeliveryCountHeader is the header RabbitMQ quorum queues put on a message
-// that has been delivered before: how many earlier deliveries there were
-// (absent, not 0, on the first delivery).
+// that has been delivered before: how many earlier deliveries there were.
+// A quorum queue sets it itself, replacing any value a producer wrote; a
+// classic queue passes on whatever the producer sent, so it is read only
+// when Config.QuorumQueue says the deliveries come from a quorum queue.
 const DeliveryCountHeader = "x-delivery-count"
 
 // ErrInvalidConfig is wrapped by the error New returns for a bad Config.
@@ -46,6 +48,18 @@ type Config struct {
 	// owns (settle.MetaRedelivered, settle.MetaDeliveryCount,
 	// MetaHeaderTypes).
 	MessageUUIDHeaderKey string
+
+	// QuorumQueue says that the deliveries this marshaler unmarshals come
+	// from RabbitMQ quorum queues, where the broker writes the
+	// x-delivery-count header itself (replacing any value a producer set).
+	// Only then does Unmarshal turn the header into
+	// settle.MetaDeliveryCount, which the retry middleware counts attempts
+	// by. Defaults to false: on a classic queue the header is whatever the
+	// producer sent (a producer that sets it to 50 would have the message
+	// dead-lettered without a run), so it is kept as ordinary metadata and
+	// no delivery count is set. Set it in the subscriber's marshaler only
+	// when every queue it consumes is declared with x-queue-type quorum.
+	QuorumQueue bool
 
 	// PostprocessPublishing, when set, is called on every publishing Marshal
 	// builds, e.g. to set ContentType or CorrelationId. Defaults to nil.
@@ -79,6 +93,7 @@ func (c Config) Validate() error {
 // New(Config{}). A Marshaler is immutable and safe for concurrent use.
 type Marshaler struct {
 	notPersistent bool
+	quorum        bool
 	uuidHeaderKey string
 	postprocess   func(amqp091.Publishing) amqp091.Publishing
 }
@@ -94,6 +109,7 @@ func New(cfg Config) (Marshaler, error) {
 	}
 	return Marshaler{
 		notPersistent: cfg.NotPersistent,
+		quorum:        cfg.QuorumQueue,
 		uuidHeaderKey: cfg.MessageUUIDHeaderKey,
 		postprocess:   cfg.PostprocessPublishing,
 	}, nil
@@ -147,9 +163,9 @@ func (m Marshaler) Marshal(msg *message.Message) (amqp091.Publishing, error) {
 // as they are; any other header becomes metadata in the text form described
 // in the package documentation, and its type is recorded under
 // MetaHeaderTypes. settle.MetaRedelivered is always set, and
-// settle.MetaDeliveryCount when the delivery has an integer
-// x-delivery-count header. Headers named like those keys are ignored: they
-// were written for an earlier delivery.
+// settle.MetaDeliveryCount when Config.QuorumQueue is set and the delivery
+// has an integer x-delivery-count header. Headers named like those keys are
+// ignored: they were written for an earlier delivery, or by a producer.
 func (m Marshaler) Unmarshal(d amqp091.Delivery) (*message.Message, error) {
 	uuidKey := m.uuidKey()
 	uuid, _ := d.Headers[uuidKey].(string)
@@ -184,7 +200,7 @@ func (m Marshaler) Unmarshal(d amqp091.Delivery) (*message.Message, error) {
 	}
 
 	msg.Metadata[settle.MetaRedelivered] = strconv.FormatBool(d.Redelivered)
-	if n, ok := deliveryCount(d.Headers[DeliveryCountHeader]); ok {
+	if n, ok := deliveryCount(d.Headers[DeliveryCountHeader]); ok && m.quorum {
 		msg.Metadata[settle.MetaDeliveryCount] = strconv.FormatUint(n+1, 10)
 	}
 	return msg, nil

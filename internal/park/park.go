@@ -33,6 +33,11 @@ type Info struct {
 	LastFailure  time.Time // zero: the time of parking
 }
 
+// MetaAttemptMark is the metadata key of the retry middleware's mark on a
+// copy it republished (middleware.MetaAttemptMark). A parked copy never
+// carries one: the mark vouches for one republished copy only.
+const MetaAttemptMark = "settle_attempt_mark"
+
 // TimeFormat is the layout of the failure-time metadata.
 const TimeFormat = time.RFC3339Nano
 
@@ -46,6 +51,7 @@ func Copy(msg *message.Message, info Info) *message.Message {
 	cp.SetContext(msg.Context())
 	ctx := msg.Context()
 	md := cp.Metadata
+	delete(md, MetaAttemptMark)
 	md.Set(settle.MetaOutcome, string(info.Outcome))
 	md.Set(settle.MetaReason, info.Reason)
 	if t := message.SubscribeTopicFromCtx(ctx); t != "" {
