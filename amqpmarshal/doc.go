@@ -81,12 +81,14 @@
 //   - settle.MetaDeliveryCount: the x-delivery-count header plus one, in
 //     decimal ("2" on the first redelivery), i.e. how many times the broker
 //     has delivered the message including this time. Set only when
-//     Config.QuorumQueue is set and the header is present with an integer
-//     value. A quorum queue writes the header itself, over any value a
-//     producer set; a classic queue never writes it and passes on whatever
-//     a producer sent, so without Config.QuorumQueue the header is ordinary
-//     metadata and is not trusted as a count (a producer setting it to 50
-//     would otherwise have the message dead-lettered without a run).
+//     Config.QuorumQueue is set, the delivery is flagged Redelivered and the
+//     header is present with an integer value. A quorum queue writes the
+//     header itself on every redelivery, over any value a producer set; on
+//     a first delivery it passes on the producer's header (RabbitMQ 3.10),
+//     and a classic queue never writes it at all. Anywhere else the header
+//     is ordinary metadata and is not trusted as a count: a producer
+//     setting it to 50 would otherwise have the message dead-lettered
+//     without a run.
 //
 // These two keys and MetaHeaderTypes belong to the marshaler: headers with
 // those names on an incoming delivery (left by an earlier hop) are ignored,

@@ -21,8 +21,10 @@ const MetaHeaderTypes = "settle_amqp_header_types"
 
 // DeliveryCountHeader is the header RabbitMQ quorum queues put on a message
 // that has been delivered before: how many earlier deliveries there were.
-// A quorum queue sets it itself, replacing any value a producer wrote; a
-// classic queue passes on whatever the producer sent, so it is read only
+// A quorum queue writes it itself on every redelivery, replacing any value a
+// producer wrote; on a first delivery, and on any delivery from a classic
+// queue, it is whatever the producer sent. So it is read only on a
+// redelivery (the Redelivered flag, which only the broker sets) and only
 // when Config.QuorumQueue says the deliveries come from a quorum queue.
 const DeliveryCountHeader = "x-delivery-count"
 
@@ -51,10 +53,11 @@ type Config struct {
 
 	// QuorumQueue says that the deliveries this marshaler unmarshals come
 	// from RabbitMQ quorum queues, where the broker writes the
-	// x-delivery-count header itself (replacing any value a producer set).
-	// Only then does Unmarshal turn the header into
+	// x-delivery-count header itself on every redelivery (replacing any
+	// value a producer set). Only then, and only on a delivery flagged
+	// Redelivered, does Unmarshal turn the header into
 	// settle.MetaDeliveryCount, which the retry middleware counts attempts
-	// by. Defaults to false: on a classic queue the header is whatever the
+	// by: a first delivery passes on the producer's header unchanged. Defaults to false: on a classic queue the header is whatever the
 	// producer sent (a producer that sets it to 50 would have the message
 	// dead-lettered without a run), so it is kept as ordinary metadata and
 	// no delivery count is set. Set it in the subscriber's marshaler only
@@ -164,7 +167,7 @@ func (m Marshaler) Marshal(msg *message.Message) (amqp091.Publishing, error) {
 // in the package documentation, and its type is recorded under
 // MetaHeaderTypes. settle.MetaRedelivered is always set, and
 // settle.MetaDeliveryCount when Config.QuorumQueue is set and the delivery
-// has an integer x-delivery-count header. Headers named like those keys are
+// is a redelivery with an integer x-delivery-count header. Headers named like those keys are
 // ignored: they were written for an earlier delivery, or by a producer.
 func (m Marshaler) Unmarshal(d amqp091.Delivery) (*message.Message, error) {
 	uuidKey := m.uuidKey()
@@ -200,7 +203,10 @@ func (m Marshaler) Unmarshal(d amqp091.Delivery) (*message.Message, error) {
 	}
 
 	msg.Metadata[settle.MetaRedelivered] = strconv.FormatBool(d.Redelivered)
-	if n, ok := deliveryCount(d.Headers[DeliveryCountHeader]); ok && m.quorum {
+	// A quorum queue writes the header on every redelivery, over whatever
+	// was there; a first delivery carries the producer's headers as they
+	// were sent (RabbitMQ 3.10 passes a producer's x-delivery-count on).
+	if n, ok := deliveryCount(d.Headers[DeliveryCountHeader]); ok && m.quorum && d.Redelivered {
 		msg.Metadata[settle.MetaDeliveryCount] = strconv.FormatUint(n+1, 10)
 	}
 	return msg, nil

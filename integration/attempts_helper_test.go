@@ -57,7 +57,7 @@ func newATEnv(t *testing.T, o atOpts) *atEnv {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _, _ = e.db.ExecContext(context.Background(), `DROP TABLE IF EXISTS "`+e.effects+`"`) })
-	m, err := amqpmarshal.New(amqpmarshal.Config{})
+	m, err := amqpmarshal.New(amqpmarshal.Config{QuorumQueue: o.quorum})
 	if err != nil {
 		t.Fatal(err)
 	}
