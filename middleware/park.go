@@ -17,11 +17,26 @@ import (
 // NewDeadLetter: where the copies of the messages they park go.
 type ParkConfig struct {
 	// Publisher publishes the parked copies. Required. Poison and
-	// dead-letter parking may share one.
+	// dead-letter parking may share one. The original is acked once
+	// Publish returns nil, so Publish must return only when the broker has
+	// stored the copy: a watermill-amqp Publisher must have
+	// Publish.ConfirmDelivery (or Publish.Transactional) set, and one
+	// without is refused (ErrUnconfirmedPublisher).
 	Publisher message.Publisher
 	// Topic receives the parked copies. Required. Poison and dead-letter
 	// parking may share one; settle_outcome tells the two kinds apart.
 	Topic string
+	// Initializer declares Topic (SubscribeInitialize) before every copy
+	// is published, so that the broker has a queue to route the copy to:
+	// RabbitMQ drops a message published to a queue that does not exist,
+	// and still confirms it. A failed declaration is a failed park (the
+	// delivery is deferred). Defaults to Publisher when it implements
+	// message.SubscribeInitializer, else nil: nothing is declared and the
+	// topic must exist before the first copy. For RabbitMQ pass the
+	// subscriber of the handler (a watermill-amqp Subscriber or an
+	// amqpsub.Subscriber), whose configuration routes Publisher's messages
+	// for a topic to the queue it declares for it; pipeline does so.
+	Initializer message.SubscribeInitializer
 	// NackDelay is how long a message whose copy could not be published is
 	// held before it is nacked, so that an unreachable topic does not turn
 	// into a hot redelivery loop. Such a delivery is deferred: it is not an
@@ -38,7 +53,17 @@ type ParkConfig struct {
 	Logger watermill.LoggerAdapter
 }
 
+// ErrUnconfirmedPublisher is wrapped by the error returned for a
+// watermill-amqp Publisher whose configuration has neither
+// Publish.ConfirmDelivery nor Publish.Transactional: it returns before
+// RabbitMQ has stored a message, so a copy lost on the way would be taken as
+// parked and the original acked.
+var ErrUnconfirmedPublisher = errors.New("middleware: the publisher does not wait for the broker's confirmation (watermill-amqp: set Publish.ConfirmDelivery = true)")
+
 func (c *ParkConfig) setDefaults() {
+	if c.Initializer == nil {
+		c.Initializer, _ = c.Publisher.(message.SubscribeInitializer)
+	}
 	c.NackDelay = settlement.Delay(c.NackDelay, time.Second)
 	if c.PendingMessages == 0 {
 		c.PendingMessages = 10000
@@ -53,6 +78,8 @@ func (c ParkConfig) Validate() error {
 	switch {
 	case c.Publisher == nil:
 		return errors.New("middleware: ParkConfig.Publisher is required")
+	case park.Unconfirmed(c.Publisher):
+		return fmt.Errorf("middleware: ParkConfig.Publisher: %w", ErrUnconfirmedPublisher)
 	case c.Topic == "":
 		return errors.New("middleware: ParkConfig.Topic is required")
 	case c.NackDelay < 0 && c.NackDelay != settle.NoDelay:
@@ -69,13 +96,14 @@ func (c ParkConfig) park(name string, match func(*message.Message, *settlement.R
 		return nil, err
 	}
 	return park.Middleware(park.Config{
-		Publisher: c.Publisher,
-		Topic:     c.Topic,
-		NackDelay: c.NackDelay,
-		Logger:    c.Logger,
-		Name:      name,
-		Match:     match,
-		Pending:   c.PendingMessages,
+		Publisher:   c.Publisher,
+		Topic:       c.Topic,
+		Initializer: c.Initializer,
+		NackDelay:   c.NackDelay,
+		Logger:      c.Logger,
+		Name:        name,
+		Match:       match,
+		Pending:     c.PendingMessages,
 	}), nil
 }
 

@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"strconv"
 	"time"
 
@@ -84,6 +85,10 @@ func Copy(msg *message.Message, info Info) *message.Message {
 type Config struct {
 	Publisher message.Publisher
 	Topic     string
+	// Initializer, when not nil, declares Topic before every copy is
+	// published, so that the broker has somewhere to route it; a failed
+	// declaration is a failed park.
+	Initializer message.SubscribeInitializer
 	// Match says whether the failed run is to be parked, and what to record.
 	Match func(msg *message.Message, rec *settlement.Record, err error) (Info, bool)
 	// NackDelay is how long to wait before nacking when the publish failed,
@@ -178,7 +183,10 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 	key := pendingKey{settlement.Scope(ctx), msg.UUID}
 	info := pc.info
 	cp := Copy(msg, info)
-	perr := publish(ctx, p.cfg.Publisher, p.cfg.Topic, cp)
+	perr := p.declare()
+	if perr == nil {
+		perr = publish(ctx, p.cfg.Publisher, p.cfg.Topic, cp)
+	}
 	fields := watermill.LogFields{
 		"message_uuid": msg.UUID, "topic": p.cfg.Topic, "outcome": string(info.Outcome), "attempt": info.Attempt,
 	}
@@ -198,6 +206,51 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 	p.log.Error(p.cfg.Name+": could not publish parked copy; nacking, not counted as an attempt", perr, fields)
 	Sleep(ctx, p.cfg.NackDelay)
 	return nil, errors.Join(pc.reason, fmt.Errorf("%s: %w: topic %q: %w", p.cfg.Name, ErrPublish, p.cfg.Topic, perr))
+}
+
+// ErrDeclare is wrapped when the parking topic could not be declared before
+// a copy was published to it.
+var ErrDeclare = errors.New("declaring the parking topic failed")
+
+// declare makes sure the parking topic exists before a copy goes to it. It
+// declares before every copy, not once: parking is rare, a declaration is
+// one round trip, and a queue deleted while the consumer runs is declared
+// again instead of swallowing the copies sent to it.
+func (p *parker) declare() error {
+	if p.cfg.Initializer == nil {
+		return nil
+	}
+	if err := p.cfg.Initializer.SubscribeInitialize(p.cfg.Topic); err != nil {
+		return fmt.Errorf("%w: %w", ErrDeclare, err)
+	}
+	return nil
+}
+
+// Unconfirmed reports whether pub is a watermill-amqp Publisher that does not
+// wait for the broker's confirmation (neither Publish.ConfirmDelivery nor
+// Publish.Transactional): its Publish returns before RabbitMQ has stored the
+// message, so a copy lost on the way would be taken as parked. It looks into
+// the publisher's configuration by reflection, to keep watermill-amqp out of
+// the import graph of users of other brokers; a publisher wrapped in another
+// type is not seen through.
+func Unconfirmed(pub message.Publisher) bool {
+	v := reflect.ValueOf(pub)
+	if v.Kind() != reflect.Pointer || v.IsNil() {
+		return false
+	}
+	t := v.Type().Elem()
+	if t.Name() != "Publisher" || t.PkgPath() != "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp" {
+		return false
+	}
+	pc := v.Elem().FieldByName("config").FieldByName("Publish")
+	if !pc.IsValid() || pc.Kind() != reflect.Struct {
+		return false
+	}
+	confirm, tx := pc.FieldByName("ConfirmDelivery"), pc.FieldByName("Transactional")
+	if confirm.Kind() != reflect.Bool || tx.Kind() != reflect.Bool {
+		return false
+	}
+	return !confirm.Bool() && !tx.Bool()
 }
 
 // ScopeName is the instrumentation scope of the spans of parked copies.
