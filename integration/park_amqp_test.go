@@ -294,3 +294,85 @@ func TestParkingRefusesAnUnconfirmedPublisher(t *testing.T) {
 		t.Errorf("pipeline.New with a confirming publisher: %v", err)
 	}
 }
+
+// A message the broker accepted can always be parked, and does not hold
+// the messages behind it: one with a 96 KiB binary header (the broker takes
+// it, its frame_max being 128 KiB) whose base64 text no longer fits in a
+// frame, and one whose handler's error text is 200 KiB. Before, the copy
+// could never be published: the message went back to the head of the queue
+// and was parked again, forever, and the five good messages behind it were
+// never handled.
+func TestParkingOversizedCopies(t *testing.T) {
+	t.Parallel()
+	for _, kind := range parkSubscribers {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			e := newParkEnv(t)
+			blob := make([]byte, 96<<10)
+			for i := range blob {
+				blob[i] = byte(i * 7)
+			}
+			sent := map[string]string{}
+			send := func(k string, h amqp091.Table) {
+				id := watermill.NewUUID()
+				sent[id] = k
+				if h == nil {
+					h = amqp091.Table{}
+				}
+				h["keep"] = "small"
+				e.publish(amqp091.Publishing{MessageId: id, Body: []byte(k), DeliveryMode: amqp091.Persistent, Headers: h})
+			}
+			send("poison", amqp091.Table{"x-blob": blob})
+			send("dead", nil)
+			for range 5 {
+				send("good", nil)
+			}
+			stop := e.start(kind, func(msg *message.Message) error {
+				switch string(msg.Payload) {
+				case "dead":
+					return errors.New("upstream said: " + strings.Repeat("no ", 200<<10/3))
+				case "poison":
+					return poison.Permanent(errors.New("undecodable"))
+				}
+				return nil
+			})
+			e.waitFor(func() bool {
+				runs := e.runsOf()
+				good := 0
+				for id, k := range sent {
+					if k == "good" && runs[id] > 0 {
+						good++
+					}
+				}
+				return good == 5 && e.parked(1, 1)
+			})
+			if n := e.finish(stop); n != 0 {
+				t.Errorf("source queue holds %d messages after the router closed, want 0", n)
+			}
+			runs := e.runsOf()
+			for id, k := range sent {
+				if k == "good" && runs[id] != 1 {
+					t.Errorf("good message %s ran %d times, want 1", id, runs[id])
+				}
+			}
+			dead, poisoned := e.drain(e.dead()), e.drain(e.poison())
+			checkParked(t, "dead letter", dead, sent, "dead", settle.DeadLettered)
+			checkParked(t, "poison", poisoned, sent, "poison", settle.Poisoned)
+			if len(poisoned) == 1 {
+				md := poisoned[0].Metadata
+				if md.Get("x-blob") != "" || !strings.Contains(md.Get(middleware.MetaDroppedHeaders), `"x-blob"`) {
+					t.Errorf("poison copy: x-blob %d bytes, %s = %q; want it dropped and named",
+						len(md.Get("x-blob")), middleware.MetaDroppedHeaders, md.Get(middleware.MetaDroppedHeaders))
+				}
+				if md.Get("keep") != "small" {
+					t.Errorf("poison copy lost the small header: %v", md.Get("keep"))
+				}
+			}
+			if len(dead) == 1 {
+				if r := dead[0].Metadata.Get(settle.MetaReason); len(r) > 4<<10 || !strings.HasPrefix(r, "upstream said: no no") || !strings.HasSuffix(r, "bytes cut]") {
+					t.Errorf("dead letter reason of %d bytes: %.60q…%q", len(r), r, r[max(0, len(r)-30):])
+				}
+			}
+		})
+	}
+}

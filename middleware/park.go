@@ -48,10 +48,30 @@ type ParkConfig struct {
 	// at once, without running the handler again. Defaults to 10000. Must be
 	// >= 1.
 	PendingMessages int
+	// MaxMetadataBytes bounds the metadata of each copy (keys and values,
+	// with the UUID), so that a copy is always publishable: a broker takes a
+	// message's headers in one frame (RabbitMQ's frame_max, 128 KiB by
+	// default), and settle's metadata, or the text form of a binary header
+	// (base64), can make a copy of a message the broker accepted too big to
+	// publish. settle's own values are bounded (settle_reason at 4 KiB,
+	// made valid UTF-8); when the copy is still over the bound, the
+	// original's metadata entries are left out, largest first, until it
+	// fits, and MetaDroppedHeaders names them. The payload is never
+	// changed. After three failed publishes of a message's copy, its next
+	// copy is minimal: settle's metadata only, every original entry named
+	// in MetaDroppedHeaders (logged at error level). Defaults to 64 KiB.
+	// Must be 0 or >= 16 KiB.
+	MaxMetadataBytes int
 	// Logger defaults to watermill.NopLogger. Publish failures are logged at
 	// most once per 5 seconds.
 	Logger watermill.LoggerAdapter
 }
+
+// MetaDroppedHeaders is the metadata key under which a parked copy says
+// which of the original's metadata entries it does not carry (see
+// ParkConfig.MaxMetadataBytes): a JSON object
+// {"count":N,"bytes":B,"names":[...]}, the names as many as fit in 2 KiB.
+const MetaDroppedHeaders = park.MetaDroppedHeaders
 
 // ErrUnconfirmedPublisher is wrapped by the error returned for a
 // watermill-amqp Publisher whose configuration has neither
@@ -59,6 +79,10 @@ type ParkConfig struct {
 // RabbitMQ has stored a message, so a copy lost on the way would be taken as
 // parked and the original acked.
 var ErrUnconfirmedPublisher = errors.New("middleware: the publisher does not wait for the broker's confirmation (watermill-amqp: set Publish.ConfirmDelivery = true)")
+
+// minMetadata is the least ParkConfig.MaxMetadataBytes: room for settle's
+// own bounded values.
+const minMetadata = 16 << 10
 
 func (c *ParkConfig) setDefaults() {
 	if c.Initializer == nil {
@@ -70,6 +94,9 @@ func (c *ParkConfig) setDefaults() {
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
+	}
+	if c.MaxMetadataBytes == 0 {
+		c.MaxMetadataBytes = park.DefaultMaxMetadata
 	}
 }
 
@@ -84,6 +111,8 @@ func (c ParkConfig) Validate() error {
 		return errors.New("middleware: ParkConfig.Topic is required")
 	case c.NackDelay < 0 && c.NackDelay != settle.NoDelay:
 		return fmt.Errorf("middleware: ParkConfig.NackDelay must be >= 0 or settle.NoDelay, got %v", c.NackDelay)
+	case c.MaxMetadataBytes != 0 && c.MaxMetadataBytes < minMetadata:
+		return fmt.Errorf("middleware: ParkConfig.MaxMetadataBytes must be 0 or >= %d, got %d", minMetadata, c.MaxMetadataBytes)
 	case c.PendingMessages < 1:
 		return fmt.Errorf("middleware: ParkConfig.PendingMessages must be >= 1, got %d", c.PendingMessages)
 	}
@@ -104,6 +133,7 @@ func (c ParkConfig) park(name string, match func(*message.Message, *settlement.R
 		Name:        name,
 		Match:       match,
 		Pending:     c.PendingMessages,
+		MaxMetadata: c.MaxMetadataBytes,
 	}), nil
 }
 
