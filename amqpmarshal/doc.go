@@ -80,9 +80,15 @@
 //     flag. Always set.
 //   - settle.MetaDeliveryCount: the x-delivery-count header plus one, in
 //     decimal ("2" on the first redelivery), i.e. how many times the broker
-//     has delivered the message including this time. Set only when the header
-//     is present with an integer value (RabbitMQ quorum queues add it from the
-//     first redelivery on; classic queues never do).
+//     has delivered the message including this time. Set only when
+//     Config.QuorumQueue is set, the delivery is flagged Redelivered and the
+//     header is present with an integer value. A quorum queue writes the
+//     header itself on every redelivery, over any value a producer set; on
+//     a first delivery it passes on the producer's header (RabbitMQ 3.10),
+//     and a classic queue never writes it at all. Anywhere else the header
+//     is ordinary metadata and is not trusted as a count: a producer
+//     setting it to 50 would otherwise have the message dead-lettered
+//     without a run.
 //
 // These two keys and MetaHeaderTypes belong to the marshaler: headers with
 // those names on an incoming delivery (left by an earlier hop) are ignored,
@@ -112,5 +118,8 @@
 //	cfg.Marshaler = m
 //
 // For a quorum queue, also declare the queue as one in the subscriber's
-// config (cfg.Queue.Arguments = amqp091.Table{"x-queue-type": "quorum"}).
+// config (cfg.Queue.Arguments = amqp091.Table{"x-queue-type": "quorum"}) and
+// say so to the subscriber's marshaler (Config.QuorumQueue), so that the
+// broker's delivery count bounds the attempts where no dedupe store counts
+// them.
 package amqpmarshal

@@ -20,8 +20,12 @@ import (
 const MetaHeaderTypes = "settle_amqp_header_types"
 
 // DeliveryCountHeader is the header RabbitMQ quorum queues put on a message
-// that has been delivered before: how many earlier deliveries there were
-// (absent, not 0, on the first delivery).
+// that has been delivered before: how many earlier deliveries there were.
+// A quorum queue writes it itself on every redelivery, replacing any value a
+// producer wrote; on a first delivery, and on any delivery from a classic
+// queue, it is whatever the producer sent. So it is read only on a
+// redelivery (the Redelivered flag, which only the broker sets) and only
+// when Config.QuorumQueue says the deliveries come from a quorum queue.
 const DeliveryCountHeader = "x-delivery-count"
 
 // ErrInvalidConfig is wrapped by the error New returns for a bad Config.
@@ -46,6 +50,19 @@ type Config struct {
 	// owns (settle.MetaRedelivered, settle.MetaDeliveryCount,
 	// MetaHeaderTypes).
 	MessageUUIDHeaderKey string
+
+	// QuorumQueue says that the deliveries this marshaler unmarshals come
+	// from RabbitMQ quorum queues, where the broker writes the
+	// x-delivery-count header itself on every redelivery (replacing any
+	// value a producer set). Only then, and only on a delivery flagged
+	// Redelivered, does Unmarshal turn the header into
+	// settle.MetaDeliveryCount, which the retry middleware counts attempts
+	// by: a first delivery passes on the producer's header unchanged. Defaults to false: on a classic queue the header is whatever the
+	// producer sent (a producer that sets it to 50 would have the message
+	// dead-lettered without a run), so it is kept as ordinary metadata and
+	// no delivery count is set. Set it in the subscriber's marshaler only
+	// when every queue it consumes is declared with x-queue-type quorum.
+	QuorumQueue bool
 
 	// PostprocessPublishing, when set, is called on every publishing Marshal
 	// builds, e.g. to set ContentType or CorrelationId. Defaults to nil.
@@ -79,6 +96,7 @@ func (c Config) Validate() error {
 // New(Config{}). A Marshaler is immutable and safe for concurrent use.
 type Marshaler struct {
 	notPersistent bool
+	quorum        bool
 	uuidHeaderKey string
 	postprocess   func(amqp091.Publishing) amqp091.Publishing
 }
@@ -94,6 +112,7 @@ func New(cfg Config) (Marshaler, error) {
 	}
 	return Marshaler{
 		notPersistent: cfg.NotPersistent,
+		quorum:        cfg.QuorumQueue,
 		uuidHeaderKey: cfg.MessageUUIDHeaderKey,
 		postprocess:   cfg.PostprocessPublishing,
 	}, nil
@@ -147,9 +166,9 @@ func (m Marshaler) Marshal(msg *message.Message) (amqp091.Publishing, error) {
 // as they are; any other header becomes metadata in the text form described
 // in the package documentation, and its type is recorded under
 // MetaHeaderTypes. settle.MetaRedelivered is always set, and
-// settle.MetaDeliveryCount when the delivery has an integer
-// x-delivery-count header. Headers named like those keys are ignored: they
-// were written for an earlier delivery.
+// settle.MetaDeliveryCount when Config.QuorumQueue is set and the delivery
+// is a redelivery with an integer x-delivery-count header. Headers named like those keys are
+// ignored: they were written for an earlier delivery, or by a producer.
 func (m Marshaler) Unmarshal(d amqp091.Delivery) (*message.Message, error) {
 	uuidKey := m.uuidKey()
 	uuid, _ := d.Headers[uuidKey].(string)
@@ -184,7 +203,10 @@ func (m Marshaler) Unmarshal(d amqp091.Delivery) (*message.Message, error) {
 	}
 
 	msg.Metadata[settle.MetaRedelivered] = strconv.FormatBool(d.Redelivered)
-	if n, ok := deliveryCount(d.Headers[DeliveryCountHeader]); ok {
+	// A quorum queue writes the header on every redelivery, over whatever
+	// was there; a first delivery carries the producer's headers as they
+	// were sent (RabbitMQ 3.10 passes a producer's x-delivery-count on).
+	if n, ok := deliveryCount(d.Headers[DeliveryCountHeader]); ok && m.quorum && d.Redelivered {
 		msg.Metadata[settle.MetaDeliveryCount] = strconv.FormatUint(n+1, 10)
 	}
 	return msg, nil

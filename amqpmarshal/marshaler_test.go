@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"maps"
 	"math"
 	"reflect"
@@ -215,11 +216,13 @@ func TestUnmarshalDeliveryFacts(t *testing.T) {
 		{"first delivery, classic queue", false, nil, "false", ""},
 		{"redelivered, classic queue", true, nil, "true", ""},
 		{"quorum first redelivery int64", true, amqp091.Table{"x-delivery-count": int64(1)}, "true", "2"},
-		{"quorum int32 zero", false, amqp091.Table{"x-delivery-count": int32(0)}, "false", "1"},
+		{"quorum int32 zero", true, amqp091.Table{"x-delivery-count": int32(0)}, "true", "1"},
+		{"first delivery: the producer's header", false, amqp091.Table{"x-delivery-count": int32(0)}, "false", ""},
 		{"quorum uint8", true, amqp091.Table{"x-delivery-count": uint8(9)}, "true", "10"},
 		{"max int64", true, amqp091.Table{"x-delivery-count": int64(math.MaxInt64)}, "true", "9223372036854775808"},
 		{"string count is not a count", true, amqp091.Table{"x-delivery-count": "3"}, "true", ""},
 		{"negative count is not a count", true, amqp091.Table{"x-delivery-count": int32(-1)}, "true", ""},
+		{"producer-set count on a first delivery", false, amqp091.Table{"x-delivery-count": int32(50)}, "false", ""},
 		{
 			"stale settle keys ignored", false,
 			amqp091.Table{settle.MetaRedelivered: "true", settle.MetaDeliveryCount: "7", amqpmarshal.MetaHeaderTypes: `{"a":"int8"}`},
@@ -231,40 +234,55 @@ func TestUnmarshalDeliveryFacts(t *testing.T) {
 			"true", "3",
 		},
 	}
-	m := setup(t)
+	classic := setup(t)
+	quorum, err := amqpmarshal.New(amqpmarshal.Config{QuorumQueue: true})
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, c := range cases {
-		t.Run(c.name, func(t *testing.T) {
-			t.Parallel()
-			msg := unmarshal(t, m, amqp091.Delivery{Headers: c.headers, Redelivered: c.redelivered, MessageId: "id"})
-			if got := msg.Metadata[settle.MetaRedelivered]; got != c.wantRedeliv {
-				t.Fatalf("%s = %q; want %q", settle.MetaRedelivered, got, c.wantRedeliv)
-			}
-			got, ok := msg.Metadata[settle.MetaDeliveryCount]
-			if c.wantCount == "" && ok {
-				t.Fatalf("%s = %q; want absent", settle.MetaDeliveryCount, got)
-			}
-			if c.wantCount != "" && got != c.wantCount {
-				t.Fatalf("%s = %q; want %q", settle.MetaDeliveryCount, got, c.wantCount)
-			}
-			if v, ok := c.headers["x-delivery-count"]; ok {
-				if _, isString := v.(string); !isString && headerTypes(t, msg.Metadata)["x-delivery-count"] == "" {
-					t.Fatalf("x-delivery-count type not recorded: %v", msg.Metadata)
+		for _, q := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/quorum=%v", c.name, q), func(t *testing.T) {
+				t.Parallel()
+				m, wantCount := classic, ""
+				if q {
+					// Only a quorum queue's broker writes the header:
+					// from any other queue it is the producer's word.
+					m, wantCount = quorum, c.wantCount
 				}
-				if msg.Metadata["x-delivery-count"] == "" {
-					t.Fatalf("x-delivery-count not kept as metadata: %v", msg.Metadata)
-				}
-			}
-			if c.name == "stale settle keys ignored" {
-				if _, ok := msg.Metadata[amqpmarshal.MetaHeaderTypes]; ok {
-					t.Fatalf("stale %s kept: %v", amqpmarshal.MetaHeaderTypes, msg.Metadata)
-				}
-			}
-		})
+				checkDeliveryFacts(t, m, c.name, c.headers, c.redelivered, c.wantRedeliv, wantCount)
+			})
+		}
 	}
 }
 
-// delivery is what a consumer receives for p (header values are already
-// AMQP types, so no wire conversion is needed for string headers).
+func checkDeliveryFacts(t *testing.T, m amqpmarshal.Marshaler, name string, headers amqp091.Table, redelivered bool, wantRedeliv, wantCount string) {
+	t.Helper()
+	msg := unmarshal(t, m, amqp091.Delivery{Headers: headers, Redelivered: redelivered, MessageId: "id"})
+	if got := msg.Metadata[settle.MetaRedelivered]; got != wantRedeliv {
+		t.Fatalf("%s = %q; want %q", settle.MetaRedelivered, got, wantRedeliv)
+	}
+	got, ok := msg.Metadata[settle.MetaDeliveryCount]
+	if wantCount == "" && ok {
+		t.Fatalf("%s = %q; want absent", settle.MetaDeliveryCount, got)
+	}
+	if wantCount != "" && got != wantCount {
+		t.Fatalf("%s = %q; want %q", settle.MetaDeliveryCount, got, wantCount)
+	}
+	if v, ok := headers["x-delivery-count"]; ok {
+		if _, isString := v.(string); !isString && headerTypes(t, msg.Metadata)["x-delivery-count"] == "" {
+			t.Fatalf("x-delivery-count type not recorded: %v", msg.Metadata)
+		}
+		if msg.Metadata["x-delivery-count"] == "" {
+			t.Fatalf("x-delivery-count not kept as metadata: %v", msg.Metadata)
+		}
+	}
+	if name == "stale settle keys ignored" {
+		if _, ok := msg.Metadata[amqpmarshal.MetaHeaderTypes]; ok {
+			t.Fatalf("stale %s kept: %v", amqpmarshal.MetaHeaderTypes, msg.Metadata)
+		}
+	}
+}
+
 func delivery(p amqp091.Publishing) amqp091.Delivery {
 	return amqp091.Delivery{
 		Headers:      p.Headers,

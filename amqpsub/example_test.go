@@ -28,6 +28,9 @@ func ExampleNewSubscriber() {
 	}
 	cfg := amqp.NewDurableQueueConfig(os.Getenv("AMQP_URL"))
 	cfg.Marshaler = marshaler
+	// The pipeline acks a delivery once its dead-letter copy or its output
+	// is published: the publisher must wait for RabbitMQ's confirmation.
+	cfg.Publish.ConfirmDelivery = true
 
 	// Up to 16 deliveries in the router at once; the prefetch of 1 that
 	// NewDurableQueueConfig sets is raised to 64.

@@ -322,7 +322,11 @@ func TestAMQPMarshalerQuorumDeliveryCount(t *testing.T) {
 		Body:    []byte("retry me"),
 	})
 	errFirst := errors.New("first delivery fails")
-	e.start(newSettleMarshaler(t), watermill.NopLogger{}, func(n int, _ *message.Message) error {
+	quorum, err := amqpmarshal.New(amqpmarshal.Config{QuorumQueue: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.start(quorum, watermill.NopLogger{}, func(n int, _ *message.Message) error {
 		if n == 1 {
 			return errFirst
 		}

@@ -57,7 +57,7 @@ func newATEnv(t *testing.T, o atOpts) *atEnv {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _, _ = e.db.ExecContext(context.Background(), `DROP TABLE IF EXISTS "`+e.effects+`"`) })
-	m, err := amqpmarshal.New(amqpmarshal.Config{})
+	m, err := amqpmarshal.New(amqpmarshal.Config{QuorumQueue: o.quorum})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -76,10 +76,10 @@ func newATEnv(t *testing.T, o atOpts) *atEnv {
 		}
 	})
 	for _, q := range e.queues() {
-		args := amqp091.Table(nil)
-		if q == e.src {
-			args = e.srcArgs()
-		}
+		// The pipeline declares the parking queues with the subscriber's
+		// configuration before each copy, so they are declared here as the
+		// subscriber would.
+		args := e.srcArgs()
 		if _, err := e.ch.QueueDeclare(q, true, false, false, false, args); err != nil {
 			t.Fatalf("declare queue %s: %v", q, err)
 		}

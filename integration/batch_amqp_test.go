@@ -70,6 +70,7 @@ func runBatchedOnRabbitMQ(t *testing.T, dbName, kind string) {
 	cfg := amqp.NewDurableQueueConfig(url)
 	cfg.Marshaler = m
 	cfg.Consume.Qos.PrefetchCount = 2
+	cfg.Publish.ConfirmDelivery = true
 	conn, err := amqp091.Dial(url)
 	saMust(t, err)
 	t.Cleanup(func() { _ = conn.Close() })

@@ -51,7 +51,9 @@ func TestTwoHandlersOfOneMessageOnRabbitMQ(t *testing.T) {
 				saMust(t, sub.SubscribeInitialize(exchange))
 				return sub
 			}
-			pub, err := amqp.NewPublisher(amqp.NewDurablePubSubConfig(url, nil), testenv.AMQPLogger(t, nil))
+			pubCfg := amqp.NewDurablePubSubConfig(url, nil)
+			pubCfg.Publish.ConfirmDelivery = true
+			pub, err := amqp.NewPublisher(pubCfg, testenv.AMQPLogger(t, nil))
 			saMust(t, err)
 			t.Cleanup(func() { _ = pub.Close() })
 

@@ -44,7 +44,14 @@ type saOpts struct {
 	// failDeadLetters makes the first n publishes to the dead-letter topic
 	// fail.
 	failDeadLetters int64
+	// republish hands failed messages back with retry.Republish (the
+	// test's publisher) instead of nacking them.
+	republish bool
 }
+
+// saRepublishKey signs the republished copies of the tests that set
+// saOpts.republish.
+var saRepublishKey = []byte("integration test republish key")
 
 // saFastRetry is a retry configuration with millisecond waits.
 func saFastRetry(maxAttempts, inProcess int) middleware.RetryConfig {
@@ -94,7 +101,7 @@ func newSAEnv(t *testing.T, opts saOpts, handler func(call int64, msg *message.M
 		dead:   testenv.Name(t, "dead"),
 		poison: testenv.Name(t, "poison"),
 	}
-	m, err := amqpmarshal.New(amqpmarshal.Config{})
+	m, err := amqpmarshal.New(amqpmarshal.Config{QuorumQueue: opts.quorum})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -177,6 +184,9 @@ func (e *saEnv) start(handler func(call int64, msg *message.Message) error) {
 	saMust(t, err)
 	dl, err := middleware.NewDeadLetter(middleware.ParkConfig{Publisher: deadPub, Topic: e.dead, NackDelay: 5 * time.Millisecond, Logger: logger})
 	saMust(t, err)
+	if e.opts.republish {
+		e.opts.retry.Republish, e.opts.retry.RepublishKey = pub, saRepublishKey
+	}
 	rt, err := middleware.NewRetry(e.opts.retry)
 	saMust(t, err)
 	mws := []message.HandlerMiddleware{e.observe, ps, dl, rt}

@@ -29,6 +29,8 @@ func TestNewRetryRefusesBadConfig(t *testing.T) {
 		{middleware.RetryConfig{RedeliveryDelay: -2}, "RedeliveryDelay"},
 		{middleware.RetryConfig{RandomizationFactor: -0.5}, "RandomizationFactor"},
 		{middleware.RetryConfig{TrackedMessages: -1}, "TrackedMessages"},
+		{middleware.RetryConfig{Republish: gochannel.NewGoChannel(gochannel.Config{}, nil)}, "RepublishKey"},
+		{middleware.RetryConfig{Republish: gochannel.NewGoChannel(gochannel.Config{}, nil), RepublishKey: []byte("short")}, "RepublishKey"},
 	}
 	for _, c := range cases {
 		mw, err := middleware.NewRetry(c.cfg)

@@ -26,7 +26,7 @@ func FuzzAttemptMetadata(f *testing.F) {
 			RedeliveryDelay: time.Microsecond,
 		}
 		if republish {
-			cfg.Republish = discard{}
+			cfg.Republish, cfg.RepublishKey = discard{}, []byte("0123456789abcdef")
 		}
 		rt, err := middleware.NewRetry(cfg)
 		if err != nil {

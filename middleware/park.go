@@ -17,11 +17,26 @@ import (
 // NewDeadLetter: where the copies of the messages they park go.
 type ParkConfig struct {
 	// Publisher publishes the parked copies. Required. Poison and
-	// dead-letter parking may share one.
+	// dead-letter parking may share one. The original is acked once
+	// Publish returns nil, so Publish must return only when the broker has
+	// stored the copy: a watermill-amqp Publisher must have
+	// Publish.ConfirmDelivery (or Publish.Transactional) set, and one
+	// without is refused (ErrUnconfirmedPublisher).
 	Publisher message.Publisher
 	// Topic receives the parked copies. Required. Poison and dead-letter
 	// parking may share one; settle_outcome tells the two kinds apart.
 	Topic string
+	// Initializer declares Topic (SubscribeInitialize) before every copy
+	// is published, so that the broker has a queue to route the copy to:
+	// RabbitMQ drops a message published to a queue that does not exist,
+	// and still confirms it. A failed declaration is a failed park (the
+	// delivery is deferred). Defaults to Publisher when it implements
+	// message.SubscribeInitializer, else nil: nothing is declared and the
+	// topic must exist before the first copy. For RabbitMQ pass the
+	// subscriber of the handler (a watermill-amqp Subscriber or an
+	// amqpsub.Subscriber), whose configuration routes Publisher's messages
+	// for a topic to the queue it declares for it; pipeline does so.
+	Initializer message.SubscribeInitializer
 	// NackDelay is how long a message whose copy could not be published is
 	// held before it is nacked, so that an unreachable topic does not turn
 	// into a hot redelivery loop. Such a delivery is deferred: it is not an
@@ -33,18 +48,55 @@ type ParkConfig struct {
 	// at once, without running the handler again. Defaults to 10000. Must be
 	// >= 1.
 	PendingMessages int
+	// MaxMetadataBytes bounds the metadata of each copy (keys and values,
+	// with the UUID), so that a copy is always publishable: a broker takes a
+	// message's headers in one frame (RabbitMQ's frame_max, 128 KiB by
+	// default), and settle's metadata, or the text form of a binary header
+	// (base64), can make a copy of a message the broker accepted too big to
+	// publish. settle's own values are bounded (settle_reason at 4 KiB,
+	// made valid UTF-8); when the copy is still over the bound, the
+	// original's metadata entries are left out, largest first, until it
+	// fits, and MetaDroppedHeaders names them. The payload is never
+	// changed. After three failed publishes of a message's copy, its next
+	// copy is minimal: settle's metadata only, every original entry named
+	// in MetaDroppedHeaders (logged at error level). Defaults to 64 KiB.
+	// Must be 0 or >= 16 KiB.
+	MaxMetadataBytes int
 	// Logger defaults to watermill.NopLogger. Publish failures are logged at
 	// most once per 5 seconds.
 	Logger watermill.LoggerAdapter
 }
 
+// MetaDroppedHeaders is the metadata key under which a parked copy says
+// which of the original's metadata entries it does not carry (see
+// ParkConfig.MaxMetadataBytes): a JSON object
+// {"count":N,"bytes":B,"names":[...]}, the names as many as fit in 2 KiB.
+const MetaDroppedHeaders = park.MetaDroppedHeaders
+
+// ErrUnconfirmedPublisher is wrapped by the error returned for a
+// watermill-amqp Publisher whose configuration has neither
+// Publish.ConfirmDelivery nor Publish.Transactional: it returns before
+// RabbitMQ has stored a message, so a copy lost on the way would be taken as
+// parked and the original acked.
+var ErrUnconfirmedPublisher = errors.New("middleware: the publisher does not wait for the broker's confirmation (watermill-amqp: set Publish.ConfirmDelivery = true)")
+
+// minMetadata is the least ParkConfig.MaxMetadataBytes: room for settle's
+// own bounded values.
+const minMetadata = 16 << 10
+
 func (c *ParkConfig) setDefaults() {
+	if c.Initializer == nil {
+		c.Initializer, _ = c.Publisher.(message.SubscribeInitializer)
+	}
 	c.NackDelay = settlement.Delay(c.NackDelay, time.Second)
 	if c.PendingMessages == 0 {
 		c.PendingMessages = 10000
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
+	}
+	if c.MaxMetadataBytes == 0 {
+		c.MaxMetadataBytes = park.DefaultMaxMetadata
 	}
 }
 
@@ -53,10 +105,14 @@ func (c ParkConfig) Validate() error {
 	switch {
 	case c.Publisher == nil:
 		return errors.New("middleware: ParkConfig.Publisher is required")
+	case park.Unconfirmed(c.Publisher):
+		return fmt.Errorf("middleware: ParkConfig.Publisher: %w", ErrUnconfirmedPublisher)
 	case c.Topic == "":
 		return errors.New("middleware: ParkConfig.Topic is required")
 	case c.NackDelay < 0 && c.NackDelay != settle.NoDelay:
 		return fmt.Errorf("middleware: ParkConfig.NackDelay must be >= 0 or settle.NoDelay, got %v", c.NackDelay)
+	case c.MaxMetadataBytes != 0 && c.MaxMetadataBytes < minMetadata:
+		return fmt.Errorf("middleware: ParkConfig.MaxMetadataBytes must be 0 or >= %d, got %d", minMetadata, c.MaxMetadataBytes)
 	case c.PendingMessages < 1:
 		return fmt.Errorf("middleware: ParkConfig.PendingMessages must be >= 1, got %d", c.PendingMessages)
 	}
@@ -69,13 +125,15 @@ func (c ParkConfig) park(name string, match func(*message.Message, *settlement.R
 		return nil, err
 	}
 	return park.Middleware(park.Config{
-		Publisher: c.Publisher,
-		Topic:     c.Topic,
-		NackDelay: c.NackDelay,
-		Logger:    c.Logger,
-		Name:      name,
-		Match:     match,
-		Pending:   c.PendingMessages,
+		Publisher:   c.Publisher,
+		Topic:       c.Topic,
+		Initializer: c.Initializer,
+		NackDelay:   c.NackDelay,
+		Logger:      c.Logger,
+		Name:        name,
+		Match:       match,
+		Pending:     c.PendingMessages,
+		MaxMetadata: c.MaxMetadataBytes,
 	}), nil
 }
 

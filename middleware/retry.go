@@ -2,6 +2,10 @@ package middleware
 
 import (
 	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"runtime/debug"
@@ -70,8 +74,17 @@ type RetryConfig struct {
 	// (same UUID, metadata settle_attempt and failure times) to the topic it
 	// came from and acking the original, instead of nacking. Use it where
 	// neither a dedupe store nor the broker counts deliveries. If the
-	// publish fails the original is nacked.
+	// publish fails the original is nacked. Requires RepublishKey.
 	Republish message.Publisher
+	// RepublishKey signs the attempt count of every copy Republish
+	// publishes (MetaAttemptMark: an HMAC-SHA256 of the topic, the UUID and
+	// the count). A settle_attempt is believed only on a copy whose mark
+	// this key verifies; on any other message (a producer's, or a copy
+	// marked with another key) it is ignored, so a producer cannot make a
+	// message dead-letter without a run. Every process consuming the topic
+	// must use the same key, kept secret like a password. Required with
+	// Republish, at least 16 bytes; unused without it.
+	RepublishKey []byte
 	// Logger defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 	// TrackedMessages bounds the per-process memory of failing messages: the
@@ -129,10 +142,46 @@ func (c RetryConfig) Validate() error {
 		return fmt.Errorf("middleware: RetryConfig.RandomizationFactor must be in [0, 1] or NoJitter, got %v", c.RandomizationFactor)
 	case c.RedeliveryDelay < 0:
 		return fmt.Errorf("middleware: RetryConfig.RedeliveryDelay must be >= 0 or settle.NoDelay, got %v", c.RedeliveryDelay)
+	case c.Republish != nil && len(c.RepublishKey) < minRepublishKey:
+		return fmt.Errorf("middleware: RetryConfig.RepublishKey must be at least %d bytes with Republish (the same secret in every process consuming the topic), got %d", minRepublishKey, len(c.RepublishKey))
 	case c.TrackedMessages < 1:
 		return fmt.Errorf("middleware: RetryConfig.TrackedMessages must be >= 1, got %d", c.TrackedMessages)
 	}
 	return nil
+}
+
+// minRepublishKey is the shortest RetryConfig.RepublishKey.
+const minRepublishKey = 16
+
+// MetaAttemptMark is the metadata key of the mark that the retry middleware
+// puts on a copy it republishes (RetryConfig.Republish): base64url of an
+// HMAC-SHA256, under RetryConfig.RepublishKey, of the topic, the UUID and
+// settle_attempt. The copy's settle_attempt is believed only when the mark
+// verifies.
+const MetaAttemptMark = park.MetaAttemptMark
+
+// attemptMark returns the mark of attempt on the message uuid republished
+// to topic. Each field is length-prefixed, so no two triples share a text.
+func attemptMark(key []byte, topic, uuid, attempt string) string {
+	m := hmac.New(sha256.New, key)
+	for _, f := range [...]string{topic, uuid, attempt} {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(f)))
+		m.Write(n[:])
+		m.Write([]byte(f))
+	}
+	return base64.RawURLEncoding.EncodeToString(m.Sum(nil))
+}
+
+// markedAttempt returns the settle_attempt of msg when msg carries settle's
+// mark for it under key, for the topic it was consumed from.
+func markedAttempt(key []byte, msg *message.Message) (string, bool) {
+	v, mark := msg.Metadata.Get(settle.MetaAttempt), msg.Metadata.Get(MetaAttemptMark)
+	if v == "" || mark == "" || len(key) == 0 {
+		return "", false
+	}
+	want := attemptMark(key, message.SubscribeTopicFromCtx(msg.Context()), msg.UUID, v)
+	return v, hmac.Equal([]byte(mark), []byte(want))
 }
 
 // ExhaustedError is returned by the retry middleware when a message has used
@@ -179,9 +228,14 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 //     key's durable acquisition count, one per run, exact across processes
 //     and crashes; the dedupe middleware refuses to start a run beyond
 //     MaxAttempts;
-//   - settle_attempt on a copy this middleware republished (Republish);
+//   - settle_attempt on a copy this middleware republished (Republish),
+//     believed only when the copy's MetaAttemptMark verifies under
+//     RepublishKey: on any other message it is the producer's word, and
+//     ignored;
 //   - the broker's delivery count (settle_delivery_count, set by settle's
-//     AMQP marshaler from quorum queues' x-delivery-count): each earlier
+//     AMQP marshaler from quorum queues' x-delivery-count, and only for a
+//     marshaler told the queue is one, amqpmarshal.Config.QuorumQueue,
+//     because a classic queue passes on a producer's header): each earlier
 //     delivery is taken to have used all its 1+InProcessRetries runs, so
 //     the bound holds even when the consumer died during a delivery, at the
 //     price of dead-lettering early after a crash or a deferral;
@@ -367,10 +421,12 @@ func (r *retry) source(msg *message.Message, d *delivery) {
 	if _, ok := r.durable.Load(d.key.scope); ok {
 		return
 	}
-	if v := msg.Metadata.Get(settle.MetaAttempt); r.cfg.Republish != nil && v != "" {
-		if n, err := strconv.Atoi(v); err == nil && n >= 0 {
-			d.prior = n
-			return
+	if r.cfg.Republish != nil {
+		if v, ok := markedAttempt(r.cfg.RepublishKey, msg); ok {
+			if n, err := strconv.Atoi(v); err == nil && n >= 0 {
+				d.prior = n
+				return
+			}
 		}
 	}
 	if v := msg.Metadata.Get(settle.MetaDeliveryCount); v != "" {
@@ -444,6 +500,7 @@ func (r *retry) handBack(msg *message.Message, d delivery, attempt int, wait tim
 		first, last = f.first, f.last
 	}
 	cp := park.Copy(msg, park.Info{Outcome: settle.Retry, Reason: err.Error(), Attempt: attempt, FirstFailure: first, LastFailure: last})
+	cp.Metadata.Set(MetaAttemptMark, attemptMark(r.cfg.RepublishKey, topic, cp.UUID, cp.Metadata.Get(settle.MetaAttempt)))
 	if perr := r.cfg.Republish.Publish(topic, cp); perr != nil {
 		return nil, errors.Join(err, fmt.Errorf("retry: republish to %q: %w", topic, perr))
 	}

@@ -78,7 +78,7 @@ func newStack(t *testing.T, o stackOpts, handler func(msg *message.Message) erro
 		parkPub = s.pubsub
 	}
 	if o.republish {
-		o.retry.Republish = s.pubsub
+		o.retry.Republish, o.retry.RepublishKey = s.pubsub, []byte("stack test republish key")
 	}
 	ps, err := middleware.NewPoison(middleware.ParkConfig{Publisher: parkPub, Topic: poisonTopic, NackDelay: time.Millisecond})
 	must(t, err)

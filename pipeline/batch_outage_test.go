@@ -40,6 +40,7 @@ func newBatchAMQP(t *testing.T, prefix string) *batchAMQP {
 	cfg := amqp.NewDurableQueueConfig(u)
 	cfg.Marshaler = m
 	cfg.Consume.Qos.PrefetchCount = 2
+	cfg.Publish.ConfirmDelivery = true
 	pub, err := amqp.NewPublisher(cfg, testenv.AMQPLogger(t, nil))
 	must(t, err)
 	t.Cleanup(func() { _ = pub.Close() })

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/park"
 	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/internal/workers"
 	"github.com/settle-go/settle/middleware"
@@ -20,8 +21,21 @@ import (
 // through it gets.
 type Config struct {
 	// Publisher publishes dead-letter and poison copies, and the messages
-	// that handlers produce. Required.
+	// that handlers produce. Required. A delivery is acked once Publish has
+	// returned nil for its copy or its output, so Publish must return only
+	// when the broker has stored the message: a watermill-amqp Publisher
+	// without Publish.ConfirmDelivery (or Publish.Transactional) is refused
+	// (middleware.ErrUnconfirmedPublisher).
 	Publisher message.Publisher
+	// ParkInitializer declares the dead-letter and poison topics before
+	// every copy is published to them (see middleware.ParkConfig.Initializer):
+	// RabbitMQ drops, and still confirms, a message published to a queue
+	// that does not exist. Defaults to each handler's subscriber when it
+	// implements message.SubscribeInitializer (watermill-amqp's Subscriber,
+	// amqpsub.Subscriber, watermill-sql's Subscriber), which declares a
+	// parking topic as it declares the topics it consumes; else to
+	// Publisher when it implements it; else nothing is declared.
+	ParkInitializer message.SubscribeInitializer
 	// DeadLetterTopic receives messages whose attempts are exhausted.
 	// Defaults to "<subscribed topic>.dead_letter" per handler.
 	DeadLetterTopic string
@@ -102,6 +116,9 @@ func (c Config) Validate() error {
 	if c.Publisher == nil {
 		return errors.New("pipeline: Config.Publisher is required")
 	}
+	if park.Unconfirmed(c.Publisher) {
+		return fmt.Errorf("pipeline: Config.Publisher: %w", middleware.ErrUnconfirmedPublisher)
+	}
 	if c.Concurrency < 0 {
 		return fmt.Errorf("pipeline: Config.Concurrency must be >= 0, got %d", c.Concurrency)
 	}
@@ -167,7 +184,7 @@ func New(router *message.Router, cfg Config) (*Pipeline, error) {
 		}
 	}
 	// Build the per-handler pieces once to check their configuration.
-	if _, err := p.stack("check", "", nil, false); err != nil {
+	if _, err := p.stack("check", "", nil, nil, false); err != nil {
 		return nil, err
 	}
 	return p, nil
@@ -176,9 +193,9 @@ func New(router *message.Router, cfg Config) (*Pipeline, error) {
 // Router returns the router the pipeline adds to.
 func (p *Pipeline) Router() *message.Router { return p.router }
 
-// stack returns the middleware for one handler subscribed to topic.
+// stack returns the middleware for one handler subscribed to topic on sub.
 // store overrides cfg.Store when not nil.
-func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store, noDedupe bool) ([]message.HandlerMiddleware, error) {
+func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, store dedupe.Store, noDedupe bool) ([]message.HandlerMiddleware, error) {
 	dlTopic, poisonTopic := p.cfg.DeadLetterTopic, p.cfg.PoisonTopic
 	if dlTopic == "" {
 		dlTopic = topic + ".dead_letter"
@@ -186,7 +203,11 @@ func (p *Pipeline) stack(topic, publishTopic string, store dedupe.Store, noDedup
 	if poisonTopic == "" {
 		poisonTopic = topic + ".poison"
 	}
-	parking := middleware.ParkConfig{Publisher: p.cfg.Publisher, NackDelay: p.cfg.NackDelay, Logger: p.cfg.Logger}
+	initr := p.cfg.ParkInitializer
+	if initr == nil {
+		initr, _ = sub.(message.SubscribeInitializer)
+	}
+	parking := middleware.ParkConfig{Publisher: p.cfg.Publisher, Initializer: initr, NackDelay: p.cfg.NackDelay, Logger: p.cfg.Logger}
 	parking.Topic = poisonTopic
 	ps, err := middleware.NewPoison(parking)
 	if err != nil {
@@ -309,7 +330,7 @@ func (p *Pipeline) add(name string, sub message.Subscriber, mws []message.Handle
 
 // Handle adds a handler that consumes topic with the whole stack.
 func (p *Pipeline) Handle(name, topic string, sub message.Subscriber, h message.NoPublishHandlerFunc) (Handlers, error) {
-	mws, err := p.stack(topic, "", nil, false)
+	mws, err := p.stack(topic, "", sub, nil, false)
 	if err != nil {
 		return nil, err
 	}
@@ -325,7 +346,7 @@ func (p *Pipeline) HandleProducing(name, topic string, sub message.Subscriber, p
 	if publishTopic == "" {
 		return nil, errors.New("pipeline: HandleProducing: publishTopic is required")
 	}
-	mws, err := p.stack(topic, publishTopic, nil, false)
+	mws, err := p.stack(topic, publishTopic, sub, nil, false)
 	if err != nil {
 		return nil, err
 	}
@@ -425,7 +446,7 @@ func (p *Pipeline) addTx(name, topic string, sub message.Subscriber, s dedupe.St
 	if err != nil {
 		return nil, err
 	}
-	mws, err := p.stack(topic, "", s, oneStatement)
+	mws, err := p.stack(topic, "", sub, s, oneStatement)
 	if err != nil {
 		return nil, err
 	}

@@ -128,6 +128,7 @@ func deadLetter(t *testing.T, b broker, dlq string, failures []failure) {
 	}
 	cfg := amqp.NewDurableQueueConfig(b.url)
 	cfg.Marshaler = marshaler
+	cfg.Publish.ConfirmDelivery = true
 	pub, err := amqp.NewPublisher(cfg, testenv.AMQPLogger(t, logger))
 	if err != nil {
 		t.Fatal(err)

@@ -6,10 +6,15 @@ package park
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
+	"sort"
 	"strconv"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -33,30 +38,92 @@ type Info struct {
 	LastFailure  time.Time // zero: the time of parking
 }
 
+// MetaAttemptMark is the metadata key of the retry middleware's mark on a
+// copy it republished (middleware.MetaAttemptMark). A parked copy never
+// carries one: the mark vouches for one republished copy only.
+const MetaAttemptMark = "settle_attempt_mark"
+
 // TimeFormat is the layout of the failure-time metadata.
 const TimeFormat = time.RFC3339Nano
 
+// Bounds on what a copy carries, so that a copy is always publishable: a
+// broker takes a message's headers in one frame (RabbitMQ: frame_max,
+// 128 KiB by default), and a message it accepted can carry headers whose
+// text form (base64 of a binary header) no longer fits once settle's own
+// metadata is added.
+const (
+	// DefaultMaxMetadata is the default bound on a copy's metadata, keys
+	// and values together with the UUID: half of RabbitMQ's default
+	// frame_max, leaving room for the marshaler's own headers and the
+	// properties.
+	DefaultMaxMetadata = 64 << 10
+	// MaxReason bounds settle_reason; a longer error text is cut, on a
+	// UTF-8 boundary, and says how much was cut.
+	MaxReason = 4 << 10
+	// minimalReason bounds settle_reason on a minimal copy.
+	minimalReason = 512
+	// maxUUIDText bounds settle_original_uuid (the copy keeps its UUID).
+	maxUUIDText = 1 << 10
+	// maxDroppedText bounds MetaDroppedHeaders.
+	maxDroppedText = 2 << 10
+)
+
+// MetaDroppedHeaders is the metadata key under which a copy says which of
+// the original's metadata entries it does not carry, because the copy would
+// not have fitted: a JSON object {"count":N,"bytes":B,"names":[...]} (names
+// as many as fit in 2 KiB, each invalid UTF-8 byte as U+FFFD). The payload
+// is never changed. Absent when nothing was dropped.
+const MetaDroppedHeaders = "settle_dropped_headers"
+
+// Limits bound a copy.
+type Limits struct {
+	// MaxMetadata bounds the copy's metadata: the sum of len(key) +
+	// len(value) over its entries, plus len(UUID). Zero means
+	// DefaultMaxMetadata.
+	MaxMetadata int
+	// Minimal keeps none of the original's metadata, only settle's, with a
+	// shorter reason: the copy of last resort, for a message whose full
+	// copy could not be published.
+	Minimal bool
+}
+
 // Copy returns the copy of msg to publish: same UUID, payload and metadata,
-// plus settle's failure metadata. The original topic and handler come from
-// the router's context. A first-failure time that is not known is left out
-// rather than made up.
+// plus settle's failure metadata, within DefaultMaxMetadata. The original
+// topic and handler come from the router's context. A first-failure time
+// that is not known is left out rather than made up.
 func Copy(msg *message.Message, info Info) *message.Message {
+	return CopyWithin(msg, info, Limits{})
+}
+
+// CopyWithin is Copy within lim: settle's values are bounded (the reason at
+// MaxReason, made valid UTF-8), and when the copy's metadata is still over
+// lim.MaxMetadata, the original's entries are left out, largest first, until
+// it fits; MetaDroppedHeaders names them.
+func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 	now := time.Now().UTC()
-	cp := msg.Copy()
+	maxMD := lim.MaxMetadata
+	if maxMD <= 0 {
+		maxMD = DefaultMaxMetadata
+	}
+	cp := message.NewMessage(msg.UUID, msg.Payload)
 	cp.SetContext(msg.Context())
 	ctx := msg.Context()
-	md := cp.Metadata
-	md.Set(settle.MetaOutcome, string(info.Outcome))
-	md.Set(settle.MetaReason, info.Reason)
+	own := make(message.Metadata, 10)
+	reasonMax := MaxReason
+	if lim.Minimal {
+		reasonMax = minimalReason
+	}
+	own.Set(settle.MetaOutcome, string(info.Outcome))
+	own.Set(settle.MetaReason, cut(info.Reason, reasonMax))
 	if t := message.SubscribeTopicFromCtx(ctx); t != "" {
-		md.Set(settle.MetaOriginalTopic, t)
+		own.Set(settle.MetaOriginalTopic, cut(t, maxUUIDText))
 	}
 	if h := message.HandlerNameFromCtx(ctx); h != "" {
-		md.Set(settle.MetaHandler, h)
+		own.Set(settle.MetaHandler, cut(h, maxUUIDText))
 	}
-	md.Set(settle.MetaOriginalUUID, msg.UUID)
+	own.Set(settle.MetaOriginalUUID, cut(msg.UUID, maxUUIDText))
 	if info.Attempt > 0 {
-		md.Set(settle.MetaAttempt, strconv.Itoa(info.Attempt))
+		own.Set(settle.MetaAttempt, strconv.Itoa(info.Attempt))
 	}
 	last := info.LastFailure
 	if last.IsZero() {
@@ -66,18 +133,103 @@ func Copy(msg *message.Message, info Info) *message.Message {
 		if first.After(last) {
 			first = last
 		}
-		md.Set(settle.MetaFirstFailure, first.UTC().Format(TimeFormat))
-	} else {
-		delete(md, settle.MetaFirstFailure)
+		own.Set(settle.MetaFirstFailure, first.UTC().Format(TimeFormat))
 	}
-	md.Set(settle.MetaLastFailure, last.UTC().Format(TimeFormat))
+	own.Set(settle.MetaLastFailure, last.UTC().Format(TimeFormat))
+
+	// The original's entries, less those settle writes or a copy must not
+	// carry.
+	type entry struct{ k, v string }
+	var orig []entry
+	size := len(msg.UUID)
+	for k, v := range own {
+		size += len(k) + len(v)
+	}
+	for k, v := range msg.Metadata {
+		if _, mine := own[k]; mine {
+			continue
+		}
+		switch k {
+		case MetaAttemptMark, MetaDroppedHeaders, settle.MetaFirstFailure:
+			continue
+		}
+		orig = append(orig, entry{k, v})
+		size += len(k) + len(v)
+	}
+	var dropped []entry
+	if lim.Minimal {
+		dropped, orig = orig, nil
+	} else if size > maxMD {
+		// Leave out the largest first: the fewest entries lost.
+		sort.Slice(orig, func(i, j int) bool {
+			a, b := len(orig[i].k)+len(orig[i].v), len(orig[j].k)+len(orig[j].v)
+			if a != b {
+				return a > b
+			}
+			return orig[i].k < orig[j].k
+		})
+		budget := maxMD - maxDroppedText - len(MetaDroppedHeaders)
+		for len(orig) > 0 && size > budget {
+			size -= len(orig[0].k) + len(orig[0].v)
+			dropped = append(dropped, orig[0])
+			orig = orig[1:]
+		}
+	}
+	for _, e := range orig {
+		cp.Metadata[e.k] = e.v
+	}
+	for k, v := range own {
+		cp.Metadata[k] = v
+	}
+	if len(dropped) > 0 {
+		names := make([]string, len(dropped))
+		total := 0
+		for i, e := range dropped {
+			names[i] = e.k
+			total += len(e.k) + len(e.v)
+		}
+		sort.Strings(names)
+		cp.Metadata[MetaDroppedHeaders] = droppedText(len(dropped), total, names)
+	}
 	return cp
+}
+
+// cut returns s as valid UTF-8, at most max bytes: a longer text is cut on a
+// rune boundary and ends saying how many bytes were cut.
+func cut(s string, limit int) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	if len(s) <= limit {
+		return s
+	}
+	n := max(limit-len(" [0000000000 bytes cut]"), 0)
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n] + fmt.Sprintf(" [%d bytes cut]", len(s)-n)
+}
+
+// droppedText renders MetaDroppedHeaders within maxDroppedText.
+func droppedText(count, total int, names []string) string {
+	for n := len(names); ; n-- {
+		b, err := json.Marshal(struct {
+			Count int      `json:"count"`
+			Bytes int      `json:"bytes"`
+			Names []string `json:"names"`
+		}{count, total, names[:n]})
+		if err == nil && (len(b) <= maxDroppedText || n == 0) {
+			return string(b)
+		}
+	}
 }
 
 // Config configures a parking middleware.
 type Config struct {
 	Publisher message.Publisher
 	Topic     string
+	// Initializer, when not nil, declares Topic before every copy is
+	// published, so that the broker has somewhere to route it; a failed
+	// declaration is a failed park.
+	Initializer message.SubscribeInitializer
 	// Match says whether the failed run is to be parked, and what to record.
 	Match func(msg *message.Message, rec *settlement.Record, err error) (Info, bool)
 	// NackDelay is how long to wait before nacking when the publish failed,
@@ -90,7 +242,14 @@ type Config struct {
 	// could not be published: their redelivery is parked again without
 	// running anything inside.
 	Pending int
+	// MaxMetadata bounds each copy's metadata (Limits.MaxMetadata).
+	MaxMetadata int
 }
+
+// MinimalAfter is how many publishes of a message's full copy fail before
+// its next copy is a minimal one (Limits.Minimal), which carries none of
+// the original's metadata.
+const MinimalAfter = 3
 
 // pendingKey names a message in the scope of one logical handler.
 type pendingKey struct{ scope, uuid string }
@@ -99,6 +258,7 @@ type pendingKey struct{ scope, uuid string }
 type pendingCopy struct {
 	info   Info
 	reason error
+	fails  int // publishes of the copy that failed
 }
 
 // ErrPublish is wrapped when the copy could not be published; the original
@@ -171,27 +331,84 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 	rec := settlement.FromContext(ctx)
 	key := pendingKey{settlement.Scope(ctx), msg.UUID}
 	info := pc.info
-	cp := Copy(msg, info)
-	perr := publish(ctx, p.cfg.Publisher, p.cfg.Topic, cp)
+	minimal := pc.fails >= MinimalAfter
+	cp := CopyWithin(msg, info, Limits{MaxMetadata: p.cfg.MaxMetadata, Minimal: minimal})
+	perr := p.declare()
+	if perr == nil {
+		perr = publish(ctx, p.cfg.Publisher, p.cfg.Topic, cp)
+	}
 	fields := watermill.LogFields{
 		"message_uuid": msg.UUID, "topic": p.cfg.Topic, "outcome": string(info.Outcome), "attempt": info.Attempt,
 	}
 	if perr == nil {
 		p.pending.Delete(key)
 		rec.Park(string(info.Outcome), p.cfg.Topic, pc.reason)
-		p.cfg.Logger.Info(p.cfg.Name+": message parked", fields.Add(watermill.LogFields{"reason": info.Reason}))
+		if minimal {
+			p.cfg.Logger.Error(p.cfg.Name+": message parked with a minimal copy, without the original's metadata", ErrMinimal,
+				fields.Add(watermill.LogFields{"failed_publishes": pc.fails}))
+		}
+		p.cfg.Logger.Info(p.cfg.Name+": message parked", fields.Add(watermill.LogFields{"reason": cut(info.Reason, MaxReason)}))
 		return nil, nil
 	}
 	p.pending.Update(key, func(old pendingCopy, found bool) pendingCopy {
 		if found && !old.info.FirstFailure.IsZero() {
 			pc.info.FirstFailure = old.info.FirstFailure
 		}
+		pc.fails++
 		return pc
 	})
 	rec.Defer()
 	p.log.Error(p.cfg.Name+": could not publish parked copy; nacking, not counted as an attempt", perr, fields)
 	Sleep(ctx, p.cfg.NackDelay)
 	return nil, errors.Join(pc.reason, fmt.Errorf("%s: %w: topic %q: %w", p.cfg.Name, ErrPublish, p.cfg.Topic, perr))
+}
+
+// ErrMinimal is logged when a message is parked with a minimal copy.
+var ErrMinimal = fmt.Errorf("the full copy failed to publish %d times", MinimalAfter)
+
+// ErrDeclare is wrapped when the parking topic could not be declared before
+// a copy was published to it.
+var ErrDeclare = errors.New("declaring the parking topic failed")
+
+// declare makes sure the parking topic exists before a copy goes to it. It
+// declares before every copy, not once: parking is rare, a declaration is
+// one round trip, and a queue deleted while the consumer runs is declared
+// again instead of swallowing the copies sent to it.
+func (p *parker) declare() error {
+	if p.cfg.Initializer == nil {
+		return nil
+	}
+	if err := p.cfg.Initializer.SubscribeInitialize(p.cfg.Topic); err != nil {
+		return fmt.Errorf("%w: %w", ErrDeclare, err)
+	}
+	return nil
+}
+
+// Unconfirmed reports whether pub is a watermill-amqp Publisher that does not
+// wait for the broker's confirmation (neither Publish.ConfirmDelivery nor
+// Publish.Transactional): its Publish returns before RabbitMQ has stored the
+// message, so a copy lost on the way would be taken as parked. It looks into
+// the publisher's configuration by reflection, to keep watermill-amqp out of
+// the import graph of users of other brokers; a publisher wrapped in another
+// type is not seen through.
+func Unconfirmed(pub message.Publisher) bool {
+	v := reflect.ValueOf(pub)
+	if v.Kind() != reflect.Pointer || v.IsNil() {
+		return false
+	}
+	t := v.Type().Elem()
+	if t.Name() != "Publisher" || t.PkgPath() != "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp" {
+		return false
+	}
+	pc := v.Elem().FieldByName("config").FieldByName("Publish")
+	if !pc.IsValid() || pc.Kind() != reflect.Struct {
+		return false
+	}
+	confirm, tx := pc.FieldByName("ConfirmDelivery"), pc.FieldByName("Transactional")
+	if confirm.Kind() != reflect.Bool || tx.Kind() != reflect.Bool {
+		return false
+	}
+	return !confirm.Bool() && !tx.Bool()
 }
 
 // ScopeName is the instrumentation scope of the spans of parked copies.

@@ -1,0 +1,98 @@
+package integration_test
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/middleware"
+)
+
+// A producer cannot make a message dead-letter without a run: a delivery
+// count is believed only where the broker writes it (a quorum queue, and a
+// marshaler told so), and a settle_attempt only on a copy the retry
+// middleware marked with its key.
+func TestForgedAttemptHeadersDoNotDeadLetter(t *testing.T) {
+	t.Parallel()
+	forged := []struct {
+		name    string
+		opts    saOpts
+		headers amqp091.Table
+	}{
+		{"x-delivery-count on a classic queue", saOpts{retry: saFastRetry(3, 0), noDedupe: true},
+			amqp091.Table{"x-delivery-count": int32(50)}},
+		{"x-delivery-count on a quorum queue", saOpts{retry: saFastRetry(3, 0), noDedupe: true, quorum: true},
+			amqp091.Table{"x-delivery-count": int32(50)}},
+		{"settle_attempt with Republish", saOpts{retry: saFastRetry(3, 0), noDedupe: true, republish: true},
+			amqp091.Table{settle.MetaAttempt: "50"}},
+		{"settle_attempt with a forged mark", saOpts{retry: saFastRetry(3, 0), noDedupe: true, republish: true},
+			amqp091.Table{settle.MetaAttempt: "50", middleware.MetaAttemptMark: "AAAA"}},
+		{"settle_delivery_count", saOpts{retry: saFastRetry(3, 0), noDedupe: true},
+			amqp091.Table{settle.MetaDeliveryCount: "50"}},
+	}
+	for _, c := range forged {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			e := newSAEnv(t, c.opts, func(int64, *message.Message) error { return nil })
+			h := amqp091.Table{amqp.DefaultMessageUUIDHeaderKey: watermill.NewUUID()}
+			for k, v := range c.headers {
+				h[k] = v
+			}
+			if err := e.ch.Publish("", e.src, false, false, amqp091.Publishing{Headers: h, Body: []byte("forged")}); err != nil {
+				t.Fatal(err)
+			}
+			e.waitSettled(1)
+			dead, poisoned := e.finish()
+			if got := e.calls.Load(); got != 1 {
+				t.Errorf("handler ran %d times, want 1", got)
+			}
+			if len(dead) != 0 || len(poisoned) != 0 {
+				t.Errorf("%d dead letters and %d poisoned, want none: %v", len(dead), len(poisoned), dead)
+			}
+		})
+	}
+}
+
+// The retry middleware's own mark survives the broker: with Republish, a
+// message that always fails is run exactly MaxAttempts times and then
+// dead-lettered, each copy's count believed because settle marked it.
+func TestRepublishedAttemptMarkBoundsRuns(t *testing.T) {
+	t.Parallel()
+	errAlways := errors.New("always fails")
+	e := newSAEnv(t, saOpts{retry: saFastRetry(3, 0), noDedupe: true, republish: true},
+		func(int64, *message.Message) error { return errAlways })
+	sent := e.publish()
+	deadline := time.Now().Add(saWait)
+	for {
+		q, err := e.ch.QueueDeclarePassive(e.dead, true, false, false, false, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if q.Messages > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no dead letter within %v; %d runs", saWait, e.calls.Load())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	dead, _ := e.finish()
+	if got := e.calls.Load(); got != 3 {
+		t.Errorf("handler ran %d times, want MaxAttempts 3", got)
+	}
+	if len(dead) != 1 || dead[0].Metadata.Get(settle.MetaOriginalUUID) != sent.UUID {
+		t.Fatalf("dead letters %v, want the one message", dead)
+	}
+	if got := dead[0].Metadata.Get(settle.MetaAttempt); got != "3" {
+		t.Errorf("dead letter %s = %q, want 3", settle.MetaAttempt, got)
+	}
+	if got := dead[0].Metadata.Get(middleware.MetaAttemptMark); got != "" {
+		t.Errorf("dead letter carries the republish mark %q", got)
+	}
+}
