@@ -148,6 +148,17 @@ func (o *Outbox) Table() string { return o.q.table }
 // The error is always nil; it is kept for callers of earlier versions.
 func (o *Outbox) Schema() ([]string, error) { return slices.Clone(o.q.schema), nil }
 
+// SchemaUpgrade returns the statements that bring an outbox table created
+// by an earlier version of settle (without the columns attempts,
+// last_error, next_attempt_at and set_aside_at) to the shape of Schema: they
+// add the columns (existing rows start with no failure), create the indexes
+// of rows to forward and of rows set aside, and drop the earlier index of
+// pending rows. Run them once, in a migration, outside any application
+// transaction, while no relay of an earlier version runs; Check says
+// whether they are needed. On PostgreSQL and SQLite they can run again
+// without harm; MySQL has no IF NOT EXISTS for columns.
+func (o *Outbox) SchemaUpgrade() []string { return slices.Clone(o.q.upgrade) }
+
 // InitSchema creates the outbox's tables if they do not exist. Call it from
 // your migrations or at deploy time, never inside an application
 // transaction; settle never calls it by itself. The statements run one by
@@ -186,6 +197,7 @@ func (o *Outbox) Check(ctx context.Context, db *sql.DB) error {
 
 func (o *Outbox) check(ctx context.Context, db conn) error {
 	var problems []string
+	upgrade := false
 	for _, t := range []struct {
 		name string
 		cols []string
@@ -204,12 +216,21 @@ func (o *Outbox) check(ctx context.Context, db conn) error {
 				missing = append(missing, c)
 			}
 		}
-		if len(missing) > 0 {
+		switch {
+		case len(missing) == 0:
+		case t.name == o.q.table && !slices.ContainsFunc(missing, func(c string) bool { return !slices.Contains(failureColumns, c) }):
+			upgrade = true
+			problems = append(problems, fmt.Sprintf("table %s lacks column(s) %s, which the relay needs to retry and set aside rows one by one: it was created by an earlier version of settle", t.name, strings.Join(missing, ", ")))
+		default:
 			problems = append(problems, fmt.Sprintf("table %s lacks column(s) %s (earlier versions of settle kept the outbox in a watermill-sql table, watermill_<topic>: drain it with the old relay first)", t.name, strings.Join(missing, ", ")))
 		}
 	}
 	if len(problems) == 0 {
 		return nil
+	}
+	if upgrade && len(problems) == 1 {
+		return fmt.Errorf("%w: %s; add them with the statements of `settle outbox schema -upgrade -dialect %s -topic %s` (Outbox.SchemaUpgrade; docs/outbox.md, \"Upgrading\") in a migration",
+			ErrSchema, problems[0], o.cfg.Dialect, o.cfg.Topic)
 	}
 	return fmt.Errorf("%w: %s; run the statements of `settle outbox schema -dialect %s -topic %s` (or Outbox.InitSchema) in a migration",
 		ErrSchema, strings.Join(problems, "; "), o.cfg.Dialect, o.cfg.Topic)

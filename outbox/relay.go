@@ -9,10 +9,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	mrand "math/rand/v2"
+	"regexp"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
@@ -31,6 +35,16 @@ const ScopeName = "github.com/settle-go/settle/outbox"
 // MaxBatchSize is the largest RelayConfig.BatchSize.
 const MaxBatchSize = 1000
 
+// Defaults of RelayConfig.
+const (
+	// DefaultBatchBytes is RelayConfig.BatchBytes when unset: 16 MiB.
+	DefaultBatchBytes = 16 << 20
+	// DefaultMaxAttempts is RelayConfig.MaxAttempts when unset.
+	DefaultMaxAttempts = 10
+	// DefaultMaxRetryInterval is RelayConfig.MaxRetryInterval when unset.
+	DefaultMaxRetryInterval = time.Minute
+)
+
 // RelayConfig configures a Relay.
 type RelayConfig struct {
 	// PollInterval is how often an idle relay looks for committed rows
@@ -42,6 +56,12 @@ type RelayConfig struct {
 	// BatchSize is the most rows one relay transaction claims and
 	// forwards. Defaults to 100. Must be 1-MaxBatchSize.
 	BatchSize int
+	// BatchBytes bounds the payload and metadata bytes of one batch: the
+	// relay claims rows in offset order while their total stays within it,
+	// and a row larger than BatchBytes is claimed alone. It bounds what a
+	// relay holds in memory at once. Defaults to DefaultBatchBytes (16
+	// MiB). Must be > 0.
+	BatchBytes int64
 	// AckDeadline bounds one batch: claiming its rows, publishing them and
 	// committing their forwarded mark. A batch that overruns is rolled back
 	// and its rows are forwarded again (a duplicate of those already
@@ -51,9 +71,25 @@ type RelayConfig struct {
 	AckDeadline time.Duration
 	// RetryInterval is how long the relay waits after a failed batch (the
 	// broker refused, the database is gone) before trying again, so that an
-	// outage is not a hot loop of failing publishes and error logs. Defaults
-	// to 1s. Must be > 0.
+	// outage is not a hot loop of failing publishes and error logs. It is
+	// also the first delay of a row whose publish failed: the row is not
+	// claimed again before it, and the delay doubles at each failure of
+	// that row, up to MaxRetryInterval, while the rows behind it are
+	// forwarded. Defaults to 1s. Must be > 0.
 	RetryInterval time.Duration
+	// MaxRetryInterval caps the delay before a failed row's next attempt.
+	// Defaults to DefaultMaxRetryInterval (1m). Must be >= RetryInterval.
+	MaxRetryInterval time.Duration
+	// MaxAttempts is how many failed publishes of one row the relay
+	// allows before it sets the row aside: the row stays in the outbox
+	// table, is never forwarded or pruned, and is shown by Status, Failed
+	// and `settle outbox status` until Requeue (`settle outbox retry`) puts
+	// it back. A failure counts towards setting the row aside only when the
+	// broker took other rows around it (the relay published another row
+	// after this row's first failure, and the publish just before this one
+	// succeeded): a broker outage makes rows wait, never sets them aside.
+	// Defaults to DefaultMaxAttempts (10). Must be >= 1.
+	MaxAttempts int
 	// HeartbeatInterval is how often the relay renews its row in the relays
 	// table; Status counts a relay as alive for three intervals after its
 	// last heartbeat. Defaults to 10s. Must be > 0.
@@ -67,8 +103,8 @@ type RelayConfig struct {
 	// to 30s. Must be > 0.
 	CloseTimeout time.Duration
 	// MeterProvider records settle.outbox.forwarded, settle.outbox.failed,
-	// settle.outbox.pending and settle.outbox.lag. Defaults to the global
-	// provider.
+	// settle.outbox.pending, settle.outbox.lag and settle.outbox.set_aside.
+	// Defaults to the global provider.
 	MeterProvider metric.MeterProvider
 	// Logger defaults to the Outbox's logger.
 	Logger watermill.LoggerAdapter
@@ -87,8 +123,17 @@ func (c *RelayConfig) setDefaults(o *Outbox) {
 			c.AckDeadline = 5 * time.Second
 		}
 	}
+	if c.BatchBytes == 0 {
+		c.BatchBytes = DefaultBatchBytes
+	}
 	if c.RetryInterval == 0 {
 		c.RetryInterval = time.Second
+	}
+	if c.MaxRetryInterval == 0 {
+		c.MaxRetryInterval = max(DefaultMaxRetryInterval, c.RetryInterval)
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = DefaultMaxAttempts
 	}
 	if c.HeartbeatInterval == 0 {
 		c.HeartbeatInterval = 10 * time.Second
@@ -116,8 +161,14 @@ func (c RelayConfig) Validate() error {
 		return fmt.Errorf("outbox: RelayConfig.BatchSize must be 1-%d, got %d", MaxBatchSize, c.BatchSize)
 	case c.AckDeadline <= 0:
 		return fmt.Errorf("outbox: RelayConfig.AckDeadline must be > 0, got %v", c.AckDeadline)
+	case c.BatchBytes <= 0:
+		return fmt.Errorf("outbox: RelayConfig.BatchBytes must be > 0, got %d", c.BatchBytes)
 	case c.RetryInterval <= 0:
 		return fmt.Errorf("outbox: RelayConfig.RetryInterval must be > 0, got %v", c.RetryInterval)
+	case c.MaxRetryInterval < c.RetryInterval:
+		return fmt.Errorf("outbox: RelayConfig.MaxRetryInterval must be >= RetryInterval (%v), got %v", c.RetryInterval, c.MaxRetryInterval)
+	case c.MaxAttempts < 1:
+		return fmt.Errorf("outbox: RelayConfig.MaxAttempts must be >= 1, got %d", c.MaxAttempts)
 	case c.HeartbeatInterval <= 0:
 		return fmt.Errorf("outbox: RelayConfig.HeartbeatInterval must be > 0, got %v", c.HeartbeatInterval)
 	case c.CloseTimeout <= 0:
@@ -166,6 +217,8 @@ type Relay struct {
 
 	forwarded atomic.Int64
 	failed    atomic.Int64
+
+	health health // the loop's only
 }
 
 // NewRelay returns a relay from the outbox on db to out. It touches no
@@ -204,7 +257,7 @@ func (r *Relay) instruments() error {
 	if r.fwdCnt, err = meter.Int64Counter("settle.outbox.forwarded", metric.WithDescription("Outbox messages published to the broker."), metric.WithUnit("{message}")); err != nil {
 		return err
 	}
-	if r.fail, err = meter.Int64Counter("settle.outbox.failed", metric.WithDescription("Outbox forwards that failed and will be retried, and foreign rows set aside."), metric.WithUnit("{message}")); err != nil {
+	if r.fail, err = meter.Int64Counter("settle.outbox.failed", metric.WithDescription("Failed publishes of outbox rows, one per row and attempt, and foreign rows sent to the poison topic."), metric.WithUnit("{message}")); err != nil {
 		return err
 	}
 	pending, err := meter.Int64ObservableGauge("settle.outbox.pending", metric.WithDescription("Committed outbox messages not yet forwarded."), metric.WithUnit("{message}"))
@@ -212,6 +265,10 @@ func (r *Relay) instruments() error {
 		return err
 	}
 	lag, err := meter.Float64ObservableGauge("settle.outbox.lag", metric.WithDescription("Age of the oldest outbox message not yet forwarded."), metric.WithUnit("s"))
+	if err != nil {
+		return err
+	}
+	aside, err := meter.Int64ObservableGauge("settle.outbox.set_aside", metric.WithDescription("Outbox messages set aside after repeated failures, waiting for a person."), metric.WithUnit("{message}"))
 	if err != nil {
 		return err
 	}
@@ -224,8 +281,9 @@ func (r *Relay) instruments() error {
 		}
 		obs.ObserveInt64(pending, st.Pending, metric.WithAttributeSet(attrs))
 		obs.ObserveFloat64(lag, st.Lag.Seconds(), metric.WithAttributeSet(attrs))
+		obs.ObserveInt64(aside, st.SetAside, metric.WithAttributeSet(attrs))
 		return nil
-	}, pending, lag)
+	}, pending, lag, aside)
 	return err
 }
 
@@ -354,18 +412,30 @@ func (r *Relay) loop(ctx context.Context) {
 	claim := true
 	for ctx.Err() == nil {
 		if claim {
-			n, err := r.batch(ctx)
+			res, err := r.batch(ctx)
 			if err != nil {
 				if ctx.Err() != nil {
 					return
 				}
+				err = r.o.schemaHint(context.WithoutCancel(ctx), r.db, err)
 				r.cfg.Logger.Error("outbox: relay batch failed; retrying", err, watermill.LogFields{"retry_in": r.cfg.RetryInterval})
 				if !sleep(ctx, r.cfg.RetryInterval) {
 					return
 				}
 				continue
 			}
-			if n == r.cfg.BatchSize {
+			if res.stopped || (len(res.failed) > 0 && len(res.published) == 0) {
+				// Nothing went through: the broker may be down. The
+				// failed rows wait for their next attempt; pause.
+				if res.stopped {
+					r.cfg.Logger.Info("outbox: two publishes failed in a row; pausing the relay", watermill.LogFields{"retry_in": r.cfg.RetryInterval})
+				}
+				if !sleep(ctx, r.cfg.RetryInterval) {
+					return
+				}
+				continue
+			}
+			if res.more(r.cfg) {
 				continue
 			}
 			claim = false
@@ -458,18 +528,46 @@ type row struct {
 	payload  []byte
 	metadata string
 	age      float64
+	attempts int
+	size     int64
 }
 
-// batch claims up to BatchSize rows, publishes them in offset order and
-// commits their forwarded marks. It returns how many rows it claimed. A
-// publish that fails stops the batch: the rows from there on are left
-// unmarked, to be claimed again after RetryInterval.
+// failure is one failed publish of one row in a batch.
+type failure struct {
+	rw      row
+	err     error
+	trusted bool // the publish before it, of another row, succeeded
+}
+
+// batchResult is what one batch did with the rows it claimed.
+type batchResult struct {
+	claimed   int
+	bytes     int64
+	published []row // to their topic, or foreign ones to the poison topic
+	poisoned  int   // of published, foreign rows
+	failed    []failure
+	released  []row // not tried, or tried right after another failure: pending again, untouched
+	stopped   bool  // two publishes failed in a row: the broker may be down
+}
+
+// more reports whether rows may be ready beyond those the batch took.
+func (b batchResult) more(cfg RelayConfig) bool {
+	return b.claimed == cfg.BatchSize || len(b.released) > 0 || b.bytes > cfg.BatchBytes/2
+}
+
+// batch claims up to BatchSize rows (and BatchBytes), publishes them in
+// offset order and commits what became of each: forwarded, failed (its
+// attempt counted, its next attempt delayed, or set aside), or released
+// untouched. A failed row does not stop the batch: the rows behind it are
+// published, one call per row from there on, skipping the other rows of a
+// topic that failed. Two failed publishes in a row stop it (the broker may
+// be down), and the rest is released.
 //
 // Closing the relay (ctx ending) stops the batch before its claim or
 // between two publishes, but the marks of the rows already published are
 // still written and committed, within the batch's AckDeadline: a relay
 // stopped mid-batch does not publish them twice.
-func (r *Relay) batch(ctx context.Context) (int, error) {
+func (r *Relay) batch(ctx context.Context) (batchResult, error) {
 	r.busy <- struct{}{}
 	defer func() { <-r.busy }()
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.AckDeadline)
@@ -482,9 +580,10 @@ func (r *Relay) batch(ctx context.Context) (int, error) {
 		// Row locks only: no gap locks on MySQL that would stall writers.
 		opts = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
 	}
+	var res batchResult
 	tx, err := r.db.BeginTx(txCtx, opts)
 	if err != nil {
-		return 0, fmt.Errorf("begin: %w", err)
+		return res, fmt.Errorf("begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
 	if r.o.cfg.Dialect == dedupe.Postgres {
@@ -492,40 +591,103 @@ func (r *Relay) batch(ctx context.Context) (int, error) {
 		// crash means the rows are published again, the duplicate the
 		// relay allows anyway. The next batch does not wait for the disk.
 		if _, err := tx.ExecContext(txCtx, "SET LOCAL synchronous_commit = off"); err != nil {
-			return 0, fmt.Errorf("begin: %w", err)
+			return res, fmt.Errorf("begin: %w", err)
 		}
 	}
 	if ctx.Err() != nil {
-		return 0, ctx.Err()
+		return res, ctx.Err()
 	}
 	rows, err := r.claim(ctx, tx)
 	if err != nil {
-		return 0, fmt.Errorf("claim: %w", err)
+		return res, fmt.Errorf("claim: %w", err)
 	}
+	res.claimed = len(rows)
 	if len(rows) == 0 {
-		return 0, tx.Commit()
+		return res, tx.Commit()
 	}
-	published, poisoned, perr := r.publish(ctx, rows)
-	if r.o.q.claimMarks {
-		if rest := rows[published:]; len(rest) > 0 {
-			if _, err := tx.ExecContext(txCtx, r.o.q.mark(len(rest), false), offsets(rest)...); err != nil {
-				return 0, errors.Join(perr, fmt.Errorf("unmark: %w", err))
-			}
-		}
-	} else if published > 0 {
-		if _, err := tx.ExecContext(txCtx, r.o.q.mark(published, true), offsets(rows[:published])...); err != nil {
-			return 0, errors.Join(perr, fmt.Errorf("mark: %w", err))
-		}
+	for _, rw := range rows {
+		res.bytes += rw.size
+	}
+	r.publish(ctx, rows, &res)
+	if err := r.settle(txCtx, tx, &res); err != nil {
+		return batchResult{}, err
 	}
 	if err := tx.Commit(); err != nil {
-		return 0, errors.Join(perr, fmt.Errorf("commit: %w", err))
+		return batchResult{}, fmt.Errorf("commit: %w", err)
 	}
-	r.forwarded.Add(int64(published - poisoned))
-	r.fwdCnt.Add(txCtx, int64(published-poisoned), r.attrs)
-	if perr != nil {
-		return 0, perr
+	fwd := int64(len(res.published) - res.poisoned)
+	r.forwarded.Add(fwd)
+	r.fwdCnt.Add(txCtx, fwd, r.attrs)
+	r.failed.Add(int64(len(res.failed)))
+	r.fail.Add(txCtx, int64(len(res.failed)), r.attrs)
+	r.logFailures(res)
+	return res, nil
+}
+
+// settle writes, in the batch's transaction, what became of each row.
+func (r *Relay) settle(ctx context.Context, tx wsql.Tx, res *batchResult) error {
+	if r.o.q.claimMarks {
+		if len(res.released) > 0 {
+			if _, err := tx.ExecContext(ctx, r.o.q.mark(len(res.released), false), offsets(res.released)...); err != nil {
+				return fmt.Errorf("unmark: %w", err)
+			}
+		}
+	} else if len(res.published) > 0 {
+		if _, err := tx.ExecContext(ctx, r.o.q.mark(len(res.published), true), offsets(res.published)...); err != nil {
+			return fmt.Errorf("mark: %w", err)
+		}
 	}
-	return len(rows), nil
+	for i, f := range res.failed {
+		aside := f.rw.attempts+1 >= r.cfg.MaxAttempts && f.trusted && r.health.evidence(f.rw.offset)
+		delay := r.backoff(f.rw.attempts + 1)
+		if aside {
+			delay = 0
+			r.health.forget(f.rw.offset)
+		}
+		res.failed[i].rw.attempts++ // now the row's count
+		if aside {
+			res.failed[i].rw.age = -1 // marks it set aside for logFailures
+		}
+		if _, err := tx.ExecContext(ctx, r.o.q.fail, r.failArgs(errorText(f.err), delay, aside, f.rw.offset)...); err != nil {
+			return fmt.Errorf("record the failure of row %d: %w", f.rw.offset, err)
+		}
+	}
+	return nil
+}
+
+func (r *Relay) failArgs(text string, delay time.Duration, aside bool, offset int64) []any {
+	a := 0
+	if aside {
+		a = 1
+	}
+	if r.o.cfg.Dialect == dedupe.MySQL {
+		return []any{text, a, delay.Microseconds(), a, offset}
+	}
+	return []any{text, delay.Seconds(), a, offset}
+}
+
+// backoff is the delay before the next attempt of a row that has failed
+// attempts times: RetryInterval doubled at each failure after the first, up
+// to MaxRetryInterval, within ±10% so that rows that failed together are
+// not retried together.
+func (r *Relay) backoff(attempts int) time.Duration {
+	d := r.cfg.RetryInterval
+	for i := 1; i < attempts && d < r.cfg.MaxRetryInterval; i++ {
+		d *= 2
+	}
+	d = min(d, r.cfg.MaxRetryInterval)
+	return time.Duration(float64(d) * (0.9 + 0.2*mrand.Float64()))
+}
+
+func (r *Relay) logFailures(res batchResult) {
+	for _, f := range res.failed {
+		fields := watermill.LogFields{"offset": f.rw.offset, "uuid": f.rw.uuid, "topic": f.rw.topic, "attempts": f.rw.attempts}
+		if f.rw.age < 0 {
+			r.cfg.Logger.Error("outbox: publishing a row failed for the last time: set aside (settle outbox status lists it, settle outbox retry re-queues it)", f.err, fields)
+			continue
+		}
+		r.cfg.Logger.Error("outbox: publishing a row failed; it will be retried", f.err, fields)
+	}
 }
 
 func offsets(rows []row) []any {
@@ -537,7 +699,10 @@ func offsets(rows []row) []any {
 }
 
 func (r *Relay) claim(ctx context.Context, tx wsql.Tx) ([]row, error) {
-	rs, err := tx.QueryContext(ctx, r.o.q.claim, r.cfg.BatchSize)
+	if r.o.cfg.Dialect == dedupe.MySQL {
+		return r.claimMySQL(ctx, tx)
+	}
+	rs, err := tx.QueryContext(ctx, r.o.q.claim, r.cfg.BatchSize, r.cfg.BatchBytes)
 	if err != nil {
 		return nil, err
 	}
@@ -546,10 +711,11 @@ func (r *Relay) claim(ctx context.Context, tx wsql.Tx) ([]row, error) {
 	for rs.Next() {
 		var rw row
 		var age sql.NullFloat64
-		if err := rs.Scan(&rw.offset, &rw.uuid, &rw.topic, &rw.payload, &rw.metadata, &age); err != nil {
+		if err := rs.Scan(&rw.offset, &rw.uuid, &rw.topic, &rw.payload, &rw.metadata, &age, &rw.attempts); err != nil {
 			return nil, err
 		}
 		rw.age = age.Float64
+		rw.size = int64(len(rw.payload) + len(rw.metadata))
 		out = append(out, rw)
 	}
 	if err := rowsErr(rs); err != nil {
@@ -560,19 +726,115 @@ func (r *Relay) claim(ctx context.Context, tx wsql.Tx) ([]row, error) {
 	return out, nil
 }
 
-// publish publishes rows in order, consecutive rows of one topic in one
-// call, and returns how many were published (to their topic or, foreign
-// ones, to the poison topic) before the first failure, and how many of
-// those were foreign.
-func (r *Relay) publish(ctx context.Context, rows []row) (done, poisoned int, err error) {
-	for done < len(rows) {
-		if ctx.Err() != nil { // closing: the rest stay pending
-			return done, poisoned, ctx.Err()
+// claimMySQL locks the next rows, reading only their sizes, and reads the
+// rows that fit the byte bound; the others stay locked until the batch
+// commits, and pending.
+func (r *Relay) claimMySQL(ctx context.Context, tx wsql.Tx) ([]row, error) {
+	rs, err := tx.QueryContext(ctx, r.o.q.claim, r.cfg.BatchSize)
+	if err != nil {
+		return nil, err
+	}
+	var heads []row
+	var total int64
+	for rs.Next() {
+		var rw row
+		if err := rs.Scan(&rw.offset, &rw.size, &rw.attempts); err != nil {
+			_ = rs.Close()
+			return nil, err
 		}
-		topic := rows[done].topic
-		var msgs []*message.Message
-		end := done
-		for end < len(rows) && rows[end].topic == topic {
+		if len(heads) > 0 && total+rw.size > r.cfg.BatchBytes {
+			continue // read to the end: the statement must finish
+		}
+		total += rw.size
+		heads = append(heads, rw)
+	}
+	if err := errors.Join(rowsErr(rs), rs.Close()); err != nil {
+		return nil, err
+	}
+	if len(heads) == 0 {
+		return nil, nil
+	}
+	byOffset := make(map[int64]*row, len(heads))
+	for i := range heads {
+		byOffset[heads[i].offset] = &heads[i]
+	}
+	q := r.o.q.fetch + "(" + strings.TrimSuffix(strings.Repeat("?, ", len(heads)), ", ") + ")"
+	rs, err = tx.QueryContext(ctx, q, offsets(heads)...)
+	if err != nil {
+		return nil, err
+	}
+	defer rs.Close()
+	for rs.Next() {
+		var rw row
+		var age sql.NullFloat64
+		if err := rs.Scan(&rw.offset, &rw.uuid, &rw.topic, &rw.payload, &rw.metadata, &age); err != nil {
+			return nil, err
+		}
+		h := byOffset[rw.offset]
+		if h == nil {
+			continue
+		}
+		h.uuid, h.topic, h.payload, h.metadata, h.age = rw.uuid, rw.topic, rw.payload, rw.metadata, age.Float64
+		h.size = int64(len(rw.payload) + len(rw.metadata))
+	}
+	if err := rowsErr(rs); err != nil {
+		return nil, err
+	}
+	return heads, nil
+}
+
+// publish publishes rows in offset order into res: consecutive rows of one
+// topic in one call until a publish fails, then one row per call. A row
+// whose own publish fails is recorded as failed and the batch goes on with
+// the rows behind it, passing over (releasing) the other rows of that topic
+// in this batch; a second failure in a row stops the batch. A publish that
+// fails with several rows is not the failure of any one of them: they are
+// tried again one by one (rows the failed call had already published go out
+// twice, a duplicate the relay allows).
+func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
+	careful := false
+	failedTopics := map[string]bool{}
+	consecutive := 0
+	for i := 0; i < len(rows); {
+		if ctx.Err() != nil { // closing: the rest stay pending
+			res.released = append(res.released, rows[i:]...)
+			return
+		}
+		rw := rows[i]
+		if failedTopics[rw.topic] {
+			res.released = append(res.released, rw)
+			i++
+			continue
+		}
+		m, ok := r.message(ctx, rw)
+		if !ok { // foreign: its metadata does not decode
+			if err := r.poison(rw); err != nil {
+				if ctx.Err() != nil {
+					res.released = append(res.released, rows[i:]...)
+					return
+				}
+				r.recordFailure(res, rw, err)
+				consecutive++
+				careful = true
+			} else {
+				r.health.success(rw.offset)
+				res.published = append(res.published, rw)
+				res.poisoned++
+				r.failed.Add(1)
+				r.fail.Add(context.WithoutCancel(ctx), 1, r.attrs)
+				consecutive = 0
+			}
+			i++
+			if consecutive >= 2 {
+				res.released = append(res.released, rows[i:]...)
+				res.stopped = true
+				return
+			}
+			continue
+		}
+		msgs := []*message.Message{m}
+		end := i + 1
+		for !careful && end < len(rows) && rows[end].topic == rw.topic {
 			m, ok := r.message(ctx, rows[end])
 			if !ok {
 				break
@@ -580,23 +842,39 @@ func (r *Relay) publish(ctx context.Context, rows []row) (done, poisoned int, er
 			msgs = append(msgs, m)
 			end++
 		}
-		if len(msgs) > 0 {
-			if err := r.out.Publish(topic, msgs...); err != nil {
-				r.failed.Add(int64(len(rows) - done))
-				r.fail.Add(context.WithoutCancel(ctx), int64(len(rows)-done), r.attrs)
-				return done, poisoned, fmt.Errorf("publish %d message(s) to %q: %w", len(msgs), topic, err)
+		err := r.out.Publish(rw.topic, msgs...)
+		if err == nil {
+			for _, p := range rows[i:end] {
+				r.health.success(p.offset)
 			}
-			done = end
+			res.published = append(res.published, rows[i:end]...)
+			consecutive = 0
+			i = end
 			continue
 		}
-		// rows[done] is foreign: its metadata does not decode.
-		if err := r.poison(rows[done]); err != nil {
-			return done, poisoned, err
+		if ctx.Err() != nil {
+			res.released = append(res.released, rows[i:]...)
+			return
 		}
-		done++
-		poisoned++
+		if len(msgs) > 1 {
+			careful = true // find the row that fails
+			continue
+		}
+		r.recordFailure(res, rw, fmt.Errorf("publish to %q: %w", rw.topic, err))
+		failedTopics[rw.topic] = true
+		careful = true
+		consecutive++
+		i++
+		if consecutive >= 2 {
+			res.released = append(res.released, rows[i:]...)
+			res.stopped = true
+			return
+		}
 	}
-	return done, poisoned, nil
+}
+
+func (r *Relay) recordFailure(res *batchResult, rw row, err error) {
+	res.failed = append(res.failed, failure{rw: rw, err: err, trusted: r.health.failure(rw.offset)})
 }
 
 func (r *Relay) message(ctx context.Context, rw row) (*message.Message, bool) {
@@ -612,8 +890,6 @@ func (r *Relay) message(ctx context.Context, rw row) (*message.Message, bool) {
 }
 
 func (r *Relay) poison(rw row) error {
-	r.failed.Add(1)
-	r.fail.Add(context.Background(), 1, r.attrs)
 	r.cfg.Logger.Error("outbox: row's metadata is not a JSON object of strings; publishing it to the poison topic", nil, watermill.LogFields{
 		"offset": rw.offset, "uuid": rw.uuid, "poison_topic": r.cfg.PoisonTopic,
 	})
@@ -624,6 +900,84 @@ func (r *Relay) poison(rw row) error {
 		return fmt.Errorf("row %d is foreign, and publishing it to %q failed: %w", rw.offset, r.cfg.PoisonTopic, err)
 	}
 	return nil
+}
+
+// health is what the relay has seen of the broker, to tell a row the
+// broker refuses from a broker that refuses everything. Only the relay's
+// loop uses it (batches run one at a time).
+type health struct {
+	seq   uint64
+	okSeq uint64      // the last successful publish
+	last  [2]failMark // the latest failure, and the latest of another row
+	first map[int64]uint64
+}
+
+type failMark struct {
+	offset int64
+	seq    uint64
+}
+
+// maxTracked bounds health.first; past it the relay forgets what it saw
+// (rows then take longer to be set aside, never less long).
+const maxTracked = 100_000
+
+func (h *health) success(offset int64) {
+	h.seq++
+	h.okSeq = h.seq
+	delete(h.first, offset)
+}
+
+// failure records a failed publish of the row at offset and reports
+// whether the latest publish of another row before it succeeded.
+func (h *health) failure(offset int64) (trusted bool) {
+	prev := h.last[0]
+	if prev.offset == offset {
+		prev = h.last[1]
+	}
+	trusted = h.okSeq > 0 && h.okSeq > prev.seq
+	h.seq++
+	if h.last[0].offset != offset {
+		h.last[1] = h.last[0]
+	}
+	h.last[0] = failMark{offset: offset, seq: h.seq}
+	if h.first == nil || len(h.first) >= maxTracked {
+		h.first = map[int64]uint64{}
+	}
+	if _, ok := h.first[offset]; !ok {
+		h.first[offset] = h.seq
+	}
+	return trusted
+}
+
+// evidence reports whether the relay published some row after its first
+// failure of the row at offset.
+func (h *health) evidence(offset int64) bool {
+	f, ok := h.first[offset]
+	return ok && h.okSeq > f
+}
+
+func (h *health) forget(offset int64) { delete(h.first, offset) }
+
+// maxErrorText bounds the error text stored with a failed row.
+const maxErrorText = 1000
+
+var credentials = regexp.MustCompile(`(?i)([a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]*@`)
+
+// errorText is err's text as stored in the row: credentials in URLs
+// redacted, valid UTF-8 without NUL (PostgreSQL's text refuses it), at most
+// maxErrorText bytes.
+func errorText(err error) string {
+	s := credentials.ReplaceAllString(err.Error(), "${1}xxxxx@")
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", "\\x00")
+	if len(s) > maxErrorText {
+		cut := maxErrorText
+		for cut > 0 && !utf8.RuneStart(s[cut]) {
+			cut--
+		}
+		s = s[:cut] + "…"
+	}
+	return s
 }
 
 // listen holds one connection of db in LISTEN on the outbox's channel and

@@ -16,23 +16,41 @@ type statements struct {
 	relays   string // unquoted relays table name
 	qTable   string // quoted
 	qRelays  string // quoted
-	qPending string // quoted name of the index of pending rows
+	qReady   string // quoted name of the index of rows to forward
+	qAside   string // quoted name of the index of rows set aside
+	qPending string // quoted name of the index of pending rows of earlier versions
 
-	schema []string
+	schema  []string
+	upgrade []string // from the table of settle before per-row failures
 
 	// probe answers, in one cheap read, whether any row is pending.
 	probe string
 	// probeBeat is probe with the relay's heartbeat folded in (PostgreSQL
 	// only: a data-modifying CTE). Args: relay id, seconds to live.
 	probeBeat string
-	// claim reads (and on PostgreSQL and SQLite marks) the next pending rows,
-	// skipping those locked by another relay. Args: limit.
+	// claim reads (and on PostgreSQL and SQLite marks) the next rows to
+	// forward, skipping those locked by another relay, those waiting for
+	// their next attempt and those set aside, and stopping before the row
+	// that would take the batch past its byte bound (the first row is
+	// always taken). Args: limit, bytes. On MySQL it returns only offset,
+	// size and attempts; fetch reads the rest. Otherwise it returns offset,
+	// uuid, topic, payload, metadata, age in seconds, attempts.
 	claim string
+	// fetch (MySQL) reads the rows claim locked: offset, uuid, topic,
+	// payload, metadata, age in seconds. Args: the offsets (see in).
+	fetch string
 	// claimMarks says whether claim already set forwarded_at.
 	claimMarks bool
+	// fail records a failed publish of one row: forwarded_at back to NULL,
+	// attempts + 1, the error, the next attempt after a delay, or the row
+	// set aside. Args: error text, delay in seconds (microseconds on
+	// MySQL), set aside (0 or 1), offset.
+	fail string
 
 	status     string
 	statusPass string // Args: offset of the oldest pending row.
+	statusHead string // Args: offset of the oldest pending row. Attempts, last error, 1 if waiting for its next attempt.
+	aside      string // count of rows set aside
 	live       string
 	beat       string // Args: relay id, seconds to live.
 	forget     string // Args: relay id.
@@ -41,11 +59,32 @@ type statements struct {
 	columns    string // Args: table name. One row per column name.
 }
 
-// outboxColumns and relayColumns are the columns Check requires.
+// outboxColumns and relayColumns are the columns Check requires;
+// failureColumns are those of outboxColumns that settle added when the relay
+// learnt to retry and set aside rows one by one (the upgrade statements add
+// them).
 var (
-	outboxColumns = []string{"offset", "uuid", "topic", "payload", "metadata", "created_at", "forwarded_at"}
-	relayColumns  = []string{"relay_id", "started_at", "expires_at"}
+	outboxColumns  = []string{"offset", "uuid", "topic", "payload", "metadata", "created_at", "forwarded_at", "attempts", "last_error", "next_attempt_at", "set_aside_at"}
+	failureColumns = []string{"attempts", "last_error", "next_attempt_at", "set_aside_at"}
+	relayColumns   = []string{"relay_id", "started_at", "expires_at"}
 )
+
+// The filters of a row to forward now, in each dialect.
+const (
+	pgReady    = `"forwarded_at" IS NULL AND "set_aside_at" IS NULL AND ("next_attempt_at" IS NULL OR "next_attempt_at" <= clock_timestamp())`
+	myReady    = "forwarded_at IS NULL AND set_aside_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= CURRENT_TIMESTAMP(6))"
+	sqliteNow  = `strftime('%Y-%m-%d %H:%M:%f', 'now')`
+	sqliteReady = `"forwarded_at" IS NULL AND "set_aside_at" IS NULL AND ("next_attempt_at" IS NULL OR "next_attempt_at" <= ` + sqliteNow + `)`
+)
+
+// claimWindow wraps the locking read inner (offset and size of the next
+// rows, in offset order) in the query of the offsets that fit the byte
+// bound: the first row always, then rows while the running total stays
+// within the bound (placeholder bytes).
+func claimWindow(inner, bytes string) string {
+	return `SELECT "offset" FROM (SELECT "offset", SUM("size") OVER (ORDER BY "offset") AS "total", ROW_NUMBER() OVER (ORDER BY "offset") AS "n"
+		FROM (` + inner + `) AS "l") AS "s" WHERE "n" = 1 OR "total" <= ` + bytes
+}
 
 func quoteIdent(d dedupe.Dialect, name string) string {
 	if d == dedupe.MySQL {
@@ -58,6 +97,7 @@ func newStatements(d dedupe.Dialect, topic string) statements {
 	s := statements{d: d, table: topic, relays: topic + "_relays"}
 	q := func(n string) string { return quoteIdent(d, n) }
 	s.qTable, s.qRelays, s.qPending = q(s.table), q(s.relays), q(topic+"_pending")
+	s.qReady, s.qAside = q(topic+"_ready"), q(topic+"_set_aside")
 	t, r := s.qTable, s.qRelays
 	switch d {
 	case dedupe.Postgres:
@@ -69,25 +109,47 @@ func newStatements(d dedupe.Dialect, topic string) statements {
 	"payload" BYTEA NOT NULL,
 	"metadata" TEXT NOT NULL,
 	"created_at" TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),
-	"forwarded_at" TIMESTAMPTZ
+	"forwarded_at" TIMESTAMPTZ,
+	"attempts" INTEGER NOT NULL DEFAULT 0,
+	"last_error" TEXT,
+	"next_attempt_at" TIMESTAMPTZ,
+	"set_aside_at" TIMESTAMPTZ
 )`,
-			`CREATE INDEX IF NOT EXISTS ` + s.qPending + ` ON ` + t + ` ("offset") WHERE "forwarded_at" IS NULL`,
+			`CREATE INDEX IF NOT EXISTS ` + s.qReady + ` ON ` + t + ` ("offset") WHERE "forwarded_at" IS NULL AND "set_aside_at" IS NULL`,
+			`CREATE INDEX IF NOT EXISTS ` + s.qAside + ` ON ` + t + ` ("offset") WHERE "set_aside_at" IS NOT NULL`,
 			`CREATE TABLE IF NOT EXISTS ` + r + ` (
 	"relay_id" TEXT PRIMARY KEY,
 	"started_at" TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),
 	"expires_at" TIMESTAMPTZ NOT NULL
 )`,
 		}
-		s.probe = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE "forwarded_at" IS NULL)`
+		s.upgrade = []string{
+			`ALTER TABLE ` + t + ` ADD COLUMN IF NOT EXISTS "attempts" INTEGER NOT NULL DEFAULT 0,
+	ADD COLUMN IF NOT EXISTS "last_error" TEXT,
+	ADD COLUMN IF NOT EXISTS "next_attempt_at" TIMESTAMPTZ,
+	ADD COLUMN IF NOT EXISTS "set_aside_at" TIMESTAMPTZ`,
+			s.schema[1],
+			s.schema[2],
+			`DROP INDEX IF EXISTS ` + s.qPending,
+		}
+		s.probe = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE ` + pgReady + `)`
 		s.probeBeat = `WITH beat AS (INSERT INTO ` + r + ` ("relay_id", "expires_at") VALUES ($1, clock_timestamp() + make_interval(secs => $2))
 	ON CONFLICT ("relay_id") DO UPDATE SET "expires_at" = EXCLUDED."expires_at")
-SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE "forwarded_at" IS NULL)`
+` + s.probe
 		s.claim = `UPDATE ` + t + ` SET "forwarded_at" = clock_timestamp() WHERE "offset" IN (
-	SELECT "offset" FROM ` + t + ` WHERE "forwarded_at" IS NULL ORDER BY "offset" LIMIT $1 FOR UPDATE SKIP LOCKED)
-RETURNING "offset", "uuid", "topic", "payload", "metadata", EXTRACT(EPOCH FROM clock_timestamp() - "created_at")::float8`
+	` + claimWindow(`SELECT "offset", octet_length("payload") + octet_length("metadata") AS "size" FROM `+t+` WHERE `+pgReady+`
+		ORDER BY "offset" LIMIT $1 FOR UPDATE SKIP LOCKED`, "$2") + `)
+RETURNING "offset", "uuid", "topic", "payload", "metadata", EXTRACT(EPOCH FROM clock_timestamp() - "created_at")::float8, "attempts"`
 		s.claimMarks = true
-		s.status = `SELECT COUNT(*), COALESCE(MIN("offset"), 0), COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - MIN("created_at"))::float8, 0)
-FROM ` + t + ` WHERE "forwarded_at" IS NULL`
+		s.fail = `UPDATE ` + t + ` SET "forwarded_at" = NULL, "attempts" = "attempts" + 1, "last_error" = $1,
+	"next_attempt_at" = CASE WHEN $3 = 1 THEN NULL ELSE clock_timestamp() + make_interval(secs => $2) END,
+	"set_aside_at" = CASE WHEN $3 = 1 THEN clock_timestamp() ELSE NULL END
+WHERE "offset" = $4`
+		s.status = `SELECT COUNT(*), COALESCE(MIN("offset"), 0), COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - MIN("created_at"))::float8, 0),
+	COALESCE(SUM(CASE WHEN "attempts" > 0 THEN 1 ELSE 0 END), 0)
+FROM ` + t + ` WHERE "forwarded_at" IS NULL AND "set_aside_at" IS NULL`
+		s.statusHead = `SELECT "attempts", COALESCE("last_error", ''), CASE WHEN "next_attempt_at" > clock_timestamp() THEN 1 ELSE 0 END FROM ` + t + ` WHERE "offset" = $1`
+		s.aside = `SELECT COUNT(*) FROM ` + t + ` WHERE "set_aside_at" IS NOT NULL`
 		s.statusPass = `SELECT COUNT(*) FROM ` + t + ` WHERE "offset" > $1 AND "forwarded_at" IS NOT NULL
 	AND "forwarded_at" > (SELECT "created_at" FROM ` + t + ` WHERE "offset" = $1)`
 		s.live = `SELECT COUNT(*) FROM ` + r + ` WHERE "expires_at" > clock_timestamp()`
@@ -108,18 +170,37 @@ ON CONFLICT ("relay_id") DO UPDATE SET "expires_at" = EXCLUDED."expires_at"`
 	metadata LONGTEXT NOT NULL,
 	created_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
 	forwarded_at TIMESTAMP(6) NULL DEFAULT NULL,
-	KEY ` + s.qPending + " (forwarded_at, `offset`)\n)",
+	attempts INT NOT NULL DEFAULT 0,
+	last_error TEXT NULL,
+	next_attempt_at TIMESTAMP(6) NULL DEFAULT NULL,
+	set_aside_at TIMESTAMP(6) NULL DEFAULT NULL,
+	KEY ` + s.qReady + " (forwarded_at, set_aside_at, `offset`),\n\tKEY " + s.qAside + " (set_aside_at)\n)",
 			"CREATE TABLE IF NOT EXISTS " + r + ` (
 	relay_id VARCHAR(64) NOT NULL PRIMARY KEY,
 	started_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
 	expires_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
 )`,
 		}
-		s.probe = "SELECT EXISTS (SELECT 1 FROM " + t + " WHERE forwarded_at IS NULL)"
-		s.claim = "SELECT `offset`, uuid, topic, payload, metadata, TIMESTAMPDIFF(MICROSECOND, created_at, CURRENT_TIMESTAMP(6)) / 1000000.0 FROM " + t +
-			" WHERE forwarded_at IS NULL ORDER BY `offset` LIMIT ? FOR UPDATE SKIP LOCKED"
-		s.status = "SELECT COUNT(*), COALESCE(MIN(`offset`), 0), COALESCE(TIMESTAMPDIFF(MICROSECOND, MIN(created_at), CURRENT_TIMESTAMP(6)) / 1000000.0, 0)\nFROM " +
-			t + " WHERE forwarded_at IS NULL"
+		s.upgrade = []string{
+			"ALTER TABLE " + t + " ADD COLUMN attempts INT NOT NULL DEFAULT 0,\n\tADD COLUMN last_error TEXT NULL,\n" +
+				"\tADD COLUMN next_attempt_at TIMESTAMP(6) NULL DEFAULT NULL,\n\tADD COLUMN set_aside_at TIMESTAMP(6) NULL DEFAULT NULL,\n" +
+				"\tADD KEY " + s.qReady + " (forwarded_at, set_aside_at, `offset`),\n\tADD KEY " + s.qAside + " (set_aside_at),\n\tDROP KEY " + s.qPending,
+		}
+		s.probe = "SELECT EXISTS (SELECT 1 FROM " + t + " WHERE " + myReady + ")"
+		// No window here: MySQL would read (and lock) every pending row
+		// to compute it. The relay cuts the batch at the byte bound.
+		s.claim = "SELECT `offset`, LENGTH(payload) + LENGTH(metadata), attempts FROM " + t +
+			" WHERE " + myReady + " ORDER BY `offset` LIMIT ? FOR UPDATE SKIP LOCKED"
+		s.fetch = "SELECT `offset`, uuid, topic, payload, metadata, TIMESTAMPDIFF(MICROSECOND, created_at, CURRENT_TIMESTAMP(6)) / 1000000.0 FROM " + t +
+			" WHERE `offset` IN "
+		s.fail = "UPDATE " + t + " SET forwarded_at = NULL, attempts = attempts + 1, last_error = ?,\n" +
+			"\tnext_attempt_at = CASE WHEN ? = 1 THEN NULL ELSE CURRENT_TIMESTAMP(6) + INTERVAL ? MICROSECOND END,\n" +
+			"\tset_aside_at = CASE WHEN ? = 1 THEN CURRENT_TIMESTAMP(6) ELSE NULL END\nWHERE `offset` = ?"
+		s.status = "SELECT COUNT(*), COALESCE(MIN(`offset`), 0), COALESCE(TIMESTAMPDIFF(MICROSECOND, MIN(created_at), CURRENT_TIMESTAMP(6)) / 1000000.0, 0),\n" +
+			"\tCOALESCE(SUM(CASE WHEN attempts > 0 THEN 1 ELSE 0 END), 0)\nFROM " +
+			t + " WHERE forwarded_at IS NULL AND set_aside_at IS NULL"
+		s.statusHead = "SELECT attempts, COALESCE(last_error, ''), CASE WHEN next_attempt_at > CURRENT_TIMESTAMP(6) THEN 1 ELSE 0 END FROM " + t + " WHERE `offset` = ?"
+		s.aside = "SELECT COUNT(*) FROM " + t + " WHERE set_aside_at IS NOT NULL"
 		s.statusPass = "SELECT COUNT(*) FROM " + t + " WHERE `offset` > ? AND forwarded_at IS NOT NULL\n\tAND forwarded_at > (SELECT created_at FROM " +
 			t + " WHERE `offset` = ?)"
 		s.live = "SELECT COUNT(*) FROM " + r + " WHERE expires_at > CURRENT_TIMESTAMP(6)"
@@ -139,22 +220,44 @@ ON CONFLICT ("relay_id") DO UPDATE SET "expires_at" = EXCLUDED."expires_at"`
 	"payload" BLOB NOT NULL,
 	"metadata" TEXT NOT NULL,
 	"created_at" TEXT NOT NULL DEFAULT (` + now + `),
-	"forwarded_at" TEXT
+	"forwarded_at" TEXT,
+	"attempts" INTEGER NOT NULL DEFAULT 0,
+	"last_error" TEXT,
+	"next_attempt_at" TEXT,
+	"set_aside_at" TEXT
 )`,
-			`CREATE INDEX IF NOT EXISTS ` + s.qPending + ` ON ` + t + ` ("offset") WHERE "forwarded_at" IS NULL`,
+			`CREATE INDEX IF NOT EXISTS ` + s.qReady + ` ON ` + t + ` ("offset") WHERE "forwarded_at" IS NULL AND "set_aside_at" IS NULL`,
+			`CREATE INDEX IF NOT EXISTS ` + s.qAside + ` ON ` + t + ` ("offset") WHERE "set_aside_at" IS NOT NULL`,
 			`CREATE TABLE IF NOT EXISTS ` + r + ` (
 	"relay_id" TEXT PRIMARY KEY,
 	"started_at" TEXT NOT NULL DEFAULT (` + now + `),
 	"expires_at" TEXT NOT NULL
 )`,
 		}
-		s.probe = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE "forwarded_at" IS NULL)`
+		s.upgrade = []string{
+			`ALTER TABLE ` + t + ` ADD COLUMN "attempts" INTEGER NOT NULL DEFAULT 0`,
+			`ALTER TABLE ` + t + ` ADD COLUMN "last_error" TEXT`,
+			`ALTER TABLE ` + t + ` ADD COLUMN "next_attempt_at" TEXT`,
+			`ALTER TABLE ` + t + ` ADD COLUMN "set_aside_at" TEXT`,
+			s.schema[1],
+			s.schema[2],
+			`DROP INDEX IF EXISTS ` + s.qPending,
+		}
+		s.probe = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE ` + sqliteReady + `)`
 		s.claim = `UPDATE ` + t + ` SET "forwarded_at" = ` + now + ` WHERE "offset" IN (
-	SELECT "offset" FROM ` + t + ` WHERE "forwarded_at" IS NULL ORDER BY "offset" LIMIT ?)
-RETURNING "offset", "uuid", "topic", "payload", "metadata", (julianday('now') - julianday("created_at")) * 86400.0`
+	` + claimWindow(`SELECT "offset", length(CAST("payload" AS BLOB)) + length(CAST("metadata" AS BLOB)) AS "size" FROM `+t+` WHERE `+sqliteReady+`
+		ORDER BY "offset" LIMIT ?`, "?") + `)
+RETURNING "offset", "uuid", "topic", "payload", "metadata", (julianday('now') - julianday("created_at")) * 86400.0, "attempts"`
 		s.claimMarks = true
-		s.status = `SELECT COUNT(*), COALESCE(MIN("offset"), 0), COALESCE((julianday('now') - julianday(MIN("created_at"))) * 86400.0, 0)
-FROM ` + t + ` WHERE "forwarded_at" IS NULL`
+		s.fail = `UPDATE ` + t + ` SET "forwarded_at" = NULL, "attempts" = "attempts" + 1, "last_error" = ?1,
+	"next_attempt_at" = CASE WHEN ?3 = 1 THEN NULL ELSE strftime('%Y-%m-%d %H:%M:%f', 'now', '+' || ?2 || ' seconds') END,
+	"set_aside_at" = CASE WHEN ?3 = 1 THEN ` + now + ` ELSE NULL END
+WHERE "offset" = ?4`
+		s.status = `SELECT COUNT(*), COALESCE(MIN("offset"), 0), COALESCE((julianday('now') - julianday(MIN("created_at"))) * 86400.0, 0),
+	COALESCE(SUM(CASE WHEN "attempts" > 0 THEN 1 ELSE 0 END), 0)
+FROM ` + t + ` WHERE "forwarded_at" IS NULL AND "set_aside_at" IS NULL`
+		s.statusHead = `SELECT "attempts", COALESCE("last_error", ''), CASE WHEN "next_attempt_at" > ` + now + ` THEN 1 ELSE 0 END FROM ` + t + ` WHERE "offset" = ?`
+		s.aside = `SELECT COUNT(*) FROM ` + t + ` WHERE "set_aside_at" IS NOT NULL`
 		s.statusPass = `SELECT COUNT(*) FROM ` + t + ` WHERE "offset" > ? AND "forwarded_at" IS NOT NULL
 	AND "forwarded_at" > (SELECT "created_at" FROM ` + t + ` WHERE "offset" = ?)`
 		s.live = `SELECT COUNT(*) FROM ` + r + ` WHERE "expires_at" > ` + now

@@ -1,0 +1,249 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/settle-go/settle/dedupe"
+)
+
+// FailedRow is an outbox row whose publish has failed and that is not
+// forwarded: waiting for its next attempt, or set aside.
+type FailedRow struct {
+	Offset int64
+	UUID   string
+	// Topic is the row's destination topic.
+	Topic string
+	// Bytes is the size of its payload and metadata.
+	Bytes int64
+	// Attempts counts its failed publishes since it was written or last
+	// re-queued.
+	Attempts int
+	// LastError is the error of its latest failed publish (credentials in
+	// URLs redacted, at most 1000 bytes).
+	LastError string
+	CreatedAt time.Time
+	// NextAttemptAt is when a relay may try it again; zero when set aside.
+	NextAttemptAt time.Time
+	// SetAsideAt is when it was set aside; zero while it is retried.
+	SetAsideAt time.Time
+}
+
+// IsSetAside reports whether the row is set aside: no relay forwards it
+// until Requeue.
+func (f FailedRow) IsSetAside() bool { return !f.SetAsideAt.IsZero() }
+
+// Selection picks failed rows for Failed and Requeue. Its fields narrow the
+// selection; the zero Selection picks every failed row.
+type Selection struct {
+	// Offsets, when not empty, picks only these rows. At most
+	// MaxSelectionOffsets.
+	Offsets []int64
+	// Topic, when not empty, picks only rows to this destination topic.
+	Topic string
+	// SetAsideOnly makes Failed list only rows set aside (Requeue takes
+	// only those anyway).
+	SetAsideOnly bool
+	// Limit is the most rows Failed returns, oldest first. 0 means 100;
+	// at most 10000. Requeue ignores it.
+	Limit int
+}
+
+// MaxSelectionOffsets is the most offsets one Selection names.
+const MaxSelectionOffsets = 1000
+
+func (s Selection) validate() error {
+	switch {
+	case len(s.Offsets) > MaxSelectionOffsets:
+		return fmt.Errorf("outbox: Selection.Offsets names %d rows, at most %d", len(s.Offsets), MaxSelectionOffsets)
+	case s.Limit < 0 || s.Limit > 10000:
+		return fmt.Errorf("outbox: Selection.Limit must be 0-10000, got %d", s.Limit)
+	}
+	return nil
+}
+
+// where returns the conditions of s after those given, and their arguments,
+// numbering PostgreSQL's placeholders from 1.
+func (o *Outbox) where(s Selection, setAsideOnly bool) (string, []any) {
+	var conds []string
+	var args []any
+	ph := func(v any) string {
+		args = append(args, v)
+		if o.cfg.Dialect == dedupe.Postgres {
+			return "$" + strconv.Itoa(len(args))
+		}
+		return "?"
+	}
+	id := func(n string) string { return quoteIdent(o.cfg.Dialect, n) }
+	conds = append(conds, id("forwarded_at")+" IS NULL")
+	if setAsideOnly {
+		conds = append(conds, id("set_aside_at")+" IS NOT NULL")
+	} else {
+		conds = append(conds, "("+id("set_aside_at")+" IS NOT NULL OR "+id("attempts")+" > 0)")
+	}
+	if s.Topic != "" {
+		conds = append(conds, id("topic")+" = "+ph(s.Topic))
+	}
+	if len(s.Offsets) > 0 {
+		in := make([]string, len(s.Offsets))
+		for i, off := range s.Offsets {
+			in[i] = ph(off)
+		}
+		conds = append(conds, id("offset")+" IN ("+strings.Join(in, ", ")+")")
+	}
+	return " WHERE " + strings.Join(conds, " AND "), args
+}
+
+// epoch is the SQL of column c as seconds since 1970, 0 when NULL.
+func (o *Outbox) epoch(c string) string {
+	c = quoteIdent(o.cfg.Dialect, c)
+	switch o.cfg.Dialect {
+	case dedupe.Postgres:
+		return "COALESCE(EXTRACT(EPOCH FROM " + c + ")::float8, 0)"
+	case dedupe.MySQL:
+		return "COALESCE(UNIX_TIMESTAMP(" + c + "), 0)"
+	default:
+		return "COALESCE((julianday(" + c + ") - 2440587.5) * 86400.0, 0)"
+	}
+}
+
+func (o *Outbox) sizeExpr() string {
+	switch o.cfg.Dialect {
+	case dedupe.Postgres:
+		return `octet_length("payload") + octet_length("metadata")`
+	case dedupe.MySQL:
+		return "LENGTH(payload) + LENGTH(metadata)"
+	default:
+		return `length(CAST("payload" AS BLOB)) + length(CAST("metadata" AS BLOB))`
+	}
+}
+
+func fromEpoch(s float64) time.Time {
+	if s == 0 {
+		return time.Time{}
+	}
+	sec, frac := math.Modf(s)
+	return time.Unix(int64(sec), int64(frac*1e9)).UTC().Round(time.Microsecond)
+}
+
+// Failed lists the outbox's rows whose publish has failed and that are not
+// forwarded, oldest first: those waiting for their next attempt and those
+// set aside, or only the latter with SetAsideOnly. It reads only.
+func (o *Outbox) Failed(ctx context.Context, db *sql.DB, sel Selection) ([]FailedRow, error) {
+	if db == nil {
+		return nil, errors.New("outbox: Failed: db is nil")
+	}
+	return o.failed(ctx, sqlConn(db), sel)
+}
+
+// PgxFailed is Failed on a pgx pool.
+func (o *Outbox) PgxFailed(ctx context.Context, pool *pgxpool.Pool, sel Selection) ([]FailedRow, error) {
+	if pool == nil {
+		return nil, errors.New("outbox: PgxFailed: pool is nil")
+	}
+	if err := o.errPgxDialect("PgxFailed"); err != nil {
+		return nil, err
+	}
+	return o.failed(ctx, pgxConn(pool), sel)
+}
+
+func (o *Outbox) failed(ctx context.Context, db conn, sel Selection) ([]FailedRow, error) {
+	if err := sel.validate(); err != nil {
+		return nil, err
+	}
+	limit := sel.Limit
+	if limit == 0 {
+		limit = 100
+	}
+	id := func(n string) string { return quoteIdent(o.cfg.Dialect, n) }
+	where, args := o.where(sel, sel.SetAsideOnly)
+	q := "SELECT " + id("offset") + ", " + id("uuid") + ", " + id("topic") + ", " + o.sizeExpr() + ", " + id("attempts") + ", COALESCE(" + id("last_error") + ", ''), " +
+		o.epoch("created_at") + ", " + o.epoch("next_attempt_at") + ", " + o.epoch("set_aside_at") +
+		" FROM " + o.q.qTable + where + " ORDER BY " + id("offset") + " LIMIT " + strconv.Itoa(limit)
+	rs, err := db.QueryContext(ctx, q, args...)
+	if err != nil {
+		return nil, o.schemaHint(ctx, db, fmt.Errorf("outbox: failed rows: %w", err))
+	}
+	defer rs.Close()
+	var out []FailedRow
+	for rs.Next() {
+		var f FailedRow
+		var created, next, aside float64
+		if err := rs.Scan(&f.Offset, &f.UUID, &f.Topic, &f.Bytes, &f.Attempts, &f.LastError, &created, &next, &aside); err != nil {
+			return nil, fmt.Errorf("outbox: failed rows: %w", err)
+		}
+		f.CreatedAt, f.NextAttemptAt, f.SetAsideAt = fromEpoch(created), fromEpoch(next), fromEpoch(aside)
+		if f.IsSetAside() {
+			f.NextAttemptAt = time.Time{}
+		}
+		out = append(out, f)
+	}
+	if err := rowsErr(rs); err != nil {
+		return nil, fmt.Errorf("outbox: failed rows: %w", err)
+	}
+	return out, nil
+}
+
+// Requeue puts the set-aside rows that sel picks back in the outbox: their
+// failure count starts again from 0 (the relay's MaxAttempts applies anew),
+// and relays forward them at their next batch (at once on PostgreSQL, whose
+// relays it notifies; at their next poll elsewhere). It returns how many
+// rows it re-queued. Rows waiting for their next attempt are not touched.
+// The zero Selection re-queues every set-aside row.
+func (o *Outbox) Requeue(ctx context.Context, db *sql.DB, sel Selection) (int64, error) {
+	if db == nil {
+		return 0, errors.New("outbox: Requeue: db is nil")
+	}
+	return o.requeue(ctx, sqlConn(db), sel)
+}
+
+// PgxRequeue is Requeue on a pgx pool.
+func (o *Outbox) PgxRequeue(ctx context.Context, pool *pgxpool.Pool, sel Selection) (int64, error) {
+	if pool == nil {
+		return 0, errors.New("outbox: PgxRequeue: pool is nil")
+	}
+	if err := o.errPgxDialect("PgxRequeue"); err != nil {
+		return 0, err
+	}
+	return o.requeue(ctx, pgxConn(pool), sel)
+}
+
+func (o *Outbox) requeue(ctx context.Context, db conn, sel Selection) (int64, error) {
+	if err := sel.validate(); err != nil {
+		return 0, err
+	}
+	id := func(n string) string { return quoteIdent(o.cfg.Dialect, n) }
+	where, args := o.where(sel, true)
+	q := "UPDATE " + o.q.qTable + " SET " + id("set_aside_at") + " = NULL, " + id("next_attempt_at") + " = NULL, " + id("attempts") + " = 0" + where
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return 0, fmt.Errorf("outbox: requeue: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	res, err := tx.ExecContext(ctx, q, args...)
+	if err != nil {
+		return 0, o.schemaHint(ctx, db, fmt.Errorf("outbox: requeue: %w", err))
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return 0, fmt.Errorf("outbox: requeue: %w", err)
+	}
+	if n > 0 && o.cfg.Dialect == dedupe.Postgres {
+		if _, err := tx.ExecContext(ctx, "SELECT pg_notify($1, '')", o.q.table); err != nil {
+			return 0, fmt.Errorf("outbox: requeue: notify: %w", err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return 0, fmt.Errorf("outbox: requeue: %w", err)
+	}
+	o.Notify()
+	return n, nil
+}
