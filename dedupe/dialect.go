@@ -158,7 +158,10 @@ type queries struct {
 	renew    string // args: ttl in µs (SQLite: expires_at), key, token
 	confirm  string // args: key, token (SQLite: now, key, token)
 	release  string // args: key, token (SQLite: now, key, token)
-	owner    string // args: key, token; one row if the token still holds the key
+	// owner (MySQL only) tells whether token still holds the key, after
+	// an UPDATE that reported no row: one row if it does. Args: key,
+	// token. A locking read, so that it sees what the UPDATE saw.
+	owner string
 	// prune deletes at most a batch of rows that are confirmed or released
 	// and older than the cutoff, or claims that expired before both the
 	// cutoff and now. Args: cutoff, limit (SQLite: cutoff, min(cutoff, now),
@@ -210,7 +213,6 @@ RETURNING attempts`
 		q.renew = `UPDATE ` + t + ` SET expires_at = ` + now + ` + $1 WHERE key = $2 AND state = 1 AND token = $3`
 		q.confirm = `UPDATE ` + t + ` SET state = 2, token = '', expires_at = 0, updated_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
 		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
-		q.owner = `SELECT 1 FROM ` + t + ` WHERE key = $1 AND state = 1 AND token = $2`
 		// The filter is repeated outside the subquery: when a selected row is
 		// changed by a concurrent claim before the DELETE reaches it, PostgreSQL
 		// re-evaluates only the outer WHERE on the new row version, so without
@@ -236,7 +238,6 @@ RETURNING attempts`
 		q.renew = `UPDATE ` + t + ` SET expires_at = ? WHERE key = ? AND state = 1 AND token = ?`
 		q.confirm = `UPDATE ` + t + ` SET state = 2, token = '', expires_at = 0, updated_at = ? WHERE key = ? AND state = 1 AND token = ?`
 		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ? WHERE key = ? AND state = 1 AND token = ?`
-		q.owner = `SELECT 1 FROM ` + t + ` WHERE key = ? AND state = 1 AND token = ?`
 		// One writer at a time: the DELETE cannot race a claim, but the filter
 		// is repeated outside anyway so the statement is safe on its own.
 		pruneCond := `updated_at < ?1 AND (state <> 1 OR expires_at < ?2)`
@@ -272,7 +273,12 @@ RETURNING attempts`
 		q.renew = "UPDATE " + t + " SET expires_at = " + now + " + ? WHERE `key` = ? AND state = 1 AND token = ?"
 		q.confirm = "UPDATE " + t + " SET state = 2, token = '', expires_at = 0, updated_at = " + now + " WHERE `key` = ? AND state = 1 AND token = ?"
 		q.release = "UPDATE " + t + " SET state = 0, token = '', expires_at = 0, updated_at = " + now + " WHERE `key` = ? AND state = 1 AND token = ?"
-		q.owner = "SELECT 1 FROM " + t + " WHERE `key` = ? AND state = 1 AND token = ?"
+		// A locking read: inside a caller's transaction at REPEATABLE READ
+		// (InnoDB's default) a plain SELECT reads the transaction's
+		// snapshot, in which a claim taken over since is still the
+		// caller's. FOR UPDATE reads the latest committed row, as the
+		// UPDATE before it did, at every isolation level.
+		q.owner = "SELECT 1 FROM " + t + " WHERE `key` = ? AND state = 1 AND token = ? FOR UPDATE"
 		// A single DELETE with its filter and LIMIT: InnoDB evaluates the
 		// filter on the latest row version under the row lock, so a claim
 		// taken while the prune runs is never deleted.

@@ -402,7 +402,13 @@ func (s *SQLStore) update(ctx context.Context, op, query string, c Claim, args .
 	if s.dialect == MySQL {
 		// Without clientFoundRows MySQL counts changed rows, not matched ones:
 		// an UPDATE that writes the values already there reports 0. Ask
-		// whether we still own it.
+		// whether we still own it, with a locking read: in a caller's
+		// transaction a plain read would answer from its snapshot, where a
+		// claim taken over since is still ours. PostgreSQL and SQLite count
+		// the rows the WHERE matched, and the UPDATE itself is the answer
+		// (inside a caller's transaction at REPEATABLE READ or SERIALIZABLE,
+		// PostgreSQL refuses an UPDATE of a row changed since the snapshot
+		// with a serialization failure, which goes to the caller).
 		var one int
 		err := s.ex.queryRow(ctx, s.q.owner, []any{k, c.Token}, &one)
 		if err == nil {

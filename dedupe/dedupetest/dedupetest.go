@@ -34,6 +34,21 @@ type Harness struct {
 	// a store bound to it. Stores without transactions leave it nil and the
 	// transaction tests are skipped.
 	BeginTx func(ctx context.Context) (Tx, error)
+	// TxLevels, if set, are the isolation levels the database offers, each
+	// with the way to begin a transaction at it; the transaction tests run
+	// at every one of them. When nil, BeginTx is the only level.
+	TxLevels []TxLevel
+	// TxAborted reports an error by which the database rolled a caller's
+	// transaction back whole over a conflict with another transaction (a
+	// serialization failure, a deadlock), from a store call inside the
+	// transaction or from its Commit. The transaction tests accept it as the
+	// answer of a transaction that changed nothing; any other error fails
+	// them. Nil accepts none.
+	TxAborted func(err error) bool
+	// Effects, if set, counts the committed rows that Tx.Effect wrote for
+	// key. The transaction tests then check the effects themselves, not
+	// only what the store answered.
+	Effects func(ctx context.Context, key string) (int, error)
 	// ClaimTTL is the short claim lifetime used by the expiry tests. Defaults
 	// to 300ms. Raise it for a store whose round trips are slow.
 	ClaimTTL time.Duration
@@ -44,6 +59,9 @@ type Tx struct {
 	Store    dedupe.Store
 	Commit   func() error
 	Rollback func() error
+	// Effect, if set, writes in the transaction one row standing for a
+	// handler's effect on key (Harness.Effects counts them).
+	Effect func(ctx context.Context, key string) error
 }
 
 // Run runs the suite. Each case calls setup for a fresh harness.
@@ -69,17 +87,19 @@ func Run(t *testing.T, setup func(t *testing.T) Harness) {
 		{"OddKeys", testOddKeys},
 		{"KeyLimits", testKeyLimits},
 		{"CancelledContext", testCancelled},
-		{"TxRollbackLeavesNoTrace", testTxRollback},
-		{"TxCommitConfirms", testTxCommit},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
-			h := setup(t)
-			if h.ClaimTTL == 0 {
-				h.ClaimTTL = 300 * time.Millisecond
-			}
-			c.fn(t, h)
+			c.fn(t, withDefaults(setup(t)))
+		})
+	}
+	// Every operation inside a caller's transaction, at every isolation
+	// level the harness offers.
+	for _, c := range txCases {
+		t.Run("Tx"+c.name, func(t *testing.T) {
+			t.Parallel()
+			runTxCase(t, withDefaults(setup(t)), setup, c.fn)
 		})
 	}
 }
@@ -410,33 +430,4 @@ func testCancelled(t *testing.T, h Harness) {
 		t.Fatal("Claim with a cancelled context succeeded")
 	}
 	claim(t, h.Store, "cancelled", longTTL, dedupe.Acquired) // and left nothing behind
-}
-
-func beginTx(t *testing.T, h Harness) Tx {
-	t.Helper()
-	if h.BeginTx == nil {
-		t.Skip("store has no transactions")
-	}
-	tx, err := h.BeginTx(t.Context())
-	mustOK(t, "BeginTx", err)
-	return tx
-}
-
-func testTxRollback(t *testing.T, h Harness) {
-	tx := beginTx(t, h)
-	c := claim(t, tx.Store, "tx-key", longTTL, dedupe.Acquired)
-	mustOK(t, "Confirm in tx", tx.Store.Confirm(t.Context(), c))
-	mustOK(t, "Rollback", tx.Rollback())
-	again := claim(t, h.Store, "tx-key", longTTL, dedupe.Acquired)
-	if again.Attempt != 1 {
-		t.Fatalf("after rollback Attempt = %d, want 1 (no trace of the rolled-back claim)", again.Attempt)
-	}
-}
-
-func testTxCommit(t *testing.T, h Harness) {
-	tx := beginTx(t, h)
-	c := claim(t, tx.Store, "tx-key", longTTL, dedupe.Acquired)
-	mustOK(t, "Confirm in tx", tx.Store.Confirm(t.Context(), c))
-	mustOK(t, "Commit", tx.Commit())
-	claim(t, h.Store, "tx-key", longTTL, dedupe.Duplicate)
 }

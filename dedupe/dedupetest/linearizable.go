@@ -234,9 +234,16 @@ func shortToken(t string) string {
 
 // linRecorder collects the history of one run.
 type linRecorder struct {
-	base time.Time
-	mu   sync.Mutex
-	ops  []porcupine.Operation
+	base    time.Time
+	mu      sync.Mutex
+	ops     []porcupine.Operation
+	aborted int // calls whose transaction was rolled back over a conflict
+}
+
+func (r *linRecorder) abort() {
+	r.mu.Lock()
+	r.aborted++
+	r.mu.Unlock()
 }
 
 func (r *linRecorder) now() int64 { return int64(time.Since(r.base)) }
@@ -330,6 +337,9 @@ func linRun(t *testing.T, h Harness, w linWorkload) {
 	for err := range errs {
 		t.Fatalf("seed %d: %v", seed, err)
 	}
+	if rec.aborted > 0 {
+		t.Logf("seed %d: %d calls recorded, %d rolled back over a conflict", seed, len(rec.ops), rec.aborted)
+	}
 	res, info := porcupine.CheckOperationsVerbose(linModel.ToModel(), rec.ops, time.Minute)
 	switch res {
 	case porcupine.Ok:
@@ -361,6 +371,10 @@ func linPrune1(ctx context.Context, s dedupe.Store, rec *linRecorder, client int
 	in := linIn{op: opPrune, key: -1, cutoff: int64(cut.Sub(rec.base)), call: rec.now()}
 	n, err := s.Prune(ctx, cut)
 	in.ret = rec.now()
+	if errors.Is(err, errTxAborted) {
+		rec.abort()
+		return nil
+	}
 	if err != nil {
 		return fmt.Errorf("prune: %w", err)
 	}
@@ -399,6 +413,10 @@ func linWorker(ctx context.Context, s dedupe.Store, rec *linRecorder, client int
 			in := linIn{op: opClaim, key: k, ttl: int64(ttl), call: rec.now()}
 			got, err := s.Claim(ctx, keys[k], ttl)
 			in.ret = rec.now()
+			if errors.Is(err, errTxAborted) {
+				rec.abort()
+				continue // rolled back: it changed nothing
+			}
 			if err != nil {
 				return fmt.Errorf("claim: %w", err)
 			}
@@ -426,6 +444,10 @@ func linWorker(ctx context.Context, s dedupe.Store, rec *linRecorder, client int
 			err = s.Release(ctx, c)
 		}
 		in.ret = rec.now()
+		if errors.Is(err, errTxAborted) {
+			rec.abort()
+			continue // rolled back: it changed nothing, the claim is as it was
+		}
 		lost := errors.Is(err, dedupe.ErrClaimLost)
 		if err != nil && !lost {
 			return fmt.Errorf("%v: %w", in.op, err)
