@@ -64,8 +64,17 @@ type Config struct {
 	// finished handler is recorded and a failed one frees its key. A
 	// Confirm the store could not take after the handler succeeded is tried
 	// again until the store answers, holding the delivery (see the package
-	// documentation). Defaults to 5s. Must be > 0.
+	// documentation). Defaults to 5s, or StoreTimeout when that is shorter.
+	// Must be > 0.
 	SettleTimeout time.Duration
+	// StoreTimeout bounds every other call to the store: each Claim, each
+	// renewal, and the hold and confirmation of the claim in the handler's
+	// transaction (HoldTx, ConfirmTx). A store that does not answer within
+	// it (a database behind a silent network partition) defers the
+	// delivery, as any store failure does, instead of holding it for as
+	// long as the connection takes to die. Defaults to ClaimTimeout/2. Must
+	// be > 0 and <= ClaimTimeout.
+	StoreTimeout time.Duration
 	// Logger receives renewal failures and lost claims. Defaults to
 	// watermill.NopLogger.
 	Logger watermill.LoggerAdapter
@@ -118,8 +127,14 @@ func (c *Config) setDefaults() {
 	if c.RenewInterval == 0 {
 		c.RenewInterval = c.ClaimTimeout / 3
 	}
+	if c.StoreTimeout == 0 {
+		c.StoreTimeout = c.ClaimTimeout / 2
+	}
 	if c.SettleTimeout == 0 {
 		c.SettleTimeout = 5 * time.Second
+		if c.StoreTimeout > 0 {
+			c.SettleTimeout = min(c.SettleTimeout, c.StoreTimeout)
+		}
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
@@ -137,6 +152,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("dedupe: Config.RenewInterval must be > 0 and < ClaimTimeout (%v), got %v", c.ClaimTimeout, c.RenewInterval)
 	case c.SettleTimeout <= 0:
 		return fmt.Errorf("dedupe: Config.SettleTimeout must be > 0, got %v", c.SettleTimeout)
+	case c.StoreTimeout <= 0 || c.StoreTimeout > c.ClaimTimeout:
+		return fmt.Errorf("dedupe: Config.StoreTimeout must be > 0 and <= ClaimTimeout (%v), got %v", c.ClaimTimeout, c.StoreTimeout)
 	case c.BusyDelay < 0:
 		return fmt.Errorf("dedupe: Config.BusyDelay must be >= 0 or settle.NoDelay, got %v", c.BusyDelay)
 	case c.UnavailableDelay < 0:
@@ -215,12 +232,12 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 			return nil, fmt.Errorf("dedupe: key of message %s: %w", msg.UUID, err)
 		}
 		orig := msg.Context()
-		claim, err := m.cfg.Store.Claim(orig, key, m.cfg.ClaimTimeout)
+		claim, err := m.claim(orig, key)
 		if err != nil {
 			return nil, m.unavailable(msg, orig, err)
 		}
 		m.health.claimed()
-		st := &held{Context: orig, claim: claim, store: m.cfg.Store, ttl: m.cfg.ClaimTimeout}
+		st := &held{Context: orig, claim: claim, store: m.cfg.Store, ttl: m.cfg.ClaimTimeout, timeout: m.storeTimeout()}
 		msg.SetContext(st)
 		if claim.Result != Acquired {
 			return nil, m.notAcquired(msg, orig, claim)
@@ -238,6 +255,26 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 		}
 		return m.run(h, msg, orig, st)
 	}
+}
+
+// storeTimeout is the deadline of a store call; 0 for a store in the
+// process, which never waits on I/O.
+func (m *mw) storeTimeout() time.Duration {
+	if m.local {
+		return 0
+	}
+	return m.cfg.StoreTimeout
+}
+
+// claim claims key, bounded by StoreTimeout: a store that cannot answer
+// defers the delivery within that bound.
+func (m *mw) claim(ctx context.Context, key string) (Claim, error) {
+	if d := m.storeTimeout(); d > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, d)
+		defer cancel()
+	}
+	return m.cfg.Store.Claim(ctx, key, m.cfg.ClaimTimeout)
 }
 
 // notAcquired settles a delivery whose key is a duplicate (acked, nil) or
@@ -291,6 +328,11 @@ func (m *mw) run(h message.HandlerFunc, msg *message.Message, orig context.Conte
 		if cause := context.Cause(hctx); errors.Is(cause, ErrClaimLost) {
 			err = fmt.Errorf("%w: %w", cause, err)
 		}
+	}
+	if err != nil && renewalsFailed(hctx) {
+		// The claim lapsed because the store could not renew it: the
+		// store's trouble, not a spent attempt.
+		settlement.FromContext(orig).Defer()
 	}
 	unpublished := 0 // messages returned with no Publisher to send them
 	if err == nil && len(out) > 0 {
@@ -378,6 +420,7 @@ type held struct {
 	claim           Claim
 	store           Store
 	ttl             time.Duration // the claim timeout, for HoldTx
+	timeout         time.Duration // StoreTimeout, for HoldTx and ConfirmTx; 0 for none
 	ren             renewal       // allocated with the holder; started while the handler runs
 	hctx            handlerCtx    // the handler's context, allocated with the holder
 	confirmedInTx   bool
@@ -482,6 +525,16 @@ func (h *held) Value(key any) any {
 	return h.Context.Value(key)
 }
 
+// bounded is ctx with the store's deadline for one call in the handler's
+// transaction: on database/sql and pgx a statement whose context ends is
+// abandoned and its connection closed, which rolls the transaction back.
+func (h *held) bounded(ctx context.Context) (context.Context, context.CancelFunc) {
+	if h.timeout <= 0 {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, h.timeout)
+}
+
 // stopRenew stops the renewal of the claim, if any; it may be called twice.
 func (h *held) stopRenew() { h.ren.stop() }
 
@@ -536,6 +589,8 @@ func confirmIn(ctx context.Context, ex executor) error {
 	}
 	s = s.on(ex)
 	st.stopRenew()
+	ctx, cancel := st.bounded(ctx)
+	defer cancel()
 	if err := s.Confirm(ctx, st.claim); err != nil {
 		return fmt.Errorf("dedupe: confirm in transaction: %w", err)
 	}
@@ -567,6 +622,8 @@ func HoldTx(ctx context.Context, tx DB) error {
 		return nil
 	}
 	st.stopRenew()
+	ctx, cancel := st.bounded(ctx)
+	defer cancel()
 	if err := sb.sqlStore().WithTx(tx).Renew(ctx, st.claim, st.ttl); err != nil {
 		return fmt.Errorf("dedupe: hold claim in transaction: %w", err)
 	}
@@ -808,8 +865,13 @@ func (r *renewal) fire() {
 func (r *renewal) once(rctx context.Context) bool {
 	m := r.m
 	start := time.Now()
-	// A renewal that cannot land before the claim lapses is useless.
-	cctx, ccancel := context.WithDeadline(rctx, r.expires)
+	// A renewal that cannot land before the claim lapses is useless, and
+	// one the store does not answer within StoreTimeout is tried again.
+	deadline := r.expires
+	if d := m.storeTimeout(); d > 0 && start.Add(d).Before(deadline) {
+		deadline = start.Add(d)
+	}
+	cctx, ccancel := context.WithDeadline(rctx, deadline)
 	err := m.cfg.Store.Renew(cctx, r.claim, m.cfg.ClaimTimeout)
 	ccancel()
 	switch {
@@ -824,12 +886,32 @@ func (r *renewal) once(rctx context.Context) bool {
 		return false
 	case !time.Now().Before(r.expires):
 		m.cfg.Logger.Error("dedupe: claim expired while renewals failed; cancelling the handler", err, watermill.LogFields{"message_uuid": r.uuid})
-		r.ctx.lose(fmt.Errorf("%w: it expired while renewals failed: %w", ErrClaimLost, err))
+		r.ctx.lose(&unrenewed{err: err})
 		return false
 	default:
 		m.cfg.Logger.Error("dedupe: renewing claim failed; will retry", err, watermill.LogFields{"message_uuid": r.uuid})
 		return true
 	}
+}
+
+// unrenewed is the cause of a claim lost because renewals failed until it
+// expired: the store did not answer, which is no fault of the delivery.
+type unrenewed struct{ err error }
+
+func (e *unrenewed) Error() string {
+	return ErrClaimLost.Error() + ": it expired while renewals failed: " + e.err.Error()
+}
+
+func (e *unrenewed) Unwrap() []error { return []error{ErrClaimLost, e.err} }
+
+// renewalsFailed reports whether the handler's context was cancelled
+// because its claim expired while renewals failed.
+func renewalsFailed(hctx *handlerCtx) bool {
+	if !hctx.made.Load() {
+		return false
+	}
+	var u *unrenewed
+	return errors.As(context.Cause(hctx.inner), &u)
 }
 
 func (r *renewal) stop() {

@@ -466,6 +466,11 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 		}
 	}
 	if err := tx.commit(ctx); err != nil {
+		if errors.Is(err, ErrCallTimeout) {
+			// The database did not answer (whether it committed is not
+			// known: the keys' rows decide when the deliveries come back).
+			return runNotStarted, fmt.Errorf("pipeline: commit batch: %w", err)
+		}
 		return runCommitFailed, fmt.Errorf("pipeline: commit batch: %w", err)
 	}
 	if b.f.committed != nil {

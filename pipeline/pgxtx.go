@@ -63,6 +63,12 @@ type PgxTxConfig struct {
 	// Scope names the logical handler of the key for OneStatement and
 	// Batch. Defaults to dedupe.HandlerScope.
 	Scope dedupe.ScopeFunc
+	// CallTimeout bounds each call settle makes on the database for a
+	// delivery, as TxConfig.CallTimeout does; the PostgreSQL lock and
+	// idle-in-transaction timeouts are set by the BEGIN itself (no extra
+	// round trip). Defaults to DefaultCallTimeout; Pipeline.HandlePgxTx sets
+	// it from Config.StoreTimeout. Must be >= 0.
+	CallTimeout time.Duration
 }
 
 // Validate reports the first invalid field.
@@ -79,7 +85,7 @@ func (c PgxTxConfig) Validate() error {
 	case c.Batch.enabled() && c.Store == nil:
 		return errors.New("pipeline: PgxTxConfig.Store is required with Batch")
 	}
-	return nil
+	return validCallTimeout("PgxTxConfig", c.CallTimeout)
 }
 
 // NewPgxTxHandler is NewTxHandler on pgx: it runs fn in a pgx transaction
@@ -109,14 +115,15 @@ func NewPgxTxHandler(cfg PgxTxConfig, fn PgxTxFunc) (message.NoPublishHandlerFun
 // flow is cfg's flow for fn, or for batchFn (a batch handler) when fn is
 // nil: the txFlow of TxConfig with pgx under it.
 func (cfg PgxTxConfig) flow(fn PgxTxFunc, batchFn PgxBatchTxFunc) txFlow {
+	opts := cfg.boundedTxOptions()
 	return txFlow{
-		begin: func(ctx context.Context) (txn, error) {
-			tx, err := cfg.DB.BeginTx(ctx, cfg.TxOptions)
+		begin: bounded{d: callTimeout(cfg.CallTimeout)}.bound(func(ctx context.Context) (txn, error) {
+			tx, err := cfg.DB.BeginTx(ctx, opts)
 			if err != nil {
 				return nil, err
 			}
 			return &pgxTxn{cfg: &cfg, fn: fn, batchFn: batchFn, tx: tx}, nil
-		},
+		}),
 		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
 		batchHandler: fn == nil, busyDelay: settlement.Delay(cfg.BusyDelay, time.Second),
 		committed: notifier(cfg.Outbox), beginEarly: true,
@@ -204,6 +211,9 @@ func (p *Pipeline) handlePgxTx(method, name, topic string, sub message.Subscribe
 	}
 	if cfg.BusyDelay == 0 {
 		cfg.BusyDelay = p.cfg.BusyDelay
+	}
+	if cfg.CallTimeout == 0 {
+		cfg.CallTimeout = p.cfg.storeTimeout()
 	}
 	if pool, ok := cfg.DB.(*pgxpool.Pool); ok && cfg.Outbox != nil {
 		// As HandleTx: a missing outbox table is one clear error now, not

@@ -54,6 +54,13 @@ type Config struct {
 	// RenewInterval is how often a running handler's claim is renewed.
 	// Defaults to ClaimTimeout/3; see dedupe.Config.
 	RenewInterval time.Duration
+	// StoreTimeout bounds each call to the dedupe store
+	// (dedupe.Config.StoreTimeout) and each call settle makes in a
+	// transactional handler's transaction (TxConfig.CallTimeout, when that
+	// is not set): a database that does not answer within it defers the
+	// delivery instead of holding it. Defaults to ClaimTimeout/2. Must be
+	// >= 0 and <= ClaimTimeout.
+	StoreTimeout time.Duration
 	// BusyDelay is how long a delivery whose key another worker holds waits
 	// before it is nacked (deferred, not an attempt). Defaults to 1s;
 	// settle.NoDelay for none. See dedupe.Config.
@@ -128,7 +135,23 @@ func (c Config) Validate() error {
 	if c.RenewInterval < 0 {
 		return fmt.Errorf("pipeline: Config.RenewInterval must be >= 0, got %v", c.RenewInterval)
 	}
+	if c.StoreTimeout < 0 {
+		return fmt.Errorf("pipeline: Config.StoreTimeout must be >= 0, got %v", c.StoreTimeout)
+	}
 	return nil
+}
+
+// storeTimeout is Config.StoreTimeout with its default: half the claim
+// timeout (the dedupe middleware's default of 30s when that is not set).
+func (c Config) storeTimeout() time.Duration {
+	if c.StoreTimeout > 0 {
+		return c.StoreTimeout
+	}
+	ct := c.ClaimTimeout
+	if ct == 0 {
+		ct = 30 * time.Second
+	}
+	return ct / 2
 }
 
 // Pipeline adds handlers to a Watermill router with settle's stack in the
@@ -237,7 +260,7 @@ func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, sto
 			pub = p.cfg.Publisher
 		}
 		dd, err := dedupe.NewMiddleware(dedupe.Config{
-			Store: store, Key: p.cfg.Key, ClaimTimeout: p.cfg.ClaimTimeout, RenewInterval: p.cfg.RenewInterval,
+			Store: store, Key: p.cfg.Key, ClaimTimeout: p.cfg.ClaimTimeout, RenewInterval: p.cfg.RenewInterval, StoreTimeout: p.cfg.StoreTimeout,
 			BusyDelay: p.cfg.BusyDelay, UnavailableDelay: p.cfg.UnavailableDelay, MaxUnavailableDelay: p.cfg.MaxUnavailableDelay,
 			Logger: p.cfg.Logger, Publisher: pub,
 		})
@@ -399,6 +422,12 @@ func (p *Pipeline) handleTx(method, name, topic string, sub message.Subscriber, 
 	}
 	if cfg.BusyDelay == 0 {
 		cfg.BusyDelay = p.cfg.BusyDelay
+	}
+	if cfg.CallTimeout == 0 {
+		cfg.CallTimeout = p.cfg.storeTimeout()
+	}
+	if cfg.Store == nil {
+		cfg.Store = sqlStore // its dialect says which server-side timeouts the transactions set
 	}
 	if cfg.Outbox != nil && cfg.DB != nil {
 		// A missing outbox table is one clear error now, not a failure of

@@ -57,6 +57,25 @@ type TxConfig struct {
 	// dedupe.Config.Scope does for the middleware. Defaults to
 	// dedupe.HandlerScope.
 	Scope dedupe.ScopeFunc
+	// CallTimeout bounds each call settle makes on the database for a
+	// delivery: BEGIN, the claim of the key (OneStatement, Batch), the hold
+	// and confirmation of the dedupe middleware's claim, COMMIT and
+	// ROLLBACK; in OneStatement and Batch modes, whose transaction holds the
+	// key itself and has no claim to renew, the handler's function too (its
+	// context's deadline; its failure is then its own, an attempt). A call
+	// that does not return within it, as behind a silent network partition,
+	// is abandoned: its connection is closed (database/sql drops it from
+	// the pool), the transaction is rolled back and the delivery deferred
+	// (an error wrapping ErrCallTimeout and dedupe.ErrUnavailable), no
+	// attempt spent. On PostgreSQL (Store of the Postgres dialect) each
+	// transaction also sets, for itself only, lock_timeout to CallTimeout/2
+	// and idle_in_transaction_session_timeout to 2*CallTimeout, so that no
+	// statement of it waits longer for a lock held by a vanished client and
+	// the server ends a transaction whose client fell silent; see
+	// docs/operating.md for the settings the other databases need.
+	// Defaults to DefaultCallTimeout (15s); Pipeline.HandleTx sets it from
+	// Config.StoreTimeout (ClaimTimeout/2). Must be >= 0.
+	CallTimeout time.Duration
 }
 
 // Validate reports the first invalid field.
@@ -76,7 +95,7 @@ func (c TxConfig) Validate() error {
 	if c.Batch.enabled() && c.Store == nil {
 		return errors.New("pipeline: TxConfig.Store is required with Batch")
 	}
-	return nil
+	return validCallTimeout("TxConfig", c.CallTimeout)
 }
 
 // NewTxHandler returns a consumer handler that runs fn in a transaction and
@@ -170,13 +189,13 @@ type txFlow struct {
 // flow is cfg's flow for fn, or for batchFn (a batch handler) when fn is nil.
 func (cfg TxConfig) flow(fn TxFunc, batchFn BatchTxFunc) txFlow {
 	return txFlow{
-		begin: func(ctx context.Context) (txn, error) {
+		begin: cfg.bounds().bound(func(ctx context.Context) (txn, error) {
 			tx, err := cfg.DB.BeginTx(ctx, cfg.TxOptions)
 			if err != nil {
 				return nil, err
 			}
 			return &sqlTxn{cfg: &cfg, fn: fn, batchFn: batchFn, tx: tx}, nil
-		},
+		}),
 		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
 		batchHandler: fn == nil, busyDelay: settlement.Delay(cfg.BusyDelay, time.Second),
 		committed: notifier(cfg.Outbox), // a relay of this process forwards at once
@@ -308,6 +327,11 @@ func runTx(ctx context.Context, f txFlow, msg *message.Message) (err error) {
 		}
 	}
 	if err = t.commit(ctx); err != nil {
+		if errors.Is(err, ErrCallTimeout) {
+			// Whether it committed is not known: the key's row decides
+			// when the delivery comes back.
+			return unavailable(ctx, f.busyDelay, fmt.Errorf("pipeline: commit: %w", err))
+		}
 		return fmt.Errorf("pipeline: commit: %w", err)
 	}
 	if f.committed != nil {

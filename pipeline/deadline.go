@@ -1,0 +1,307 @@
+package pipeline
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/settle-go/settle/dedupe"
+)
+
+// ErrCallTimeout is wrapped by the error of a database call that settle made
+// for a delivery and abandoned after TxConfig.CallTimeout (or
+// PgxTxConfig.CallTimeout): the database did not answer, as behind a silent
+// network partition. The transaction is rolled back and the delivery is
+// deferred (the error also wraps dedupe.ErrUnavailable), except when the
+// call was the handler's own function, whose failure it is.
+var ErrCallTimeout = errors.New("pipeline: the database did not answer within CallTimeout")
+
+// DefaultCallTimeout is TxConfig.CallTimeout and PgxTxConfig.CallTimeout when
+// they are not set and no Pipeline sets them: half of the dedupe middleware's
+// default claim timeout.
+const DefaultCallTimeout = 15 * time.Second
+
+// callTimeout applies CallTimeout's default.
+func callTimeout(d time.Duration) time.Duration {
+	if d == 0 {
+		return DefaultCallTimeout
+	}
+	return d
+}
+
+// validCallTimeout reports a CallTimeout that cannot be used.
+func validCallTimeout(config string, d time.Duration) error {
+	if d < 0 {
+		return fmt.Errorf("pipeline: %s.CallTimeout must be >= 0 (0 means %v), got %v", config, DefaultCallTimeout, d)
+	}
+	return nil
+}
+
+// serverTimeouts returns the statement that gives a PostgreSQL transaction
+// of settle's its server-side bounds, for that transaction only (SET LOCAL,
+// through set_config): lock_timeout, so that none of its statements waits
+// longer than half a call for a lock (one held by a client that vanished
+// behind a partition, above all), and idle_in_transaction_session_timeout,
+// so that the server ends the session, and frees its locks, when the client
+// falls silent in the middle of the transaction for two calls' time.
+func serverTimeouts(d time.Duration) string {
+	lock := max(d/2, time.Millisecond).Milliseconds()
+	idle := max(2*d, time.Millisecond).Milliseconds()
+	return "SELECT set_config('lock_timeout', '" + strconv.FormatInt(lock, 10) + "', true), " +
+		"set_config('idle_in_transaction_session_timeout', '" + strconv.FormatInt(idle, 10) + "', true)"
+}
+
+// setLocaler is a txn that can run serverTimeouts' statement right after
+// BEGIN (database/sql; on pgx it is part of the BEGIN itself).
+type setLocaler interface {
+	setLocal(ctx context.Context, query string) error
+}
+
+// bounded is what bound needs to know of a flow.
+type bounded struct {
+	d time.Duration
+	// ctxless: the driver's commit and rollback take no context of their
+	// own (database/sql), so they are waited for on a goroutine; the
+	// driver may still be blocked in one after the deadline (the
+	// go-sql-driver's COMMIT, until its connection dies), and is left to
+	// it.
+	ctxless bool
+	// setLocal is serverTimeouts' statement to run after BEGIN, or "".
+	setLocal string
+}
+
+// bound returns begin with every call of the transactions it begins
+// bounded by b.d. The transaction's context, which database/sql ties the
+// transaction to, is begin's context made cancellable: a BEGIN, COMMIT or
+// ROLLBACK that runs past the deadline cancels it, which makes the driver
+// abandon the call and close the connection (database/sql then drops it
+// from the pool), and the transaction is rolled back by the server.
+func (b bounded) bound(begin func(context.Context) (txn, error)) func(context.Context) (txn, error) {
+	if b.d <= 0 {
+		return begin
+	}
+	return func(ctx context.Context) (txn, error) {
+		tctx, cancel := context.WithCancelCause(ctx)
+		guard := time.AfterFunc(b.d, func() { cancel(ErrCallTimeout) })
+		t, err := begin(tctx)
+		if err == nil && b.setLocal != "" {
+			if sl, ok := t.(setLocaler); ok {
+				err = sl.setLocal(tctx, b.setLocal)
+			}
+		}
+		if !guard.Stop() {
+			err = errors.Join(ErrCallTimeout, err)
+		}
+		if err != nil {
+			if t != nil {
+				_ = t.rollback(context.WithoutCancel(ctx))
+			}
+			cancel(nil)
+			return nil, timedOut(tctx, err)
+		}
+		return &boundTxn{txn: t, bounded: b, end: cancel}, nil
+	}
+}
+
+// timedOut is err, wrapping ErrCallTimeout when ctx ended with it.
+func timedOut(ctx context.Context, err error) error {
+	if err == nil || errors.Is(err, ErrCallTimeout) || !errors.Is(context.Cause(ctx), ErrCallTimeout) {
+		return err
+	}
+	return fmt.Errorf("%w: %w", ErrCallTimeout, err)
+}
+
+// boundTxn is a transaction whose calls are bounded.
+type boundTxn struct {
+	txn
+	bounded
+	end   context.CancelCauseFunc // cancels the transaction's context
+	ended bool                    // committed, or rolled back
+	// calls are the contexts of the handler calls, cancelled when the
+	// transaction ends: what a handler published may still be written
+	// with them after it returned (a batch's outbox rows).
+	calls []context.CancelCauseFunc
+}
+
+// watch returns ctx for one handler call, cancelled (cause ErrCallTimeout)
+// if the call runs past the deadline, and the function that stops the
+// watch when the call returns. The context lives on, uncancelled, until
+// the transaction ends.
+func (t *boundTxn) watch(ctx context.Context) (context.Context, func() bool) {
+	cctx, cancel := context.WithCancelCause(ctx)
+	t.calls = append(t.calls, cancel)
+	timer := time.AfterFunc(t.d, func() { cancel(ErrCallTimeout) })
+	return cctx, timer.Stop
+}
+
+// done ends the transaction's contexts.
+func (t *boundTxn) done() {
+	t.end(nil)
+	for _, c := range t.calls {
+		c(nil)
+	}
+	t.calls = nil
+}
+
+// callCtx is ctx with the deadline of one call.
+func (t *boundTxn) callCtx(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeoutCause(ctx, t.d, ErrCallTimeout)
+}
+
+func (t *boundTxn) claims() claimer { return boundClaimer{c: t.txn.claims(), t: t} }
+
+func (t *boundTxn) hold(ctx context.Context) error {
+	cctx, cancel := t.callCtx(ctx)
+	defer cancel()
+	return timedOut(cctx, t.txn.hold(cctx))
+}
+
+func (t *boundTxn) confirm(ctx context.Context) error {
+	cctx, cancel := t.callCtx(ctx)
+	defer cancel()
+	return timedOut(cctx, t.txn.confirm(cctx))
+}
+
+// call runs the handler's function. Behind the dedupe middleware, whose
+// claim is renewed while it runs and cancels it when lost, it runs as long
+// as it takes; without it (OneStatement, Batch) the transaction holds the
+// key and nothing else would end a call stuck on a silent connection, so it
+// gets the call's deadline. Its failure is its own.
+func (t *boundTxn) call(ctx context.Context, msg *message.Message) error {
+	if _, held := dedupe.ClaimFromContext(ctx); held {
+		return t.txn.call(ctx, msg)
+	}
+	cctx, stop := t.watch(ctx)
+	err := t.txn.call(cctx, msg)
+	stop()
+	return timedOut(cctx, err)
+}
+
+func (t *boundTxn) callBatch(ctx context.Context, msgs []*message.Message) error {
+	cctx, stop := t.watch(ctx)
+	err := t.txn.callBatch(cctx, msgs)
+	stop()
+	return timedOut(cctx, err)
+}
+
+func (t *boundTxn) commit(ctx context.Context) error {
+	t.ended = true
+	defer t.done()
+	return t.finish(ctx, t.txn.commit)
+}
+
+func (t *boundTxn) rollback(ctx context.Context) error {
+	if t.ended {
+		return nil
+	}
+	t.ended = true
+	defer t.done()
+	return t.finish(ctx, t.txn.rollback)
+}
+
+// finish runs op (commit or rollback) within the deadline.
+func (t *boundTxn) finish(ctx context.Context, op func(context.Context) error) error {
+	if !t.ctxless {
+		cctx, cancel := t.callCtx(ctx)
+		defer cancel()
+		return timedOut(cctx, op(cctx))
+	}
+	done := make(chan error, 1)
+	go func() { done <- op(ctx) }()
+	timer := time.NewTimer(t.d)
+	defer timer.Stop()
+	select {
+	case err := <-done:
+		return err
+	case <-timer.C:
+		// Drivers that read the transaction's context (pgx's stdlib)
+		// abandon the call now and close the connection; the others
+		// return when the connection dies, on their own.
+		t.end(ErrCallTimeout)
+		return ErrCallTimeout
+	}
+}
+
+// bufferOutbox and flushOutbox pass a batch's outbox buffering through.
+func (t *boundTxn) bufferOutbox() {
+	if ob, ok := t.txn.(outboxBuffering); ok {
+		ob.bufferOutbox()
+	}
+}
+
+func (t *boundTxn) flushOutbox(ctx context.Context) error {
+	ob, ok := t.txn.(outboxBuffering)
+	if !ok {
+		return nil
+	}
+	cctx, cancel := t.callCtx(ctx)
+	defer cancel()
+	return timedOut(cctx, ob.flushOutbox(cctx))
+}
+
+// boundClaimer is the claims of a bounded transaction.
+type boundClaimer struct {
+	c claimer
+	t *boundTxn
+}
+
+func (b boundClaimer) ClaimConfirmed(ctx context.Context, key string) (dedupe.Claim, error) {
+	cctx, cancel := b.t.callCtx(ctx)
+	defer cancel()
+	c, err := b.c.ClaimConfirmed(cctx, key)
+	return c, timedOut(cctx, err)
+}
+
+func (b boundClaimer) ClaimConfirmedAll(ctx context.Context, keys []string) ([]dedupe.Claim, error) {
+	cctx, cancel := b.t.callCtx(ctx)
+	defer cancel()
+	c, err := b.c.ClaimConfirmedAll(cctx, keys)
+	return c, timedOut(cctx, err)
+}
+
+// bounds is how the calls of cfg's transactions are bounded.
+func (cfg TxConfig) bounds() bounded {
+	b := bounded{d: callTimeout(cfg.CallTimeout), ctxless: true}
+	if cfg.Store != nil {
+		switch cfg.Store.Dialect() {
+		case dedupe.SQLite:
+			b.ctxless = false // its COMMIT is a call in the process
+		case dedupe.Postgres:
+			b.setLocal = serverTimeouts(b.d)
+		}
+	}
+	return b
+}
+
+// setLocal runs query in the transaction.
+func (t *sqlTxn) setLocal(ctx context.Context, query string) error {
+	_, err := t.tx.ExecContext(ctx, query)
+	return err
+}
+
+// boundedTxOptions are cfg.TxOptions with a BEGIN that also sets the
+// transaction's server-side timeouts (serverTimeouts), in the same round
+// trip: pgx sends a BeginQuery without arguments as one simple query.
+func (cfg PgxTxConfig) boundedTxOptions() pgx.TxOptions {
+	opts := cfg.TxOptions
+	begin := opts.BeginQuery
+	if begin == "" {
+		begin = "begin"
+		if opts.IsoLevel != "" {
+			begin += " isolation level " + string(opts.IsoLevel)
+		}
+		if opts.AccessMode != "" {
+			begin += " " + string(opts.AccessMode)
+		}
+		if opts.DeferrableMode != "" {
+			begin += " " + string(opts.DeferrableMode)
+		}
+	}
+	opts.BeginQuery = begin + "; " + serverTimeouts(callTimeout(cfg.CallTimeout))
+	return opts
+}
