@@ -155,6 +155,10 @@ type tracing struct {
 // destination and the message ID are those of the message it sends.
 // The process span has error status only when the handler really failed
 // (retry, dead_lettered, poisoned), never for a duplicate or a deferral.
+// What comes from a message (its ID, the error text of a failed run) is
+// made valid UTF-8 and bounded (256 bytes for IDs, 2 KiB for texts) before
+// it becomes span data: an OTLP exporter refuses a whole batch for one
+// string that is not valid UTF-8.
 //
 // Metrics: settle.settlements (by outcome and handler), settle.handler.duration
 // (seconds) and settle.retries (in-process retries).

@@ -154,7 +154,8 @@ func TestGettingStartedService(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	goEnv := []string{"GOFLAGS=-mod=mod", "GOWORK=off"}
+	// -mod=mod as a newcomer's go would; no go.work of the machine's.
+	goEnv := []string{"GOFLAGS=" + strings.TrimSpace(os.Getenv("GOFLAGS")+" -mod=mod"), "GOWORK=off"}
 	run(t, mod, goEnv, "go mod init example.com/welcome")
 	for _, line := range shCommands(t, "replace") {
 		if !strings.HasPrefix(line, "go ") {

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"unicode/utf8"
 
+	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/goleak"
@@ -69,5 +70,35 @@ func TestPropagatorDefaultsToW3C(t *testing.T) {
 	got := trace.SpanContextFromContext(p.Extract(context.Background(), carrier))
 	if got.TraceID() != sc.TraceID() || got.SpanID() != sc.SpanID() {
 		t.Fatalf("extracted %v, want %v", got, sc)
+	}
+}
+
+// marker is a propagator that writes one field of its own.
+type marker struct{}
+
+func (marker) Inject(_ context.Context, c propagation.TextMapCarrier) { c.Set("x-marker", "1") }
+func (marker) Extract(ctx context.Context, _ propagation.TextMapCarrier) context.Context {
+	return ctx
+}
+func (marker) Fields() []string { return []string{"x-marker"} }
+
+// Once the application sets a global propagator, settle's default follows
+// it, even when it was built before. (Not parallel: it sets the global
+// propagator before the parallel tests run; the one it sets writes
+// traceparent too, so they still hold.)
+func TestPropagatorFollowsTheGlobalOnceSet(t *testing.T) {
+	p := telemetry.Propagator() // built while the global one is the no-op
+	sc := trace.NewSpanContext(trace.SpanContextConfig{TraceID: trace.TraceID{9}, SpanID: trace.SpanID{9}, TraceFlags: trace.FlagsSampled})
+	ctx := trace.ContextWithSpanContext(context.Background(), sc)
+	before := propagation.MapCarrier{}
+	p.Inject(ctx, before)
+	if before.Get("x-marker") != "" || before.Get("traceparent") == "" {
+		t.Fatalf("before the global propagator is set: %v; want traceparent only", before)
+	}
+	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, marker{}))
+	after := propagation.MapCarrier{}
+	p.Inject(ctx, after)
+	if after.Get("x-marker") != "1" || after.Get("traceparent") == "" {
+		t.Fatalf("after the global propagator is set: %v; want its fields", after)
 	}
 }
