@@ -73,7 +73,11 @@ func openDLQ(e *env, f amqpFlags) (*dlqSession, error) {
 	if q.Consumers > 0 {
 		fmt.Fprintf(e.stderr, "warning: queue %s has %d consumer(s): the messages this command reads are held from them until it ends, and a dead-letter or poison queue should have none\n", f.queue, q.Consumers)
 	}
-	kind, perr := probeQueueKind(ctx, f.url, f.queue)
+	// An empty queue is read not at all: nothing to spend, nothing to ask.
+	kind, perr := queueClassic, error(nil)
+	if q.Messages > 0 {
+		kind, perr = probeQueueKind(ctx, f.url, f.queue)
+	}
 	switch {
 	case kind == queueCounts && !f.force:
 		_ = conn.Close()
