@@ -108,10 +108,12 @@ func (s *dlqSession) next() (d amqp091.Delivery, e entry, ok bool, err error) {
 	s.held++
 	if n, ok := deliveryCount(d); ok {
 		s.maxDeliveries = max(s.maxDeliveries, n)
-		if s.counting == queueMayCount && !s.force {
-			// The probe could not tell, and the broker counts: stop
-			// before a second message is spent.
-			return d, e, false, fmt.Errorf("%w: %s", errCountsDeliveries, countingHelp(s.queue))
+		if !s.force {
+			// The probe could not tell (or was wrong), and the broker
+			// counts: stop before a second message is spent. A producer
+			// may have set the header on a classic queue; -force reads on.
+			return d, e, false, fmt.Errorf("%w: a message on queue %s carries x-delivery-count %d, which quorum queues set on every delivery; %s",
+				errCountsDeliveries, s.queue, n, countingHelp(s.queue))
 		}
 	}
 	e, err = decode(s.marshaler, d)
