@@ -41,8 +41,8 @@ type dlqSession struct {
 	depth     int // messages ready when the session started
 	held      int // messages got and not acked
 
-	// counting says whether the queue counts deliveries: queueCounts or
-	// queueMayCount, when the probe could not tell.
+	// counting is what the probe found: queueClassic, queueCounts, or
+	// queueMayCount when it could not tell.
 	counting queueKind
 	force    bool // -force: read it anyway
 	stderr   io.Writer
