@@ -45,7 +45,7 @@ const (
 
 // errCountsDeliveries is the refusal to read a queue that counts
 // deliveries without -force.
-var errCountsDeliveries = errors.New("queue counts deliveries")
+var errCountsDeliveries = errors.New("not read without -force")
 
 // countingHelp says why reading the queue is refused or risky.
 func countingHelp(queue string) string {
