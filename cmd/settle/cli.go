@@ -59,9 +59,9 @@ var commands = []command{
 
 // synopses are the usage lines of the commands, after "settle ".
 var synopses = map[string]string{
-	"dlq list":      "dlq list -queue Q [-json] [-limit N]",
-	"dlq show":      "dlq show -queue Q [-json] ID",
-	"dlq replay":    "dlq replay -queue Q [-id ID ...] [-handler H] [-reason SUBSTR] [-all] [-to Q] [-yes]",
+	"dlq list":      "dlq list -queue Q [-json] [-limit N] [-force]",
+	"dlq show":      "dlq show -queue Q [-json] [-force] ID",
+	"dlq replay":    "dlq replay -queue Q [-id ID ...] [-handler H] [-reason SUBSTR] [-all] [-to Q | -allow-topics T,... | -any-destination] [-force] [-yes]",
 	"dedupe prune":  "dedupe prune -db URL [-driver pgx|sql] [-table T] -older-than AGE [-force] [-yes]",
 	"dedupe schema": "dedupe schema -dialect postgres|mysql|sqlite [-table T]",
 	"outbox schema": "outbox schema -dialect postgres|mysql|sqlite [-topic T]",

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"flag"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -235,6 +236,21 @@ func TestParseInterleaved(t *testing.T) {
 		pos, err := parse(e, fs, "dlq show", tc.args)
 		if err != nil || *q != tc.queue || !slices.Equal(pos, tc.pos) {
 			t.Errorf("parse(%q) = %q, queue %q, %v; want %q, queue %q", tc.args, pos, *q, err, tc.pos, tc.queue)
+		}
+	}
+}
+
+// docs/cli.md lists every command as its usage says it.
+func TestCLIDocListsEveryCommand(t *testing.T) {
+	t.Parallel()
+	doc, err := os.ReadFile("../../docs/cli.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := strings.ReplaceAll(string(doc), `\|`, "|")
+	for _, c := range commands {
+		if !strings.Contains(text, "`settle "+synopses[c.name]+"`") {
+			t.Errorf("docs/cli.md does not list `settle %s`", synopses[c.name])
 		}
 	}
 }

@@ -26,24 +26,31 @@ func TestDLQReplayRefusesSeveralDestinations(t *testing.T) {
 		{watermill.NewUUID(), orders, "charge", "card declined"},
 	}
 	deadLetter(t, b, dlq, genuine)
-	forged := watermill.NewUUID()
 	ch, err := b.conn.Channel()
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer ch.Close()
-	if err := ch.Publish("", dlq, false, false, amqp091.Publishing{
-		Headers: amqp091.Table{
-			amqp.DefaultMessageUUIDHeaderKey: forged,
-			settle.MetaOutcome:               string(settle.DeadLettered),
-			settle.MetaReason:                "card declined",
-			settle.MetaOriginalTopic:         payments,
-			settle.MetaHandler:               "charge",
-		},
-		Body: []byte(`{"refund":"everything"}`),
-	}); err != nil {
-		t.Fatal(err)
+	// copyTo publishes onto the dead-letter queue a copy that names topic
+	// as its origin, as anyone who can publish there can.
+	copyTo := func(topic string) string {
+		t.Helper()
+		id := watermill.NewUUID()
+		if err := ch.Publish("", dlq, false, false, amqp091.Publishing{
+			Headers: amqp091.Table{
+				amqp.DefaultMessageUUIDHeaderKey: id,
+				settle.MetaOutcome:               string(settle.DeadLettered),
+				settle.MetaReason:                "card declined",
+				settle.MetaOriginalTopic:         topic,
+				settle.MetaHandler:               "charge",
+			},
+			Body: []byte(`{"refund":"everything"}`),
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return id
 	}
+	forged := copyTo(payments)
 	b.waitDepth(t, dlq, 3)
 
 	// The dry run shows both destinations and says -yes would be refused.
@@ -75,7 +82,7 @@ func TestDLQReplayRefusesSeveralDestinations(t *testing.T) {
 		t.Errorf("the forged copy reached %s", payments)
 	}
 	// An explicit -any-destination sends it where it says.
-	deadLetter(t, b, dlq, genuine[:1])
+	copyTo(orders)
 	b.waitDepth(t, dlq, 2)
 	mustRun(t, exitFail, "dlq", "replay", "-queue", dlq, "-all", "-yes", "-amqp", b.url)
 	r = mustRun(t, exitOK, "dlq", "replay", "-queue", dlq, "-all", "-any-destination", "-yes", "-amqp", b.url)
@@ -83,6 +90,7 @@ func TestDLQReplayRefusesSeveralDestinations(t *testing.T) {
 		t.Errorf("-any-destination:\n%v", r)
 	}
 	b.waitDepth(t, payments, 1)
+	b.waitDepth(t, orders, 3)
 	b.waitDepth(t, dlq, 0)
 	// -to and the allow flags exclude each other.
 	r = mustRun(t, exitUsage, "dlq", "replay", "-queue", dlq, "-all", "-to", orders, "-any-destination")

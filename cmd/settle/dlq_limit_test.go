@@ -184,3 +184,34 @@ func TestDLQStopsAtTheFirstCountedDelivery(t *testing.T) {
 		t.Errorf("x-delivery-count = %d, want 1", n)
 	}
 }
+
+// A message that carries an integer x-delivery-count stops the reading
+// without -force even where the probe found a classic queue: the probe may
+// be wrong about a broker it does not know, and the header is what quorum
+// queues set.
+func TestDLQStopsAtADeliveryCountHeader(t *testing.T) {
+	t.Parallel()
+	b := setupBroker(t)
+	dlq := b.queue(t, "dlq")
+	ch, err := b.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	if err := ch.Publish("", dlq, false, false, amqp091.Publishing{
+		Headers: amqp091.Table{amqp.DefaultMessageUUIDHeaderKey: "u-1", "x-delivery-count": int32(2)}, Body: []byte("x"),
+	}); err != nil {
+		t.Fatal(err)
+	}
+	b.waitDepth(t, dlq, 1)
+	r := mustRun(t, exitFail, "dlq", "list", "-queue", dlq, "-amqp", b.url)
+	if !strings.Contains(r.stderr, "carries x-delivery-count 2") || !strings.Contains(r.stderr, "-force") {
+		t.Errorf("list:\n%v", r)
+	}
+	b.waitDepth(t, dlq, 1)
+	r = mustRun(t, exitOK, "dlq", "list", "-queue", dlq, "-force", "-amqp", b.url)
+	if !strings.Contains(r.stdout, "u-1") {
+		t.Errorf("list -force:\n%v", r)
+	}
+	b.waitDepth(t, dlq, 1)
+}

@@ -41,8 +41,8 @@ type dlqSession struct {
 	depth     int // messages ready when the session started
 	held      int // messages got and not acked
 
-	// counting says whether the queue counts deliveries: queueCounts or
-	// queueMayCount, when the probe could not tell.
+	// counting is what the probe found: queueClassic, queueCounts, or
+	// queueMayCount when it could not tell.
 	counting queueKind
 	force    bool // -force: read it anyway
 	stderr   io.Writer
@@ -73,7 +73,11 @@ func openDLQ(e *env, f amqpFlags) (*dlqSession, error) {
 	if q.Consumers > 0 {
 		fmt.Fprintf(e.stderr, "warning: queue %s has %d consumer(s): the messages this command reads are held from them until it ends, and a dead-letter or poison queue should have none\n", f.queue, q.Consumers)
 	}
-	kind, perr := probeQueueKind(ctx, f.url, f.queue)
+	// An empty queue is read not at all: nothing to spend, nothing to ask.
+	kind, perr := queueClassic, error(nil)
+	if q.Messages > 0 {
+		kind, perr = probeQueueKind(ctx, f.url, f.queue)
+	}
 	switch {
 	case kind == queueCounts && !f.force:
 		_ = conn.Close()
@@ -104,10 +108,12 @@ func (s *dlqSession) next() (d amqp091.Delivery, e entry, ok bool, err error) {
 	s.held++
 	if n, ok := deliveryCount(d); ok {
 		s.maxDeliveries = max(s.maxDeliveries, n)
-		if s.counting == queueMayCount && !s.force {
-			// The probe could not tell, and the broker counts: stop
-			// before a second message is spent.
-			return d, e, false, fmt.Errorf("%w: %s", errCountsDeliveries, countingHelp(s.queue))
+		if !s.force {
+			// The probe could not tell (or was wrong), and the broker
+			// counts: stop before a second message is spent. A producer
+			// may have set the header on a classic queue; -force reads on.
+			return d, e, false, fmt.Errorf("%w: a message on queue %s carries x-delivery-count %d, which quorum queues set on every delivery; %s",
+				errCountsDeliveries, s.queue, n, countingHelp(s.queue))
 		}
 	}
 	e, err = decode(s.marshaler, d)

@@ -1,27 +1,41 @@
 // Command settle operates what settle leaves behind: dead-letter and poison
 // queues on RabbitMQ, the dedupe table and the transactional outbox.
 //
-//	settle dlq list     -queue Q [-json] [-limit N]
-//	settle dlq show     -queue Q ID
-//	settle dlq replay   -queue Q [-id ID ...] [-handler H] [-reason SUBSTR] [-all] [-yes]
-//	settle dedupe prune -db URL [-driver pgx|sql] [-table T] -older-than 7d
+//	settle dlq list     -queue Q [-json] [-limit N] [-force]
+//	settle dlq show     -queue Q [-json] [-force] ID
+//	settle dlq replay   -queue Q [-id ID ...] [-handler H] [-reason SUBSTR] [-all]
+//	                    [-to Q | -allow-topics T,... | -any-destination] [-force] [-yes]
+//	settle dedupe prune -db URL [-driver pgx|sql] [-table T] -older-than 7d [-force] [-yes]
 //	settle dedupe schema -dialect postgres|mysql|sqlite [-table T]
 //	settle outbox schema -dialect postgres|mysql|sqlite [-topic T]
 //	settle outbox status -db URL [-driver pgx|sql] [-topic T] [-stuck-after D] [-json]
-//	settle outbox prune -db URL [-driver pgx|sql] [-topic T] -older-than 7d
+//	settle outbox prune -db URL [-driver pgx|sql] [-topic T] -older-than 7d [-force] [-yes]
 //	settle trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag K=V]) [-svg FILE]
 //
 // -db defaults to $SETTLE_POSTGRES_URL, else $SETTLE_MYSQL_URL, and -amqp to
 // $SETTLE_AMQP_URL, the variables the tests and examples read. On a
 // postgres:// URL the database commands run on a pgxpool.Pool and settle's
 // Pgx functions; -driver sql runs them on database/sql instead, the only
-// driver of mysql:// and sqlite://. Listing and
-// showing never remove a message from a queue; replay is a dry run unless
-// -yes is given, and removes a message from the dead-letter queue only after
-// the broker has confirmed its republished copy. trace prints one trace from
-// Jaeger's query API as a tree. See docs/cli.md.
+// driver of mysql:// and sqlite://.
 //
-// Install it from a checkout of settle (there is no published version yet) with
+// Every command that changes or deletes something is a dry run unless -yes
+// is given: it prints what it would do (how many rows or messages, and some
+// of them). The prune commands refuse a retention below 24 hours unless
+// -force is given. Listing and showing never remove a message from a queue,
+// and refuse to read a queue that counts deliveries (a quorum queue, whose
+// delivery limit would drop messages read too often) unless -force is given.
+// replay removes a message from the dead-letter queue only after the broker
+// has confirmed its republished copy, and refuses a selection that goes to
+// several destinations unless -to, -allow-topics or -any-destination says
+// where it may go. trace prints one trace from Jaeger's query API as a tree.
+//
+// What came from outside (message headers and payloads, spans, servers'
+// errors) is printed with control characters escaped, and no message shows
+// a password, in whatever form a connection string was given. See
+// docs/cli.md.
+//
+// The module is not published yet; install it from a clone of the
+// repository with
 //
 //	go install ./cmd/settle
 package main

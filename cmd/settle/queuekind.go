@@ -27,11 +27,12 @@ import (
 // queue, before any message moves, and succeeds for a classic queue. The
 // probe fills that channel's prefetch window first, with a message of a
 // private queue of its own, so that a classic queue cannot deliver it
-// anything either: the probe leaves every queue as it found it. Should the
-// probe fail (a broker that refuses global QoS, or permissions), the
-// session falls back on the x-delivery-count header, which quorum queues
-// set on every delivery: it stops at the first message that carries one,
-// having counted one delivery of one message.
+// anything either: the probe leaves every queue as it found it. Behind the
+// probe, should it fail (a broker that refuses global QoS, or permissions)
+// or be wrong (a broker it does not know), the session stops without
+// -force at the first message that carries an integer x-delivery-count,
+// which quorum queues set on every delivery, having counted one delivery of
+// one message.
 
 // queueKind is what the probe found out about a queue.
 type queueKind int
@@ -44,7 +45,7 @@ const (
 
 // errCountsDeliveries is the refusal to read a queue that counts
 // deliveries without -force.
-var errCountsDeliveries = errors.New("queue counts deliveries")
+var errCountsDeliveries = errors.New("not read without -force")
 
 // countingHelp says why reading the queue is refused or risky.
 func countingHelp(queue string) string {

@@ -175,3 +175,31 @@ func TestTraceOutputIsEscaped(t *testing.T) {
 		t.Errorf("the SVG file is not XML: %v", err)
 	}
 }
+
+// Whatever the text, what is printed is safe for a terminal and what is
+// drawn is XML.
+func FuzzSafeText(f *testing.F) {
+	for _, s := range []string{hostile, "plain", "ünï ✓", "\xc2\x9b", "\xef\xbf\xbe", "a\u2066b", "&<>\"'", "\r\n\t"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		line, text := safeLine(s), safeText(s)
+		if p := unsafeOutput(line); p != "" || strings.ContainsAny(line, "\n\t") {
+			t.Errorf("safeLine(%q) = %q: %s", s, line, p)
+		}
+		if p := unsafeOutput(text); p != "" {
+			t.Errorf("safeText(%q) = %q: %s", s, text, p)
+		}
+		if err := xml.Unmarshal([]byte("<text>"+svgText(s)+"</text>"), new(struct{})); err != nil {
+			t.Errorf("svgText(%q) is not XML text: %v", s, err)
+		}
+		var b bytes.Buffer
+		if err := writeJSON(&b, s); err != nil {
+			t.Fatal(err)
+		}
+		var back string
+		if p := unsafeOutput(b.String()); p != "" || json.Unmarshal(b.Bytes(), &back) != nil || back != string([]rune(s)) {
+			t.Errorf("writeJSON(%q) = %q (%s), decodes to %q", s, b.String(), p, back)
+		}
+	})
+}

@@ -93,7 +93,7 @@ func redactUserinfo(s string) string {
 // pairValue matches key=value pairs of libpq connection strings whose key
 // names a secret, the value bare or single-quoted (with \' and \\ inside,
 // unterminated up to the end).
-var pairValue = regexp.MustCompile(`(?i)([A-Za-z_][\w.-]*)(\s*=\s*)('(?:[^'\\]|\\.)*(?:'|\\?$)|\S*)`)
+var pairValue = regexp.MustCompile(`(?is)([A-Za-z_][\w.-]*)(\s*=\s*)('(?:[^'\\]|\\.)*(?:'|\\?$)|\S*)`)
 
 func redactPairs(s string) string {
 	return pairValue.ReplaceAllStringFunc(s, func(m string) string {

@@ -1,6 +1,7 @@
 package sqlurl_test
 
 import (
+	"net/url"
 	"strings"
 	"testing"
 
@@ -131,4 +132,42 @@ func TestScrub(t *testing.T) {
 	if got := sqlurl.Scrub(msg, dsn); strings.Contains(got, "PW") || !strings.Contains(got, "for root") {
 		t.Errorf("Scrub = %q", got)
 	}
+}
+
+// Whatever the password, no form shows it: URL user information, a URL
+// query parameter, a go-sql-driver DSN, a libpq key=value pair bare or
+// quoted.
+func FuzzRedact(f *testing.F) {
+	for _, s := range []string{"secret", "se/cret", "se#c?r@et", "a b", `it's`, `back\slash`, "new\nline", "%zz", "x:y", "@@@", "'", ""} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, pw string) {
+		pw = "PW" + strings.ReplaceAll(pw, "PW", "")
+		bare := strings.Map(func(r rune) rune {
+			if r == ' ' || r == '\t' || r == '\n' || r == '\r' || r == '\v' || r == '\f' || r == '\'' || r == '&' || r == '#' {
+				return -1
+			}
+			return r
+		}, pw)
+		quoted := "'" + strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(pw) + "'"
+		for _, dsn := range []string{
+			"mysql://root:" + pw + "@127.0.0.1:3306/test",
+			"postgres://u:" + pw + "@h:5432/db?sslmode=disable",
+			"amqp://guest:" + pw + "@127.0.0.1:5672/",
+			"http://u:" + pw + "@jaeger:16686",
+			"postgres://h/db?sslmode=disable&password=" + url.QueryEscape(pw),
+			"http://jaeger:16686/?token=" + bare + "&limit=1",
+			"root:" + pw + "@tcp(127.0.0.1:3306)/test",
+			"host=h password=" + bare + " dbname=db",
+			"host=h password=" + quoted + " dbname=db",
+			"host=h password = " + quoted,
+		} {
+			if got := sqlurl.Redact(dsn); strings.Contains(got, "PW") {
+				t.Errorf("Redact(%q) = %q", dsn, got)
+			}
+			if _, _, _, err := sqlurl.Parse(dsn); err != nil && strings.Contains(err.Error(), "PW") {
+				t.Errorf("Parse(%q): %v", dsn, err)
+			}
+		}
+	})
 }
