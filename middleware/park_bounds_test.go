@@ -126,3 +126,40 @@ func TestParkCopyBounds(t *testing.T) {
 }
 
 func utf8Valid(s string) bool { return strings.ToValidUTF8(s, "") == s }
+
+// Messages without a UUID do not share a count: a dead-lettered one does
+// not use up the attempts of the next, and a good one does not erase a
+// failing one's. (Found by the hostile-input campaign: a good message with
+// no id was dead-lettered without a run.)
+func TestRetryCountsMessagesWithoutUUIDApart(t *testing.T) {
+	t.Parallel()
+	rt, err := middleware.NewRetry(middleware.RetryConfig{MaxAttempts: 2, NoInProcessRetries: true, RedeliveryDelay: settle.NoDelay})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runs := map[string]int{}
+	h := rt(func(msg *message.Message) ([]*message.Message, error) {
+		runs[string(msg.Payload)]++
+		if string(msg.Payload) == "good" {
+			return nil, nil
+		}
+		return nil, errors.New("fails")
+	})
+	deliver := func(payload string) error {
+		_, err := h(message.NewMessage("", []byte(payload)))
+		return err
+	}
+	var ex *middleware.ExhaustedError
+	if err := deliver("bad"); err == nil || errors.As(err, &ex) {
+		t.Fatalf("first run of bad: %v, want a retry", err)
+	}
+	if err := deliver("good"); err != nil {
+		t.Fatalf("good: %v", err)
+	}
+	if err := deliver("bad"); !errors.As(err, &ex) {
+		t.Fatalf("second run of bad: %v, want exhausted (a good message erased its count)", err)
+	}
+	if err := deliver("other"); err == nil || errors.As(err, &ex) || runs["other"] != 1 {
+		t.Fatalf("another message without a UUID: %v after %d runs, want a run and a retry", err, runs["other"])
+	}
+}

@@ -6,6 +6,8 @@ package park
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -251,6 +253,21 @@ type Config struct {
 // the original's metadata.
 const MinimalAfter = 3
 
+// Identity names a message in the per-process memories of the retry and
+// parking middlewares: its UUID, or, for a message without one (a delivery
+// with neither a UUID header nor a message-id), the SHA-256 of its payload.
+// Messages without a UUID would otherwise share one entry: a good one
+// erased a failing one's count, and a failing one's count, or its unparked
+// copy, was taken for the next one's, which was dead-lettered without a
+// run.
+func Identity(msg *message.Message) string {
+	if msg.UUID != "" {
+		return msg.UUID
+	}
+	sum := sha256.Sum256(msg.Payload)
+	return "\x00payload-sha256:" + hex.EncodeToString(sum[:])
+}
+
 // pendingKey names a message in the scope of one logical handler.
 type pendingKey struct{ scope, uuid string }
 
@@ -293,7 +310,7 @@ func Middleware(cfg Config) message.HandlerMiddleware {
 				defer msg.SetContext(orig)
 			}
 			if p.pending.Len() > 0 {
-				if pc, ok := p.pending.Get(pendingKey{settlement.Scope(msg.Context()), msg.UUID}); ok {
+				if pc, ok := p.pending.Get(pendingKey{settlement.Scope(msg.Context()), Identity(msg)}); ok {
 					return p.again(msg, pc)
 				}
 			}
@@ -329,7 +346,7 @@ func (p *parker) again(msg *message.Message, pc pendingCopy) ([]*message.Message
 func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message, error) {
 	ctx := msg.Context()
 	rec := settlement.FromContext(ctx)
-	key := pendingKey{settlement.Scope(ctx), msg.UUID}
+	key := pendingKey{settlement.Scope(ctx), Identity(msg)}
 	info := pc.info
 	minimal := pc.fails >= MinimalAfter
 	cp := CopyWithin(msg, info, Limits{MaxMetadata: p.cfg.MaxMetadata, Minimal: minimal})
