@@ -296,7 +296,7 @@ func TestParkingRefusesAnUnconfirmedPublisher(t *testing.T) {
 }
 
 // A message the broker accepted can always be parked, and does not hold
-// the messages behind it: one with a 96 KiB binary header (the broker takes
+// the messages behind it: six with a 96 KiB binary header (the broker takes
 // it, its frame_max being 128 KiB) whose base64 text no longer fits in a
 // frame, and one whose handler's error text is 200 KiB. Before, the copy
 // could never be published: the message went back to the head of the queue
@@ -322,7 +322,10 @@ func TestParkingOversizedCopies(t *testing.T) {
 				h["keep"] = "small"
 				e.publish(amqp091.Publishing{MessageId: id, Body: []byte(k), DeliveryMode: amqp091.Persistent, Headers: h})
 			}
-			send("poison", amqp091.Table{"x-blob": blob})
+			// More of them than amqpsub's InFlight (4): each held a slot.
+			for range 6 {
+				send("poison", amqp091.Table{"x-blob": blob})
+			}
 			send("dead", nil)
 			for range 5 {
 				send("good", nil)
@@ -344,7 +347,7 @@ func TestParkingOversizedCopies(t *testing.T) {
 						good++
 					}
 				}
-				return good == 5 && e.parked(1, 1)
+				return good == 5 && e.parked(1, 6)
 			})
 			if n := e.finish(stop); n != 0 {
 				t.Errorf("source queue holds %d messages after the router closed, want 0", n)
@@ -358,8 +361,8 @@ func TestParkingOversizedCopies(t *testing.T) {
 			dead, poisoned := e.drain(e.dead()), e.drain(e.poison())
 			checkParked(t, "dead letter", dead, sent, "dead", settle.DeadLettered)
 			checkParked(t, "poison", poisoned, sent, "poison", settle.Poisoned)
-			if len(poisoned) == 1 {
-				md := poisoned[0].Metadata
+			for _, cp := range poisoned {
+				md := cp.Metadata
 				if md.Get("x-blob") != "" || !strings.Contains(md.Get(middleware.MetaDroppedHeaders), `"x-blob"`) {
 					t.Errorf("poison copy: x-blob %d bytes, %s = %q; want it dropped and named",
 						len(md.Get("x-blob")), middleware.MetaDroppedHeaders, md.Get(middleware.MetaDroppedHeaders))
