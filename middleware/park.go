@@ -49,7 +49,8 @@ type ParkConfig struct {
 	// >= 1.
 	PendingMessages int
 	// MaxMetadataBytes bounds the metadata of each copy (keys and values,
-	// with the UUID), so that a copy is always publishable: a broker takes a
+	// 6 bytes more per entry as an AMQP table spends them, and the UUID),
+	// so that a copy is always publishable: a broker takes a
 	// message's headers in one frame (RabbitMQ's frame_max, 128 KiB by
 	// default), and settle's metadata, or the text form of a binary header
 	// (base64), can make a copy of a message the broker accepted too big to

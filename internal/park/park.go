@@ -80,7 +80,7 @@ const MetaDroppedHeaders = "settle_dropped_headers"
 // Limits bound a copy.
 type Limits struct {
 	// MaxMetadata bounds the copy's metadata: the sum of len(key) +
-	// len(value) over its entries, plus len(UUID). Zero means
+	// len(value) + 6 over its entries and the UUID. Zero means
 	// DefaultMaxMetadata.
 	MaxMetadata int
 	// Minimal keeps none of the original's metadata, only settle's, with a
@@ -143,9 +143,9 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 	// carry.
 	type entry struct{ k, v string }
 	var orig []entry
-	size := len(msg.UUID)
+	size := entrySize("", msg.UUID)
 	for k, v := range own {
-		size += len(k) + len(v)
+		size += entrySize(k, v)
 	}
 	for k, v := range msg.Metadata {
 		if _, mine := own[k]; mine {
@@ -156,7 +156,7 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 			continue
 		}
 		orig = append(orig, entry{k, v})
-		size += len(k) + len(v)
+		size += entrySize(k, v)
 	}
 	var dropped []entry
 	if lim.Minimal {
@@ -164,7 +164,7 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 	} else if size > maxMD {
 		// Leave out the largest first: the fewest entries lost.
 		sort.Slice(orig, func(i, j int) bool {
-			a, b := len(orig[i].k)+len(orig[i].v), len(orig[j].k)+len(orig[j].v)
+			a, b := entrySize(orig[i].k, orig[i].v), entrySize(orig[j].k, orig[j].v)
 			if a != b {
 				return a > b
 			}
@@ -172,7 +172,7 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 		})
 		budget := maxMD - maxDroppedText - len(MetaDroppedHeaders)
 		for len(orig) > 0 && size > budget {
-			size -= len(orig[0].k) + len(orig[0].v)
+			size -= entrySize(orig[0].k, orig[0].v)
 			dropped = append(dropped, orig[0])
 			orig = orig[1:]
 		}
@@ -196,6 +196,12 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 	return cp
 }
 
+// entrySize is what one metadata entry takes in a copy: its key and value,
+// and the 6 bytes an AMQP field table spends on an entry (the name's length,
+// the type, the value's length), so that thousands of tiny headers are not
+// taken for nothing.
+func entrySize(k, v string) int { return len(k) + len(v) + 6 }
+
 // cut returns s as valid UTF-8, at most max bytes: a longer text is cut on a
 // rune boundary and ends saying how many bytes were cut.
 func cut(s string, limit int) string {
@@ -210,18 +216,23 @@ func cut(s string, limit int) string {
 	return s[:n] + fmt.Sprintf(" [%d bytes cut]", len(s)-n)
 }
 
-// droppedText renders MetaDroppedHeaders within maxDroppedText.
+// droppedText renders MetaDroppedHeaders within maxDroppedText: as many
+// names as fit, each encoded once (a copy can leave out thousands).
 func droppedText(count, total int, names []string) string {
-	for n := len(names); ; n-- {
-		b, err := json.Marshal(struct {
-			Count int      `json:"count"`
-			Bytes int      `json:"bytes"`
-			Names []string `json:"names"`
-		}{count, total, names[:n]})
-		if err == nil && (len(b) <= maxDroppedText || n == 0) {
-			return string(b)
+	var b strings.Builder
+	fmt.Fprintf(&b, `{"count":%d,"bytes":%d,"names":[`, count, total)
+	for i, n := range names {
+		q, err := json.Marshal(n) // valid UTF-8, each invalid byte as U+FFFD
+		if err != nil || b.Len()+len(q)+3 > maxDroppedText {
+			break
 		}
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.Write(q)
 	}
+	b.WriteString("]}")
+	return b.String()
 }
 
 // Config configures a parking middleware.
