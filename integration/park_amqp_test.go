@@ -23,7 +23,7 @@ import (
 )
 
 // parkWait bounds every wait of the parking tests on RabbitMQ.
-const parkWait = 45 * time.Second
+const parkWait = 90 * time.Second
 
 // parkSubscribers are the two RabbitMQ subscribers the parking tests run
 // with.

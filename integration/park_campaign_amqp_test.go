@@ -33,7 +33,8 @@ type hostileMsg struct {
 
 // hostileHeaders returns up to 40 random headers of every AMQP type, names
 // and strings with invalid UTF-8 among them, at most budget bytes of raw
-// header data; sometimes one binary header takes most of the budget.
+// header data; sometimes one binary header takes most of the budget, or
+// thousands of tiny ones are added.
 func hostileHeaders(r *rand.Rand, budget int) amqp091.Table {
 	h := amqp091.Table{}
 	text := func(n int) string {
@@ -46,7 +47,16 @@ func hostileHeaders(r *rand.Rand, budget int) amqp091.Table {
 		}
 		return string(b) // invalid UTF-8, control characters, NUL
 	}
-	if r.IntN(8) == 0 {
+	if r.IntN(10) == 0 {
+		// Thousands of tiny headers, up to amqp091's 8,192 entries (a
+		// consumer sent more loses its connection: no subscriber ever
+		// hands such a message on).
+		n := 1000 + r.IntN(7000)
+		for i := range n {
+			h[fmt.Sprintf("t%05d", i)] = int8(i)
+		}
+		budget -= n * 9
+	} else if r.IntN(8) == 0 {
 		big := budget - 4<<10
 		h["x-blob-"+strconv.Itoa(r.IntN(100))] = []byte(text(big))
 		budget -= big
