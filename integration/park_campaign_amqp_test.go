@@ -242,6 +242,9 @@ func TestParkingHostileInputCampaign(t *testing.T) {
 					if !bytes.Equal(cp.Payload, msgs[idx].pub.Body) {
 						t.Errorf("%s: copy of message %d has another payload", queue, idx)
 					}
+					if got, want := cp.Metadata.Get(settle.MetaOriginalUUID), msgs[idx].pub.MessageId; got != want || cp.UUID != want {
+						t.Errorf("%s: copy of message %d: UUID %q, %s %q; want %q", queue, idx, cp.UUID, settle.MetaOriginalUUID, got, want)
+					}
 					if cp.Metadata.Get(settle.MetaReason) == "" {
 						t.Errorf("%s: copy of message %d has no reason", queue, idx)
 					}

@@ -118,12 +118,12 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 	own.Set(settle.MetaOutcome, string(info.Outcome))
 	own.Set(settle.MetaReason, cut(info.Reason, reasonMax))
 	if t := message.SubscribeTopicFromCtx(ctx); t != "" {
-		own.Set(settle.MetaOriginalTopic, cut(t, maxUUIDText))
+		own.Set(settle.MetaOriginalTopic, bound(t, maxUUIDText))
 	}
 	if h := message.HandlerNameFromCtx(ctx); h != "" {
-		own.Set(settle.MetaHandler, cut(h, maxUUIDText))
+		own.Set(settle.MetaHandler, bound(h, maxUUIDText))
 	}
-	own.Set(settle.MetaOriginalUUID, cut(msg.UUID, maxUUIDText))
+	own.Set(settle.MetaOriginalUUID, bound(msg.UUID, maxUUIDText))
 	if info.Attempt > 0 {
 		own.Set(settle.MetaAttempt, strconv.Itoa(info.Attempt))
 	}
@@ -201,6 +201,16 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 // the type, the value's length), so that thousands of tiny headers are not
 // taken for nothing.
 func entrySize(k, v string) int { return len(k) + len(v) + 6 }
+
+// bound returns s unchanged, byte for byte, when it is at most limit bytes
+// (a UUID or a topic is an identifier: a replay looks for it as it is), and
+// cut otherwise.
+func bound(s string, limit int) string {
+	if len(s) <= limit {
+		return s
+	}
+	return cut(s, limit)
+}
 
 // cut returns s as valid UTF-8, at most max bytes: a longer text is cut on a
 // rune boundary and ends saying how many bytes were cut.
