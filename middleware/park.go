@@ -58,9 +58,10 @@ type ParkConfig struct {
 	// made valid UTF-8); when the copy is still over the bound, the
 	// original's metadata entries are left out, largest first, until it
 	// fits, and MetaDroppedHeaders names them. The payload is never
-	// changed. After three failed publishes of a message's copy, its next
-	// copy is minimal: settle's metadata only, every original entry named
-	// in MetaDroppedHeaders (logged at error level). Defaults to 64 KiB.
+	// changed. After three failed publishes of a message's copy (failed
+	// declarations of the topic not counted), its next copy is minimal:
+	// settle's metadata only, every original entry named in
+	// MetaDroppedHeaders (logged at error level). Defaults to 64 KiB.
 	// Must be 0 or >= 16 KiB.
 	MaxMetadataBytes int
 	// Logger defaults to watermill.NopLogger. Publish failures are logged at

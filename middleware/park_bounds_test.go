@@ -163,3 +163,40 @@ func TestRetryCountsMessagesWithoutUUIDApart(t *testing.T) {
 		t.Fatalf("another message without a UUID: %v after %d runs, want a run and a retry", err, runs["other"])
 	}
 }
+
+// flakyInitializer fails its first fail declarations.
+type flakyInitializer struct{ fail, calls int }
+
+func (f *flakyInitializer) SubscribeInitialize(string) error {
+	f.calls++
+	if f.calls <= f.fail {
+		return errors.New("broker unreachable")
+	}
+	return nil
+}
+
+// A park that failed because its topic could not be declared says nothing
+// of the copy: it does not bring the minimal copy nearer.
+func TestParkFailedDeclarationsDoNotMakeTheCopyMinimal(t *testing.T) {
+	t.Parallel()
+	pub := &refusingPublisher{refuse: "x-odd"}
+	init := &flakyInitializer{fail: 5}
+	mw, err := middleware.NewPoison(middleware.ParkConfig{Publisher: pub, Initializer: init, Topic: "poison", NackDelay: settle.NoDelay})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := mw(func(*message.Message) ([]*message.Message, error) {
+		return nil, poison.Permanent(errors.New("bad"))
+	})
+	for i := 1; i <= 9; i++ {
+		msg := message.NewMessage("m-3", []byte("payload"))
+		msg.Metadata.Set("x-odd", "refused by the broker")
+		_, err := h(msg)
+		if (i < 9) != (err != nil) {
+			t.Fatalf("delivery %d: %v (publishes tried %d)", i, err, pub.tries)
+		}
+	}
+	if init.calls != 9 || pub.tries != 4 || len(pub.got) != 1 || pub.got[0].Metadata.Get(middleware.MetaDroppedHeaders) == "" {
+		t.Fatalf("%d declarations, %d publishes, %d copies; want 9, 4 (three full, one minimal), 1 minimal", init.calls, pub.tries, len(pub.got))
+	}
+}

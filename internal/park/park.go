@@ -271,7 +271,8 @@ type Config struct {
 
 // MinimalAfter is how many publishes of a message's full copy fail before
 // its next copy is a minimal one (Limits.Minimal), which carries none of
-// the original's metadata.
+// the original's metadata. A failed declaration of the topic does not
+// count.
 const MinimalAfter = 3
 
 // Identity names a message in the per-process memories of the retry and
@@ -372,7 +373,8 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 	minimal := pc.fails >= MinimalAfter
 	cp := CopyWithin(msg, info, Limits{MaxMetadata: p.cfg.MaxMetadata, Minimal: minimal})
 	perr := p.declare()
-	if perr == nil {
+	declared := perr == nil
+	if declared {
 		perr = publish(ctx, p.cfg.Publisher, p.cfg.Topic, cp)
 	}
 	fields := watermill.LogFields{
@@ -392,7 +394,12 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 		if found && !old.info.FirstFailure.IsZero() {
 			pc.info.FirstFailure = old.info.FirstFailure
 		}
-		pc.fails++
+		if declared {
+			// Only a publish that failed where the topic could be declared
+			// counts towards the minimal copy: a broker that cannot be
+			// reached says nothing of the copy.
+			pc.fails++
+		}
 		return pc
 	})
 	rec.Defer()
