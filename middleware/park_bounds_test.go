@@ -180,8 +180,8 @@ func (f *flakyInitializer) SubscribeInitialize(string) error {
 func TestParkFailedDeclarationsDoNotMakeTheCopyMinimal(t *testing.T) {
 	t.Parallel()
 	pub := &refusingPublisher{refuse: "x-odd"}
-	init := &flakyInitializer{fail: 5}
-	mw, err := middleware.NewPoison(middleware.ParkConfig{Publisher: pub, Initializer: init, Topic: "poison", NackDelay: settle.NoDelay})
+	decl := &flakyInitializer{fail: 5}
+	mw, err := middleware.NewPoison(middleware.ParkConfig{Publisher: pub, Initializer: decl, Topic: "poison", NackDelay: settle.NoDelay})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -196,7 +196,7 @@ func TestParkFailedDeclarationsDoNotMakeTheCopyMinimal(t *testing.T) {
 			t.Fatalf("delivery %d: %v (publishes tried %d)", i, err, pub.tries)
 		}
 	}
-	if init.calls != 9 || pub.tries != 4 || len(pub.got) != 1 || pub.got[0].Metadata.Get(middleware.MetaDroppedHeaders) == "" {
-		t.Fatalf("%d declarations, %d publishes, %d copies; want 9, 4 (three full, one minimal), 1 minimal", init.calls, pub.tries, len(pub.got))
+	if decl.calls != 9 || pub.tries != 4 || len(pub.got) != 1 || pub.got[0].Metadata.Get(middleware.MetaDroppedHeaders) == "" {
+		t.Fatalf("%d declarations, %d publishes, %d copies; want 9, 4 (three full, one minimal), 1 minimal", decl.calls, pub.tries, len(pub.got))
 	}
 }
