@@ -358,6 +358,9 @@ func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, kind string, in
 		return 0, win, nil, err
 	}
 	defer sub.Close()
+	// The pipeline refuses a publisher that does not wait for RabbitMQ's
+	// confirmation; nothing is published through this one in the run.
+	cfg.Publish.ConfirmDelivery = true
 	pub, err := amqp.NewPublisher(cfg, watermill.NopLogger{})
 	if err != nil {
 		return 0, win, nil, err

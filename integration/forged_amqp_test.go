@@ -3,7 +3,6 @@ package integration_test
 import (
 	"errors"
 	"testing"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
@@ -68,20 +67,9 @@ func TestRepublishedAttemptMarkBoundsRuns(t *testing.T) {
 	e := newSAEnv(t, saOpts{retry: saFastRetry(3, 0), noDedupe: true, republish: true},
 		func(int64, *message.Message) error { return errAlways })
 	sent := e.publish()
-	deadline := time.Now().Add(saWait)
-	for {
-		q, err := e.ch.QueueDeclarePassive(e.dead, true, false, false, false, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if q.Messages > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no dead letter within %v; %d runs", saWait, e.calls.Load())
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	// Two runs handed back by republishing (each acked), the third
+	// dead-lettered (acked).
+	e.waitSettled(3)
 	dead, _ := e.finish()
 	if got := e.calls.Load(); got != 3 {
 		t.Errorf("handler ran %d times, want MaxAttempts 3", got)

@@ -14,6 +14,13 @@
 // a message that failed permanently to the poison topic; the dead-letter
 // parking copies a message out of attempts to the dead-letter topic; each
 // acks the original once its copy is stored, and defers it otherwise.
+// "Stored" is the broker's word: the publisher must wait for the broker's
+// confirmation (a watermill-amqp Publisher without Publish.ConfirmDelivery
+// is refused, ErrUnconfirmedPublisher), and the parking topic is declared
+// before each copy (ParkConfig.Initializer), because RabbitMQ drops, and
+// still confirms, a message published to a queue that does not exist. A copy
+// is bounded so that a broker that accepted the message takes its copy too
+// (ParkConfig.MaxMetadataBytes).
 //
 // The order matters. From the outside in:
 //

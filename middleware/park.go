@@ -49,7 +49,8 @@ type ParkConfig struct {
 	// >= 1.
 	PendingMessages int
 	// MaxMetadataBytes bounds the metadata of each copy (keys and values,
-	// with the UUID), so that a copy is always publishable: a broker takes a
+	// 6 bytes more per entry as an AMQP table spends them, and the UUID),
+	// so that a copy is always publishable: a broker takes a
 	// message's headers in one frame (RabbitMQ's frame_max, 128 KiB by
 	// default), and settle's metadata, or the text form of a binary header
 	// (base64), can make a copy of a message the broker accepted too big to
@@ -57,9 +58,10 @@ type ParkConfig struct {
 	// made valid UTF-8); when the copy is still over the bound, the
 	// original's metadata entries are left out, largest first, until it
 	// fits, and MetaDroppedHeaders names them. The payload is never
-	// changed. After three failed publishes of a message's copy, its next
-	// copy is minimal: settle's metadata only, every original entry named
-	// in MetaDroppedHeaders (logged at error level). Defaults to 64 KiB.
+	// changed. After three failed publishes of a message's copy (failed
+	// declarations of the topic not counted), its next copy is minimal:
+	// settle's metadata only, every original entry named in
+	// MetaDroppedHeaders (logged at error level). Defaults to 64 KiB.
 	// Must be 0 or >= 16 KiB.
 	MaxMetadataBytes int
 	// Logger defaults to watermill.NopLogger. Publish failures are logged at

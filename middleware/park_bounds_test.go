@@ -126,3 +126,77 @@ func TestParkCopyBounds(t *testing.T) {
 }
 
 func utf8Valid(s string) bool { return strings.ToValidUTF8(s, "") == s }
+
+// Messages without a UUID do not share a count: a dead-lettered one does
+// not use up the attempts of the next, and a good one does not erase a
+// failing one's. (Found by the hostile-input campaign: a good message with
+// no id was dead-lettered without a run.)
+func TestRetryCountsMessagesWithoutUUIDApart(t *testing.T) {
+	t.Parallel()
+	rt, err := middleware.NewRetry(middleware.RetryConfig{MaxAttempts: 2, NoInProcessRetries: true, RedeliveryDelay: settle.NoDelay})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runs := map[string]int{}
+	h := rt(func(msg *message.Message) ([]*message.Message, error) {
+		runs[string(msg.Payload)]++
+		if string(msg.Payload) == "good" {
+			return nil, nil
+		}
+		return nil, errors.New("fails")
+	})
+	deliver := func(payload string) error {
+		_, err := h(message.NewMessage("", []byte(payload)))
+		return err
+	}
+	var ex *middleware.ExhaustedError
+	if err := deliver("bad"); err == nil || errors.As(err, &ex) {
+		t.Fatalf("first run of bad: %v, want a retry", err)
+	}
+	if err := deliver("good"); err != nil {
+		t.Fatalf("good: %v", err)
+	}
+	if err := deliver("bad"); !errors.As(err, &ex) {
+		t.Fatalf("second run of bad: %v, want exhausted (a good message erased its count)", err)
+	}
+	if err := deliver("other"); err == nil || errors.As(err, &ex) || runs["other"] != 1 {
+		t.Fatalf("another message without a UUID: %v after %d runs, want a run and a retry", err, runs["other"])
+	}
+}
+
+// flakyInitializer fails its first fail declarations.
+type flakyInitializer struct{ fail, calls int }
+
+func (f *flakyInitializer) SubscribeInitialize(string) error {
+	f.calls++
+	if f.calls <= f.fail {
+		return errors.New("broker unreachable")
+	}
+	return nil
+}
+
+// A park that failed because its topic could not be declared says nothing
+// of the copy: it does not bring the minimal copy nearer.
+func TestParkFailedDeclarationsDoNotMakeTheCopyMinimal(t *testing.T) {
+	t.Parallel()
+	pub := &refusingPublisher{refuse: "x-odd"}
+	decl := &flakyInitializer{fail: 5}
+	mw, err := middleware.NewPoison(middleware.ParkConfig{Publisher: pub, Initializer: decl, Topic: "poison", NackDelay: settle.NoDelay})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := mw(func(*message.Message) ([]*message.Message, error) {
+		return nil, poison.Permanent(errors.New("bad"))
+	})
+	for i := 1; i <= 9; i++ {
+		msg := message.NewMessage("m-3", []byte("payload"))
+		msg.Metadata.Set("x-odd", "refused by the broker")
+		_, err := h(msg)
+		if (i < 9) != (err != nil) {
+			t.Fatalf("delivery %d: %v (publishes tried %d)", i, err, pub.tries)
+		}
+	}
+	if decl.calls != 9 || pub.tries != 4 || len(pub.got) != 1 || pub.got[0].Metadata.Get(middleware.MetaDroppedHeaders) == "" {
+		t.Fatalf("%d declarations, %d publishes, %d copies; want 9, 4 (three full, one minimal), 1 minimal", decl.calls, pub.tries, len(pub.got))
+	}
+}

@@ -298,7 +298,7 @@ func (r *retry) wrap(h message.HandlerFunc) message.HandlerFunc {
 			defer msg.SetContext(orig)
 		}
 		rec.SetLimit(r.cfg.MaxAttempts)
-		d := delivery{key: trackKey{settlement.Scope(ctx), msg.UUID}, rec: rec}
+		d := delivery{key: trackKey{settlement.Scope(ctx), park.Identity(msg)}, rec: rec}
 		r.source(msg, &d)
 		if d.prior >= r.cfg.MaxAttempts {
 			return nil, r.exhausted(msg, d, r.cfg.MaxAttempts, nil)

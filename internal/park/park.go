@@ -6,6 +6,8 @@ package park
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -78,7 +80,7 @@ const MetaDroppedHeaders = "settle_dropped_headers"
 // Limits bound a copy.
 type Limits struct {
 	// MaxMetadata bounds the copy's metadata: the sum of len(key) +
-	// len(value) over its entries, plus len(UUID). Zero means
+	// len(value) + 6 over its entries and the UUID. Zero means
 	// DefaultMaxMetadata.
 	MaxMetadata int
 	// Minimal keeps none of the original's metadata, only settle's, with a
@@ -116,12 +118,12 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 	own.Set(settle.MetaOutcome, string(info.Outcome))
 	own.Set(settle.MetaReason, cut(info.Reason, reasonMax))
 	if t := message.SubscribeTopicFromCtx(ctx); t != "" {
-		own.Set(settle.MetaOriginalTopic, cut(t, maxUUIDText))
+		own.Set(settle.MetaOriginalTopic, bound(t, maxUUIDText))
 	}
 	if h := message.HandlerNameFromCtx(ctx); h != "" {
-		own.Set(settle.MetaHandler, cut(h, maxUUIDText))
+		own.Set(settle.MetaHandler, bound(h, maxUUIDText))
 	}
-	own.Set(settle.MetaOriginalUUID, cut(msg.UUID, maxUUIDText))
+	own.Set(settle.MetaOriginalUUID, bound(msg.UUID, maxUUIDText))
 	if info.Attempt > 0 {
 		own.Set(settle.MetaAttempt, strconv.Itoa(info.Attempt))
 	}
@@ -141,9 +143,9 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 	// carry.
 	type entry struct{ k, v string }
 	var orig []entry
-	size := len(msg.UUID)
+	size := entrySize("", msg.UUID)
 	for k, v := range own {
-		size += len(k) + len(v)
+		size += entrySize(k, v)
 	}
 	for k, v := range msg.Metadata {
 		if _, mine := own[k]; mine {
@@ -154,7 +156,7 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 			continue
 		}
 		orig = append(orig, entry{k, v})
-		size += len(k) + len(v)
+		size += entrySize(k, v)
 	}
 	var dropped []entry
 	if lim.Minimal {
@@ -162,7 +164,7 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 	} else if size > maxMD {
 		// Leave out the largest first: the fewest entries lost.
 		sort.Slice(orig, func(i, j int) bool {
-			a, b := len(orig[i].k)+len(orig[i].v), len(orig[j].k)+len(orig[j].v)
+			a, b := entrySize(orig[i].k, orig[i].v), entrySize(orig[j].k, orig[j].v)
 			if a != b {
 				return a > b
 			}
@@ -170,7 +172,7 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 		})
 		budget := maxMD - maxDroppedText - len(MetaDroppedHeaders)
 		for len(orig) > 0 && size > budget {
-			size -= len(orig[0].k) + len(orig[0].v)
+			size -= entrySize(orig[0].k, orig[0].v)
 			dropped = append(dropped, orig[0])
 			orig = orig[1:]
 		}
@@ -194,6 +196,22 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 	return cp
 }
 
+// entrySize is what one metadata entry takes in a copy: its key and value,
+// and the 6 bytes an AMQP field table spends on an entry (the name's length,
+// the type, the value's length), so that thousands of tiny headers are not
+// taken for nothing.
+func entrySize(k, v string) int { return len(k) + len(v) + 6 }
+
+// bound returns s unchanged, byte for byte, when it is at most limit bytes
+// (a UUID or a topic is an identifier: a replay looks for it as it is), and
+// cut otherwise.
+func bound(s string, limit int) string {
+	if len(s) <= limit {
+		return s
+	}
+	return cut(s, limit)
+}
+
 // cut returns s as valid UTF-8, at most max bytes: a longer text is cut on a
 // rune boundary and ends saying how many bytes were cut.
 func cut(s string, limit int) string {
@@ -208,18 +226,23 @@ func cut(s string, limit int) string {
 	return s[:n] + fmt.Sprintf(" [%d bytes cut]", len(s)-n)
 }
 
-// droppedText renders MetaDroppedHeaders within maxDroppedText.
+// droppedText renders MetaDroppedHeaders within maxDroppedText: as many
+// names as fit, each encoded once (a copy can leave out thousands).
 func droppedText(count, total int, names []string) string {
-	for n := len(names); ; n-- {
-		b, err := json.Marshal(struct {
-			Count int      `json:"count"`
-			Bytes int      `json:"bytes"`
-			Names []string `json:"names"`
-		}{count, total, names[:n]})
-		if err == nil && (len(b) <= maxDroppedText || n == 0) {
-			return string(b)
+	var b strings.Builder
+	fmt.Fprintf(&b, `{"count":%d,"bytes":%d,"names":[`, count, total)
+	for i, n := range names {
+		q, err := json.Marshal(n) // valid UTF-8, each invalid byte as U+FFFD
+		if err != nil || b.Len()+len(q)+3 > maxDroppedText {
+			break
 		}
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.Write(q)
 	}
+	b.WriteString("]}")
+	return b.String()
 }
 
 // Config configures a parking middleware.
@@ -248,8 +271,24 @@ type Config struct {
 
 // MinimalAfter is how many publishes of a message's full copy fail before
 // its next copy is a minimal one (Limits.Minimal), which carries none of
-// the original's metadata.
+// the original's metadata. A failed declaration of the topic does not
+// count.
 const MinimalAfter = 3
+
+// Identity names a message in the per-process memories of the retry and
+// parking middlewares: its UUID, or, for a message without one (a delivery
+// with neither a UUID header nor a message-id), the SHA-256 of its payload.
+// Messages without a UUID would otherwise share one entry: a good one
+// erased a failing one's count, and a failing one's count, or its unparked
+// copy, was taken for the next one's, which was dead-lettered without a
+// run.
+func Identity(msg *message.Message) string {
+	if msg.UUID != "" {
+		return msg.UUID
+	}
+	sum := sha256.Sum256(msg.Payload)
+	return "\x00payload-sha256:" + hex.EncodeToString(sum[:])
+}
 
 // pendingKey names a message in the scope of one logical handler.
 type pendingKey struct{ scope, uuid string }
@@ -293,7 +332,7 @@ func Middleware(cfg Config) message.HandlerMiddleware {
 				defer msg.SetContext(orig)
 			}
 			if p.pending.Len() > 0 {
-				if pc, ok := p.pending.Get(pendingKey{settlement.Scope(msg.Context()), msg.UUID}); ok {
+				if pc, ok := p.pending.Get(pendingKey{settlement.Scope(msg.Context()), Identity(msg)}); ok {
 					return p.again(msg, pc)
 				}
 			}
@@ -329,12 +368,13 @@ func (p *parker) again(msg *message.Message, pc pendingCopy) ([]*message.Message
 func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message, error) {
 	ctx := msg.Context()
 	rec := settlement.FromContext(ctx)
-	key := pendingKey{settlement.Scope(ctx), msg.UUID}
+	key := pendingKey{settlement.Scope(ctx), Identity(msg)}
 	info := pc.info
 	minimal := pc.fails >= MinimalAfter
 	cp := CopyWithin(msg, info, Limits{MaxMetadata: p.cfg.MaxMetadata, Minimal: minimal})
 	perr := p.declare()
-	if perr == nil {
+	declared := perr == nil
+	if declared {
 		perr = publish(ctx, p.cfg.Publisher, p.cfg.Topic, cp)
 	}
 	fields := watermill.LogFields{
@@ -354,7 +394,12 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 		if found && !old.info.FirstFailure.IsZero() {
 			pc.info.FirstFailure = old.info.FirstFailure
 		}
-		pc.fails++
+		if declared {
+			// Only a publish that failed where the topic could be declared
+			// counts towards the minimal copy: a broker that cannot be
+			// reached says nothing of the copy.
+			pc.fails++
+		}
 		return pc
 	})
 	rec.Defer()
