@@ -5,10 +5,14 @@ import (
 	"database/sql"
 	"errors"
 	"net/url"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -147,5 +151,86 @@ func TestCallTimeoutDefersACutTransaction(t *testing.T) {
 				t.Fatalf("%d effect rows; want 1", n)
 			}
 		})
+	}
+}
+
+func TestCallTimeoutRefusesBadConfig(t *testing.T) {
+	t.Parallel()
+	db := testenv.SQLite(t)
+	if _, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: db.DB, CallTimeout: -time.Second}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil }); err == nil || !strings.Contains(err.Error(), "TxConfig.CallTimeout") {
+		t.Errorf("negative TxConfig.CallTimeout: %v; want it refused by name", err)
+	}
+	if _, err := pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: &pgxpool.Pool{}, CallTimeout: -time.Second}, func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }); err == nil || !strings.Contains(err.Error(), "PgxTxConfig.CallTimeout") {
+		t.Errorf("negative PgxTxConfig.CallTimeout: %v; want it refused by name", err)
+	}
+	router, err := message.NewRouter(message.RouterConfig{}, nil)
+	must(t, err)
+	ps := gochannel.NewGoChannel(gochannel.Config{}, nil)
+	defer ps.Close()
+	for _, cfg := range []pipeline.Config{
+		{Publisher: ps, StoreTimeout: -time.Second},
+		{Publisher: ps, Store: dedupe.NewMemoryStore(), ClaimTimeout: time.Second, StoreTimeout: 2 * time.Second},
+	} {
+		if _, err := pipeline.New(router, cfg); err == nil || !strings.Contains(err.Error(), "StoreTimeout") {
+			t.Errorf("New(StoreTimeout %v, ClaimTimeout %v) = %v; want an error naming StoreTimeout", cfg.StoreTimeout, cfg.ClaimTimeout, err)
+		}
+	}
+}
+
+// infoLog records Info lines.
+type infoLog struct {
+	watermill.LoggerAdapter
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *infoLog) Info(msg string, _ watermill.LogFields) {
+	l.mu.Lock()
+	l.lines = append(l.lines, msg)
+	l.mu.Unlock()
+}
+
+func (l *infoLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+// On MariaDB, whose sessions settle does not change, a transactional
+// handler added on connections without idle_transaction_timeout is told so,
+// and one whose DSN sets it as docs/operating.md says is not.
+func TestHandleTxTellsWhatMariaDBLacks(t *testing.T) {
+	t.Parallel()
+	u := testenv.Require(t, testenv.MySQLURLEnv)
+	for _, c := range []struct {
+		params string
+		warned bool
+	}{{"", true}, {"innodb_lock_wait_timeout=7&idle_transaction_timeout=30", false}} {
+		sep := "?"
+		if strings.Contains(u, "?") {
+			sep = "&"
+		}
+		dsn := u
+		if c.params != "" {
+			dsn += sep + c.params
+		}
+		db, dialect, err := sqlurl.Open(dsn)
+		must(t, err)
+		t.Cleanup(func() { _ = db.Close() })
+		td := testenv.DB{DB: db, Dialect: dialect}
+		store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: testenv.DedupeTable(t, td)})
+		must(t, err)
+		log := &infoLog{LoggerAdapter: watermill.NopLogger{}}
+		router, err := message.NewRouter(message.RouterConfig{}, nil)
+		must(t, err)
+		ps := gochannel.NewGoChannel(gochannel.Config{}, nil)
+		defer ps.Close()
+		p, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: store, Logger: log})
+		must(t, err)
+		_, err = p.HandleTx("charge", "orders", ps, nil, pipeline.TxConfig{DB: db}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil })
+		must(t, err)
+		warned := false
+		for _, l := range log.lines {
+			warned = warned || strings.Contains(l, "idle_transaction_timeout")
+		}
+		if warned != c.warned {
+			t.Errorf("DSN params %q: told about idle_transaction_timeout %v, want %v (lines %q)", c.params, warned, c.warned, log.lines)
+		}
 	}
 }

@@ -405,6 +405,7 @@ func (p *Pipeline) handleTx(method, name, topic string, sub message.Subscriber, 
 	if cfg.Store == nil {
 		cfg.Store = sqlStore // its dialect says which server-side timeouts the transactions set
 	}
+	warnServerTimeouts(cfg, name, p.cfg.Logger)
 	if cfg.Outbox != nil && cfg.DB != nil {
 		// A missing outbox table is one clear error now, not a failure of
 		// every delivery later.
