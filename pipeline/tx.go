@@ -38,7 +38,9 @@ type TxConfig struct {
 	// a concurrent delivery of the same key waits for the transaction instead
 	// of being deferred. Requires Store.
 	OneStatement bool
-	// Store is the claims table for OneStatement (Pipeline.HandleTx sets it).
+	// Store is the claims table for OneStatement (Pipeline.HandleTx sets it,
+	// in every mode). In the default mode it is optional; its dialect tells
+	// which server-side timeouts the transactions set (see CallTimeout).
 	Store *dedupe.SQLStore
 	// Key derives the key for OneStatement. Defaults to the message UUID.
 	Key dedupe.KeyFunc
