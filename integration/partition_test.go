@@ -230,16 +230,22 @@ func runPartition(t *testing.T, dbName, mode string, heal bool) {
 			saMust(t, pub.Publish(src, message.NewMessage(fmt.Sprintf("order-%d", i), []byte(`{}`))))
 		}
 	}
-	publish(0, partKeys/3)
+	// Keys until A has run its third handler (B may take the first ones),
+	// then the rest.
+	published := 0
 	deadline := time.Now().Add(dedupeWait)
 	for !cut.Load() {
+		if published < partKeys/2 && time.Since(deadline.Add(-dedupeWait)) > time.Duration(published)*100*time.Millisecond {
+			publish(published, published+2)
+			published += 2
+		}
 		if time.Now().After(deadline) {
 			t.Fatalf("consumer A ran %d handlers in %v; the partition never started", aRuns.Load(), dedupeWait)
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
 	start := time.Unix(0, cutAt.Load())
-	publish(partKeys/3, partKeys)
+	publish(published, partKeys)
 	if heal {
 		go func() {
 			time.Sleep(time.Until(start.Add(partHeal)))
