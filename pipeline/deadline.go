@@ -271,7 +271,9 @@ func (cfg TxConfig) bounds() bounded {
 	if cfg.Store != nil {
 		switch cfg.Store.Dialect() {
 		case dedupe.SQLite:
-			b.ctxless = false // its COMMIT is a call in the process
+			// A file of this machine: no partition can cut it off, and
+			// its writers wait for each other with its busy timeout.
+			return bounded{}
 		case dedupe.Postgres:
 			b.setLocal = serverTimeouts(b.d)
 		}

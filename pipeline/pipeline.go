@@ -44,8 +44,8 @@ type Config struct {
 	// (dedupe.Config.StoreTimeout) and each call settle makes in a
 	// transactional handler's transaction (TxConfig.CallTimeout, when that
 	// is not set): a database that does not answer within it defers the
-	// delivery instead of holding it. Defaults to ClaimTimeout/2. Must be
-	// >= 0 and <= ClaimTimeout.
+	// delivery instead of holding it. Defaults to ClaimTimeout/2, and at
+	// least 1s. Must be >= 0.
 	StoreTimeout time.Duration
 	// BusyDelay is how long a delivery whose key another worker holds waits
 	// before it is nacked (deferred, not an attempt). Defaults to 1s;
@@ -125,7 +125,8 @@ func (c Config) Validate() error {
 }
 
 // storeTimeout is Config.StoreTimeout with its default: half the claim
-// timeout (the dedupe middleware's default of 30s when that is not set).
+// timeout (the dedupe middleware's default of 30s when that is not set),
+// and at least 1s, as dedupe.Config.StoreTimeout's.
 func (c Config) storeTimeout() time.Duration {
 	if c.StoreTimeout > 0 {
 		return c.StoreTimeout
@@ -134,7 +135,7 @@ func (c Config) storeTimeout() time.Duration {
 	if ct == 0 {
 		ct = 30 * time.Second
 	}
-	return ct / 2
+	return max(ct/2, time.Second)
 }
 
 // Pipeline adds handlers to a Watermill router with settle's stack in the

@@ -74,9 +74,10 @@ type TxConfig struct {
 	// and idle_in_transaction_session_timeout to 2*CallTimeout, so that no
 	// statement of it waits longer for a lock held by a vanished client and
 	// the server ends a transaction whose client fell silent; see
-	// docs/operating.md for the settings the other databases need.
+	// docs/operating.md for the settings the other databases need. On
+	// SQLite, a file of this machine, no call has a deadline.
 	// Defaults to DefaultCallTimeout (15s); Pipeline.HandleTx sets it from
-	// Config.StoreTimeout (ClaimTimeout/2). Must be >= 0.
+	// Config.StoreTimeout (ClaimTimeout/2, at least 1s). Must be >= 0.
 	CallTimeout time.Duration
 }
 
