@@ -72,8 +72,13 @@ type Config struct {
 	// transaction (HoldTx, ConfirmTx). A store that does not answer within
 	// it (a database behind a silent network partition) defers the
 	// delivery, as any store failure does, instead of holding it for as
-	// long as the connection takes to die. Defaults to ClaimTimeout/2. Must
-	// be > 0 and <= ClaimTimeout.
+	// long as the connection takes to die. A store on SQLite, a file of
+	// this machine that no partition can cut off, and a MemoryStore have
+	// none. Defaults to ClaimTimeout/2, and at least 1s: a busy database
+	// may well take longer than a few milliseconds, and a bound shorter than
+	// its worst answer would defer healthy deliveries. Must be > 0; keep it
+	// below ClaimTimeout, since a claim that took longer to take has
+	// lapsed when it arrives.
 	StoreTimeout time.Duration
 	// Logger receives renewal failures and lost claims. Defaults to
 	// watermill.NopLogger.
@@ -128,11 +133,11 @@ func (c *Config) setDefaults() {
 		c.RenewInterval = c.ClaimTimeout / 3
 	}
 	if c.StoreTimeout == 0 {
-		c.StoreTimeout = c.ClaimTimeout / 2
+		c.StoreTimeout = max(c.ClaimTimeout/2, time.Second)
 	}
 	if c.SettleTimeout == 0 {
 		c.SettleTimeout = 5 * time.Second
-		if c.StoreTimeout > 0 {
+		if c.StoreTimeout > 0 && networked(c.Store) {
 			c.SettleTimeout = min(c.SettleTimeout, c.StoreTimeout)
 		}
 	}
@@ -152,8 +157,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("dedupe: Config.RenewInterval must be > 0 and < ClaimTimeout (%v), got %v", c.ClaimTimeout, c.RenewInterval)
 	case c.SettleTimeout <= 0:
 		return fmt.Errorf("dedupe: Config.SettleTimeout must be > 0, got %v", c.SettleTimeout)
-	case c.StoreTimeout <= 0 || c.StoreTimeout > c.ClaimTimeout:
-		return fmt.Errorf("dedupe: Config.StoreTimeout must be > 0 and <= ClaimTimeout (%v), got %v", c.ClaimTimeout, c.StoreTimeout)
+	case c.StoreTimeout <= 0:
+		return fmt.Errorf("dedupe: Config.StoreTimeout must be > 0, got %v", c.StoreTimeout)
 	case c.BusyDelay < 0:
 		return fmt.Errorf("dedupe: Config.BusyDelay must be >= 0 or settle.NoDelay, got %v", c.BusyDelay)
 	case c.UnavailableDelay < 0:
@@ -208,7 +213,7 @@ func NewMiddleware(cfg Config) (message.HandlerMiddleware, error) {
 		return nil, err
 	}
 	_, local := cfg.Store.(inProcess)
-	m := &mw{cfg: cfg, local: local, health: newDeferral(cfg.Logger), schedule: &schedule{interval: cfg.RenewInterval}}
+	m := &mw{cfg: cfg, local: local, networked: networked(cfg.Store), health: newDeferral(cfg.Logger), schedule: &schedule{interval: cfg.RenewInterval}}
 	return m.wrap, nil
 }
 
@@ -216,14 +221,28 @@ type mw struct {
 	cfg Config
 	// local: the store never waits on I/O (MemoryStore), so settling needs
 	// no timeout of its own.
-	local  bool
-	health *deferral
+	local bool
+	// networked: the store's calls cross a network, and get StoreTimeout.
+	networked bool
+	health    *deferral
 	// schedule runs the claim renewals of the handlers running.
 	schedule *schedule
 }
 
 // inProcess is implemented by stores whose calls never wait on I/O.
 type inProcess interface{ inProcess() }
+
+// networked reports whether s's calls cross a network, and so get
+// StoreTimeout: not a store in the process, nor one on SQLite.
+func networked(s Store) bool {
+	if _, ok := s.(inProcess); ok || s == nil {
+		return false
+	}
+	if sb, ok := s.(sqlBacked); ok && sb.sqlStore().dialect == SQLite {
+		return false
+	}
+	return true
+}
 
 func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
@@ -257,10 +276,10 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
-// storeTimeout is the deadline of a store call; 0 for a store in the
-// process, which never waits on I/O.
+// storeTimeout is the deadline of a store call; 0 for a store that no
+// network partition can cut off (see networked).
 func (m *mw) storeTimeout() time.Duration {
-	if m.local {
+	if !m.networked {
 		return 0
 	}
 	return m.cfg.StoreTimeout

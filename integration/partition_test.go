@@ -13,6 +13,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/settle-go/settle/amqpmarshal"
@@ -57,10 +59,11 @@ const partMySQLParams = "innodb_lock_wait_timeout=1&idle_transaction_timeout=2"
 // partBound of the cut: A's deliveries are deferred, not held, and B's
 // statements do not wait for ever on locks held by A's transactions. On
 // PostgreSQL and MariaDB, in the default mode (behind the dedupe
-// middleware), OneStatement and group commit.
+// middleware), OneStatement and group commit; on PostgreSQL through
+// database/sql and through pgx.
 func TestSilentPartitionOfOneConsumer(t *testing.T) {
 	t.Parallel()
-	for _, dbName := range []string{"postgres", "mysql"} {
+	for _, dbName := range []string{"postgres", "mysql", "pgx"} {
 		for _, mode := range []string{"default", "one-statement", "batch"} {
 			for _, heal := range []bool{true, false} {
 				name := dbName + "/" + mode + "/never-healed"
@@ -116,6 +119,19 @@ func runPartition(t *testing.T, dbName, mode string, heal bool) {
 	// A few connections, so that a stuck one does not stand for all of
 	// them, as in a service's pool.
 	viaProxy.SetMaxOpenConns(8)
+	var pools [2]*pgxpool.Pool // A's and B's, with pgx
+	if dbName == "pgx" {
+		for i, u := range []string{u.String(), dbURL} {
+			pc, err := pgxpool.ParseConfig(u)
+			saMust(t, err)
+			pc.MaxConns = 8
+			pools[i], err = pgxpool.NewWithConfig(context.Background(), pc)
+			saMust(t, err)
+		}
+		t.Cleanup(pools[0].Close)
+		t.Cleanup(func() { _ = proxy.Close() })
+		t.Cleanup(pools[1].Close)
+	}
 
 	src := testenv.Name(t, "src")
 	m, err := amqpmarshal.New(amqpmarshal.Config{})
@@ -140,12 +156,21 @@ func runPartition(t *testing.T, dbName, mode string, heal bool) {
 	var cut atomic.Bool
 	var cutAt atomic.Int64 // unix nanoseconds
 	var aRuns atomic.Int64
-	startConsumer := func(name string, db *sql.DB) *partConsumer {
+	startConsumer := func(name string, db *sql.DB, pool *pgxpool.Pool) *partConsumer {
 		c := &partConsumer{name: name, db: db}
 		sub, err := amqp.NewSubscriber(acfg, testenv.AMQPLogger(t, nil))
 		saMust(t, err)
 		t.Cleanup(func() { _ = sub.Close() })
-		store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: table})
+		var store dedupe.Store
+		var sqlStore *dedupe.SQLStore
+		var pgxStore *dedupe.PgxStore
+		if pool != nil {
+			pgxStore, err = dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: table})
+			store = pgxStore
+		} else {
+			sqlStore, err = dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: table})
+			store = sqlStore
+		}
 		saMust(t, err)
 		c.router, err = message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, watermill.NopLogger{})
 		saMust(t, err)
@@ -155,10 +180,7 @@ func runPartition(t *testing.T, dbName, mode string, heal bool) {
 			Retry: saFastRetry(20, 0), DisableTracing: true,
 		})
 		saMust(t, err)
-		fn := func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
-			if _, err := tx.ExecContext(ctx, insert, msg.UUID, name); err != nil {
-				return err
-			}
+		work := func() {
 			if name == "a" && aRuns.Add(1) == 3 && cut.CompareAndSwap(false, true) {
 				// In the middle of A's transaction: its effect row is
 				// written, its key (or claim) locked, nothing committed.
@@ -166,21 +188,38 @@ func runPartition(t *testing.T, dbName, mode string, heal bool) {
 				cutAt.Store(time.Now().UnixNano())
 			}
 			time.Sleep(20 * time.Millisecond) // the work of a real handler
-			return nil
 		}
-		txc := pipeline.TxConfig{DB: db}
-		switch mode {
-		case "one-statement":
-			txc.OneStatement = true
-		case "batch":
-			txc.Batch = pipeline.BatchConfig{MaxSize: 2, MaxWait: 5 * time.Millisecond}
+		batch := pipeline.BatchConfig{MaxSize: 2, MaxWait: 5 * time.Millisecond}
+		if pool != nil {
+			txc := pipeline.PgxTxConfig{DB: pool, OneStatement: mode == "one-statement"}
+			if mode == "batch" {
+				txc.Batch = batch
+			}
+			_, err = p.HandlePgxTx("charge", src, sub, pgxStore, txc, func(ctx context.Context, tx pgx.Tx, msg *message.Message, _ message.Publisher) error {
+				if _, err := tx.Exec(ctx, insert, msg.UUID, name); err != nil {
+					return err
+				}
+				work()
+				return nil
+			})
+		} else {
+			txc := pipeline.TxConfig{DB: db, OneStatement: mode == "one-statement"}
+			if mode == "batch" {
+				txc.Batch = batch
+			}
+			_, err = p.HandleTx("charge", src, sub, sqlStore, txc, func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
+				if _, err := tx.ExecContext(ctx, insert, msg.UUID, name); err != nil {
+					return err
+				}
+				work()
+				return nil
+			})
 		}
-		_, err = p.HandleTx("charge", src, sub, nil, txc, fn)
 		saMust(t, err)
 		return c
 	}
-	a := startConsumer("a", viaProxy)
-	b := startConsumer("b", direct.DB)
+	a := startConsumer("a", viaProxy, pools[0])
+	b := startConsumer("b", direct.DB, pools[1])
 	stopA := runRouter(t, a.router, 30*time.Second)
 	stopB := runRouter(t, b.router, 30*time.Second)
 	t.Cleanup(stopA)
@@ -191,16 +230,22 @@ func runPartition(t *testing.T, dbName, mode string, heal bool) {
 			saMust(t, pub.Publish(src, message.NewMessage(fmt.Sprintf("order-%d", i), []byte(`{}`))))
 		}
 	}
-	publish(0, partKeys/3)
+	// Keys until A has run its third handler (B may take the first ones),
+	// then the rest.
+	published := 0
 	deadline := time.Now().Add(dedupeWait)
 	for !cut.Load() {
+		if published < partKeys/2 && time.Since(deadline.Add(-dedupeWait)) > time.Duration(published)*100*time.Millisecond {
+			publish(published, published+2)
+			published += 2
+		}
 		if time.Now().After(deadline) {
 			t.Fatalf("consumer A ran %d handlers in %v; the partition never started", aRuns.Load(), dedupeWait)
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
 	start := time.Unix(0, cutAt.Load())
-	publish(partKeys/3, partKeys)
+	publish(published, partKeys)
 	if heal {
 		go func() {
 			time.Sleep(time.Until(start.Add(partHeal)))

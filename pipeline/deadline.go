@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
@@ -270,7 +271,9 @@ func (cfg TxConfig) bounds() bounded {
 	if cfg.Store != nil {
 		switch cfg.Store.Dialect() {
 		case dedupe.SQLite:
-			b.ctxless = false // its COMMIT is a call in the process
+			// A file of this machine: no partition can cut it off, and
+			// its writers wait for each other with its busy timeout.
+			return bounded{}
 		case dedupe.Postgres:
 			b.setLocal = serverTimeouts(b.d)
 		}
@@ -304,4 +307,34 @@ func (cfg PgxTxConfig) boundedTxOptions() pgx.TxOptions {
 	}
 	opts.BeginQuery = begin + "; " + serverTimeouts(callTimeout(cfg.CallTimeout))
 	return opts
+}
+
+// warnServerTimeouts tells, when a database/sql transactional handler on
+// MySQL or MariaDB is added, which of the server settings that end a
+// vanished client's transaction its connections lack (settle cannot set
+// them per transaction there; see docs/operating.md). It asks one
+// connection of the pool, whose settings come from the server and the DSN.
+func warnServerTimeouts(cfg TxConfig, name string, logger watermill.LoggerAdapter) {
+	if cfg.DB == nil || cfg.Store == nil || cfg.Store.Dialect() != dedupe.MySQL {
+		return
+	}
+	d := callTimeout(cfg.CallTimeout)
+	_ = checkNow(func(ctx context.Context) error {
+		var lockWait, idle int64
+		if err := cfg.DB.QueryRowContext(ctx, "SELECT @@innodb_lock_wait_timeout").Scan(&lockWait); err != nil {
+			return err
+		}
+		if lockWait > int64(d.Seconds())+1 {
+			logger.Info("pipeline: innodb_lock_wait_timeout is longer than CallTimeout: a statement waiting on a lock held by a vanished client waits that long on the server; set it in the DSN (see docs/operating.md)",
+				watermill.LogFields{"handler": name, "innodb_lock_wait_timeout_s": lockWait, "call_timeout": d.String()})
+		}
+		if err := cfg.DB.QueryRowContext(ctx, "SELECT @@idle_transaction_timeout").Scan(&idle); err != nil {
+			return nil // MySQL has no such setting: wait_timeout is the one
+		}
+		if idle == 0 {
+			logger.Info("pipeline: idle_transaction_timeout is 0: a consumer cut off by a silent network partition in the middle of a transaction holds its keys' locks until wait_timeout; set it in the DSN (see docs/operating.md)",
+				watermill.LogFields{"handler": name, "suggested_s": int64(2 * d.Seconds())})
+		}
+		return nil
+	})
 }

@@ -13,4 +13,13 @@
 // (outbox.Outbox.PgxTxPublisher). Both drivers run the one transactional
 // flow of this package, group commit (BatchConfig) included; only the
 // driver under it differs.
+//
+// Every call settle makes on the database for a delivery has a deadline
+// (TxConfig.CallTimeout, which Pipeline sets from Config.StoreTimeout, half
+// the claim timeout): a database that does not answer, as behind a silent
+// network partition, has the transaction rolled back and the delivery
+// deferred within that bound instead of held, and settle's PostgreSQL
+// transactions set their own lock and idle-in-transaction timeouts so that
+// a vanished client's locks do not hold the other consumers for long. What
+// MySQL and MariaDB need in the DSN instead is in docs/operating.md.
 package pipeline

@@ -58,8 +58,8 @@ type Config struct {
 	// (dedupe.Config.StoreTimeout) and each call settle makes in a
 	// transactional handler's transaction (TxConfig.CallTimeout, when that
 	// is not set): a database that does not answer within it defers the
-	// delivery instead of holding it. Defaults to ClaimTimeout/2. Must be
-	// >= 0 and <= ClaimTimeout.
+	// delivery instead of holding it. Defaults to ClaimTimeout/2, and at
+	// least 1s. Must be >= 0.
 	StoreTimeout time.Duration
 	// BusyDelay is how long a delivery whose key another worker holds waits
 	// before it is nacked (deferred, not an attempt). Defaults to 1s;
@@ -142,7 +142,8 @@ func (c Config) Validate() error {
 }
 
 // storeTimeout is Config.StoreTimeout with its default: half the claim
-// timeout (the dedupe middleware's default of 30s when that is not set).
+// timeout (the dedupe middleware's default of 30s when that is not set),
+// and at least 1s, as dedupe.Config.StoreTimeout's.
 func (c Config) storeTimeout() time.Duration {
 	if c.StoreTimeout > 0 {
 		return c.StoreTimeout
@@ -151,7 +152,7 @@ func (c Config) storeTimeout() time.Duration {
 	if ct == 0 {
 		ct = 30 * time.Second
 	}
-	return ct / 2
+	return max(ct/2, time.Second)
 }
 
 // Pipeline adds handlers to a Watermill router with settle's stack in the
@@ -429,6 +430,7 @@ func (p *Pipeline) handleTx(method, name, topic string, sub message.Subscriber, 
 	if cfg.Store == nil {
 		cfg.Store = sqlStore // its dialect says which server-side timeouts the transactions set
 	}
+	warnServerTimeouts(cfg, name, p.cfg.Logger)
 	if cfg.Outbox != nil && cfg.DB != nil {
 		// A missing outbox table is one clear error now, not a failure of
 		// every delivery later.

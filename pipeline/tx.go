@@ -38,7 +38,9 @@ type TxConfig struct {
 	// a concurrent delivery of the same key waits for the transaction instead
 	// of being deferred. Requires Store.
 	OneStatement bool
-	// Store is the claims table for OneStatement (Pipeline.HandleTx sets it).
+	// Store is the claims table for OneStatement (Pipeline.HandleTx sets it,
+	// in every mode). In the default mode it is optional; its dialect tells
+	// which server-side timeouts the transactions set (see CallTimeout).
 	Store *dedupe.SQLStore
 	// Key derives the key for OneStatement. Defaults to the message UUID.
 	Key dedupe.KeyFunc
@@ -72,9 +74,10 @@ type TxConfig struct {
 	// and idle_in_transaction_session_timeout to 2*CallTimeout, so that no
 	// statement of it waits longer for a lock held by a vanished client and
 	// the server ends a transaction whose client fell silent; see
-	// docs/operating.md for the settings the other databases need.
+	// docs/operating.md for the settings the other databases need. On
+	// SQLite, a file of this machine, no call has a deadline.
 	// Defaults to DefaultCallTimeout (15s); Pipeline.HandleTx sets it from
-	// Config.StoreTimeout (ClaimTimeout/2). Must be >= 0.
+	// Config.StoreTimeout (ClaimTimeout/2, at least 1s). Must be >= 0.
 	CallTimeout time.Duration
 }
 

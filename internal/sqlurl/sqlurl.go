@@ -25,13 +25,22 @@ import (
 
 // Open parses u, opens the matching driver and returns the handle with its
 // dialect. It does not connect; call PingContext to find out whether the
-// server is there.
+// server is there. Connections to PostgreSQL and MySQL are dialled with
+// Dialer (TCP keepalive and user timeout).
 func Open(u string) (*sql.DB, dedupe.Dialect, error) {
 	driver, dsn, dialect, err := Parse(u)
 	if err != nil {
 		return nil, "", err
 	}
-	db, err := sql.Open(driver, dsn)
+	var db *sql.DB
+	switch dialect {
+	case dedupe.Postgres:
+		db, err = openPostgres(dsn) // with Dialer's keepalive and user timeout
+	case dedupe.MySQL:
+		db, err = openMySQL(dsn)
+	default:
+		db, err = sql.Open(driver, dsn)
+	}
 	if err != nil {
 		return nil, "", fmt.Errorf("sqlurl: open %s: %w", dialect, ScrubError(err, u))
 	}
