@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/settle-go/settle"
@@ -175,6 +176,15 @@ func (t *pgxTxn) bindOutbox() error {
 		return nil
 	}
 	return t.bind(func() (message.Publisher, error) { return t.cfg.Outbox.PgxTxPublisher(t.tx) })
+}
+
+// probe asks pgx, which closes a connection on any failure of its I/O or a
+// FATAL error from the server, without a round trip.
+func (t *pgxTxn) probe(context.Context) error {
+	if t.tx.Conn().IsClosed() {
+		return pgconn.ErrConnClosed
+	}
+	return nil
 }
 
 func (t *pgxTxn) rollback(ctx context.Context) error {
