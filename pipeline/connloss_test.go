@@ -3,7 +3,10 @@ package pipeline_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
+	"io"
+	"net"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -15,6 +18,7 @@ import (
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
 )
@@ -22,8 +26,9 @@ import (
 // lossTx is what the test's handler does in its transaction, whatever the
 // driver: write its effect, and terminate the transaction's own backend.
 type lossTx struct {
-	insert func(id string) error
-	kill   func() error // returns once the backend is gone
+	insert   func(id string) error
+	kill     func() error // returns once the backend is gone
+	badQuery func() error // a statement on a table that does not exist
 }
 
 type lossBody func(ctx context.Context, msg *message.Message, tx lossTx, out message.Publisher) error
@@ -105,6 +110,10 @@ func sqlLossDB(t *testing.T, db, admin testenv.DB) lossDB {
 						return err
 					},
 					kill: func() error { return kill(tx) },
+					badQuery: func() error {
+						_, err := tx.ExecContext(ctx, "SELECT id FROM "+effects+"_missing")
+						return err
+					},
 				}, out)
 			})
 			return err
@@ -165,6 +174,10 @@ func pgxLossDB(t *testing.T) lossDB {
 						return err
 					},
 					kill: func() error { return kill(tx) },
+					badQuery: func() error {
+						_, err := tx.Exec(ctx, `SELECT id FROM "`+effects+`_missing"`)
+						return err
+					},
 				}, out)
 			})
 			return err
@@ -200,15 +213,7 @@ func pgxLossDB(t *testing.T) lossDB {
 // also exhaust the reruns of a delivery, which is deferred and redelivered.
 func TestTransactionLosingItsConnectionSpendsNoAttempt(t *testing.T) {
 	t.Parallel()
-	drivers := []struct {
-		name string
-		open func(t *testing.T) lossDB
-	}{
-		{"postgres", func(t *testing.T) lossDB { return sqlLossDB(t, testenv.Postgres(t), testenv.Postgres(t)) }},
-		{"mysql", func(t *testing.T) lossDB { return sqlLossDB(t, testenv.MySQL(t), testenv.MySQL(t)) }},
-		{"pgx", pgxLossDB},
-	}
-	for _, d := range drivers {
+	for _, d := range lossDrivers() {
 		for _, mode := range []lossMode{lossDefault, lossOneStatement, lossBatch} {
 			for _, point := range []string{"mid-handler", "after-handler"} {
 				t.Run(d.name+"/"+string(mode)+"/"+point, func(t *testing.T) {
@@ -260,23 +265,7 @@ func testConnectionLoss(t *testing.T, db lossDB, mode lossMode, point string) {
 		}
 		return nil
 	}
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
-	must(t, err)
-	concurrency := 1
-	if mode == lossBatch {
-		concurrency = 4
-	}
-	p, err := pipeline.New(router, pipeline.Config{Publisher: a.pub, Store: db.store, Concurrency: concurrency,
-		Retry: fastRetry(), DisableTracing: true, BusyDelay: 20 * time.Millisecond})
-	must(t, err)
-	must(t, db.add(p, a.src, a.sub, mode, body))
-	done := make(chan error, 1)
-	go func() { done <- router.Run(context.Background()) }()
-	<-router.Running()
-	t.Cleanup(func() {
-		must(t, router.Close())
-		must(t, <-done)
-	})
+	runLossPipeline(t, a, db, mode, body)
 	a.publishOrders(t, "cl", n)
 
 	parked := func() (int, int) { return a.depth(t, a.src+".dead_letter"), a.depth(t, a.src+".poison") }
@@ -322,5 +311,177 @@ func testConnectionLoss(t *testing.T, db lossDB, mode lossMode, point string) {
 	}
 	if state, att := db.claim(t, dedupe.ScopedKey("charge", victim)); state != 2 || att != 1 {
 		t.Errorf("the victim's key: state %d, attempts %d; want confirmed (2) on its first attempt", state, att)
+	}
+}
+
+// lossDrivers are the databases and drivers the connection tests run on.
+func lossDrivers() []struct {
+	name string
+	open func(t *testing.T) lossDB
+} {
+	return []struct {
+		name string
+		open func(t *testing.T) lossDB
+	}{
+		{"postgres", func(t *testing.T) lossDB { return sqlLossDB(t, testenv.Postgres(t), testenv.Postgres(t)) }},
+		{"mysql", func(t *testing.T) lossDB { return sqlLossDB(t, testenv.MySQL(t), testenv.MySQL(t)) }},
+		{"pgx", pgxLossDB},
+	}
+}
+
+// runLossPipeline runs a router with db's handler in mode on a's queue.
+func runLossPipeline(t *testing.T, a *batchAMQP, db lossDB, mode lossMode, body lossBody) {
+	t.Helper()
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	must(t, err)
+	concurrency := 1
+	if mode == lossBatch {
+		concurrency = 4
+	}
+	p, err := pipeline.New(router, pipeline.Config{Publisher: a.pub, Store: db.store, Concurrency: concurrency,
+		Retry: fastRetry(), DisableTracing: true, BusyDelay: 20 * time.Millisecond})
+	must(t, err)
+	must(t, db.add(p, a.src, a.sub, mode, body))
+	done := make(chan error, 1)
+	go func() { done <- router.Run(context.Background()) }()
+	<-router.Running()
+	t.Cleanup(func() {
+		must(t, router.Close())
+		must(t, <-done)
+	})
+}
+
+// Errors that look like a lost connection but are not the transaction's
+// stay the handler's failures: a *net.OpError of the handler's own call to
+// another service, an io.EOF of its own reading, and a query the database
+// refuses (on PostgreSQL it aborts the transaction, whose connection still
+// answers). Each is an attempt: the message runs MaxAttempts times, seeing
+// attempts 1, 2, 3, and is dead-lettered; the good messages commit once.
+func TestHandlerErrorsStayAttemptsBesideConnectionLoss(t *testing.T) {
+	t.Parallel()
+	for _, d := range lossDrivers() {
+		for _, mode := range []lossMode{lossDefault, lossOneStatement, lossBatch} {
+			t.Run(d.name+"/"+string(mode), func(t *testing.T) {
+				t.Parallel()
+				db := d.open(t)
+				a := newBatchAMQP(t, "ownerr")
+				refused := func() error {
+					c, err := net.DialTimeout("tcp", closedAddr(t), 5*time.Second)
+					if err == nil {
+						_ = c.Close()
+						return errors.New("the closed port accepted a connection")
+					}
+					return fmt.Errorf("call the card service: %w", err)
+				}
+				var mu sync.Mutex
+				attempts := map[string][]int{}
+				runLossPipeline(t, a, db, mode, func(ctx context.Context, msg *message.Message, tx lossTx, out message.Publisher) error {
+					mu.Lock()
+					attempts[msg.UUID] = append(attempts[msg.UUID], settle.Attempt(msg))
+					mu.Unlock()
+					if err := tx.insert(msg.UUID); err != nil {
+						return err
+					}
+					switch msg.UUID {
+					case "own-net":
+						return refused()
+					case "own-eof":
+						return fmt.Errorf("read the card service's reply: %w", io.EOF)
+					case "own-query":
+						return tx.badQuery()
+					}
+					return out.Publish("receipts", message.NewMessage("receipt-"+msg.UUID, msg.Payload))
+				})
+				ids := []string{"good-0", "own-net", "own-eof", "own-query", "good-1"}
+				for _, id := range ids {
+					must(t, a.pub.Publish(a.src, message.NewMessage(id, []byte(id))))
+				}
+				deadline := time.Now().Add(60 * time.Second)
+				for {
+					_, distinct := db.effects(t)
+					if distinct+a.depth(t, a.src+".dead_letter") >= len(ids) || time.Now().After(deadline) {
+						break
+					}
+					time.Sleep(20 * time.Millisecond)
+				}
+				time.Sleep(300 * time.Millisecond)
+				total, distinct := db.effects(t)
+				dl, ps := a.depth(t, a.src+".dead_letter"), a.depth(t, a.src+".poison")
+				if total != 2 || distinct != 2 || db.outbox(t) != 2 || dl != 3 || ps != 0 {
+					t.Fatalf("effects=%d distinct=%d outbox=%d dead-lettered=%d poisoned=%d; want the 2 good messages once and the 3 failing ones dead-lettered",
+						total, distinct, db.outbox(t), dl, ps)
+				}
+				mu.Lock()
+				defer mu.Unlock()
+				for _, id := range []string{"own-net", "own-eof", "own-query"} {
+					if got := fmt.Sprint(attempts[id]); got != "[1 2 3]" {
+						t.Errorf("%s ran with attempts %s, want [1 2 3]: its own error must count", id, got)
+					}
+				}
+			})
+		}
+	}
+}
+
+// closedAddr is a TCP address on 127.0.0.1 that nothing listens on.
+func closedAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	must(t, err)
+	addr := l.Addr().String()
+	must(t, l.Close())
+	return addr
+}
+
+// A database that refuses every connection (here: a port nothing listens
+// on) never runs the handler and never loops hot: every delivery, redelivered
+// at once as RabbitMQ does, is deferred after BusyDelay (the dedupe
+// middleware's UnavailableDelay in the default mode, where its claim is the
+// first statement), so the deliveries of a second are bounded by it.
+func TestRefusingDatabaseDefersAfterTheDelay(t *testing.T) {
+	t.Parallel()
+	const delay = 100 * time.Millisecond
+	for _, mode := range []lossMode{lossDefault, lossOneStatement, lossBatch} {
+		t.Run(string(mode), func(t *testing.T) {
+			t.Parallel()
+			db, dialect, err := sqlurl.Open("postgres://postgres@" + closedAddr(t) + "/test?sslmode=disable&connect_timeout=5")
+			must(t, err)
+			t.Cleanup(func() { _ = db.Close() })
+			store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: "dd_refused"})
+			must(t, err)
+			var runs atomic.Int64
+			cfg := pipeline.TxConfig{DB: db, Store: store, BusyDelay: delay}
+			mode.txConfig(&cfg)
+			h, err := pipeline.NewTxHandler(cfg, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error {
+				runs.Add(1)
+				return nil
+			})
+			must(t, err)
+			deliver := func(msg *message.Message) error { return h(msg) }
+			if mode == lossDefault {
+				dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store, UnavailableDelay: delay, MaxUnavailableDelay: delay})
+				must(t, err)
+				wrapped := dd(func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) })
+				deliver = func(msg *message.Message) error { _, err := wrapped(msg); return err }
+			}
+			deliveries := 0
+			for start := time.Now(); time.Since(start) < time.Second; deliveries++ {
+				msg := message.NewMessage("refused-1", nil)
+				ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+				msg.SetContext(ctx)
+				err := deliver(msg)
+				cancel()
+				if !errors.Is(err, dedupe.ErrUnavailable) {
+					t.Fatalf("delivery %d: %v, want an error wrapping dedupe.ErrUnavailable", deliveries+1, err)
+				}
+			}
+			if n := runs.Load(); n != 0 {
+				t.Fatalf("the handler ran %d times against a database that refuses connections", n)
+			}
+			if maxN := int(time.Second/delay) + 1; deliveries > maxN {
+				t.Fatalf("%d deliveries in a second, want at most %d: a refused connection must wait %v before the nack", deliveries, maxN, delay)
+			}
+			t.Logf("%d deliveries in a second, each deferred", deliveries)
+		})
 	}
 }
