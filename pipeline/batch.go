@@ -45,7 +45,11 @@ import (
 // transaction, and an outbox row that cannot be written fails the run
 // without naming its message: the batch is then split, as for a batch
 // function's failure (see BatchTxFunc), until that message is alone. So is
-// a commit that fails (a constraint checked only at the commit).
+// a commit that fails (a constraint checked only at the commit). A run
+// whose transaction loses its connection (whichever statement met the loss)
+// is no message's failure: the same deliveries run again in a new
+// transaction after BusyDelay, up to three times, and are then deferred, no
+// attempt spent (see NewTxHandler).
 //
 // Behind the dedupe middleware (which pipeline does not put in front of a
 // batch), a batch takes the middleware's claim of each message instead of
@@ -335,8 +339,9 @@ func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]
 			// Nothing landed. Which message caused it is not known (a
 			// deferred constraint fails at the commit): the batch is split
 			// until the one that fails is alone, so that the others commit.
-			// A database that went away fails the halves' BEGIN or claims
-			// instead, and defers them.
+			// A connection lost under the run is runConnLost, never split;
+			// a database that does not answer fails the halves' BEGIN or
+			// claims, and defers them.
 			var ran []*job
 			for _, j := range pending {
 				if j.claimed {
@@ -710,7 +715,9 @@ func (b *batcher) callBatch(ctx context.Context, tx txn, msgs []*message.Message
 // messages it publishes (SetContext) and cancels on return lends them its
 // values (their trace context) and nothing else.
 //
-// When it fails, no message of the batch is done. If the error names the
+// When it fails, no message of the batch is done. An error of the
+// transaction's connection going away (found dead too) is no message's: the
+// batch runs again, as BatchConfig says. If the error names the
 // message that caused it (MessageFailed), that message alone is settled with
 // the error (retried, dead-lettered, or poisoned when the error is permanent)
 // and the rest of the batch runs again without it. Any other error, or a

@@ -119,6 +119,16 @@ func (c TxConfig) Validate() error {
 // failed commit releases the claim and the message is retried; a successful
 // one makes every later delivery of the key a duplicate. The effect inside the
 // database happens exactly once.
+//
+// A transaction that loses its database connection (the server ended the
+// session, the connection was reset or killed, the driver found it broken;
+// whichever statement met it, fn's, the outbox's, the confirmation or the
+// commit) is not the message's failure: it is run again on a new connection
+// after BusyDelay, up to three times, under the same claim, and the
+// delivery is then deferred (an error wrapping ErrConnectionLost and
+// dedupe.ErrUnavailable), no attempt spent. An error of fn counts as a lost
+// connection only when its transaction's connection is found dead too; see
+// docs/retry.md for the classes.
 func NewTxHandler(cfg TxConfig, fn TxFunc) (message.NoPublishHandlerFunc, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
