@@ -57,7 +57,8 @@ type PgxTxConfig struct {
 	// NewPgxBatchTxHandler needs MaxSize >= 2.
 	Batch BatchConfig
 	// BusyDelay is how long a delivery whose key another worker holds waits
-	// before it is nacked, in OneStatement and Batch modes, as
+	// before it is nacked, in OneStatement and Batch modes, and the pause
+	// before a transaction that lost its connection is run again, as
 	// TxConfig.BusyDelay. Defaults to 1s when zero; settle.NoDelay nacks at
 	// once. Pipeline.HandlePgxTx sets it from Config.BusyDelay.
 	BusyDelay time.Duration

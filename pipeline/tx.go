@@ -45,7 +45,10 @@ type TxConfig struct {
 	// BusyDelay is how long a delivery whose key another worker holds waits
 	// before it is nacked, in OneStatement and Batch modes (the dedupe
 	// middleware's own BusyDelay covers the default mode): it is deferred,
-	// not an attempt. Defaults to 1s when zero; settle.NoDelay nacks at once.
+	// not an attempt. It is also how long a delivery waits before it is
+	// deferred because the database does not answer, and the pause before a
+	// transaction that lost its connection is run again (see NewTxHandler).
+	// Defaults to 1s when zero; settle.NoDelay nacks at once.
 	// Pipeline.HandleTx sets it from Config.BusyDelay.
 	BusyDelay time.Duration
 	// Batch turns on group commit: deliveries in flight at the same time
