@@ -20,6 +20,8 @@ import (
 // database's trouble, not the message's. The transaction is run again on a
 // new connection, after BusyDelay, up to three times; after that the delivery
 // is deferred (the error also wraps dedupe.ErrUnavailable), no attempt spent.
+// A commit behind the dedupe middleware that lost its connection is deferred
+// at once: whether it landed, the redelivery's claim says.
 var ErrConnectionLost = errors.New("pipeline: the transaction's database connection was lost")
 
 // connReruns is how many times a transaction that lost its connection is run
@@ -107,11 +109,12 @@ func mysqlConnTrouble(n uint16) bool {
 
 // handlerLostConnection reports whether err, returned by a handler's
 // function running in t, is t's connection going away: an error of
-// connTrouble's classes, and t's connection found dead too (t.probe). A handler's
-// own failure stays its own: any other error, a class error while the
-// connection still answers, and settle's deadline on the handler's call
-// (ErrCallTimeout: a handler that overruns cannot be told apart from a silent
-// connection, and one that always overruns must still end dead-lettered).
+// connTrouble's classes, and t's connection found dead too (t.probe). A
+// handler's own failure stays its own: any other error, a class error while
+// the connection still answers, and settle's deadline on the handler's call
+// (ErrCallTimeout: a handler that overruns cannot be told apart from a
+// silent connection, and one that always overruns must still end
+// dead-lettered).
 func handlerLostConnection(ctx context.Context, t txn, err error) bool {
 	if errors.Is(err, ErrCallTimeout) || !connTrouble(err) {
 		return false
