@@ -139,6 +139,7 @@ func runPartition(t *testing.T, dbName, mode string, heal bool) {
 	acfg := amqp.NewDurableQueueConfig(amqpURL)
 	acfg.Marshaler = m
 	acfg.Consume.Qos.PrefetchCount = 1
+	acfg.Publish.ConfirmDelivery = true
 	conn, err := amqp091.Dial(amqpURL)
 	saMust(t, err)
 	t.Cleanup(func() { _ = conn.Close() })

@@ -45,7 +45,11 @@ import (
 // transaction, and an outbox row that cannot be written fails the run
 // without naming its message: the batch is then split, as for a batch
 // function's failure (see BatchTxFunc), until that message is alone. So is
-// a commit that fails (a constraint checked only at the commit).
+// a commit that fails (a constraint checked only at the commit). A run
+// whose transaction loses its connection (whichever statement met the loss)
+// is no message's failure: the same deliveries run again in a new
+// transaction after BusyDelay, up to three times, and are then deferred, no
+// attempt spent (see NewTxHandler).
 //
 // Behind the dedupe middleware (which pipeline does not put in front of a
 // batch), a batch takes the middleware's claim of each message instead of
@@ -306,6 +310,7 @@ func (b *batcher) run(jobs []*job, pre txn) {
 // is split in two and each half settled on its own, until the message that
 // fails is alone.
 func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]error, pre *txn) {
+	lost := 0 // runs that lost their connection
 	for len(pending) > 0 {
 		failed, err := b.runOnce(ctx, pending, pre)
 		switch {
@@ -313,6 +318,17 @@ func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]
 			for _, j := range pending {
 				result[j.key] = j.err
 			}
+			return
+		case failed == runConnLost:
+			// The connection went away under the run (see connTrouble):
+			// no message's fault, and nothing landed, or the claims of the
+			// next run find the keys confirmed. The same jobs run again on
+			// a new connection, and are deferred when it keeps happening.
+			if lost < connReruns && settlement.Sleep(ctx, b.f.busyDelay) {
+				lost++
+				continue
+			}
+			deferAll(pending, result, withConnLost(err))
 			return
 		case failed == runNotStarted:
 			// Begin or the claims failed: the database is not answering,
@@ -323,8 +339,9 @@ func (b *batcher) settle(ctx context.Context, pending []*job, result map[string]
 			// Nothing landed. Which message caused it is not known (a
 			// deferred constraint fails at the commit): the batch is split
 			// until the one that fails is alone, so that the others commit.
-			// A database that went away fails the halves' BEGIN or claims
-			// instead, and defers them.
+			// A connection lost under the run is runConnLost, never split;
+			// a database that does not answer fails the halves' BEGIN or
+			// claims, and defers them.
 			var ran []*job
 			for _, j := range pending {
 				if j.claimed {
@@ -366,6 +383,7 @@ const (
 	runNotStarted   = -2 // begin or the claims (or the middleware's, held or confirmed) failed: err says why
 	runBatchFailed  = -3 // the batch function failed without naming a message
 	runCommitFailed = -4 // err says why; nothing landed
+	runConnLost     = -5 // the transaction's connection was lost (err says how); the jobs can run again
 )
 
 // runOnce runs jobs in one transaction (the one begun early when pre still
@@ -394,6 +412,9 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 	var claims []dedupe.Claim
 	if len(keys) > 0 {
 		if claims, err = tx.claims().ClaimConfirmedAll(ctx, keys); err != nil {
+			if lostOnce(err) {
+				return runConnLost, err
+			}
 			return runNotStarted, err
 		}
 	}
@@ -427,6 +448,9 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 			continue
 		}
 		if err := b.call(j, tx); err != nil {
+			if handlerLostConnection(ctx, tx, err) {
+				return runConnLost, err // the whole transaction went with it
+			}
 			return i, err
 		}
 	}
@@ -436,6 +460,9 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 			msgs[k] = jobs[i].msg
 		}
 		if err := b.callBatch(ctx, tx, msgs); err != nil {
+			if handlerLostConnection(ctx, tx, err) {
+				return runConnLost, err
+			}
 			var me *MessageError
 			if errors.As(err, &me) && me.Index >= 0 && me.Index < len(ran) {
 				if me.Err == nil {
@@ -453,25 +480,49 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 		// messages to one topic. Which message's row failed is not known:
 		// the batch is split like a batch function's unnamed failure.
 		if err := ob.flushOutbox(ctx); err != nil {
-			return runBatchFailed, fmt.Errorf("pipeline: outbox of the batch: %w", err)
+			err = fmt.Errorf("pipeline: outbox of the batch: %w", err)
+			switch {
+			case errors.Is(err, ErrCallTimeout):
+				return runNotStarted, err // the database does not answer
+			case connTrouble(err):
+				return runConnLost, err
+			}
+			return runBatchFailed, err
 		}
 	}
 	// The claims of the dedupe middleware in front, confirmed last (each
 	// confirmation stops its claim's renewal), in the commit.
+	held := false
 	for i, j := range jobs {
 		if j.held && j.claimed {
-			if failed, err := heldFailed(i, tx.confirm(j.ctx)); err != nil {
+			held = true
+			err := tx.confirm(j.ctx)
+			if !claimsOwnFailure(err) && lostOnce(err) {
+				return runConnLost, err // nothing landed; the claims are still the jobs'
+			}
+			if failed, err := heldFailed(i, err); err != nil {
 				return failed, err
 			}
 		}
 	}
 	if err := tx.commit(ctx); err != nil {
-		if errors.Is(err, ErrCallTimeout) {
+		err = fmt.Errorf("pipeline: commit batch: %w", err)
+		switch {
+		case errors.Is(err, ErrCallTimeout):
 			// The database did not answer (whether it committed is not
 			// known: the keys' rows decide when the deliveries come back).
-			return runNotStarted, fmt.Errorf("pipeline: commit batch: %w", err)
+			return runNotStarted, err
+		case connTrouble(err) && !held:
+			// Not known either; the claims of the next run find the keys
+			// confirmed if it committed.
+			return runConnLost, err
+		case connTrouble(err):
+			// The middleware's claims would not say (their confirmation
+			// fails either way): the deliveries are deferred, and the
+			// claims of their redeliveries decide.
+			return runNotStarted, withConnLost(err)
 		}
-		return runCommitFailed, fmt.Errorf("pipeline: commit batch: %w", err)
+		return runCommitFailed, err
 	}
 	if b.f.committed != nil {
 		b.f.committed()
@@ -664,7 +715,9 @@ func (b *batcher) callBatch(ctx context.Context, tx txn, msgs []*message.Message
 // messages it publishes (SetContext) and cancels on return lends them its
 // values (their trace context) and nothing else.
 //
-// When it fails, no message of the batch is done. If the error names the
+// When it fails, no message of the batch is done. An error of the
+// transaction's connection going away (found dead too) is no message's: the
+// batch runs again, as BatchConfig says. If the error names the
 // message that caused it (MessageFailed), that message alone is settled with
 // the error (retried, dead-lettered, or poisoned when the error is permanent)
 // and the rest of the batch runs again without it. Any other error, or a

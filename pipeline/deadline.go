@@ -190,6 +190,14 @@ func (t *boundTxn) callBatch(ctx context.Context, msgs []*message.Message) error
 	return timedOut(cctx, err)
 }
 
+// probe is bounded like any call: a connection that cannot answer within
+// the deadline is taken as gone.
+func (t *boundTxn) probe(ctx context.Context) error {
+	cctx, cancel := t.callCtx(ctx)
+	defer cancel()
+	return timedOut(cctx, t.txn.probe(cctx))
+}
+
 func (t *boundTxn) commit(ctx context.Context) error {
 	t.ended = true
 	defer t.done()

@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/settle-go/settle"
@@ -56,7 +57,8 @@ type PgxTxConfig struct {
 	// NewPgxBatchTxHandler needs MaxSize >= 2.
 	Batch BatchConfig
 	// BusyDelay is how long a delivery whose key another worker holds waits
-	// before it is nacked, in OneStatement and Batch modes, as
+	// before it is nacked, in OneStatement and Batch modes, and the pause
+	// before a transaction that lost its connection is run again, as
 	// TxConfig.BusyDelay. Defaults to 1s when zero; settle.NoDelay nacks at
 	// once. Pipeline.HandlePgxTx sets it from Config.BusyDelay.
 	BusyDelay time.Duration
@@ -175,6 +177,15 @@ func (t *pgxTxn) bindOutbox() error {
 		return nil
 	}
 	return t.bind(func() (message.Publisher, error) { return t.cfg.Outbox.PgxTxPublisher(t.tx) })
+}
+
+// probe asks pgx, which closes a connection on any failure of its I/O or a
+// FATAL error from the server, without a round trip.
+func (t *pgxTxn) probe(context.Context) error {
+	if t.tx.Conn().IsClosed() {
+		return pgconn.ErrConnClosed
+	}
+	return nil
 }
 
 func (t *pgxTxn) rollback(ctx context.Context) error {

@@ -62,7 +62,9 @@ type Config struct {
 	// least 1s. Must be >= 0.
 	StoreTimeout time.Duration
 	// BusyDelay is how long a delivery whose key another worker holds waits
-	// before it is nacked (deferred, not an attempt). Defaults to 1s;
+	// before it is nacked (deferred, not an attempt); in a transactional
+	// handler also the pause before a transaction that lost its database
+	// connection is run again (TxConfig.BusyDelay). Defaults to 1s;
 	// settle.NoDelay for none. See dedupe.Config.
 	BusyDelay time.Duration
 	// UnavailableDelay is how long a delivery whose claim the store could not

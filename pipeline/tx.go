@@ -47,7 +47,10 @@ type TxConfig struct {
 	// BusyDelay is how long a delivery whose key another worker holds waits
 	// before it is nacked, in OneStatement and Batch modes (the dedupe
 	// middleware's own BusyDelay covers the default mode): it is deferred,
-	// not an attempt. Defaults to 1s when zero; settle.NoDelay nacks at once.
+	// not an attempt. It is also how long a delivery waits before it is
+	// deferred because the database does not answer, and the pause before a
+	// transaction that lost its connection is run again (see NewTxHandler).
+	// Defaults to 1s when zero; settle.NoDelay nacks at once.
 	// Pipeline.HandleTx sets it from Config.BusyDelay.
 	BusyDelay time.Duration
 	// Batch turns on group commit: deliveries in flight at the same time
@@ -122,6 +125,16 @@ func (c TxConfig) Validate() error {
 // failed commit releases the claim and the message is retried; a successful
 // one makes every later delivery of the key a duplicate. The effect inside the
 // database happens exactly once.
+//
+// A transaction that loses its database connection (the server ended the
+// session, the connection was reset or killed, the driver found it broken;
+// whichever statement met it, fn's, the outbox's, the confirmation or the
+// commit) is not the message's failure: it is run again on a new connection
+// after BusyDelay, up to three times, under the same claim, and the
+// delivery is then deferred (an error wrapping ErrConnectionLost and
+// dedupe.ErrUnavailable), no attempt spent. An error of fn counts as a lost
+// connection only when its transaction's connection is found dead too; see
+// docs/retry.md for the classes.
 func NewTxHandler(cfg TxConfig, fn TxFunc) (message.NoPublishHandlerFunc, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -167,6 +180,11 @@ type txn interface {
 	commit(ctx context.Context) error
 	// rollback rolls back; it returns nil when the transaction had ended.
 	rollback(ctx context.Context) error
+	// probe asks whether the transaction's connection still works: an
+	// error of connTrouble's classes when it does not. A transaction that
+	// a failed statement aborted (PostgreSQL) still has a working
+	// connection.
+	probe(ctx context.Context) error
 }
 
 // claimer is what a transactional handler asks of the store bound to its
@@ -285,6 +303,12 @@ func (b *outboxBinding) flushOutbox(ctx context.Context) error {
 	return b.held.flush(ctx)
 }
 
+// probe runs a statement that needs nothing but the connection.
+func (t *sqlTxn) probe(ctx context.Context) error {
+	_, err := t.tx.ExecContext(ctx, "SELECT 1")
+	return err
+}
+
 func (t *sqlTxn) rollback(context.Context) error {
 	if err := t.tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
 		return err
@@ -292,16 +316,40 @@ func (t *sqlTxn) rollback(context.Context) error {
 	return nil
 }
 
-// runTx runs one message through f in a transaction; see RunTx.
-func runTx(ctx context.Context, f txFlow, msg *message.Message) (err error) {
+// runTx runs one message through f in a transaction; see RunTx. A
+// transaction that loses its connection (connTrouble) is run again on a new
+// one, after f.busyDelay, up to connReruns times, and the delivery is
+// deferred after that: the database's trouble spends no attempt of the
+// handler. Run again, not deferred at once, because behind the dedupe
+// middleware the claim the delivery holds is its attempt count: a
+// redelivery would claim the key again and count once more.
+func runTx(ctx context.Context, f txFlow, msg *message.Message) error {
+	for rerun := 0; ; rerun++ {
+		lost, err := runTxOnce(ctx, f, msg)
+		if !lost {
+			return err
+		}
+		if rerun == connReruns || !settlement.Sleep(ctx, f.busyDelay) {
+			return unavailable(ctx, f.busyDelay, err)
+		}
+	}
+}
+
+// runTxOnce runs one transaction of runTx. It reports lost, with an error
+// wrapping ErrConnectionLost, when the transaction lost its connection at a
+// point where running it again is safe: nothing of it landed, or (a commit
+// that lost its connection, in the one-statement mode) the claim of the key
+// in the next transaction says whether it did.
+func runTxOnce(ctx context.Context, f txFlow, msg *message.Message) (lost bool, err error) {
 	t, err := f.begin(ctx)
 	if err != nil {
-		return unavailable(ctx, f.busyDelay, fmt.Errorf("pipeline: begin: %w", err))
+		return false, unavailable(ctx, f.busyDelay, fmt.Errorf("pipeline: begin: %w", err))
 	}
 	defer func() {
 		// After a commit this is a no-op; after an error or a panic it is
-		// what frees the transaction's locks.
-		if rerr := t.rollback(context.WithoutCancel(ctx)); rerr != nil && err != nil {
+		// what frees the transaction's locks. On a connection that was lost
+		// it has nothing to free, and its error says nothing new.
+		if rerr := t.rollback(context.WithoutCancel(ctx)); rerr != nil && err != nil && !lost {
 			err = errors.Join(err, fmt.Errorf("pipeline: rollback: %w", rerr))
 		}
 	}()
@@ -310,51 +358,75 @@ func runTx(ctx context.Context, f txFlow, msg *message.Message) (err error) {
 	_, held := dedupe.ClaimFromContext(ctx)
 	inTx := f.oneStatement && !held
 	if inTx {
-		done, err := claimInTx(ctx, f, t, msg)
+		key, err := dedupe.MessageKey(msg, f.key, f.scope)
+		if err != nil {
+			return false, fmt.Errorf("pipeline: key of message %s: %w", msg.UUID, err)
+		}
+		c, err := t.claims().ClaimConfirmed(ctx, key)
+		switch {
+		case lostOnce(err):
+			return true, withConnLost(err)
+		case err != nil:
+			return false, unavailable(ctx, f.busyDelay, err)
+		}
+		done, err := claimResult(ctx, c, msg)
 		if errors.Is(err, dedupe.ErrBusy) {
 			_ = t.rollback(ctx) // hold no connection while waiting
 			settlement.Sleep(ctx, f.busyDelay)
 		}
 		if err != nil || done {
-			return err // a duplicate has nothing to commit: the rollback ends it
+			return false, err // a duplicate has nothing to commit: the rollback ends it
 		}
 	} else if err = t.hold(ctx); err != nil {
-		return claimTrouble(ctx, f, err)
+		return false, claimTrouble(ctx, f, err)
 	}
 	if err = t.call(ctx, msg); err != nil {
-		return err
+		if handlerLostConnection(ctx, t, err) {
+			return true, withConnLost(err)
+		}
+		return false, err
 	}
 	if !inTx {
 		if err = t.confirm(ctx); err != nil {
-			return claimTrouble(ctx, f, err)
+			if !claimsOwnFailure(err) && lostOnce(err) {
+				// Nothing landed, and the claim is still the delivery's
+				// (a takeover would fail the next confirmation).
+				return true, withConnLost(err)
+			}
+			return false, claimTrouble(ctx, f, err)
 		}
 	}
 	if err = t.commit(ctx); err != nil {
-		if errors.Is(err, ErrCallTimeout) {
+		switch {
+		case errors.Is(err, ErrCallTimeout):
 			// Whether it committed is not known: the key's row decides
 			// when the delivery comes back.
-			return unavailable(ctx, f.busyDelay, fmt.Errorf("pipeline: commit: %w", err))
+			return false, unavailable(ctx, f.busyDelay, fmt.Errorf("pipeline: commit: %w", err))
+		case connTrouble(err) && inTx:
+			// Whether it committed is not known either; the claim in the
+			// next transaction finds the key confirmed if it did.
+			return true, withConnLost(fmt.Errorf("pipeline: commit: %w", err))
+		case connTrouble(err):
+			// Behind the middleware a second transaction would not know
+			// (its confirmation fails either way): the redelivery's
+			// claim decides, a duplicate if it landed.
+			return false, unavailable(ctx, f.busyDelay, withConnLost(fmt.Errorf("pipeline: commit: %w", err)))
 		}
-		return fmt.Errorf("pipeline: commit: %w", err)
+		return false, fmt.Errorf("pipeline: commit: %w", err)
 	}
 	if f.committed != nil {
 		f.committed()
 	}
-	return nil
+	return false, nil
 }
 
-// claimInTx takes msg's key in t as confirmed. It reports done for a
-// duplicate, and an error wrapping dedupe.ErrBusy for a key held elsewhere.
-func claimInTx(ctx context.Context, f txFlow, t txn, msg *message.Message) (done bool, err error) {
-	key, err := dedupe.MessageKey(msg, f.key, f.scope)
-	if err != nil {
-		return false, fmt.Errorf("pipeline: key of message %s: %w", msg.UUID, err)
-	}
-	c, err := t.claims().ClaimConfirmed(ctx, key)
-	if err != nil {
-		return false, unavailable(ctx, f.busyDelay, err)
-	}
-	return claimResult(ctx, c, msg)
+// lostOnce reports whether err, from a statement settle ran on a
+// transaction, is its connection going away (connTrouble) in a way another
+// transaction may not meet: not settle's deadline on the call
+// (ErrCallTimeout), after which the database is taken not to answer, and
+// the delivery deferred at once rather than made to wait as long again.
+func lostOnce(err error) bool {
+	return connTrouble(err) && !errors.Is(err, ErrCallTimeout)
 }
 
 // claimResult settles what a claim in the transaction found: done for a
