@@ -84,11 +84,13 @@ type RelayConfig struct {
 	// allows before it sets the row aside: the row stays in the outbox
 	// table, is never forwarded or pruned, and is shown by Status, Failed
 	// and `settle outbox status` until Requeue (`settle outbox retry`) puts
-	// it back. A failure counts towards setting the row aside only when the
-	// broker took other rows around it (the relay published another row
-	// after this row's first failure, and the publish just before this one
-	// succeeded): a broker outage makes rows wait, never sets them aside.
-	// Defaults to DefaultMaxAttempts (10). Must be >= 1.
+	// it back. The row is set aside at a failure past MaxAttempts only once
+	// the relay has published some other row after this row's first
+	// failure (the broker works, and refuses this row), and a publish that
+	// fails right after another failure is not counted on its row (the
+	// broker may refuse everything, or reconnect): a broker outage makes
+	// rows wait, it does not set them aside. Defaults to
+	// DefaultMaxAttempts (10). Must be >= 1.
 	MaxAttempts int
 	// HeartbeatInterval is how often the relay renews its row in the relays
 	// table; Status counts a relay as alive for three intervals after its
@@ -534,9 +536,8 @@ type row struct {
 
 // failure is one failed publish of one row in a batch.
 type failure struct {
-	rw      row
-	err     error
-	trusted bool // the publish before it, of another row, succeeded
+	rw  row
+	err error
 }
 
 // batchResult is what one batch did with the rows it claimed.
@@ -546,8 +547,9 @@ type batchResult struct {
 	published []row // to their topic, or foreign ones to the poison topic
 	poisoned  int   // of published, foreign rows
 	failed    []failure
-	released  []row // not tried, or tried right after another failure: pending again, untouched
-	stopped   bool  // two publishes failed in a row: the broker may be down
+	released  []row    // not tried, or tried right after another failure: pending again, untouched
+	stopped   bool     // a publish failed right after another: the broker may be down
+	overrun   *failure // the publish in flight when the batch overran its AckDeadline
 }
 
 // more reports whether rows may be ready beyond those the batch took.
@@ -560,8 +562,8 @@ func (b batchResult) more(cfg RelayConfig) bool {
 // attempt counted, its next attempt delayed, or set aside), or released
 // untouched. A failed row does not stop the batch: the rows behind it are
 // published, one call per row from there on, skipping the other rows of a
-// topic that failed. Two failed publishes in a row stop it (the broker may
-// be down), and the rest is released.
+// topic that failed. A publish that fails right after another one stops
+// it (the broker may be down): that row and the rest are released.
 //
 // Closing the relay (ctx ending) stops the batch before its claim or
 // between two publishes, but the marks of the rows already published are
@@ -609,6 +611,10 @@ func (r *Relay) batch(ctx context.Context) (batchResult, error) {
 		res.bytes += rw.size
 	}
 	r.publish(ctx, rows, &res)
+	if res.overrun != nil {
+		_ = tx.Rollback()
+		return batchResult{}, r.recordOverrun(*res.overrun)
+	}
 	if err := r.settle(txCtx, tx, &res); err != nil {
 		return batchResult{}, err
 	}
@@ -638,7 +644,7 @@ func (r *Relay) settle(ctx context.Context, tx wsql.Tx, res *batchResult) error 
 		}
 	}
 	for i, f := range res.failed {
-		aside := f.rw.attempts+1 >= r.cfg.MaxAttempts && f.trusted && r.health.evidence(f.rw.offset)
+		aside := f.rw.attempts+1 >= r.cfg.MaxAttempts && r.health.evidence(f.rw.offset)
 		delay := r.backoff(f.rw.attempts + 1)
 		if aside {
 			delay = 0
@@ -653,6 +659,30 @@ func (r *Relay) settle(ctx context.Context, tx wsql.Tx, res *batchResult) error 
 		}
 	}
 	return nil
+}
+
+// recordOverrun counts the failure of the row whose publish outlived the
+// batch, in a statement of its own: the batch was rolled back, and its
+// other rows are pending again (those it had published go out twice).
+func (r *Relay) recordOverrun(f failure) error {
+	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.AckDeadline)
+	defer cancel()
+	res := batchResult{failed: []failure{f}}
+	tx, err := r.db.BeginTx(ctx, nil)
+	if err != nil {
+		return errors.Join(f.err, fmt.Errorf("record the failure: %w", err))
+	}
+	defer func() { _ = tx.Rollback() }()
+	if err := r.settle(ctx, tx, &res); err != nil {
+		return errors.Join(f.err, err)
+	}
+	if err := tx.Commit(); err != nil {
+		return errors.Join(f.err, fmt.Errorf("record the failure: %w", err))
+	}
+	r.failed.Add(1)
+	r.fail.Add(ctx, 1, r.attrs)
+	r.logFailures(res)
+	return fmt.Errorf("batch rolled back: %w", f.err)
 }
 
 func (r *Relay) failArgs(text string, delay time.Duration, aside bool, offset int64) []any {
@@ -787,7 +817,8 @@ func (r *Relay) claimMySQL(ctx context.Context, tx wsql.Tx) ([]row, error) {
 // topic in one call until a publish fails, then one row per call. A row
 // whose own publish fails is recorded as failed and the batch goes on with
 // the rows behind it, passing over (releasing) the other rows of that topic
-// in this batch; a second failure in a row stops the batch. A publish that
+// in this batch; a failure right after it stops the batch and is nobody's
+// (the next batch starts with that row). A publish that
 // fails with several rows is not the failure of any one of them: they are
 // tried again one by one (rows the failed call had already published go out
 // twice, a duplicate the relay allows).
@@ -809,8 +840,9 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 		m, ok := r.message(ctx, rw)
 		if !ok { // foreign: its metadata does not decode
 			if err := r.poison(rw); err != nil {
-				if ctx.Err() != nil {
+				if ctx.Err() != nil || consecutive > 0 {
 					res.released = append(res.released, rows[i:]...)
+					res.stopped = ctx.Err() == nil
 					return
 				}
 				r.recordFailure(res, rw, err)
@@ -825,11 +857,6 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 				consecutive = 0
 			}
 			i++
-			if consecutive >= 2 {
-				res.released = append(res.released, rows[i:]...)
-				res.stopped = true
-				return
-			}
 			continue
 		}
 		msgs := []*message.Message{m}
@@ -853,6 +880,13 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 			continue
 		}
 		if ctx.Err() != nil {
+			if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+				// The batch overran its AckDeadline (not a Close): its
+				// transaction is gone with it, and the row that did not
+				// return would be first in the next batch again.
+				r.health.failure(rw.offset)
+				res.overrun = &failure{rw: rw, err: fmt.Errorf("publish to %q did not return within the batch's AckDeadline (%v): %w", rw.topic, r.cfg.AckDeadline, err)}
+			}
 			res.released = append(res.released, rows[i:]...)
 			return
 		}
@@ -860,21 +894,26 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 			careful = true // find the row that fails
 			continue
 		}
+		if consecutive > 0 {
+			// Right after another failure: the broker may refuse
+			// everything now (or be reconnecting after the row before).
+			// Not this row's failure; stop and try again later.
+			r.cfg.Logger.Debug("outbox: a second publish failed in a row; pausing", watermill.LogFields{"offset": rw.offset, "topic": rw.topic, "err": err.Error()})
+			res.released = append(res.released, rows[i:]...)
+			res.stopped = true
+			return
+		}
 		r.recordFailure(res, rw, fmt.Errorf("publish to %q: %w", rw.topic, err))
 		failedTopics[rw.topic] = true
 		careful = true
 		consecutive++
 		i++
-		if consecutive >= 2 {
-			res.released = append(res.released, rows[i:]...)
-			res.stopped = true
-			return
-		}
 	}
 }
 
 func (r *Relay) recordFailure(res *batchResult, rw row, err error) {
-	res.failed = append(res.failed, failure{rw: rw, err: err, trusted: r.health.failure(rw.offset)})
+	r.health.failure(rw.offset)
+	res.failed = append(res.failed, failure{rw: rw, err: err})
 }
 
 func (r *Relay) message(ctx context.Context, rw row) (*message.Message, bool) {
@@ -907,14 +946,8 @@ func (r *Relay) poison(rw row) error {
 // loop uses it (batches run one at a time).
 type health struct {
 	seq   uint64
-	okSeq uint64      // the last successful publish
-	last  [2]failMark // the latest failure, and the latest of another row
-	first map[int64]uint64
-}
-
-type failMark struct {
-	offset int64
-	seq    uint64
+	okSeq uint64           // the last successful publish
+	first map[int64]uint64 // the first failure this relay saw of each row still failing
 }
 
 // maxTracked bounds health.first; past it the relay forgets what it saw
@@ -927,30 +960,18 @@ func (h *health) success(offset int64) {
 	delete(h.first, offset)
 }
 
-// failure records a failed publish of the row at offset and reports
-// whether the latest publish of another row before it succeeded.
-func (h *health) failure(offset int64) (trusted bool) {
-	prev := h.last[0]
-	if prev.offset == offset {
-		prev = h.last[1]
-	}
-	trusted = h.okSeq > 0 && h.okSeq > prev.seq
+func (h *health) failure(offset int64) {
 	h.seq++
-	if h.last[0].offset != offset {
-		h.last[1] = h.last[0]
-	}
-	h.last[0] = failMark{offset: offset, seq: h.seq}
 	if h.first == nil || len(h.first) >= maxTracked {
 		h.first = map[int64]uint64{}
 	}
 	if _, ok := h.first[offset]; !ok {
 		h.first[offset] = h.seq
 	}
-	return trusted
 }
 
 // evidence reports whether the relay published some row after its first
-// failure of the row at offset.
+// failure of the row at offset: the broker works, and refuses this row.
 func (h *health) evidence(offset int64) bool {
 	f, ok := h.first[offset]
 	return ok && h.okSeq > f

@@ -71,9 +71,9 @@ var (
 
 // The filters of a row to forward now, in each dialect.
 const (
-	pgReady    = `"forwarded_at" IS NULL AND "set_aside_at" IS NULL AND ("next_attempt_at" IS NULL OR "next_attempt_at" <= clock_timestamp())`
-	myReady    = "forwarded_at IS NULL AND set_aside_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= CURRENT_TIMESTAMP(6))"
-	sqliteNow  = `strftime('%Y-%m-%d %H:%M:%f', 'now')`
+	pgReady     = `"forwarded_at" IS NULL AND "set_aside_at" IS NULL AND ("next_attempt_at" IS NULL OR "next_attempt_at" <= clock_timestamp())`
+	myReady     = "forwarded_at IS NULL AND set_aside_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= CURRENT_TIMESTAMP(6))"
+	sqliteNow   = `strftime('%Y-%m-%d %H:%M:%f', 'now')`
 	sqliteReady = `"forwarded_at" IS NULL AND "set_aside_at" IS NULL AND ("next_attempt_at" IS NULL OR "next_attempt_at" <= ` + sqliteNow + `)`
 )
 
