@@ -413,6 +413,15 @@ func (r *Relay) loop(ctx context.Context) {
 	lastBeat := time.Now()
 	claim := true
 	for ctx.Err() == nil {
+		if claim && time.Since(lastBeat) >= r.cfg.HeartbeatInterval {
+			// Batches that keep coming (a backlog, or failures retried
+			// after RetryInterval) never reach the tick below: beat here,
+			// so that Status counts a busy or failing relay as alive.
+			if _, err := r.probe(ctx, true); err != nil && ctx.Err() == nil {
+				r.cfg.Logger.Error("outbox: relay heartbeat failed", err, nil)
+			}
+			lastBeat = time.Now()
+		}
 		if claim {
 			res, err := r.batch(ctx)
 			if err != nil {
