@@ -84,13 +84,15 @@ type RelayConfig struct {
 	// allows before it sets the row aside: the row stays in the outbox
 	// table, is never forwarded or pruned, and is shown by Status, Failed
 	// and `settle outbox status` until Requeue (`settle outbox retry`) puts
-	// it back. The row is set aside at a failure past MaxAttempts only once
-	// the relay has published some other row after this row's first
-	// failure (the broker works, and refuses this row), and a publish that
-	// fails right after another failure is not counted on its row (the
-	// broker may refuse everything, or reconnect): a broker outage makes
-	// rows wait, it does not set them aside. Defaults to
-	// DefaultMaxAttempts (10). Must be >= 1.
+	// it back. A publish that fails right after another failure counts for
+	// no row: the broker may refuse everything (or reconnect), and while
+	// no publish has succeeded since, no row is set aside, so a broker
+	// outage makes rows wait. Otherwise a row is set aside after
+	// MaxAttempts failures if the relay published some other row after
+	// its first failure (the broker works and refuses this row), after
+	// 2*MaxAttempts if nothing else was published meanwhile (a quiet
+	// outbox; a row alone in it during an outage that long too). Defaults
+	// to DefaultMaxAttempts (10). Must be >= 1.
 	MaxAttempts int
 	// HeartbeatInterval is how often the relay renews its row in the relays
 	// table; Status counts a relay as alive for three intervals after its
@@ -653,7 +655,7 @@ func (r *Relay) settle(ctx context.Context, tx wsql.Tx, res *batchResult) error 
 		}
 	}
 	for i, f := range res.failed {
-		aside := f.rw.attempts+1 >= r.cfg.MaxAttempts && r.health.evidence(f.rw.offset)
+		aside := r.health.setAside(f.rw.offset, f.rw.attempts+1, r.cfg.MaxAttempts)
 		delay := r.backoff(f.rw.attempts + 1)
 		if aside {
 			delay = 0
@@ -851,7 +853,9 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 			if err := r.poison(rw); err != nil {
 				if ctx.Err() != nil || consecutive > 0 {
 					res.released = append(res.released, rows[i:]...)
-					res.stopped = ctx.Err() == nil
+					if res.stopped = ctx.Err() == nil; res.stopped {
+						r.health.stop()
+					}
 					return
 				}
 				r.recordFailure(res, rw, err)
@@ -908,6 +912,7 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 			// everything now (or be reconnecting after the row before).
 			// Not this row's failure; stop and try again later.
 			r.cfg.Logger.Debug("outbox: a second publish failed in a row; pausing", watermill.LogFields{"offset": rw.offset, "topic": rw.topic, "err": err.Error()})
+			r.health.stop()
 			res.released = append(res.released, rows[i:]...)
 			res.stopped = true
 			return
@@ -954,9 +959,17 @@ func (r *Relay) poison(rw row) error {
 // broker refuses from a broker that refuses everything. Only the relay's
 // loop uses it (batches run one at a time).
 type health struct {
-	seq   uint64
-	okSeq uint64           // the last successful publish
-	first map[int64]uint64 // the first failure this relay saw of each row still failing
+	seq     uint64
+	okSeq   uint64           // the last successful publish
+	stopSeq uint64           // the last time a publish failed right after another
+	first   map[int64]uint64 // the first failure this relay saw of each row still failing
+}
+
+// stop records that a publish failed right after another: the broker may
+// refuse everything.
+func (h *health) stop() {
+	h.seq++
+	h.stopSeq = h.seq
 }
 
 // maxTracked bounds health.first; past it the relay forgets what it saw
@@ -979,11 +992,20 @@ func (h *health) failure(offset int64) {
 	}
 }
 
-// evidence reports whether the relay published some row after its first
-// failure of the row at offset: the broker works, and refuses this row.
-func (h *health) evidence(offset int64) bool {
-	f, ok := h.first[offset]
-	return ok && h.okSeq > f
+// setAside decides whether the row at offset, after attempts failed
+// publishes, is set aside. Never while the broker may be down (no publish
+// has succeeded since the last failure right after another, or none ever).
+// After max attempts if the relay published some other row after its first
+// failure of this row (the broker works, and refuses this row), after twice
+// as many if nothing else was published meanwhile (a quiet outbox).
+func (h *health) setAside(offset int64, attempts, max int) bool {
+	if h.okSeq == 0 || h.okSeq < h.stopSeq {
+		return false
+	}
+	if f, ok := h.first[offset]; ok && h.okSeq > f {
+		return attempts >= max
+	}
+	return attempts >= 2*max
 }
 
 func (h *health) forget(offset int64) { delete(h.first, offset) }
