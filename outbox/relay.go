@@ -348,8 +348,9 @@ func (r *Relay) Close() error {
 	return err
 }
 
-// Counts returns how many rows this relay forwarded and how many forwards
-// failed (or were foreign rows set aside) since it was built.
+// Counts returns how many rows this relay forwarded and how many publishes
+// of a row failed (one per failing row and attempt; a foreign row sent to
+// the poison topic counts too) since it was built.
 func (r *Relay) Counts() (forwarded, failed int64) {
 	return r.forwarded.Load(), r.failed.Load()
 }
@@ -360,7 +361,8 @@ func (r *Relay) Status(ctx context.Context) (Status, error) {
 }
 
 // Drain waits until no committed row is pending (forwarded by this relay or
-// another one) and this relay's batch in progress, if any, has ended, so
+// another one, or set aside: a row waiting for its next attempt is still
+// pending) and this relay's batch in progress, if any, has ended, so
 // that Counts includes every row this relay forwarded. Tests and tools use
 // it instead of sleeping.
 func (r *Relay) Drain(ctx context.Context) error {
