@@ -84,15 +84,16 @@ type RelayConfig struct {
 	// allows before it sets the row aside: the row stays in the outbox
 	// table, is never forwarded or pruned, and is shown by Status, Failed
 	// and `settle outbox status` until Requeue (`settle outbox retry`) puts
-	// it back. A publish that fails right after another failure counts for
-	// no row: the broker may refuse everything (or reconnect), and while
-	// no publish has succeeded since, no row is set aside, so a broker
-	// outage makes rows wait. Otherwise a row is set aside after
-	// MaxAttempts failures if the relay published some other row after
-	// its first failure (the broker works and refuses this row), after
-	// 2*MaxAttempts if nothing else was published meanwhile (a quiet
-	// outbox; a row alone in it during an outage that long too). Defaults
-	// to DefaultMaxAttempts (10). Must be >= 1.
+	// it back. A row is set aside at its MaxAttempts-th failure only once
+	// the broker has shown that it works and refuses this row (the relay
+	// published some other row after this row's first failure) or this
+	// topic (it published a row to another topic after this topic began to
+	// fail); until then the row keeps its backoff, so a broker outage makes
+	// rows wait and sets none aside, and a row alone on a quiet outbox waits
+	// for the next row forwarded. A publish that fails right after another
+	// failure in one batch counts for no row (the broker may refuse
+	// everything, or be reconnecting). Defaults to DefaultMaxAttempts (10).
+	// Must be >= 1.
 	MaxAttempts int
 	// HeartbeatInterval is how often the relay renews its row in the relays
 	// table; Status counts a relay as alive for three intervals after its
@@ -657,7 +658,7 @@ func (r *Relay) settle(ctx context.Context, tx wsql.Tx, res *batchResult) error 
 		}
 	}
 	for i, f := range res.failed {
-		aside := r.health.setAside(f.rw.offset, f.rw.attempts+1, r.cfg.MaxAttempts)
+		aside := r.health.setAside(f.rw.offset, f.rw.topic, f.rw.attempts+1, r.cfg.MaxAttempts)
 		delay := r.backoff(f.rw.attempts + 1)
 		if aside {
 			delay = 0
@@ -856,7 +857,6 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 				if ctx.Err() != nil || consecutive > 0 {
 					res.released = append(res.released, rows[i:]...)
 					if res.stopped = ctx.Err() == nil; res.stopped {
-						r.health.stop()
 					}
 					return
 				}
@@ -864,7 +864,7 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 				consecutive++
 				careful = true
 			} else {
-				r.health.success(rw.offset)
+				r.health.success(rw.offset, r.cfg.PoisonTopic)
 				res.published = append(res.published, rw)
 				res.poisoned++
 				r.failed.Add(1)
@@ -887,7 +887,7 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 		err := r.out.Publish(rw.topic, msgs...)
 		if err == nil {
 			for _, p := range rows[i:end] {
-				r.health.success(p.offset)
+				r.health.success(p.offset, p.topic)
 			}
 			res.published = append(res.published, rows[i:end]...)
 			consecutive = 0
@@ -899,7 +899,7 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 				// The batch overran its AckDeadline (not a Close): its
 				// transaction is gone with it, and the row that did not
 				// return would be first in the next batch again.
-				r.health.failure(rw.offset)
+				r.health.failure(rw.offset, rw.topic)
 				res.overrun = &failure{rw: rw, err: fmt.Errorf("publish to %q did not return within the batch's AckDeadline (%v): %w", rw.topic, r.cfg.AckDeadline, err)}
 			}
 			res.released = append(res.released, rows[i:]...)
@@ -914,7 +914,6 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 			// everything now (or be reconnecting after the row before).
 			// Not this row's failure; stop and try again later.
 			r.cfg.Logger.Debug("outbox: a second publish failed in a row; pausing", watermill.LogFields{"offset": rw.offset, "topic": rw.topic, "err": err.Error()})
-			r.health.stop()
 			res.released = append(res.released, rows[i:]...)
 			res.stopped = true
 			return
@@ -928,7 +927,7 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 }
 
 func (r *Relay) recordFailure(res *batchResult, rw row, err error) {
-	r.health.failure(rw.offset)
+	r.health.failure(rw.offset, rw.topic)
 	res.failed = append(res.failed, failure{rw: rw, err: err})
 }
 
@@ -957,57 +956,74 @@ func (r *Relay) poison(rw row) error {
 	return nil
 }
 
-// health is what the relay has seen of the broker, to tell a row the
-// broker refuses from a broker that refuses everything. Only the relay's
-// loop uses it (batches run one at a time).
+// health is what the relay has seen of the broker, to tell a row or a
+// topic the broker refuses from a broker that refuses everything. Only the
+// relay's loop uses it (batches run one at a time).
 type health struct {
-	seq     uint64
-	okSeq   uint64           // the last successful publish
-	stopSeq uint64           // the last time a publish failed right after another
-	first   map[int64]uint64 // the first failure this relay saw of each row still failing
+	seq   uint64
+	okSeq uint64 // the last successful publish
+	// ok and other are the last successful publish and the last one to
+	// another topic than ok's.
+	ok, other topicMark
+	first     map[int64]uint64  // the first failure this relay saw of each row still failing
+	failing   map[string]uint64 // the first failure of each topic since it last took a publish
 }
 
-// stop records that a publish failed right after another: the broker may
-// refuse everything.
-func (h *health) stop() {
-	h.seq++
-	h.stopSeq = h.seq
+type topicMark struct {
+	topic string
+	seq   uint64
 }
 
-// maxTracked bounds health.first; past it the relay forgets what it saw
+// maxTracked bounds health's maps; past it the relay forgets what it saw
 // (rows then take longer to be set aside, never less long).
 const maxTracked = 100_000
 
-func (h *health) success(offset int64) {
+func (h *health) success(offset int64, topic string) {
 	h.seq++
 	h.okSeq = h.seq
+	if h.ok.topic != topic {
+		h.other = h.ok
+	}
+	h.ok = topicMark{topic: topic, seq: h.seq}
 	delete(h.first, offset)
+	delete(h.failing, topic)
 }
 
-func (h *health) failure(offset int64) {
+func (h *health) failure(offset int64, topic string) {
 	h.seq++
 	if h.first == nil || len(h.first) >= maxTracked {
 		h.first = map[int64]uint64{}
 	}
+	if h.failing == nil || len(h.failing) >= maxTracked {
+		h.failing = map[string]uint64{}
+	}
 	if _, ok := h.first[offset]; !ok {
 		h.first[offset] = h.seq
 	}
+	if _, ok := h.failing[topic]; !ok {
+		h.failing[topic] = h.seq
+	}
 }
 
-// setAside decides whether the row at offset, after attempts failed
-// publishes, is set aside. Never while the broker may be down (no publish
-// has succeeded since the last failure right after another, or none ever).
-// After max attempts if the relay published some other row after its first
-// failure of this row (the broker works, and refuses this row), after twice
-// as many if nothing else was published meanwhile (a quiet outbox).
-func (h *health) setAside(offset int64, attempts, max int) bool {
-	if h.okSeq == 0 || h.okSeq < h.stopSeq {
+// setAside decides whether the row at offset, to topic, is set aside after
+// attempts failed publishes: after max of them, once the broker has shown
+// that it works and refuses this row (it took some other row after this
+// row's first failure) or this topic (it took a row to another topic after
+// this topic began to fail). A broker that takes nothing sets nothing
+// aside.
+func (h *health) setAside(offset int64, topic string, attempts, max int) bool {
+	if attempts < max {
 		return false
 	}
 	if f, ok := h.first[offset]; ok && h.okSeq > f {
-		return attempts >= max
+		return true
 	}
-	return attempts >= 2*max
+	other := h.ok
+	if other.topic == topic {
+		other = h.other
+	}
+	f, ok := h.failing[topic]
+	return ok && other.seq > f
 }
 
 func (h *health) forget(offset int64) { delete(h.first, offset) }
