@@ -31,9 +31,11 @@
 //     order of a transaction's messages once one of them failed to publish
 //     (it is retried after the ones behind it); see docs/outbox.md for the
 //     order that is kept.
-//   - That a row alone in the outbox during a broker outage longer than its
-//     2*MaxAttempts retries take is not set aside: it is, and Requeue puts
-//     it back.
+//   - That a failing row is set aside when nothing else is published: it
+//     is set aside only once the broker took some other row after its first
+//     failure, or a row to another topic after its topic began to fail, so
+//     that an outage sets nothing aside; until then it is retried, and
+//     Status shows it.
 //
 // [SQLiteSchema] and [SQLiteOffsetsAdapter] are a separate piece: they let
 // watermill-sql publish to and subscribe from SQLite (modernc.org/sqlite).
