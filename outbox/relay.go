@@ -856,8 +856,7 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 			if err := r.poison(rw); err != nil {
 				if ctx.Err() != nil || consecutive > 0 {
 					res.released = append(res.released, rows[i:]...)
-					if res.stopped = ctx.Err() == nil; res.stopped {
-					}
+					res.stopped = ctx.Err() == nil
 					return
 				}
 				r.recordFailure(res, rw, err)
