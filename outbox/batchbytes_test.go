@@ -2,12 +2,14 @@ package outbox_test
 
 import (
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 )
 
@@ -62,4 +64,34 @@ func TestBatchBytesBoundsABatch(t *testing.T) {
 			t.Errorf("calls %v: want the %d rows in at least 4 batches", out.calls, len(rowSizes))
 		}
 	})
+}
+
+// A relay's configuration is checked when it is built, naming the field.
+func TestRelayConfigIsValidated(t *testing.T) {
+	t.Parallel()
+	e := setup(t, testenv.SQLite(t))
+	for _, c := range []struct {
+		cfg  outbox.RelayConfig
+		want string
+	}{
+		{outbox.RelayConfig{BatchBytes: -1}, "RelayConfig.BatchBytes"},
+		{outbox.RelayConfig{MaxAttempts: -1}, "RelayConfig.MaxAttempts"},
+		{outbox.RelayConfig{RetryInterval: time.Second, MaxRetryInterval: time.Millisecond}, "RelayConfig.MaxRetryInterval"},
+		{outbox.RelayConfig{BatchSize: outbox.MaxBatchSize + 1}, "RelayConfig.BatchSize"},
+	} {
+		if _, err := e.ob.NewRelay(e.db.DB, e.pubsub, c.cfg); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("NewRelay(%+v) = %v; want an error naming %s", c.cfg, err, c.want)
+		}
+	}
+	// A RetryInterval above the default cap raises the cap with it.
+	if _, err := e.ob.NewRelay(e.db.DB, e.pubsub, outbox.RelayConfig{RetryInterval: 2 * time.Minute}); err != nil {
+		t.Errorf("RetryInterval 2m: %v", err)
+	}
+	// Selections are bounded.
+	if _, err := e.ob.Failed(t.Context(), e.db.DB, outbox.Selection{Limit: -1}); err == nil {
+		t.Error("Failed with Limit -1: no error")
+	}
+	if _, err := e.ob.Requeue(t.Context(), e.db.DB, outbox.Selection{Offsets: make([]int64, outbox.MaxSelectionOffsets+1)}); err == nil {
+		t.Error("Requeue of too many offsets: no error")
+	}
 }
