@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -152,6 +153,61 @@ func TestOutageSetsNothingAsideAndCollateralIsNotCharged(t *testing.T) {
 			}
 			e.publishTx(t, "orders", message.NewMessage(watermill.NewUUID(), []byte(`{}`))) // traffic: the broker works
 			time.Sleep(20 * time.Millisecond)
+		}
+	})
+}
+
+// hangs never returns a publish of the row "hang" before the message's
+// context ends (as a publisher stuck on a broker that does not answer).
+type hangs struct{ message.Publisher }
+
+func (p hangs) Publish(topic string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		if m.UUID == "hang" {
+			<-m.Context().Done()
+			return m.Context().Err()
+		}
+	}
+	return p.Publisher.Publish(topic, msgs...)
+}
+
+// A publish that outlives its batch's AckDeadline rolls the batch back, and
+// its row is counted as failed in a statement of its own: it steps aside
+// like any failing row, the rows behind it are forwarded, and it is set
+// aside in the end.
+func TestPublishPastAckDeadlineStepsAside(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *env) {
+		got, err := e.pubsub.Subscribe(t.Context(), "orders")
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.publishTx(t, "orders", message.NewMessage("hang", []byte(`{}`)))
+		r := startRelay(t, e, hangs{e.pubsub}, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, AckDeadline: 300 * time.Millisecond,
+			RetryInterval: 50 * time.Millisecond, MaxRetryInterval: 100 * time.Millisecond, MaxAttempts: 2})
+		deadline := time.Now().Add(30 * time.Second)
+		for i := 0; ; i++ {
+			e.publishTx(t, "orders", message.NewMessage(fmt.Sprintf("behind-%d", i), []byte(`{}`)))
+			select {
+			case m := <-got:
+				m.Ack()
+			case <-time.After(30 * time.Second):
+				t.Fatal("no row forwarded behind the hanging one")
+			}
+			st, err := r.Status(t.Context())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.SetAside == 1 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the hanging row was not set aside: %+v", st)
+			}
+		}
+		rows, err := e.ob.Failed(t.Context(), e.db.DB, outbox.Selection{})
+		if err != nil || len(rows) != 1 || rows[0].UUID != "hang" || !strings.Contains(rows[0].LastError, "AckDeadline") {
+			t.Fatalf("Failed = %+v, %v; want the hanging row, its error naming AckDeadline", rows, err)
 		}
 	})
 }
