@@ -245,7 +245,7 @@ ON CONFLICT ("relay_id") DO UPDATE SET "expires_at" = EXCLUDED."expires_at"`
 		}
 		s.probe = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE ` + sqliteReady + `)`
 		s.claim = `UPDATE ` + t + ` SET "forwarded_at" = ` + now + ` WHERE "offset" IN (
-	` + claimWindow(`SELECT "offset", length(CAST("payload" AS BLOB)) + length(CAST("metadata" AS BLOB)) AS "size" FROM `+t+` WHERE `+sqliteReady+`
+	` + claimWindow(`SELECT "offset", length("payload") + length(CAST("metadata" AS BLOB)) AS "size" FROM `+t+` WHERE `+sqliteReady+`
 		ORDER BY "offset" LIMIT ?`, "?") + `)
 RETURNING "offset", "uuid", "topic", "payload", "metadata", (julianday('now') - julianday("created_at")) * 86400.0, "attempts"`
 		s.claimMarks = true
