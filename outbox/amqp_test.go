@@ -30,8 +30,6 @@ const (
 	rabbitFrameMax   = 128 << 10
 )
 
-var _ = rabbitFrameMax
-
 // broker is one test's RabbitMQ: fanout exchanges named after the outbox's
 // destination topics, each bound to a queue of the same name, and a
 // watermill-amqp publisher that declares the exchange of each topic it
