@@ -15,12 +15,27 @@
 // [Outbox.NewPgxRelay] and the other Pgx functions), with the same
 // statements underneath.
 //
+// A row the broker refuses (a destination refused for good, a message
+// larger than it takes) holds no other row: the relay counts the failure
+// on that row, retries it after a backoff while it forwards the rows behind
+// it, and after [RelayConfig.MaxAttempts] sets it aside, where [Outbox.Status],
+// [Outbox.Failed] and `settle outbox status` show it, until [Outbox.Requeue]
+// (`settle outbox retry`) puts it back. A broker outage sets nothing aside.
+// Batches are bounded in rows and in bytes.
+//
 // # What it does not guarantee
 //
 //   - Exactly-once delivery: a relay that dies between publishing a batch and
 //     committing its marks publishes those rows again. Consumers dedupe.
-//   - Order across transactions, or any order with several relays; see
-//     docs/outbox.md for the order that is kept.
+//   - Order across transactions, or any order with several relays, or the
+//     order of a transaction's messages once one of them failed to publish
+//     (it is retried after the ones behind it); see docs/outbox.md for the
+//     order that is kept.
+//   - That a failing row is set aside when nothing else is published: it
+//     is set aside only once the broker took some other row after its first
+//     failure, or a row to another topic after its topic began to fail, so
+//     that an outage sets nothing aside; until then it is retried, and
+//     Status shows it.
 //
 // [SQLiteSchema] and [SQLiteOffsetsAdapter] are a separate piece: they let
 // watermill-sql publish to and subscribe from SQLite (modernc.org/sqlite).

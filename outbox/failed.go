@@ -122,7 +122,7 @@ func (o *Outbox) sizeExpr() string {
 	case dedupe.MySQL:
 		return "LENGTH(payload) + LENGTH(metadata)"
 	default:
-		return `length(CAST("payload" AS BLOB)) + length(CAST("metadata" AS BLOB))`
+		return `length("payload") + length(CAST("metadata" AS BLOB))`
 	}
 }
 

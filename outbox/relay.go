@@ -84,11 +84,16 @@ type RelayConfig struct {
 	// allows before it sets the row aside: the row stays in the outbox
 	// table, is never forwarded or pruned, and is shown by Status, Failed
 	// and `settle outbox status` until Requeue (`settle outbox retry`) puts
-	// it back. A failure counts towards setting the row aside only when the
-	// broker took other rows around it (the relay published another row
-	// after this row's first failure, and the publish just before this one
-	// succeeded): a broker outage makes rows wait, never sets them aside.
-	// Defaults to DefaultMaxAttempts (10). Must be >= 1.
+	// it back. A row is set aside at its MaxAttempts-th failure only once
+	// the broker has shown that it works and refuses this row (the relay
+	// published some other row after this row's first failure) or this
+	// topic (it published a row to another topic after this topic began to
+	// fail); until then the row keeps its backoff, so a broker outage makes
+	// rows wait and sets none aside, and a row alone on a quiet outbox waits
+	// for the next row forwarded. A publish that fails right after another
+	// failure in one batch counts for no row (the broker may refuse
+	// everything, or be reconnecting). Defaults to DefaultMaxAttempts (10).
+	// Must be >= 1.
 	MaxAttempts int
 	// HeartbeatInterval is how often the relay renews its row in the relays
 	// table; Status counts a relay as alive for three intervals after its
@@ -344,8 +349,9 @@ func (r *Relay) Close() error {
 	return err
 }
 
-// Counts returns how many rows this relay forwarded and how many forwards
-// failed (or were foreign rows set aside) since it was built.
+// Counts returns how many rows this relay forwarded and how many publishes
+// of a row failed (one per failing row and attempt; a foreign row sent to
+// the poison topic counts too) since it was built.
 func (r *Relay) Counts() (forwarded, failed int64) {
 	return r.forwarded.Load(), r.failed.Load()
 }
@@ -356,7 +362,8 @@ func (r *Relay) Status(ctx context.Context) (Status, error) {
 }
 
 // Drain waits until no committed row is pending (forwarded by this relay or
-// another one) and this relay's batch in progress, if any, has ended, so
+// another one, or set aside: a row waiting for its next attempt is still
+// pending) and this relay's batch in progress, if any, has ended, so
 // that Counts includes every row this relay forwarded. Tests and tools use
 // it instead of sleeping.
 func (r *Relay) Drain(ctx context.Context) error {
@@ -411,6 +418,15 @@ func (r *Relay) loop(ctx context.Context) {
 	lastBeat := time.Now()
 	claim := true
 	for ctx.Err() == nil {
+		if claim && time.Since(lastBeat) >= r.cfg.HeartbeatInterval {
+			// Batches that keep coming (a backlog, or failures retried
+			// after RetryInterval) never reach the tick below: beat here,
+			// so that Status counts a busy or failing relay as alive.
+			if _, err := r.probe(ctx, true); err != nil && ctx.Err() == nil {
+				r.cfg.Logger.Error("outbox: relay heartbeat failed", err, nil)
+			}
+			lastBeat = time.Now()
+		}
 		if claim {
 			res, err := r.batch(ctx)
 			if err != nil {
@@ -534,9 +550,8 @@ type row struct {
 
 // failure is one failed publish of one row in a batch.
 type failure struct {
-	rw      row
-	err     error
-	trusted bool // the publish before it, of another row, succeeded
+	rw  row
+	err error
 }
 
 // batchResult is what one batch did with the rows it claimed.
@@ -546,8 +561,9 @@ type batchResult struct {
 	published []row // to their topic, or foreign ones to the poison topic
 	poisoned  int   // of published, foreign rows
 	failed    []failure
-	released  []row // not tried, or tried right after another failure: pending again, untouched
-	stopped   bool  // two publishes failed in a row: the broker may be down
+	released  []row    // not tried, or tried right after another failure: pending again, untouched
+	stopped   bool     // a publish failed right after another: the broker may be down
+	overrun   *failure // the publish in flight when the batch overran its AckDeadline
 }
 
 // more reports whether rows may be ready beyond those the batch took.
@@ -560,8 +576,8 @@ func (b batchResult) more(cfg RelayConfig) bool {
 // attempt counted, its next attempt delayed, or set aside), or released
 // untouched. A failed row does not stop the batch: the rows behind it are
 // published, one call per row from there on, skipping the other rows of a
-// topic that failed. Two failed publishes in a row stop it (the broker may
-// be down), and the rest is released.
+// topic that failed. A publish that fails right after another one stops
+// it (the broker may be down): that row and the rest are released.
 //
 // Closing the relay (ctx ending) stops the batch before its claim or
 // between two publishes, but the marks of the rows already published are
@@ -609,6 +625,10 @@ func (r *Relay) batch(ctx context.Context) (batchResult, error) {
 		res.bytes += rw.size
 	}
 	r.publish(ctx, rows, &res)
+	if res.overrun != nil {
+		_ = tx.Rollback()
+		return batchResult{}, r.recordOverrun(*res.overrun)
+	}
 	if err := r.settle(txCtx, tx, &res); err != nil {
 		return batchResult{}, err
 	}
@@ -638,7 +658,7 @@ func (r *Relay) settle(ctx context.Context, tx wsql.Tx, res *batchResult) error 
 		}
 	}
 	for i, f := range res.failed {
-		aside := f.rw.attempts+1 >= r.cfg.MaxAttempts && f.trusted && r.health.evidence(f.rw.offset)
+		aside := r.health.setAside(f.rw.offset, f.rw.topic, f.rw.attempts+1, r.cfg.MaxAttempts)
 		delay := r.backoff(f.rw.attempts + 1)
 		if aside {
 			delay = 0
@@ -653,6 +673,30 @@ func (r *Relay) settle(ctx context.Context, tx wsql.Tx, res *batchResult) error 
 		}
 	}
 	return nil
+}
+
+// recordOverrun counts the failure of the row whose publish outlived the
+// batch, in a statement of its own: the batch was rolled back, and its
+// other rows are pending again (those it had published go out twice).
+func (r *Relay) recordOverrun(f failure) error {
+	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.AckDeadline)
+	defer cancel()
+	res := batchResult{failed: []failure{f}}
+	tx, err := r.db.BeginTx(ctx, nil)
+	if err != nil {
+		return errors.Join(f.err, fmt.Errorf("record the failure: %w", err))
+	}
+	defer func() { _ = tx.Rollback() }()
+	if err := r.settle(ctx, tx, &res); err != nil {
+		return errors.Join(f.err, err)
+	}
+	if err := tx.Commit(); err != nil {
+		return errors.Join(f.err, fmt.Errorf("record the failure: %w", err))
+	}
+	r.failed.Add(1)
+	r.fail.Add(ctx, 1, r.attrs)
+	r.logFailures(res)
+	return fmt.Errorf("batch rolled back: %w", f.err)
 }
 
 func (r *Relay) failArgs(text string, delay time.Duration, aside bool, offset int64) []any {
@@ -787,7 +831,8 @@ func (r *Relay) claimMySQL(ctx context.Context, tx wsql.Tx) ([]row, error) {
 // topic in one call until a publish fails, then one row per call. A row
 // whose own publish fails is recorded as failed and the batch goes on with
 // the rows behind it, passing over (releasing) the other rows of that topic
-// in this batch; a second failure in a row stops the batch. A publish that
+// in this batch; a failure right after it stops the batch and is nobody's
+// (the next batch starts with that row). A publish that
 // fails with several rows is not the failure of any one of them: they are
 // tried again one by one (rows the failed call had already published go out
 // twice, a duplicate the relay allows).
@@ -809,15 +854,16 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 		m, ok := r.message(ctx, rw)
 		if !ok { // foreign: its metadata does not decode
 			if err := r.poison(rw); err != nil {
-				if ctx.Err() != nil {
+				if ctx.Err() != nil || consecutive > 0 {
 					res.released = append(res.released, rows[i:]...)
+					res.stopped = ctx.Err() == nil
 					return
 				}
 				r.recordFailure(res, rw, err)
 				consecutive++
 				careful = true
 			} else {
-				r.health.success(rw.offset)
+				r.health.success(rw.offset, r.cfg.PoisonTopic)
 				res.published = append(res.published, rw)
 				res.poisoned++
 				r.failed.Add(1)
@@ -825,11 +871,6 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 				consecutive = 0
 			}
 			i++
-			if consecutive >= 2 {
-				res.released = append(res.released, rows[i:]...)
-				res.stopped = true
-				return
-			}
 			continue
 		}
 		msgs := []*message.Message{m}
@@ -845,7 +886,7 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 		err := r.out.Publish(rw.topic, msgs...)
 		if err == nil {
 			for _, p := range rows[i:end] {
-				r.health.success(p.offset)
+				r.health.success(p.offset, p.topic)
 			}
 			res.published = append(res.published, rows[i:end]...)
 			consecutive = 0
@@ -853,6 +894,13 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 			continue
 		}
 		if ctx.Err() != nil {
+			if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+				// The batch overran its AckDeadline (not a Close): its
+				// transaction is gone with it, and the row that did not
+				// return would be first in the next batch again.
+				r.health.failure(rw.offset, rw.topic)
+				res.overrun = &failure{rw: rw, err: fmt.Errorf("publish to %q did not return within the batch's AckDeadline (%v): %w", rw.topic, r.cfg.AckDeadline, err)}
+			}
 			res.released = append(res.released, rows[i:]...)
 			return
 		}
@@ -860,21 +908,26 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 			careful = true // find the row that fails
 			continue
 		}
+		if consecutive > 0 {
+			// Right after another failure: the broker may refuse
+			// everything now (or be reconnecting after the row before).
+			// Not this row's failure; stop and try again later.
+			r.cfg.Logger.Debug("outbox: a second publish failed in a row; pausing", watermill.LogFields{"offset": rw.offset, "topic": rw.topic, "err": err.Error()})
+			res.released = append(res.released, rows[i:]...)
+			res.stopped = true
+			return
+		}
 		r.recordFailure(res, rw, fmt.Errorf("publish to %q: %w", rw.topic, err))
 		failedTopics[rw.topic] = true
 		careful = true
 		consecutive++
 		i++
-		if consecutive >= 2 {
-			res.released = append(res.released, rows[i:]...)
-			res.stopped = true
-			return
-		}
 	}
 }
 
 func (r *Relay) recordFailure(res *batchResult, rw row, err error) {
-	res.failed = append(res.failed, failure{rw: rw, err: err, trusted: r.health.failure(rw.offset)})
+	r.health.failure(rw.offset, rw.topic)
+	res.failed = append(res.failed, failure{rw: rw, err: err})
 }
 
 func (r *Relay) message(ctx context.Context, rw row) (*message.Message, bool) {
@@ -902,58 +955,74 @@ func (r *Relay) poison(rw row) error {
 	return nil
 }
 
-// health is what the relay has seen of the broker, to tell a row the
-// broker refuses from a broker that refuses everything. Only the relay's
-// loop uses it (batches run one at a time).
+// health is what the relay has seen of the broker, to tell a row or a
+// topic the broker refuses from a broker that refuses everything. Only the
+// relay's loop uses it (batches run one at a time).
 type health struct {
 	seq   uint64
-	okSeq uint64      // the last successful publish
-	last  [2]failMark // the latest failure, and the latest of another row
-	first map[int64]uint64
+	okSeq uint64 // the last successful publish
+	// ok and other are the last successful publish and the last one to
+	// another topic than ok's.
+	ok, other topicMark
+	first     map[int64]uint64  // the first failure this relay saw of each row still failing
+	failing   map[string]uint64 // the first failure of each topic since it last took a publish
 }
 
-type failMark struct {
-	offset int64
-	seq    uint64
+type topicMark struct {
+	topic string
+	seq   uint64
 }
 
-// maxTracked bounds health.first; past it the relay forgets what it saw
+// maxTracked bounds health's maps; past it the relay forgets what it saw
 // (rows then take longer to be set aside, never less long).
 const maxTracked = 100_000
 
-func (h *health) success(offset int64) {
+func (h *health) success(offset int64, topic string) {
 	h.seq++
 	h.okSeq = h.seq
+	if h.ok.topic != topic {
+		h.other = h.ok
+	}
+	h.ok = topicMark{topic: topic, seq: h.seq}
 	delete(h.first, offset)
+	delete(h.failing, topic)
 }
 
-// failure records a failed publish of the row at offset and reports
-// whether the latest publish of another row before it succeeded.
-func (h *health) failure(offset int64) (trusted bool) {
-	prev := h.last[0]
-	if prev.offset == offset {
-		prev = h.last[1]
-	}
-	trusted = h.okSeq > 0 && h.okSeq > prev.seq
+func (h *health) failure(offset int64, topic string) {
 	h.seq++
-	if h.last[0].offset != offset {
-		h.last[1] = h.last[0]
-	}
-	h.last[0] = failMark{offset: offset, seq: h.seq}
 	if h.first == nil || len(h.first) >= maxTracked {
 		h.first = map[int64]uint64{}
+	}
+	if h.failing == nil || len(h.failing) >= maxTracked {
+		h.failing = map[string]uint64{}
 	}
 	if _, ok := h.first[offset]; !ok {
 		h.first[offset] = h.seq
 	}
-	return trusted
+	if _, ok := h.failing[topic]; !ok {
+		h.failing[topic] = h.seq
+	}
 }
 
-// evidence reports whether the relay published some row after its first
-// failure of the row at offset.
-func (h *health) evidence(offset int64) bool {
-	f, ok := h.first[offset]
-	return ok && h.okSeq > f
+// setAside decides whether the row at offset, to topic, is set aside after
+// attempts failed publishes: after max of them, once the broker has shown
+// that it works and refuses this row (it took some other row after this
+// row's first failure) or this topic (it took a row to another topic after
+// this topic began to fail). A broker that takes nothing sets nothing
+// aside.
+func (h *health) setAside(offset int64, topic string, attempts, max int) bool {
+	if attempts < max {
+		return false
+	}
+	if f, ok := h.first[offset]; ok && h.okSeq > f {
+		return true
+	}
+	other := h.ok
+	if other.topic == topic {
+		other = h.other
+	}
+	f, ok := h.failing[topic]
+	return ok && other.seq > f
 }
 
 func (h *health) forget(offset int64) { delete(h.first, offset) }

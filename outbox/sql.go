@@ -71,9 +71,9 @@ var (
 
 // The filters of a row to forward now, in each dialect.
 const (
-	pgReady    = `"forwarded_at" IS NULL AND "set_aside_at" IS NULL AND ("next_attempt_at" IS NULL OR "next_attempt_at" <= clock_timestamp())`
-	myReady    = "forwarded_at IS NULL AND set_aside_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= CURRENT_TIMESTAMP(6))"
-	sqliteNow  = `strftime('%Y-%m-%d %H:%M:%f', 'now')`
+	pgReady     = `"forwarded_at" IS NULL AND "set_aside_at" IS NULL AND ("next_attempt_at" IS NULL OR "next_attempt_at" <= clock_timestamp())`
+	myReady     = "forwarded_at IS NULL AND set_aside_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= CURRENT_TIMESTAMP(6))"
+	sqliteNow   = `strftime('%Y-%m-%d %H:%M:%f', 'now')`
 	sqliteReady = `"forwarded_at" IS NULL AND "set_aside_at" IS NULL AND ("next_attempt_at" IS NULL OR "next_attempt_at" <= ` + sqliteNow + `)`
 )
 
@@ -245,7 +245,7 @@ ON CONFLICT ("relay_id") DO UPDATE SET "expires_at" = EXCLUDED."expires_at"`
 		}
 		s.probe = `SELECT EXISTS (SELECT 1 FROM ` + t + ` WHERE ` + sqliteReady + `)`
 		s.claim = `UPDATE ` + t + ` SET "forwarded_at" = ` + now + ` WHERE "offset" IN (
-	` + claimWindow(`SELECT "offset", length(CAST("payload" AS BLOB)) + length(CAST("metadata" AS BLOB)) AS "size" FROM `+t+` WHERE `+sqliteReady+`
+	` + claimWindow(`SELECT "offset", length("payload") + length(CAST("metadata" AS BLOB)) AS "size" FROM `+t+` WHERE `+sqliteReady+`
 		ORDER BY "offset" LIMIT ?`, "?") + `)
 RETURNING "offset", "uuid", "topic", "payload", "metadata", (julianday('now') - julianday("created_at")) * 86400.0, "attempts"`
 		s.claimMarks = true

@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -271,6 +272,43 @@ func TestRelayHeartbeat(t *testing.T) {
 		_ = r.Close()
 		if n := live(); n != 0 {
 			t.Fatalf("%d relay rows after the relay stopped, want 0", n)
+		}
+	})
+}
+
+// Status counts the relays that are alive whatever the backlog: with
+// nothing pending, and with a relay whose every batch fails for longer than
+// its heartbeats live (issue 24, item 11: "relays: 0 alive" while one ran).
+func TestStatusCountsLiveRelaysAlways(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *env) {
+		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, HeartbeatInterval: 200 * time.Millisecond})
+		st, err := e.ob.Status(t.Context(), e.db.DB)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Pending != 0 || st.LiveRelays != 1 {
+			t.Fatalf("idle outbox with a relay running: %+v; want 1 live relay", st)
+		}
+
+		// Another outbox whose only relay fails every batch, without a
+		// pause long enough for its poll tick.
+		e = setup(t, e.db)
+		ob := e.ob
+		for i := range 20 {
+			e.placeOrder(t, t.Context(), fmt.Sprintf("L-%d", i), true, message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
+		}
+		startRelay(t, e, refuse{}, outbox.RelayConfig{PollInterval: time.Second, RetryInterval: 5 * time.Millisecond, MaxRetryInterval: 5 * time.Millisecond, HeartbeatInterval: 200 * time.Millisecond})
+		deadline := time.Now().Add(2 * time.Second) // > 3 heartbeats
+		for time.Now().Before(deadline) {
+			st, err := ob.Status(t.Context(), e.db.DB)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.LiveRelays != 1 {
+				t.Fatalf("status while relays run: %+v (%s); want them counted", st, st.Explain())
+			}
+			time.Sleep(20 * time.Millisecond)
 		}
 	})
 }

@@ -54,6 +54,7 @@ var commands = []command{
 	{"outbox schema", runOutboxSchema},
 	{"outbox status", runOutboxStatus},
 	{"outbox prune", runOutboxPrune},
+	{"outbox retry", runOutboxRetry},
 	{"trace", runTrace},
 }
 
@@ -64,8 +65,9 @@ var synopses = map[string]string{
 	"dlq replay":    "dlq replay -queue Q [-id ID ...] [-handler H] [-reason SUBSTR] [-all] [-to Q | -allow-topics T,... | -any-destination] [-force] [-yes]",
 	"dedupe prune":  "dedupe prune -db URL [-driver pgx|sql] [-table T] -older-than AGE [-force] [-yes]",
 	"dedupe schema": "dedupe schema -dialect postgres|mysql|sqlite [-table T]",
-	"outbox schema": "outbox schema -dialect postgres|mysql|sqlite [-topic T]",
-	"outbox status": "outbox status -db URL [-driver pgx|sql] [-topic T] [-stuck-after D] [-json]",
+	"outbox schema": "outbox schema -dialect postgres|mysql|sqlite [-topic T] [-upgrade]",
+	"outbox status": "outbox status -db URL [-driver pgx|sql] [-topic T] [-stuck-after D] [-list N] [-json]",
+	"outbox retry":  "outbox retry -db URL [-driver pgx|sql] [-topic T] (-offset N ... | -dest TOPIC | -all) [-yes] [-json]",
 	"outbox prune":  "outbox prune -db URL [-driver pgx|sql] [-topic T] -older-than AGE [-force] [-yes]",
 	"trace":         "trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag KEY=VALUE]) [-svg FILE]",
 }

@@ -110,6 +110,7 @@ func runOutboxSchema(e *env, args []string) error {
 	fs := newFlagSet(name)
 	dialect := fs.String("dialect", "", "postgres, mysql or sqlite (required)")
 	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
+	upgrade := fs.Bool("upgrade", false, "print the statements that upgrade an outbox table of an earlier settle version (see docs/outbox.md, Upgrading)")
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
@@ -123,6 +124,9 @@ func runOutboxSchema(e *env, args []string) error {
 	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Dialect(*dialect), Topic: *topic})
 	if err != nil {
 		return usagef(fs, name, "%v", err)
+	}
+	if *upgrade {
+		return writeSQL(e.stdout, fmt.Sprintf("settle outbox %s (%s): upgrade from a table without per-row failures", *topic, *dialect), ob.SchemaUpgrade())
 	}
 	stmts, err := ob.Schema()
 	if err != nil {
@@ -142,6 +146,7 @@ func runOutboxStatus(e *env, args []string) (err error) {
 	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
 	stuckAfter := fs.Duration("stuck-after", outbox.DefaultStuckAfter, "a pending row older than this is old: with a live relay, the relay is stuck or passes it over")
 	asJSON := fs.Bool("json", false, "write JSON")
+	list := fs.Int("list", 10, "list up to this many rows that failed (retrying or set aside), oldest first; 0 lists none")
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
@@ -151,6 +156,8 @@ func runOutboxStatus(e *env, args []string) (err error) {
 		return usagef(fs, name, "unexpected argument %q", pos[0])
 	case *stuckAfter <= 0:
 		return usagef(fs, name, "-stuck-after must be > 0")
+	case *list < 0 || *list > 10000:
+		return usagef(fs, name, "-list must be 0-10000")
 	}
 	d, ob, err := openOutbox(e, *dbURL, *driver, *topic, *stuckAfter)
 	if err != nil {
@@ -169,20 +176,34 @@ func runOutboxStatus(e *env, args []string) (err error) {
 	if err != nil {
 		return err
 	}
+	var failed []outbox.FailedRow
+	if *list > 0 && st.Retrying+st.SetAside > 0 {
+		if failed, err = d.outboxFailed(e.ctx, ob, outbox.Selection{Limit: *list}); err != nil {
+			return err
+		}
+	}
 	if *asJSON {
 		err = writeJSON(e.stdout, struct {
-			Topic          string  `json:"topic"`
-			State          string  `json:"state"`
-			Pending        int64   `json:"pending"`
-			LagSeconds     float64 `json:"lag_seconds"`
-			OldestOffset   int64   `json:"oldest_offset"`
-			LiveRelays     int64   `json:"live_relays"`
-			ForwardedSince int64   `json:"forwarded_since"`
-			Explain        string  `json:"explain"`
-		}{*topic, string(st.State), st.Pending, st.Lag.Seconds(), st.OldestOffset, st.LiveRelays, st.ForwardedSince, st.Explain()})
+			Topic          string          `json:"topic"`
+			State          string          `json:"state"`
+			Pending        int64           `json:"pending"`
+			LagSeconds     float64         `json:"lag_seconds"`
+			OldestOffset   int64           `json:"oldest_offset"`
+			Retrying       int64           `json:"retrying"`
+			SetAside       int64           `json:"set_aside"`
+			LiveRelays     int64           `json:"live_relays"`
+			ForwardedSince int64           `json:"forwarded_since"`
+			Explain        string          `json:"explain"`
+			Failed         []failedRowJSON `json:"failed"`
+		}{*topic, string(st.State), st.Pending, st.Lag.Seconds(), st.OldestOffset, st.Retrying, st.SetAside, st.LiveRelays, st.ForwardedSince, st.Explain(), failedJSON(failed)})
 	} else {
-		_, err = fmt.Fprintf(e.stdout, "topic:   %s\nstate:   %s\npending: %d\nlag:     %s\nrelays:  %d alive\n%s\n",
-			*topic, st.State, st.Pending, st.Lag.Round(time.Millisecond), st.LiveRelays, st.Explain())
+		_, err = fmt.Fprintf(e.stdout, "topic:   %s\nstate:   %s\npending: %d\nlag:     %s\nretrying:  %d\nset aside: %d\nrelays:  %d alive\n%s\n",
+			*topic, st.State, st.Pending, st.Lag.Round(time.Millisecond), st.Retrying, st.SetAside, st.LiveRelays, outboxText(st.Explain()))
+		if err == nil && len(failed) > 0 {
+			if _, err = fmt.Fprintf(e.stdout, "failed rows (oldest first, at most %d; `settle outbox retry` re-queues those set aside):\n", *list); err == nil {
+				err = writeFailedRows(e.stdout, failed)
+			}
+		}
 	}
 	if err != nil {
 		return err

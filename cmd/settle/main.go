@@ -7,9 +7,10 @@
 //	                    [-to Q | -allow-topics T,... | -any-destination] [-force] [-yes]
 //	settle dedupe prune -db URL [-driver pgx|sql] [-table T] -older-than 7d [-force] [-yes]
 //	settle dedupe schema -dialect postgres|mysql|sqlite [-table T]
-//	settle outbox schema -dialect postgres|mysql|sqlite [-topic T]
-//	settle outbox status -db URL [-driver pgx|sql] [-topic T] [-stuck-after D] [-json]
+//	settle outbox schema -dialect postgres|mysql|sqlite [-topic T] [-upgrade]
+//	settle outbox status -db URL [-driver pgx|sql] [-topic T] [-stuck-after D] [-list N] [-json]
 //	settle outbox prune -db URL [-driver pgx|sql] [-topic T] -older-than 7d [-force] [-yes]
+//	settle outbox retry -db URL [-driver pgx|sql] [-topic T] (-offset N ... | -dest T | -all) [-yes]
 //	settle trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag K=V]) [-svg FILE]
 //
 // -db defaults to $SETTLE_POSTGRES_URL, else $SETTLE_MYSQL_URL, and -amqp to
