@@ -1,0 +1,196 @@
+package integration_test
+
+import (
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/middleware"
+	"github.com/settle-go/settle/poison"
+)
+
+// handBuilt is a router assembled by hand, as docs/poison.md and
+// docs/retry.md show it: watermill-amqp's durable queue configuration for
+// the subscriber and the publisher (ConfirmDelivery set), settle's parking
+// and retry middlewares added to the handler, nothing declared by hand.
+type handBuilt struct {
+	t        *testing.T
+	cfg      amqp.Config
+	src      string
+	conn     *amqp091.Connection
+	runs     atomic.Int64
+	mu       sync.Mutex
+	uuidRuns map[string]int
+}
+
+func newHandBuilt(t *testing.T, marshaler amqp.Marshaler) *handBuilt {
+	t.Helper()
+	url := testenv.AMQPURL(t)
+	e := &handBuilt{t: t, src: testenv.Name(t, "review"), uuidRuns: map[string]int{}}
+	e.cfg = amqp.NewDurableQueueConfig(url)
+	if marshaler != nil {
+		e.cfg.Marshaler = marshaler
+	}
+	e.cfg.Publish.ConfirmDelivery = true
+	var err error
+	e.conn, err = amqp091.Dial(url)
+	saMust(t, err)
+	t.Cleanup(func() {
+		if ch, err := e.conn.Channel(); err == nil {
+			for _, q := range []string{e.src, e.src + ".poison", e.src + ".dead"} {
+				_, _ = ch.QueueDelete(q, false, false, false)
+			}
+		}
+		_ = e.conn.Close()
+	})
+	return e
+}
+
+// publish declares the source queue (durable, as the subscriber does) and
+// puts p on it, confirmed.
+func (e *handBuilt) publish(p amqp091.Publishing) {
+	e.t.Helper()
+	ch, err := e.conn.Channel()
+	saMust(e.t, err)
+	defer ch.Close()
+	_, err = ch.QueueDeclare(e.src, true, false, false, false, nil)
+	saMust(e.t, err)
+	saMust(e.t, ch.Confirm(false))
+	conf, err := ch.PublishWithDeferredConfirmWithContext(e.t.Context(), "", e.src, false, false, p)
+	saMust(e.t, err)
+	if ok, err := conf.WaitContext(e.t.Context()); err != nil || !ok {
+		e.t.Fatalf("publish not confirmed: %v %v", ok, err)
+	}
+}
+
+// depth returns the ready messages of queue, -1 when it does not exist.
+func (e *handBuilt) depth(queue string) int {
+	e.t.Helper()
+	ch, err := e.conn.Channel()
+	saMust(e.t, err)
+	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	if err != nil {
+		var aerr *amqp091.Error
+		if errors.As(err, &aerr) && aerr.Code == amqp091.NotFound {
+			return -1
+		}
+		e.t.Fatalf("inspect %s: %v", queue, err)
+	}
+	_ = ch.Close()
+	return q.Messages
+}
+
+// run runs handler on the source queue of sub behind mws (outermost first).
+func (e *handBuilt) run(sub message.Subscriber, handler func(msg *message.Message) error, mws ...message.HandlerMiddleware) (stop func()) {
+	t := e.t
+	t.Helper()
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: parkWait}, watermill.NopLogger{})
+	saMust(t, err)
+	h := router.AddConsumerHandler("review_handler", e.src, sub, func(msg *message.Message) error {
+		e.runs.Add(1)
+		e.mu.Lock()
+		e.uuidRuns[msg.UUID]++
+		e.mu.Unlock()
+		return handler(msg)
+	})
+	h.AddMiddleware(mws...)
+	return runRouter(t, router, parkWait)
+}
+
+func (e *handBuilt) pubsub() (message.Publisher, message.Subscriber) {
+	t := e.t
+	t.Helper()
+	sub, err := amqp.NewSubscriber(e.cfg, testenv.AMQPLogger(t, nil))
+	saMust(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	pub, err := amqp.NewPublisher(e.cfg, testenv.AMQPLogger(t, nil))
+	saMust(t, err)
+	t.Cleanup(func() { _ = pub.Close() })
+	return pub, sub
+}
+
+// waitFor polls cond for up to parkWait.
+func waitFor(cond func() bool) bool {
+	deadline := time.Now().Add(parkWait)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return true
+}
+
+// review: a router assembled by hand as docs/poison.md shows it
+// (ParkConfig{Publisher: pub, Topic: ...}, no Initializer) with
+// watermill-amqp's durable queue configuration and ConfirmDelivery loses
+// every poison copy: a watermill-amqp Publisher declares no queue, so
+// ParkConfig's default Initializer is nil, RabbitMQ drops the copy sent to
+// the undeclared queue and confirms it, and the original is acked. Nothing
+// is stored where a person can find it.
+func TestReviewHandBuiltParkingOnTheDefaultPath(t *testing.T) {
+	t.Parallel()
+	e := newHandBuilt(t, nil)
+	pub, sub := e.pubsub()
+	ps, err := middleware.NewPoison(middleware.ParkConfig{Publisher: pub, Topic: e.src + ".poison", NackDelay: 10 * time.Millisecond})
+	if err != nil {
+		// Refusing the configuration is an acceptable answer too.
+		t.Logf("NewPoison refused the configuration: %v", err)
+		return
+	}
+	id := watermill.NewUUID()
+	e.publish(amqp091.Publishing{Headers: amqp091.Table{amqp.DefaultMessageUUIDHeaderKey: id}, Body: []byte("bad"), DeliveryMode: amqp091.Persistent})
+	stop := e.run(sub, func(*message.Message) error { return poison.Permanent(errors.New("order has no customer")) }, ps)
+	waitFor(func() bool { return e.runs.Load() >= 1 && (e.depth(e.src+".poison") >= 1 || e.depth(e.src) == 0) })
+	time.Sleep(500 * time.Millisecond)
+	stop()
+	ch, err := e.conn.Channel()
+	saMust(t, err)
+	defer ch.Close()
+	left := saQueueAfterConsumersLeft(t, ch, e.src, nil)
+	parked := e.depth(e.src + ".poison")
+	if parked < 1 && left < 1 {
+		t.Errorf("poison message lost: the poison queue holds %d (-1: never declared) and the source %d; handler ran %d times",
+			parked, left, e.runs.Load())
+	}
+}
+
+// review: with watermill-amqp's default marshaler (which copies every
+// header into metadata) a producer-set settle_delivery_count header is taken
+// as the broker's delivery count by the retry middleware: the message is
+// dead-lettered without its handler ever running. Only amqpmarshal strips
+// the header; any other marshaler, on any broker, passes a producer's value
+// on.
+func TestReviewForgedDeliveryCountWithTheDefaultMarshaler(t *testing.T) {
+	t.Parallel()
+	e := newHandBuilt(t, nil)
+	pub, sub := e.pubsub()
+	ch, err := e.conn.Channel()
+	saMust(t, err)
+	_, err = ch.QueueDeclare(e.src+".dead", true, false, false, false, nil)
+	saMust(t, err)
+	_ = ch.Close()
+	dl, err := middleware.NewDeadLetter(middleware.ParkConfig{Publisher: pub, Topic: e.src + ".dead", NackDelay: 10 * time.Millisecond})
+	saMust(t, err)
+	retry, err := middleware.NewRetry(saFastRetry(3, 0))
+	saMust(t, err)
+	id := watermill.NewUUID()
+	e.publish(amqp091.Publishing{Headers: amqp091.Table{amqp.DefaultMessageUUIDHeaderKey: id, settle.MetaDeliveryCount: "50"},
+		Body: []byte("forged"), DeliveryMode: amqp091.Persistent})
+	stop := e.run(sub, func(*message.Message) error { return nil }, dl, retry)
+	waitFor(func() bool { return e.runs.Load() >= 1 || e.depth(e.src+".dead") >= 1 })
+	time.Sleep(300 * time.Millisecond)
+	stop()
+	if runs, dead := e.runs.Load(), e.depth(e.src+".dead"); runs != 1 || dead != 0 {
+		t.Errorf("handler ran %d times (want 1), dead-letter queue holds %d (want 0)", runs, dead)
+	}
+}
