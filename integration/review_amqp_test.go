@@ -196,3 +196,97 @@ func TestReviewForgedDeliveryCountWithTheDefaultMarshaler(t *testing.T) {
 		t.Errorf("handler ran %d times (want 1), dead-letter queue holds %d (want 0)", runs, dead)
 	}
 }
+
+// review: a message with as many headers as an amqp091 client can read
+// (8192 entries in a table; RabbitMQ takes more) fails permanently. The
+// copy carries the original's entries plus settle's own, so it has more than
+// 8192: RabbitMQ stores it, but no amqp091 client (watermill-amqp, amqpsub,
+// `settle dlq`) can read it back, and a Get on the poison queue closes the
+// connection with a syntax error. A parked copy must be one a person can
+// read. Headers of odd AMQP types (tables, arrays, decimals, timestamps,
+// bytes, void) on another poison message must park too, and the good
+// messages behind both be handled once.
+func TestReviewParkingManySmallHeaders(t *testing.T) {
+	t.Parallel()
+	for _, kind := range parkSubscribers {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			e := newParkEnv(t)
+			many := amqp091.Table{}
+			const digits = "abcdefghijklmnopqrstuvwxyz0123456789"
+			for i := range 8190 {
+				many[string([]byte{digits[i/1296], digits[i/36%36], digits[i%36]})] = "v"
+			}
+			sent := map[string]string{}
+			send := func(k string, h amqp091.Table) {
+				id := watermill.NewUUID()
+				sent[id] = k
+				e.publish(amqp091.Publishing{MessageId: id, Body: []byte(k), DeliveryMode: amqp091.Persistent, Headers: h})
+			}
+			send("poison", many)
+			send("poison", amqp091.Table{
+				"tbl": amqp091.Table{"a": int32(1), "b": amqp091.Table{"c": "d"}},
+				"arr": []any{int32(1), "two", 3.5, amqp091.Decimal{Scale: 2, Value: 12345}},
+				"dec": amqp091.Decimal{Scale: 3, Value: -5},
+				"ts":  time.Unix(1700000000, 0),
+				"bin": []byte{0, 1, 2, 0xff},
+				"nul": nil,
+				"i64": int64(-1 << 62),
+				"f":   float32(1.5),
+			})
+			for range 5 {
+				send("good", nil)
+			}
+			stop := e.start(kind, func(msg *message.Message) error {
+				if string(msg.Payload) == "poison" {
+					return poison.Permanent(errors.New("undecodable"))
+				}
+				return nil
+			})
+			ok := e.waitFor(func() bool {
+				runs := e.runsOf()
+				good := 0
+				for id, k := range sent {
+					if k == "good" && runs[id] > 0 {
+						good++
+					}
+				}
+				return good == 5 && e.parked(0, 2)
+			})
+			if !ok {
+				d, _ := e.depth(e.poison())
+				t.Errorf("after %v: poison queue holds %d, want 2; runs %v", parkWait, d, e.runsOf())
+			}
+			if n := e.finish(stop); n != 0 {
+				t.Errorf("source queue holds %d messages after the router closed, want 0", n)
+			}
+			runs := e.runsOf()
+			for id, k := range sent {
+				if runs[id] != 1 {
+					t.Errorf("%s message %s ran %d times, want 1", k, id, runs[id])
+				}
+			}
+			// Read the poison queue as a person (settle dlq) would.
+			conn, err := amqp091.Dial(e.url)
+			saMust(t, err)
+			defer conn.Close()
+			ch, err := conn.Channel()
+			saMust(t, err)
+			var poisoned []*message.Message
+			for {
+				d, got, err := ch.Get(e.poison(), false)
+				if err != nil {
+					t.Fatalf("reading the poison queue: %v (%d copies read)", err, len(poisoned))
+				}
+				if !got {
+					break
+				}
+				m, err := e.marshaler.Unmarshal(d)
+				saMust(t, err)
+				saMust(t, d.Ack(false))
+				poisoned = append(poisoned, m)
+			}
+			checkParked(t, "poison", poisoned, sent, "poison", settle.Poisoned)
+		})
+	}
+}
