@@ -59,7 +59,11 @@ type ParkConfig struct {
 	// fits, and MetaDroppedHeaders names them. The payload is never
 	// changed. After three failed publishes of a message's copy, its next
 	// copy is minimal: settle's metadata only, every original entry named
-	// in MetaDroppedHeaders (logged at error level). Defaults to 64 KiB.
+	// in MetaDroppedHeaders (logged at error level). The number of entries
+	// is bounded too (8000): amqp091, under watermill-amqp, amqpsub and the
+	// settle command, reads no table of more than 8192 entries, so a copy
+	// of an original with that many, plus settle's own, could be stored by
+	// RabbitMQ and never read back. Defaults to 64 KiB.
 	// Must be 0 or >= 16 KiB.
 	MaxMetadataBytes int
 	// Logger defaults to watermill.NopLogger. Publish failures are logged at

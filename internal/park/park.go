@@ -66,6 +66,13 @@ const (
 	maxUUIDText = 1 << 10
 	// maxDroppedText bounds MetaDroppedHeaders.
 	maxDroppedText = 2 << 10
+	// MaxEntries bounds the number of a copy's metadata entries. RabbitMQ
+	// takes a table of any length, but amqp091 (under watermill-amqp,
+	// amqpsub and the settle command) refuses to read one of more than
+	// 8192 entries: an original just under that, plus settle's own
+	// entries, made a copy that nobody could read back. The rest of the
+	// 8192 is left to the marshaler's own headers.
+	MaxEntries = 8000
 )
 
 // MetaDroppedHeaders is the metadata key under which a copy says which of
@@ -159,7 +166,7 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 	var dropped []entry
 	if lim.Minimal {
 		dropped, orig = orig, nil
-	} else if size > maxMD {
+	} else if size > maxMD || len(orig)+len(own)+1 > MaxEntries {
 		// Leave out the largest first: the fewest entries lost.
 		sort.Slice(orig, func(i, j int) bool {
 			a, b := len(orig[i].k)+len(orig[i].v), len(orig[j].k)+len(orig[j].v)
@@ -169,7 +176,7 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 			return orig[i].k < orig[j].k
 		})
 		budget := maxMD - maxDroppedText - len(MetaDroppedHeaders)
-		for len(orig) > 0 && size > budget {
+		for len(orig) > 0 && (size > budget || len(orig)+len(own)+1 > MaxEntries) {
 			size -= len(orig[0].k) + len(orig[0].v)
 			dropped = append(dropped, orig[0])
 			orig = orig[1:]
