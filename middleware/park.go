@@ -35,7 +35,10 @@ type ParkConfig struct {
 	// topic must exist before the first copy. For RabbitMQ pass the
 	// subscriber of the handler (a watermill-amqp Subscriber or an
 	// amqpsub.Subscriber), whose configuration routes Publisher's messages
-	// for a topic to the queue it declares for it; pipeline does so.
+	// for a topic to the queue it declares for it; pipeline does so. It is
+	// required with a watermill-amqp Publisher, which declares no queue
+	// (ErrNoInitializer): without it every copy sent to a queue nobody had
+	// declared was dropped, confirmed, and its original acked.
 	Initializer message.SubscribeInitializer
 	// NackDelay is how long a message whose copy could not be published is
 	// held before it is nacked, so that an unreachable topic does not turn
@@ -84,6 +87,12 @@ const MetaDroppedHeaders = park.MetaDroppedHeaders
 // parked and the original acked.
 var ErrUnconfirmedPublisher = errors.New("middleware: the publisher does not wait for the broker's confirmation (watermill-amqp: set Publish.ConfirmDelivery = true)")
 
+// ErrNoInitializer is wrapped by the error returned for a watermill-amqp
+// Publisher given without ParkConfig.Initializer: it declares no queue, and
+// RabbitMQ drops and confirms a copy published to a queue that does not
+// exist, so the original would be acked with its copy nowhere.
+var ErrNoInitializer = errors.New("middleware: ParkConfig.Initializer is required with a watermill-amqp Publisher, which declares no queue (pass the handler's subscriber: a watermill-amqp or amqpsub Subscriber)")
+
 // minMetadata is the least ParkConfig.MaxMetadataBytes: room for settle's
 // own bounded values.
 const minMetadata = 16 << 10
@@ -113,6 +122,8 @@ func (c ParkConfig) Validate() error {
 		return fmt.Errorf("middleware: ParkConfig.Publisher: %w", ErrUnconfirmedPublisher)
 	case c.Topic == "":
 		return errors.New("middleware: ParkConfig.Topic is required")
+	case c.Initializer == nil && park.DeclaresNothing(c.Publisher):
+		return ErrNoInitializer
 	case c.NackDelay < 0 && c.NackDelay != settle.NoDelay:
 		return fmt.Errorf("middleware: ParkConfig.NackDelay must be >= 0 or settle.NoDelay, got %v", c.NackDelay)
 	case c.MaxMetadataBytes != 0 && c.MaxMetadataBytes < minMetadata:

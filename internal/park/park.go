@@ -418,6 +418,20 @@ func Unconfirmed(pub message.Publisher) bool {
 	return !confirm.Bool() && !tx.Bool()
 }
 
+// DeclaresNothing reports whether pub is a watermill-amqp Publisher: it
+// declares no queue (only an exchange, when its configuration names one),
+// so a copy published with it to a topic whose queue nobody declared is
+// dropped by RabbitMQ, and confirmed. Like Unconfirmed, it looks at the type
+// by reflection and does not see through a wrapper.
+func DeclaresNothing(pub message.Publisher) bool {
+	v := reflect.ValueOf(pub)
+	if v.Kind() != reflect.Pointer || v.IsNil() {
+		return false
+	}
+	t := v.Type().Elem()
+	return t.Name() == "Publisher" && t.PkgPath() == "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+}
+
 // ScopeName is the instrumentation scope of the spans of parked copies.
 const ScopeName = "github.com/settle-go/settle/middleware"
 
