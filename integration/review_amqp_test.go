@@ -176,7 +176,6 @@ func TestReviewHandBuiltParkingOnTheDefaultPath(t *testing.T) {
 // the header; any other marshaler, on any broker, passes a producer's value
 // on.
 func TestReviewForgedDeliveryCountWithTheDefaultMarshaler(t *testing.T) {
-	t.Skip("review: the retry middleware believes a settle_delivery_count that any marshaler but amqpmarshal passes on from a producer, not yet fixed")
 	t.Parallel()
 	e := newHandBuilt(t, nil)
 	pub, sub := e.pubsub()

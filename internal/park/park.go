@@ -24,6 +24,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/deliverymark"
 	"github.com/settle-go/settle/internal/lru"
 	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/internal/telemetry"
@@ -157,7 +158,7 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 			continue
 		}
 		switch k {
-		case MetaAttemptMark, MetaDroppedHeaders, settle.MetaFirstFailure:
+		case MetaAttemptMark, MetaDroppedHeaders, settle.MetaFirstFailure, deliverymark.Meta:
 			continue
 		}
 		orig = append(orig, entry{k, v})
