@@ -351,3 +351,31 @@ func TestReviewTooManyHeadersStallTheQueue(t *testing.T) {
 type declaredByTest struct{}
 
 func (declaredByTest) SubscribeInitialize(string) error { return nil }
+
+// review: a producer-set x-delivery-count on a quorum queue, on a message
+// that fails once and comes back: the redelivery's count must be the
+// broker's (2), not the producer's value carried over, so the handler runs
+// again instead of being dead-lettered after one run.
+func TestReviewForgedQuorumDeliveryCountOnRedelivery(t *testing.T) {
+	t.Parallel()
+	errOnce := errors.New("fails the first time")
+	e := newSAEnv(t, saOpts{retry: saFastRetry(3, 0), noDedupe: true, quorum: true}, func(call int64, _ *message.Message) error {
+		if call == 1 {
+			return errOnce
+		}
+		return nil
+	})
+	h := amqp091.Table{amqp.DefaultMessageUUIDHeaderKey: watermill.NewUUID(), "x-delivery-count": int32(50)}
+	if err := e.ch.Publish("", e.src, false, false, amqp091.Publishing{Headers: h, Body: []byte("forged"), DeliveryMode: amqp091.Persistent}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(func() bool {
+		q, err := e.ch.QueueDeclarePassive(e.dead, true, false, false, false, nil)
+		return e.calls.Load() >= 2 || (err == nil && q.Messages > 0)
+	})
+	time.Sleep(300 * time.Millisecond)
+	dead, _ := e.finish()
+	if got := e.calls.Load(); got != 2 || len(dead) != 0 {
+		t.Errorf("handler ran %d times (want 2), %d dead letters (want 0)", got, len(dead))
+	}
+}
