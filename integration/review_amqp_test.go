@@ -379,3 +379,39 @@ func TestReviewForgedQuorumDeliveryCountOnRedelivery(t *testing.T) {
 		t.Errorf("handler ran %d times (want 2), %d dead letters (want 0)", got, len(dead))
 	}
 }
+
+// review: the poison queue is deleted while the handler runs (an operator
+// cleaning up): the next poison copy must still land on a queue, not be
+// dropped by RabbitMQ with a confirm.
+func TestReviewParkingQueueDeletedAfterStart(t *testing.T) {
+	t.Parallel()
+	e := newHandBuilt(t, nil)
+	pub, sub := e.pubsub()
+	ps, err := middleware.NewPoison(middleware.ParkConfig{Publisher: pub, Initializer: sub.(message.SubscribeInitializer),
+		Topic: e.src + ".poison", NackDelay: 10 * time.Millisecond})
+	saMust(t, err)
+	stop := e.run(sub, func(*message.Message) error { return poison.Permanent(errors.New("bad")) }, ps)
+	send := func() {
+		e.publish(amqp091.Publishing{Headers: amqp091.Table{amqp.DefaultMessageUUIDHeaderKey: watermill.NewUUID()}, Body: []byte("bad"), DeliveryMode: amqp091.Persistent})
+	}
+	send()
+	if !waitFor(func() bool { return e.depth(e.src+".poison") == 1 }) {
+		t.Fatal("first copy not parked")
+	}
+	ch, err := e.conn.Channel()
+	saMust(t, err)
+	_, err = ch.QueueDelete(e.src+".poison", false, false, false)
+	saMust(t, err)
+	_ = ch.Close()
+	send()
+	ok := waitFor(func() bool { return e.depth(e.src+".poison") == 1 })
+	time.Sleep(300 * time.Millisecond)
+	stop()
+	ch, err = e.conn.Channel()
+	saMust(t, err)
+	defer ch.Close()
+	left := saQueueAfterConsumersLeft(t, ch, e.src, nil)
+	if !ok && left == 0 {
+		t.Errorf("second poison copy lost after the poison queue was deleted: poison queue %d, source %d", e.depth(e.src+".poison"), left)
+	}
+}
