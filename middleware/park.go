@@ -3,6 +3,7 @@ package middleware
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -25,6 +26,10 @@ type ParkConfig struct {
 	Publisher message.Publisher
 	// Topic receives the parked copies. Required. Poison and dead-letter
 	// parking may share one; settle_outcome tells the two kinds apart.
+	// With a watermill-amqp Publisher, a Topic RabbitMQ can never declare
+	// (longer than 255 bytes, or starting with "amq.") is refused: every
+	// copy would fail and its message, deferred at the head of its queue,
+	// hold the messages behind it.
 	Topic string
 	// Initializer declares Topic (SubscribeInitialize) before every copy
 	// is published, so that the broker has a queue to route the copy to:
@@ -124,6 +129,11 @@ func (c ParkConfig) Validate() error {
 		return errors.New("middleware: ParkConfig.Topic is required")
 	case c.Initializer == nil && park.DeclaresNothing(c.Publisher):
 		return ErrNoInitializer
+	case park.DeclaresNothing(c.Publisher) && (len(c.Topic) > 255 || strings.HasPrefix(c.Topic, "amq.")):
+		// RabbitMQ never declares such a queue or exchange: every copy
+		// would fail, and its message, deferred at the head of its queue,
+		// hold the messages behind it for good.
+		return fmt.Errorf("middleware: ParkConfig.Topic %q (%d bytes): RabbitMQ refuses a name longer than 255 bytes or starting with \"amq.\"", shortName(c.Topic), len(c.Topic))
 	case c.NackDelay < 0 && c.NackDelay != settle.NoDelay:
 		return fmt.Errorf("middleware: ParkConfig.NackDelay must be >= 0 or settle.NoDelay, got %v", c.NackDelay)
 	case c.MaxMetadataBytes != 0 && c.MaxMetadataBytes < minMetadata:
@@ -132,6 +142,14 @@ func (c ParkConfig) Validate() error {
 		return fmt.Errorf("middleware: ParkConfig.PendingMessages must be >= 1, got %d", c.PendingMessages)
 	}
 	return nil
+}
+
+// shortName is name for an error message: at most 64 bytes of it.
+func shortName(name string) string {
+	if len(name) <= 64 {
+		return name
+	}
+	return strings.ToValidUTF8(name[:64], "") + "…"
 }
 
 func (c ParkConfig) park(name string, match func(*message.Message, *settlement.Record, error) (park.Info, bool)) (message.HandlerMiddleware, error) {
