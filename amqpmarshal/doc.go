@@ -88,9 +88,12 @@
 //     and a classic queue never writes it at all. Anywhere else the header
 //     is ordinary metadata and is not trusted as a count: a producer
 //     setting it to 50 would otherwise have the message dead-lettered
-//     without a run.
+//     without a run. It comes with settle_delivery_count_mark, a mark that
+//     only this marshaler, in this process, makes (an HMAC under a key
+//     made at random at start): the retry middleware ignores a count
+//     without it, as any other marshaler would pass on from a producer.
 //
-// These two keys and MetaHeaderTypes belong to the marshaler: headers with
+// These keys and MetaHeaderTypes belong to the marshaler: headers with
 // those names on an incoming delivery (left by an earlier hop) are ignored,
 // and Marshal does not publish them.
 //

@@ -10,6 +10,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/deliverymark"
 )
 
 // MetaHeaderTypes is the metadata key under which Unmarshal records the AMQP
@@ -167,8 +168,12 @@ func (m Marshaler) Marshal(msg *message.Message) (amqp091.Publishing, error) {
 // in the package documentation, and its type is recorded under
 // MetaHeaderTypes. settle.MetaRedelivered is always set, and
 // settle.MetaDeliveryCount when Config.QuorumQueue is set and the delivery
-// is a redelivery with an integer x-delivery-count header. Headers named like those keys are
-// ignored: they were written for an earlier delivery, or by a producer.
+// is a redelivery with an integer x-delivery-count header, together with
+// settle_delivery_count_mark, a mark that only this process can make and
+// without which the retry middleware ignores a delivery count (so that no
+// other marshaler passes a producer's count on to it). Headers named like
+// those keys are ignored: they were written for an earlier delivery, or by
+// a producer.
 func (m Marshaler) Unmarshal(d amqp091.Delivery) (*message.Message, error) {
 	uuidKey := m.uuidKey()
 	uuid, _ := d.Headers[uuidKey].(string)
@@ -207,7 +212,9 @@ func (m Marshaler) Unmarshal(d amqp091.Delivery) (*message.Message, error) {
 	// was there; a first delivery carries the producer's headers as they
 	// were sent (RabbitMQ 3.10 passes a producer's x-delivery-count on).
 	if n, ok := deliveryCount(d.Headers[DeliveryCountHeader]); ok && m.quorum && d.Redelivered {
-		msg.Metadata[settle.MetaDeliveryCount] = strconv.FormatUint(n+1, 10)
+		count := strconv.FormatUint(n+1, 10)
+		msg.Metadata[settle.MetaDeliveryCount] = count
+		msg.Metadata[deliverymark.Meta] = deliverymark.Sign(msg.UUID, count)
 	}
 	return msg, nil
 }
@@ -215,7 +222,7 @@ func (m Marshaler) Unmarshal(d amqp091.Delivery) (*message.Message, error) {
 // reserved reports whether key is a metadata key the marshaler owns.
 func reserved(key string) bool {
 	switch key {
-	case settle.MetaRedelivered, settle.MetaDeliveryCount, MetaHeaderTypes:
+	case settle.MetaRedelivered, settle.MetaDeliveryCount, MetaHeaderTypes, deliverymark.Meta:
 		return true
 	}
 	return false

@@ -54,6 +54,7 @@ func newOutputRabbit(t *testing.T, withPoison, withPublisher, derive bool) *outp
 	m, err := amqpmarshal.New(amqpmarshal.Config{})
 	must(t, err)
 	cfg := amqp.NewDurableQueueConfig(u)
+	cfg.Publish.ConfirmDelivery = true // parking refuses a publisher that does not wait for the broker
 	cfg.Marshaler = m
 	r.pub, err = amqp.NewPublisher(cfg, testenv.AMQPLogger(t, nil))
 	must(t, err)
@@ -82,7 +83,7 @@ func newOutputRabbit(t *testing.T, withPoison, withPublisher, derive bool) *outp
 		return []*message.Message{out}, nil
 	})
 	if withPoison {
-		ps, err := middleware.NewPoison(middleware.ParkConfig{Publisher: r.pub, Topic: r.psn})
+		ps, err := middleware.NewPoison(middleware.ParkConfig{Publisher: r.pub, Topic: r.psn, Initializer: declaredByTest{}})
 		must(t, err)
 		h.AddMiddleware(ps)
 	}
@@ -178,3 +179,9 @@ func TestProducedMessagesOutliveTheHandlersContext(t *testing.T) {
 		t.Fatalf("runs=%d poisoned=%d left in the queue=%d published=%d; want 1 run, none poisoned, 0 left, 1 published", runs, psn, src, out)
 	}
 }
+
+// declaredByTest is the parking Initializer of a test that declared the
+// parking queue itself.
+type declaredByTest struct{}
+
+func (declaredByTest) SubscribeInitialize(string) error { return nil }

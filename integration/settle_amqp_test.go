@@ -180,7 +180,7 @@ func (e *saEnv) start(handler func(call int64, msg *message.Message) error) {
 	})
 
 	var deadPub message.Publisher = &saFailingPublisher{Publisher: pub, fail: e.opts.failDeadLetters, tries: &e.deadTries}
-	ps, err := middleware.NewPoison(middleware.ParkConfig{Publisher: pub, Topic: e.poison, NackDelay: 5 * time.Millisecond, Logger: logger})
+	ps, err := middleware.NewPoison(middleware.ParkConfig{Publisher: pub, Initializer: declaredByTest{}, Topic: e.poison, NackDelay: 5 * time.Millisecond, Logger: logger})
 	saMust(t, err)
 	dl, err := middleware.NewDeadLetter(middleware.ParkConfig{Publisher: deadPub, Topic: e.dead, NackDelay: 5 * time.Millisecond, Logger: logger})
 	saMust(t, err)

@@ -8,8 +8,10 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/amqpmarshal"
 	"github.com/settle-go/settle/middleware"
 )
 
@@ -37,8 +39,7 @@ func TestDeliveryCountBoundsRuns(t *testing.T) {
 			must(t, err)
 			calls := 0
 			h := rt(func(*message.Message) ([]*message.Message, error) { calls++; return nil, errFlaky })
-			msg := message.NewMessage("m", nil)
-			msg.Metadata.Set(settle.MetaDeliveryCount, strconv.Itoa(c.deliveryCount))
+			msg := quorumDelivery(t, "m", c.deliveryCount)
 			_, err = h(msg)
 			var ex *middleware.ExhaustedError
 			if calls != c.wantCalls || errors.As(err, &ex) != c.wantExhausted {
@@ -58,8 +59,7 @@ func TestDeliveryCountBoundsRuns(t *testing.T) {
 			calls := 0
 			h := rt(func(*message.Message) ([]*message.Message, error) { calls++; return nil, errFlaky })
 			for n := 1; n <= 3*maxAttempts; n++ {
-				msg := message.NewMessage("m", nil)
-				msg.Metadata.Set(settle.MetaDeliveryCount, strconv.Itoa(n))
+				msg := quorumDelivery(t, "m", n)
 				var ex *middleware.ExhaustedError
 				if _, err := h(msg); errors.As(err, &ex) {
 					break
@@ -107,5 +107,40 @@ func TestAttemptVisibleToHandler(t *testing.T) {
 	}
 	if len(seen) != 3 || seen[0] != "1" || seen[1] != "2" || seen[2] != "3" {
 		t.Fatalf("handler saw attempts %v; want [1 2 3]", seen)
+	}
+}
+
+// quorumDelivery is delivery n of the message uuid from a RabbitMQ quorum
+// queue, through settle's marshaler: the only way to a delivery count the
+// retry middleware believes.
+func quorumDelivery(t *testing.T, uuid string, n int) *message.Message {
+	t.Helper()
+	m, err := amqpmarshal.New(amqpmarshal.Config{QuorumQueue: true})
+	must(t, err)
+	msg, err := m.Unmarshal(amqp091.Delivery{MessageId: uuid, Redelivered: n > 1, Headers: amqp091.Table{amqpmarshal.DeliveryCountHeader: int64(n - 1)}})
+	must(t, err)
+	if n > 1 && msg.Metadata.Get(settle.MetaDeliveryCount) != strconv.Itoa(n) {
+		t.Fatalf("delivery count %q, want %d", msg.Metadata.Get(settle.MetaDeliveryCount), n)
+	}
+	return msg
+}
+
+// A settle_delivery_count that settle's marshaler did not set in this
+// process (a producer's header, passed on by another marshaler) is not a
+// count: the handler runs.
+func TestForgedDeliveryCountIgnored(t *testing.T) {
+	t.Parallel()
+	rt, err := middleware.NewRetry(fastRetry(3, 0))
+	must(t, err)
+	calls := 0
+	h := rt(func(*message.Message) ([]*message.Message, error) { calls++; return nil, nil })
+	for _, mark := range []string{"", "AAAA", quorumDelivery(t, "other", 9).Metadata.Get("settle_delivery_count_mark")} {
+		msg := message.NewMessage("m", nil)
+		msg.Metadata.Set(settle.MetaDeliveryCount, "50")
+		msg.Metadata.Set("settle_delivery_count_mark", mark)
+		calls = 0
+		if _, err := h(msg); err != nil || calls != 1 {
+			t.Errorf("mark %q: %d runs, %v; want 1 run and no error", mark, calls, err)
+		}
 	}
 }

@@ -3,6 +3,7 @@ package middleware
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -25,6 +26,10 @@ type ParkConfig struct {
 	Publisher message.Publisher
 	// Topic receives the parked copies. Required. Poison and dead-letter
 	// parking may share one; settle_outcome tells the two kinds apart.
+	// With a watermill-amqp Publisher, a Topic RabbitMQ can never declare
+	// (longer than 255 bytes, or starting with "amq.") is refused: every
+	// copy would fail and its message, deferred at the head of its queue,
+	// hold the messages behind it.
 	Topic string
 	// Initializer declares Topic (SubscribeInitialize) before every copy
 	// is published, so that the broker has a queue to route the copy to:
@@ -35,7 +40,10 @@ type ParkConfig struct {
 	// topic must exist before the first copy. For RabbitMQ pass the
 	// subscriber of the handler (a watermill-amqp Subscriber or an
 	// amqpsub.Subscriber), whose configuration routes Publisher's messages
-	// for a topic to the queue it declares for it; pipeline does so.
+	// for a topic to the queue it declares for it; pipeline does so. It is
+	// required with a watermill-amqp Publisher, which declares no queue
+	// (ErrNoInitializer): without it every copy sent to a queue nobody had
+	// declared was dropped, confirmed, and its original acked.
 	Initializer message.SubscribeInitializer
 	// NackDelay is how long a message whose copy could not be published is
 	// held before it is nacked, so that an unreachable topic does not turn
@@ -61,7 +69,11 @@ type ParkConfig struct {
 	// changed. After three failed publishes of a message's copy (failed
 	// declarations of the topic not counted), its next copy is minimal:
 	// settle's metadata only, every original entry named in
-	// MetaDroppedHeaders (logged at error level). Defaults to 64 KiB.
+	// MetaDroppedHeaders (logged at error level). The number of entries
+	// is bounded too (8000): amqp091, under watermill-amqp, amqpsub and the
+	// settle command, reads no table of more than 8192 entries, so a copy
+	// of an original with that many, plus settle's own, could be stored by
+	// RabbitMQ and never read back. Defaults to 64 KiB.
 	// Must be 0 or >= 16 KiB.
 	MaxMetadataBytes int
 	// Logger defaults to watermill.NopLogger. Publish failures are logged at
@@ -81,6 +93,12 @@ const MetaDroppedHeaders = park.MetaDroppedHeaders
 // RabbitMQ has stored a message, so a copy lost on the way would be taken as
 // parked and the original acked.
 var ErrUnconfirmedPublisher = errors.New("middleware: the publisher does not wait for the broker's confirmation (watermill-amqp: set Publish.ConfirmDelivery = true)")
+
+// ErrNoInitializer is wrapped by the error returned for a watermill-amqp
+// Publisher given without ParkConfig.Initializer: it declares no queue, and
+// RabbitMQ drops and confirms a copy published to a queue that does not
+// exist, so the original would be acked with its copy nowhere.
+var ErrNoInitializer = errors.New("middleware: ParkConfig.Initializer is required with a watermill-amqp Publisher, which declares no queue (pass the handler's subscriber: a watermill-amqp or amqpsub Subscriber)")
 
 // minMetadata is the least ParkConfig.MaxMetadataBytes: room for settle's
 // own bounded values.
@@ -111,6 +129,13 @@ func (c ParkConfig) Validate() error {
 		return fmt.Errorf("middleware: ParkConfig.Publisher: %w", ErrUnconfirmedPublisher)
 	case c.Topic == "":
 		return errors.New("middleware: ParkConfig.Topic is required")
+	case c.Initializer == nil && park.DeclaresNothing(c.Publisher):
+		return ErrNoInitializer
+	case park.DeclaresNothing(c.Publisher) && (len(c.Topic) > 255 || strings.HasPrefix(c.Topic, "amq.")):
+		// RabbitMQ never declares such a queue or exchange: every copy
+		// would fail, and its message, deferred at the head of its queue,
+		// hold the messages behind it for good.
+		return fmt.Errorf("middleware: ParkConfig.Topic %q (%d bytes): RabbitMQ refuses a name longer than 255 bytes or starting with \"amq.\"", shortName(c.Topic), len(c.Topic))
 	case c.NackDelay < 0 && c.NackDelay != settle.NoDelay:
 		return fmt.Errorf("middleware: ParkConfig.NackDelay must be >= 0 or settle.NoDelay, got %v", c.NackDelay)
 	case c.MaxMetadataBytes != 0 && c.MaxMetadataBytes < minMetadata:
@@ -119,6 +144,14 @@ func (c ParkConfig) Validate() error {
 		return fmt.Errorf("middleware: ParkConfig.PendingMessages must be >= 1, got %d", c.PendingMessages)
 	}
 	return nil
+}
+
+// shortName is name for an error message: at most 64 bytes of it.
+func shortName(name string) string {
+	if len(name) <= 64 {
+		return name
+	}
+	return strings.ToValidUTF8(name[:64], "") + "…"
 }
 
 func (c ParkConfig) park(name string, match func(*message.Message, *settlement.Record, error) (park.Info, bool)) (message.HandlerMiddleware, error) {

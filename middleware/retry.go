@@ -20,6 +20,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/deliverymark"
 	"github.com/settle-go/settle/internal/lru"
 	"github.com/settle-go/settle/internal/park"
 	"github.com/settle-go/settle/internal/settlement"
@@ -235,7 +236,10 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 //   - the broker's delivery count (settle_delivery_count, set by settle's
 //     AMQP marshaler from quorum queues' x-delivery-count, and only for a
 //     marshaler told the queue is one, amqpmarshal.Config.QuorumQueue,
-//     because a classic queue passes on a producer's header): each earlier
+//     because a classic queue passes on a producer's header; believed only
+//     with the mark that marshaler adds in this process, so that a
+//     settle_delivery_count another marshaler copied from a producer's
+//     header is ignored): each earlier
 //     delivery is taken to have used all its 1+InProcessRetries runs, so
 //     the bound holds even when the consumer died during a delivery, at the
 //     price of dead-lettering early after a crash or a deferral;
@@ -429,7 +433,7 @@ func (r *retry) source(msg *message.Message, d *delivery) {
 			}
 		}
 	}
-	if v := msg.Metadata.Get(settle.MetaDeliveryCount); v != "" {
+	if v := msg.Metadata.Get(settle.MetaDeliveryCount); v != "" && deliverymark.Verify(msg.UUID, v, msg.Metadata.Get(deliverymark.Meta)) {
 		if n, err := strconv.Atoi(v); err == nil && n >= 1 {
 			// Each earlier delivery may have used all its runs.
 			d.prior = min(n-1, r.cfg.MaxAttempts) * (1 + r.cfg.InProcessRetries)

@@ -216,6 +216,11 @@ func New(router *message.Router, cfg Config) (*Pipeline, error) {
 	return p, nil
 }
 
+// noDeclarer stands for the subscriber of a handler not added yet.
+type noDeclarer struct{}
+
+func (noDeclarer) SubscribeInitialize(string) error { return nil }
+
 // Router returns the router the pipeline adds to.
 func (p *Pipeline) Router() *message.Router { return p.router }
 
@@ -232,6 +237,11 @@ func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, sto
 	initr := p.cfg.ParkInitializer
 	if initr == nil {
 		initr, _ = sub.(message.SubscribeInitializer)
+	}
+	if initr == nil && sub == nil {
+		// New's check of the configuration: each handler's subscriber
+		// is its declarer, and is checked when the handler is added.
+		initr = noDeclarer{}
 	}
 	parking := middleware.ParkConfig{Publisher: p.cfg.Publisher, Initializer: initr, NackDelay: p.cfg.NackDelay, Logger: p.cfg.Logger}
 	parking.Topic = poisonTopic

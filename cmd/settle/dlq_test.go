@@ -141,7 +141,7 @@ func deadLetter(t *testing.T, b broker, dlq string, failures []failure) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dl, err := middleware.NewDeadLetter(middleware.ParkConfig{Publisher: pub, Topic: dlq})
+	dl, err := middleware.NewDeadLetter(middleware.ParkConfig{Publisher: pub, Topic: dlq, Initializer: declaredByTest{}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -431,3 +431,9 @@ func TestDLQReplayUnknownHandler(t *testing.T) {
 	}
 	b.waitDepth(t, dlq, 3)
 }
+
+// declaredByTest is the parking Initializer of a test that declared the
+// parking queue itself.
+type declaredByTest struct{}
+
+func (declaredByTest) SubscribeInitialize(string) error { return nil }

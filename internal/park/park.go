@@ -26,6 +26,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/deliverymark"
 	"github.com/settle-go/settle/internal/lru"
 	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/internal/telemetry"
@@ -68,6 +69,13 @@ const (
 	maxUUIDText = 1 << 10
 	// maxDroppedText bounds MetaDroppedHeaders.
 	maxDroppedText = 2 << 10
+	// MaxEntries bounds the number of a copy's metadata entries. RabbitMQ
+	// takes a table of any length, but amqp091 (under watermill-amqp,
+	// amqpsub and the settle command) refuses to read one of more than
+	// 8192 entries: an original just under that, plus settle's own
+	// entries, made a copy that nobody could read back. The rest of the
+	// 8192 is left to the marshaler's own headers.
+	MaxEntries = 8000
 )
 
 // MetaDroppedHeaders is the metadata key under which a copy says which of
@@ -152,7 +160,7 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 			continue
 		}
 		switch k {
-		case MetaAttemptMark, MetaDroppedHeaders, settle.MetaFirstFailure:
+		case MetaAttemptMark, MetaDroppedHeaders, settle.MetaFirstFailure, deliverymark.Meta:
 			continue
 		}
 		orig = append(orig, entry{k, v})
@@ -161,7 +169,7 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 	var dropped []entry
 	if lim.Minimal {
 		dropped, orig = orig, nil
-	} else if size > maxMD {
+	} else if size > maxMD || len(orig)+len(own)+1 > MaxEntries {
 		// Leave out the largest first: the fewest entries lost.
 		sort.Slice(orig, func(i, j int) bool {
 			a, b := entrySize(orig[i].k, orig[i].v), entrySize(orig[j].k, orig[j].v)
@@ -171,7 +179,7 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 			return orig[i].k < orig[j].k
 		})
 		budget := maxMD - maxDroppedText - len(MetaDroppedHeaders)
-		for len(orig) > 0 && size > budget {
+		for len(orig) > 0 && (size > budget || len(orig)+len(own)+1 > MaxEntries) {
 			size -= entrySize(orig[0].k, orig[0].v)
 			dropped = append(dropped, orig[0])
 			orig = orig[1:]
@@ -454,6 +462,20 @@ func Unconfirmed(pub message.Publisher) bool {
 		return false
 	}
 	return !confirm.Bool() && !tx.Bool()
+}
+
+// DeclaresNothing reports whether pub is a watermill-amqp Publisher: it
+// declares no queue (only an exchange, when its configuration names one),
+// so a copy published with it to a topic whose queue nobody declared is
+// dropped by RabbitMQ, and confirmed. Like Unconfirmed, it looks at the type
+// by reflection and does not see through a wrapper.
+func DeclaresNothing(pub message.Publisher) bool {
+	v := reflect.ValueOf(pub)
+	if v.Kind() != reflect.Pointer || v.IsNil() {
+		return false
+	}
+	t := v.Type().Elem()
+	return t.Name() == "Publisher" && t.PkgPath() == "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 }
 
 // ScopeName is the instrumentation scope of the spans of parked copies.
