@@ -2,7 +2,11 @@ package integration_test
 
 import (
 	"errors"
+	"os/exec"
+	"strconv"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
@@ -70,6 +74,11 @@ func TestRepublishedAttemptMarkBoundsRuns(t *testing.T) {
 	// Two runs handed back by republishing (each acked), the third
 	// dead-lettered (acked).
 	e.waitSettled(3)
+	// The last ack is sent after the middleware returns: closing the router
+	// before the broker has it hands the original back, and its redelivery
+	// would be parked a second time. Wait for the broker to hold no
+	// unacknowledged delivery of the source queue.
+	saWaitAcked(t, e.src)
 	dead, _ := e.finish()
 	if got := e.calls.Load(); got != 3 {
 		t.Errorf("handler ran %d times, want MaxAttempts 3", got)
@@ -82,5 +91,31 @@ func TestRepublishedAttemptMarkBoundsRuns(t *testing.T) {
 	}
 	if got := dead[0].Metadata.Get(middleware.MetaAttemptMark); got != "" {
 		t.Errorf("dead letter carries the republish mark %q", got)
+	}
+}
+
+// saWaitAcked polls the broker (through rabbitmqctl, which this machine's
+// RabbitMQ has) until queue holds no delivery that is not acknowledged yet.
+func saWaitAcked(t *testing.T, queue string) {
+	t.Helper()
+	deadline := time.Now().Add(saWait)
+	for {
+		out, err := exec.CommandContext(t.Context(), "rabbitmqctl", "-q", "list_queues", "name", "messages_unacknowledged").Output()
+		if err != nil {
+			t.Fatalf("rabbitmqctl list_queues: %v", err)
+		}
+		unacked := -1
+		for line := range strings.Lines(string(out)) {
+			if name, n, ok := strings.Cut(strings.TrimSpace(line), "\t"); ok && name == queue {
+				unacked, _ = strconv.Atoi(n)
+			}
+		}
+		if unacked == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("queue %s still has %d unacknowledged deliveries after %v", queue, unacked, saWait)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
