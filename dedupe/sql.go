@@ -86,6 +86,13 @@ func (c SQLConfig) Validate() error {
 // same key waits for the first to finish, then sees Duplicate (committed) or
 // acquires the key (rolled back). Never renew a transactional claim: it is
 // invisible to others until commit anyway.
+//
+// Inside a caller's transaction, at any isolation level, the store decides
+// who owns a key only from what its writes saw and from locking reads, never
+// from a plain read of the transaction's snapshot (which, at REPEATABLE
+// READ, still shows a claim that was taken over since). A serialization
+// failure or a deadlock that the database raises instead is returned as it
+// is: the transaction is aborted, and the caller must roll it back.
 type SQLStore struct {
 	ex      executor
 	dialect Dialect

@@ -84,6 +84,7 @@ func Run(t *testing.T, setup func(t *testing.T) Harness) {
 		{"Linearizable", testLinearizable},
 		{"LinearizablePruneRace", testLinearizablePruneRace},
 		{"MiddlewareScopesKeysPerHandler", testHandlerScopes},
+		{"ScopedKeysApart", testScopedKeysApart},
 		{"OddKeys", testOddKeys},
 		{"KeyLimits", testKeyLimits},
 		{"CancelledContext", testCancelled},
