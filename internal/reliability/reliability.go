@@ -795,7 +795,12 @@ func (d *driver) close(keepLogs bool) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	var errs []error
-	for _, t := range []string{d.claims, d.effects, d.placed, "watermill_" + d.outboxTopic, "watermill_offsets_" + d.outboxTopic} {
+	tables := []string{d.claims, d.effects, d.placed}
+	if d.ob != nil {
+		// The outbox's rows and its relays' heartbeats (outbox.Config.Topic).
+		tables = append(tables, d.ob.Table(), d.ob.Table()+"_relays")
+	}
+	for _, t := range tables {
 		if _, err := d.db.ExecContext(ctx, "DROP TABLE IF EXISTS "+t); err != nil {
 			errs = append(errs, err)
 		}
