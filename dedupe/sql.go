@@ -91,8 +91,9 @@ func (c SQLConfig) Validate() error {
 // who owns a key only from what its writes saw and from locking reads, never
 // from a plain read of the transaction's snapshot (which, at REPEATABLE
 // READ, still shows a claim that was taken over since). A serialization
-// failure or a deadlock that the database raises instead is returned as it
-// is: the transaction is aborted, and the caller must roll it back.
+// failure or a deadlock that the database raises instead is returned,
+// wrapping the driver's error: the transaction is aborted, and the caller
+// must roll it back.
 type SQLStore struct {
 	ex      executor
 	dialect Dialect
