@@ -49,7 +49,11 @@
 // start-up). A SQLStore on a *sql.Tx puts the claim in that transaction, so
 // claim, the handler's own writes and the confirmation commit together, and a
 // rollback leaves no trace: the effect happens exactly once for everything in
-// that database.
+// that database. Whatever the transaction's isolation level, no read that
+// decides who owns a key answers from its snapshot: a worker whose claim was
+// taken over after its transaction began gets [ErrClaimLost], or its
+// transaction is aborted over the conflict (a serialization failure), never
+// a confirmation.
 //
 // [PgxStore] is the same store on PostgreSQL driven by pgx directly (a
 // *pgxpool.Pool, a *pgx.Conn or a pgx.Tx), for services that need no

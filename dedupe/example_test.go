@@ -155,8 +155,11 @@ func ExampleScopedKey() {
 	fmt.Println(scope)
 	fmt.Printf("%q\n", dedupe.ScopedKey(scope, "order-17"))
 	fmt.Printf("%q\n", dedupe.ScopedKey("", "order-17")) // no handler: unscoped
+	// An unscoped key that spells charge's is stored apart from it.
+	fmt.Printf("%q\n", dedupe.ScopedKey("", "charge\x00order-17"))
 	// Output:
 	// charge
 	// "charge\x00order-17"
 	// "order-17"
+	// "\x000:charge\x00order-17"
 }

@@ -1,6 +1,7 @@
 package dedupe
 
 import (
+	"strconv"
 	"strings"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -48,14 +49,27 @@ func SharedScope(name string) ScopeFunc {
 	return func(*message.Message) string { return name }
 }
 
-// ScopedKey returns the key stored for key in scope: the scope, a NUL byte
-// and the key, or the key alone when scope is empty. The NUL keeps scopes
-// apart from keys that contain the scope's name.
+// ScopedKey returns the key stored for key in scope. No two (scope, key)
+// pairs give the same stored key:
+//
+//   - the key alone, when scope is empty and key holds no NUL byte (keys
+//     stored before scopes existed);
+//   - the scope, a NUL byte and the key, when scope is not empty and holds
+//     no NUL byte (key may hold any bytes: the first NUL ends the scope);
+//   - otherwise (an empty scope with a key that holds a NUL, or a scope that
+//     holds one) a NUL byte, the scope's length in decimal, a colon, the
+//     scope and the key. Only this form begins with a NUL byte.
+//
+// So SharedScope("") with key "charge\x00order-17" is not handler charge's
+// key "order-17": it is stored as "\x000:charge\x00order-17".
 func ScopedKey(scope, key string) string {
-	if scope == "" {
+	switch {
+	case scope == "" && strings.IndexByte(key, 0) < 0:
 		return key
+	case scope != "" && strings.IndexByte(scope, 0) < 0:
+		return scope + "\x00" + key
 	}
-	return scope + "\x00" + key
+	return "\x00" + strconv.Itoa(len(scope)) + ":" + scope + key
 }
 
 // messageKey derives the stored key of msg: keyFn's key in scope's scope,

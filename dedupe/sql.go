@@ -86,6 +86,14 @@ func (c SQLConfig) Validate() error {
 // same key waits for the first to finish, then sees Duplicate (committed) or
 // acquires the key (rolled back). Never renew a transactional claim: it is
 // invisible to others until commit anyway.
+//
+// Inside a caller's transaction, at any isolation level, the store decides
+// who owns a key only from what its writes saw and from locking reads, never
+// from a plain read of the transaction's snapshot (which, at REPEATABLE
+// READ, still shows a claim that was taken over since). A serialization
+// failure or a deadlock that the database raises instead is returned,
+// wrapping the driver's error: the transaction is aborted, and the caller
+// must roll it back.
 type SQLStore struct {
 	ex      executor
 	dialect Dialect
@@ -393,6 +401,9 @@ func (s *SQLStore) update(ctx context.Context, op, query string, c Claim, args .
 	k := []byte(c.Key)
 	args = append(args, k, c.Token)
 	n, err := s.ex.exec(ctx, query, args...)
+	if err != nil && s.ex.inTx() && conflicted(err) {
+		return fmt.Errorf("dedupe: %s: the caller's transaction conflicts with a change of the key's row since its snapshot (a takeover or a renewal); roll it back: %w", op, err)
+	}
 	if err != nil {
 		return fmt.Errorf("dedupe: %s: %w", op, err)
 	}
@@ -566,6 +577,24 @@ func (s *SQLStore) deadlocked(err error) bool {
 	}
 	var pe interface{ SQLState() string }
 	return errors.As(err, &pe) && pe.SQLState() == "40P01"
+}
+
+// conflicted reports an error by which the database refused a statement
+// of a caller's transaction over a row changed since the transaction's
+// snapshot: PostgreSQL's serialization failure (40001), InnoDB's 1020 under
+// innodb_snapshot_isolation, SQLite's busy snapshot (517). The transaction
+// cannot go on.
+func conflicted(err error) bool {
+	var me *mysql.MySQLError
+	if errors.As(err, &me) {
+		return me.Number == 1020
+	}
+	var pe interface{ SQLState() string }
+	if errors.As(err, &pe) {
+		return pe.SQLState() == "40001"
+	}
+	var se interface{ Code() int }
+	return errors.As(err, &se) && se.Code() == 517
 }
 
 // ClaimConfirmedAll is ClaimConfirmed for many keys in one statement (plus,

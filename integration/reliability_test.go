@@ -115,12 +115,45 @@ func TestReliabilityShortBatch(t *testing.T) {
 	}
 }
 
+// TestReliabilityShortZombie is the CI-sized zombie run on MariaDB at its
+// default isolation (REPEATABLE READ), tx mode: settle's transactional
+// handler behind the dedupe middleware, whose handler reads before it
+// writes, so that its transaction holds a snapshot in which its consumer
+// owns the claim. After 10 SIGKILLs, three times a consumer is stopped with
+// SIGSTOP in its handler (its effect written, not committed) for longer
+// than the claim timeout; a second delivery of its message goes to the
+// other consumer, which takes the claim over and commits the effect; then
+// the zombie is woken and goes on to confirm and commit. No zombie may
+// commit: every placed message has exactly one effect.
+func TestReliabilityShortZombie(t *testing.T) {
+	dbURL := testenv.Require(t, testenv.MySQLURLEnv)
+	amqpURL := testenv.AMQPURL(t)
+	res := runCampaignWithin(t, 150*time.Second, reliability.Config{
+		DB:       dbURL,
+		AMQP:     amqpURL,
+		Mode:     reliability.ModeTx,
+		Cycles:   10,
+		Messages: 100,
+		Faults:   []string{reliability.FaultSIGSTOP, reliability.FaultSIGSTOP, reliability.FaultSIGSTOP},
+	})
+	wantEffects(t, res, 100)
+	if res.Zombies == 0 || res.ZombieCommits != 0 {
+		t.Errorf("%d zombies (%d stops missed), %d committed after the takeover: want at least one zombie, none committing", res.Zombies, res.ZombieMisses, res.ZombieCommits)
+	}
+}
+
 // runCampaign runs a campaign of cfg with this binary as its processes,
 // within 90s, logs its output and table, and fails t if it did not finish
 // or its verdict failed.
 func runCampaign(t *testing.T, cfg reliability.Config) reliability.Result {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
+	return runCampaignWithin(t, 90*time.Second, cfg)
+}
+
+// runCampaignWithin is runCampaign within limit.
+func runCampaignWithin(t *testing.T, limit time.Duration, cfg reliability.Config) reliability.Result {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), limit)
 	defer cancel()
 	var log strings.Builder
 	cfg.Command = func() *exec.Cmd {

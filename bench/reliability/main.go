@@ -44,7 +44,7 @@ func main() {
 	flag.StringVar(&cfg.Mode, "mode", reliability.ModeTx, "consumer mode: tx (HandleTx), plain (dedupe middleware, effect outside a transaction) or batch (HandleTx with group commit)")
 	flag.IntVar(&cfg.Cycles, "cycles", 200, "kill-and-restart cycles")
 	flag.IntVar(&cfg.Messages, "messages", 0, "logical messages placed during the kill cycles (default 5 per cycle, at least 100)")
-	flag.StringVar(&faults, "fault", "", "comma-separated service faults after the cycles: rabbitmq, postgres, pgterminate")
+	flag.StringVar(&faults, "fault", "", "comma-separated faults after the cycles: rabbitmq, postgres, pgterminate, sigstop (a consumer stopped in its handler past its claim, woken after a takeover); a fault may repeat")
 	flag.Int64Var(&seed, "seed", 0, "seed of the kill schedule (default: the clock)")
 	flag.DurationVar(&cfg.MaxDelay, "max-delay", 100*time.Millisecond, "longest random wait before a kill")
 	flag.DurationVar(&cfg.MaxSleep, "max-sleep", 10*time.Millisecond, "longest random sleep of a process in its handler, before an ack and after a forward")

@@ -11,6 +11,12 @@
 // setup is called once per test, which runs in parallel with the others, so
 // it should give each call its own table (or its own store) to keep the
 // tests independent.
+//
+// A store that runs in a caller's transaction offers the isolation levels of
+// its database (Harness.TxLevels), and the suite runs every store operation
+// inside a transaction at each of them: a worker whose claim was taken over
+// after its transaction took its snapshot must never confirm, renew or
+// release it, at any level.
 package dedupetest
 
 import (
@@ -84,6 +90,7 @@ func Run(t *testing.T, setup func(t *testing.T) Harness) {
 		{"Linearizable", testLinearizable},
 		{"LinearizablePruneRace", testLinearizablePruneRace},
 		{"MiddlewareScopesKeysPerHandler", testHandlerScopes},
+		{"ScopedKeysApart", testScopedKeysApart},
 		{"OddKeys", testOddKeys},
 		{"KeyLimits", testKeyLimits},
 		{"CancelledContext", testCancelled},

@@ -76,3 +76,68 @@ func testHandlerScopes(t *testing.T, h Harness) {
 		}
 	}
 }
+
+// testScopedKeysApart runs the dedupe middleware on the store with keys
+// that the stored form of a scoped key could confuse: an unscoped key that
+// spells handler charge's scoped key ("charge", NUL, "order-17"), and a
+// scope that holds a NUL. Every (scope, key) pair is its own piece of work:
+// each handler runs once, and none is taken for another's duplicate.
+func testScopedKeysApart(t *testing.T, h Harness) {
+	pairs := []struct{ scope, key string }{
+		{"charge", "order-17"},
+		{"", "charge\x00order-17"},
+		{"", "\x000:charge\x00order-17"},
+		{"charge\x00order", "-17"},
+		{"charge\x00order-17", ""},
+		{"charge", "\x00order-17"},
+		{"", "order-17"},
+		{"charge\x00", "order-17"},
+	}
+	runs := make([]int, len(pairs))
+	run := func(i int) {
+		p := pairs[i]
+		dd, err := dedupe.NewMiddleware(dedupe.Config{
+			Store: h.Store,
+			Scope: dedupe.SharedScope(p.scope),
+			Key:   func(*message.Message) (string, error) { return p.key, nil },
+		})
+		mustOK(t, "NewMiddleware", err)
+		handler := dd(func(*message.Message) ([]*message.Message, error) {
+			runs[i]++
+			return nil, nil
+		})
+		msg := message.NewMessage(watermill.NewUUID(), nil)
+		msg.SetContext(t.Context())
+		_, err = handler(msg)
+		if p.key == "" && p.scope != "" {
+			// An empty key is refused, whatever the scope.
+			if err == nil {
+				t.Errorf("scope %q, empty key: handled, want a key error", p.scope)
+			}
+			return
+		}
+		mustOK(t, fmt.Sprintf("handler of scope %q key %q", p.scope, p.key), err)
+	}
+	for range 2 { // the second round: every key is a duplicate of its own first run
+		for i := range pairs {
+			run(i)
+		}
+	}
+	for i, p := range pairs {
+		want := 1
+		if p.key == "" {
+			want = 0
+		}
+		if runs[i] != want {
+			t.Errorf("scope %q key %q: the handler ran %d times, want %d", p.scope, p.key, runs[i], want)
+		}
+	}
+	seen := map[string]int{}
+	for i, p := range pairs {
+		k := dedupe.ScopedKey(p.scope, p.key)
+		if j, ok := seen[k]; ok {
+			t.Errorf("ScopedKey(%q, %q) = ScopedKey(%q, %q) = %q", p.scope, p.key, pairs[j].scope, pairs[j].key, k)
+		}
+		seen[k] = i
+	}
+}

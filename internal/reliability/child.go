@@ -340,6 +340,10 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 	if dialect == dedupe.Postgres {
 		insert = "INSERT INTO " + spec.Effects + " (msg_id, pid, tx) VALUES ($1, $2, $3)"
 	}
+	count := "SELECT COUNT(*) FROM " + spec.Effects + " WHERE msg_id = ?"
+	if dialect == dedupe.Postgres {
+		count = "SELECT COUNT(*) FROM " + spec.Effects + " WHERE msg_id = $1"
+	}
 	pid := os.Getpid()
 	fail := &failer{rnd: rand.New(rand.NewPCG(spec.Seed^0x5bd1e995, uint64(pid))), rate: spec.FailRate}
 	switch spec.Mode {
@@ -347,10 +351,25 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 		_, err = p.HandleTx("effect", spec.Topic, sub, nil, pipeline.TxConfig{DB: db},
 			func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 				st.set(phaseHandler)
-				sl.sleep(ctx)
+				// A read first, as handlers do before they write: at
+				// REPEATABLE READ (MariaDB's default) it fixes the
+				// transaction's snapshot, with this consumer's claim in it.
+				if err := tx.QueryRowContext(ctx, count, msg.UUID).Scan(new(int)); err != nil {
+					return err
+				}
 				if _, err := tx.ExecContext(ctx, insert, msg.UUID, pid, 0); err != nil {
 					return err
 				}
+				// The effect is written, not committed. The message's id
+				// follows the phase, for a SIGSTOP aimed at a consumer in
+				// its handler (FaultSIGSTOP): woken, the handler returns
+				// and the pipeline confirms and commits.
+				st.set(phaseHandler + " " + msg.UUID)
+				sl.sleep(ctx)
+				// Without the id from here on: a consumer stopped after
+				// this line may be in its confirmation, holding the claim's
+				// row lock, which no zombie has.
+				st.set(phaseHandler)
 				if fail.now() { // after the effect: the rollback must undo it
 					return errInjected
 				}

@@ -35,6 +35,9 @@ func TestRunRefusesBadConfig(t *testing.T) {
 		{"fail rate too high", func(c *reliability.Config) { c.FailRate = 0.9 }, "Config.FailRate"},
 		{"no command", func(c *reliability.Config) { c.Command = nil }, "Config.Command"},
 		{"unknown fault", func(c *reliability.Config) { c.Faults = []string{"disk"} }, "Config.Faults"},
+		{"sigstop in batch mode", func(c *reliability.Config) {
+			c.Mode, c.Faults = reliability.ModeBatch, []string{reliability.FaultSIGSTOP}
+		}, "Config.Faults"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -73,6 +76,10 @@ func TestResultErr(t *testing.T) {
 		{Mode: reliability.ModeTx, LeftOnQueue: 1},
 		{Mode: reliability.ModeTx, UnexpectedExits: 1},
 		{Mode: reliability.ModeTx, Faults: []reliability.FaultResult{{Fault: reliability.FaultRabbitMQ}}},
+		// SIGSTOPs that made no zombie tested nothing; a zombie that
+		// committed after the takeover is a double.
+		{Mode: reliability.ModeTx, Faults: []reliability.FaultResult{{Fault: reliability.FaultSIGSTOP, Recovered: true}}, ZombieMisses: 1},
+		{Mode: reliability.ModeTx, Faults: []reliability.FaultResult{{Fault: reliability.FaultSIGSTOP, Recovered: true}}, Zombies: 1, ZombieCommits: 1},
 	} {
 		if err := r.Err(); err == nil {
 			t.Errorf("%+v: Err is nil, want a failure", r)

@@ -5,11 +5,19 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"os/exec"
 	"strings"
 	"sync"
+	"syscall"
 	"text/tabwriter"
 	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/settle-go/settle/amqpmarshal"
+	"github.com/settle-go/settle/dedupe"
 )
 
 // faults injects each configured fault while a producer keeps placing
@@ -135,8 +143,165 @@ func (d *driver) inject(ctx context.Context, f string) error {
 		}
 		d.say("pg_terminate_backend on %d connections", n)
 		return errors.Join(rows.Err(), rows.Close())
+	case FaultSIGSTOP:
+		return d.zombie(ctx)
 	}
 	return fmt.Errorf("unknown fault %q", f)
+}
+
+// zombie is one FaultSIGSTOP: a consumer caught in its handler, after its
+// effect and before its commit, is stopped past its claim timeout; a second
+// delivery of its message (as the relay or the broker may make) is
+// published, and once the other consumer has taken the expired claim over
+// and committed the message's effect (or RecoverTimeout passed) the stopped
+// one is woken. A stop that does not land in a handler is undone at once and
+// tried again, for up to 30s.
+func (d *driver) zombie(ctx context.Context) error {
+	var consumers []*proc
+	for _, p := range d.procs {
+		if p.spec.Role == roleConsumer {
+			consumers = append(consumers, p)
+		}
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for tries := 1; ; tries++ {
+		if time.Now().After(deadline) {
+			d.res.ZombieMisses++
+			d.say("sigstop: no consumer caught in its handler in %d tries", tries)
+			return nil
+		}
+		if err := d.checkExits(); err != nil {
+			return err
+		}
+		p := consumers[d.rnd.IntN(len(consumers))]
+		if phase, id := handlerStatus(p.status()); phase != phaseHandler || id == "" {
+			if err := sleepCtx(ctx, 200*time.Microsecond); err != nil {
+				return err
+			}
+			continue
+		}
+		pid := p.cmd.Process.Pid
+		if err := p.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+			continue // it has just exited; checkExits restarts it
+		}
+		// The status file of a stopped process says where it stopped.
+		phase, id := handlerStatus(p.status())
+		if phase != phaseHandler || id == "" {
+			_ = p.cmd.Process.Signal(syscall.SIGCONT)
+			continue
+		}
+		d.say("sigstop %s (pid %d) in its handler of %s, after %d tries", p.spec.Name, pid, id, tries)
+		z, err := d.holdZombie(ctx, pid, id)
+		// Whatever happened, wake it.
+		if cerr := p.cmd.Process.Signal(syscall.SIGCONT); cerr != nil && !errors.Is(cerr, os.ErrProcessDone) && err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return err
+		}
+		if z.takenOver {
+			d.zombies = append(d.zombies, z)
+			d.res.Zombies++
+		} else {
+			d.res.ZombieMisses++
+		}
+		d.say("sigcont %s (pid %d): %s taken over by the other consumer: %v", p.spec.Name, pid, id, z.takenOver)
+		return nil
+	}
+}
+
+// zombie is a consumer that FaultSIGSTOP stopped in its handler of msgID.
+type zombie struct {
+	pid       int
+	msgID     string
+	takenOver bool // another consumer committed msgID's effect while it slept
+}
+
+// holdZombie keeps process pid stopped past its claim, publishes a second
+// delivery of msgID (and more, while none reached the other consumer) and
+// waits for another process's effect of it.
+func (d *driver) holdZombie(ctx context.Context, pid int, msgID string) (zombie, error) {
+	z := zombie{pid: pid, msgID: msgID}
+	if err := sleepCtx(ctx, d.cfg.ClaimTimeout+500*time.Millisecond); err != nil {
+		return z, err
+	}
+	q := "SELECT COUNT(*) FROM " + d.effects + " WHERE msg_id = ? AND pid <> ?"
+	if d.dialect == dedupe.Postgres {
+		q = "SELECT COUNT(*) FROM " + d.effects + " WHERE msg_id = $1 AND pid <> $2"
+	}
+	wctx, cancel := context.WithTimeout(ctx, d.cfg.RecoverTimeout)
+	defer cancel()
+	var sent time.Time
+	for {
+		// The broker may push the second delivery to the stopped consumer,
+		// which still has prefetch to spare: send another every 3s.
+		if time.Since(sent) >= 3*time.Second {
+			if err := d.redeliver(wctx, msgID); err != nil && wctx.Err() == nil {
+				return z, err
+			}
+			sent = time.Now()
+		}
+		var others int
+		if err := d.db.QueryRowContext(wctx, q, msgID, pid).Scan(&others); err == nil && others > 0 {
+			z.takenOver = true
+			return z, nil
+		}
+		if err := sleepCtx(wctx, 20*time.Millisecond); err != nil {
+			return z, ctx.Err() // nil when only the wait ran out
+		}
+	}
+}
+
+// redeliver publishes a second delivery of the placed message msgID to the
+// campaign's queue, as the relay does after a crash between a publish and
+// its mark.
+func (d *driver) redeliver(ctx context.Context, msgID string) error {
+	q := "SELECT seq FROM " + d.placed + " WHERE msg_id = ?"
+	if d.dialect == dedupe.Postgres {
+		q = "SELECT seq FROM " + d.placed + " WHERE msg_id = $1"
+	}
+	var seq int
+	if err := d.db.QueryRowContext(ctx, q, msgID).Scan(&seq); err != nil {
+		return fmt.Errorf("reliability: redeliver %s: %w", msgID, err)
+	}
+	m, err := amqpmarshal.New(amqpmarshal.Config{})
+	if err != nil {
+		return err
+	}
+	pub, err := m.Marshal(message.NewMessage(msgID, []byte(fmt.Sprintf(`{"seq":%d}`, seq))))
+	if err != nil {
+		return err
+	}
+	return d.withChannel(func(ch *amqp091.Channel) error {
+		return ch.PublishWithContext(ctx, "", d.topic, false, false, pub)
+	})
+}
+
+// handlerStatus splits a consumer's status line into its phase and, in its
+// handler, the id of the message.
+func handlerStatus(line string) (phase, msgID string) {
+	phase, rest, _ := strings.Cut(line, " ")
+	return phase, strings.TrimSpace(rest)
+}
+
+// countZombies counts the zombies whose own transaction committed an effect
+// of the message another consumer had taken over.
+func (d *driver) countZombies(ctx context.Context) error {
+	q := "SELECT COUNT(*) FROM " + d.effects + " WHERE msg_id = ? AND pid = ?"
+	if d.dialect == dedupe.Postgres {
+		q = "SELECT COUNT(*) FROM " + d.effects + " WHERE msg_id = $1 AND pid = $2"
+	}
+	for _, z := range d.zombies {
+		var n int
+		if err := d.db.QueryRowContext(ctx, q, z.msgID, z.pid).Scan(&n); err != nil {
+			return fmt.Errorf("reliability: count zombies: %w", err)
+		}
+		if n > 0 {
+			d.res.ZombieCommits++
+			d.say("zombie pid %d committed its effect of %s after the takeover", z.pid, z.msgID)
+		}
+	}
+	return nil
 }
 
 func command(ctx context.Context, name string, args ...string) error {
@@ -173,6 +338,9 @@ func (r Result) Print(w io.Writer) {
 			rec = fmt.Sprintf("first effect %v after, backlog caught up %v after", f.Recovery.Round(time.Millisecond), f.CaughtUp.Round(time.Millisecond))
 		}
 		fmt.Fprintf(tw, "fault %s\t%v\t%s\n", f.Fault, f.Outage.Round(time.Millisecond), rec)
+	}
+	if r.Zombies > 0 || r.ZombieMisses > 0 {
+		fmt.Fprintf(tw, "zombies (SIGSTOP in a handler, message taken over)\t%d\t%d committed after waking; %d stops missed\n", r.Zombies, r.ZombieCommits, r.ZombieMisses)
 	}
 	fmt.Fprintf(tw, "messages placed\t%d\n", r.Placed)
 	fmt.Fprintf(tw, "effect rows\t%d\n", r.Effects)

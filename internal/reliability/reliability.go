@@ -1,8 +1,8 @@
 // Package reliability is settle's crash, restart and service-fault campaign:
 // a driver that runs a relay and two consumers as separate processes on
 // RabbitMQ and a SQL database, kills them with SIGKILL at random points,
-// stops and restarts the services, and then counts the effects of every
-// logical message. bench/reliability is its command; the integration tests
+// stops and restarts the services, freezes a consumer with SIGSTOP past its
+// claim (a zombie), and then counts the effects of every logical message. bench/reliability is its command; the integration tests
 // run a short version.
 package reliability
 
@@ -57,6 +57,17 @@ const (
 	// FaultPGTerminate kills every other connection to the database with
 	// pg_terminate_backend.
 	FaultPGTerminate = "pgterminate"
+	// FaultSIGSTOP (tx mode) makes a zombie of a consumer: it is stopped
+	// with SIGSTOP in its handler (after its transaction's first read, so that
+	// at REPEATABLE READ the transaction holds a snapshot in which the
+	// consumer owns its claim, and after its effect row, before its commit),
+	// for longer than the claim timeout; a second delivery of its message is
+	// published (as the relay may publish one), which the other consumer
+	// takes, taking the expired claim over and committing the effect; then
+	// the zombie is woken with SIGCONT and goes on where it stopped, towards
+	// its own confirmation and commit, which must fail. Repeat it in Faults
+	// for more zombies.
+	FaultSIGSTOP = "sigstop"
 )
 
 // Config configures a campaign.
@@ -73,7 +84,8 @@ type Config struct {
 	// during the kill cycles. Defaults to 5 per cycle, at least 100.
 	Messages int
 	// Faults are injected one after another after the kill cycles while
-	// messages keep flowing: FaultRabbitMQ, FaultPostgres, FaultPGTerminate.
+	// messages keep flowing: FaultRabbitMQ, FaultPostgres, FaultPGTerminate,
+	// FaultSIGSTOP; a fault may be named more than once.
 	Faults []string
 	// Seed makes the kill schedule repeatable. Defaults to the clock.
 	Seed uint64
@@ -201,8 +213,12 @@ func (c Config) Validate() error {
 	for _, f := range c.Faults {
 		switch f {
 		case FaultRabbitMQ, FaultPostgres, FaultPGTerminate:
+		case FaultSIGSTOP:
+			if c.Mode != ModeTx {
+				return fmt.Errorf("reliability: Config.Faults: fault %s is for mode %q, not %q", f, ModeTx, c.Mode)
+			}
 		default:
-			return fmt.Errorf("reliability: Config.Faults: unknown fault %q (want %s, %s or %s)", f, FaultRabbitMQ, FaultPostgres, FaultPGTerminate)
+			return fmt.Errorf("reliability: Config.Faults: unknown fault %q (want %s, %s, %s or %s)", f, FaultRabbitMQ, FaultPostgres, FaultPGTerminate, FaultSIGSTOP)
 		}
 	}
 	return nil
@@ -262,6 +278,18 @@ type Result struct {
 	// commit (the others raced it, and the commit won).
 	BatchKillsUncommitted int
 
+	// FaultSIGSTOP only.
+	// Zombies counts the consumers stopped in their handler, past their
+	// claim, and woken once another consumer had committed the effect of the
+	// message they were handling.
+	Zombies int
+	// ZombieMisses counts the SIGSTOP faults that caught no consumer in its
+	// handler, or whose message no other consumer took over in time.
+	ZombieMisses int
+	// ZombieCommits counts the zombies whose own transaction committed an
+	// effect of that message after they woke (each is a doubled message).
+	ZombieCommits int
+
 	Duration  time.Duration
 	DrainTime time.Duration
 	// Unfinished says why the drain ended before everything settled
@@ -300,10 +328,20 @@ func (r Result) Err() error {
 	if r.UnexpectedExits > 0 {
 		errs = append(errs, fmt.Errorf("%d processes exited without being killed", r.UnexpectedExits))
 	}
+	stops := 0
 	for _, f := range r.Faults {
 		if !f.Recovered {
 			errs = append(errs, fmt.Errorf("no effect after fault %s", f.Fault))
 		}
+		if f.Fault == FaultSIGSTOP {
+			stops++
+		}
+	}
+	if stops > 0 && r.Zombies == 0 {
+		errs = append(errs, fmt.Errorf("%d SIGSTOP faults, none made a zombie (stopped in its handler, its message taken over)", stops))
+	}
+	if r.Mode != ModePlain && r.ZombieCommits > 0 {
+		errs = append(errs, fmt.Errorf("%d zombie consumers committed an effect after another consumer took their message over", r.ZombieCommits))
 	}
 	return errors.Join(errs...)
 }
@@ -341,8 +379,10 @@ type driver struct {
 	// batchKills are the kills that landed in a batch: the process and the
 	// open transactions it reported.
 	batchKills []batchKill
-	next       int // sequence of the next logical message
-	res        Result
+	// zombies are the consumers FaultSIGSTOP stopped and woke.
+	zombies []zombie
+	next    int // sequence of the next logical message
+	res     Result
 }
 
 func newDriver(ctx context.Context, cfg Config) (d *driver, err error) {
@@ -731,6 +771,9 @@ func (d *driver) count(ctx context.Context) error {
 			return err
 		}
 	}
+	if err := d.countZombies(ctx); err != nil {
+		return err
+	}
 	depth, err := d.queueDepth(d.queues()...)
 	if err != nil {
 		return fmt.Errorf("reliability: queue depth: %w", err)
@@ -752,7 +795,12 @@ func (d *driver) close(keepLogs bool) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	var errs []error
-	for _, t := range []string{d.claims, d.effects, d.placed, "watermill_" + d.outboxTopic, "watermill_offsets_" + d.outboxTopic} {
+	tables := []string{d.claims, d.effects, d.placed}
+	if d.ob != nil {
+		// The outbox's rows and its relays' heartbeats (outbox.Config.Topic).
+		tables = append(tables, d.ob.Table(), d.ob.Table()+"_relays")
+	}
+	for _, t := range tables {
 		if _, err := d.db.ExecContext(ctx, "DROP TABLE IF EXISTS "+t); err != nil {
 			errs = append(errs, err)
 		}
