@@ -357,10 +357,10 @@ func TestPublishThroughAClosedConnection(t *testing.T) {
 		t.Errorf("%d of %d messages reported published are not on the queue", lost, len(ok))
 	}
 	if unconfirmed == 0 {
-		t.Errorf("no publish failed with ErrNotConfirmed when the connection was closed (other errors: %q)", otherErrs)
+		t.Errorf("no publish failed with ErrNotConfirmed when the connection was closed (other errors: %q)", otherErrs[:min(3, len(otherErrs))])
 	}
 	if okAfter.Load() < 50 {
 		t.Errorf("%d messages published after the connection was closed, want 50 within 30s", okAfter.Load())
 	}
-	t.Logf("%d published, %d unconfirmed, %d other errors (e.g. %.200q), %d on the queue", len(ok), unconfirmed, len(otherErrs), otherErrs, len(got))
+	t.Logf("%d published, %d unconfirmed, %d other errors (e.g. %q), %d on the queue", len(ok), unconfirmed, len(otherErrs), otherErrs[:min(1, len(otherErrs))], len(got))
 }
