@@ -20,9 +20,13 @@ type ParkConfig struct {
 	// Publisher publishes the parked copies. Required. Poison and
 	// dead-letter parking may share one. The original is acked once
 	// Publish returns nil, so Publish must return only when the broker has
-	// stored the copy: a watermill-amqp Publisher must have
-	// Publish.ConfirmDelivery (or Publish.Transactional) set, and one
-	// without is refused (ErrUnconfirmedPublisher).
+	// stored the copy. On RabbitMQ use amqpsub.Publisher, which also fails
+	// a copy the broker routed to no queue (amqpsub.ErrUnroutable). A
+	// watermill-amqp Publisher must have Publish.ConfirmDelivery (or
+	// Publish.Transactional) set, and one without is refused
+	// (ErrUnconfirmedPublisher); one with it is accepted, with an error
+	// logged when the middleware is built: it reports a copy RabbitMQ
+	// routed nowhere as published.
 	Publisher message.Publisher
 	// Topic receives the parked copies. Required. Poison and dead-letter
 	// parking may share one; settle_outcome tells the two kinds apart.
@@ -30,7 +34,7 @@ type ParkConfig struct {
 	// Initializer declares Topic (SubscribeInitialize) before every copy
 	// is published, so that the broker has a queue to route the copy to:
 	// RabbitMQ drops a message published to a queue that does not exist,
-	// and still confirms it. A failed declaration is a failed park (the
+	// and still confirms it (only amqpsub.Publisher notices). A failed declaration is a failed park (the
 	// delivery is deferred). Defaults to Publisher when it implements
 	// message.SubscribeInitializer, else nil: nothing is declared and the
 	// topic must exist before the first copy. For RabbitMQ pass the
