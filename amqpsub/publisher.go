@@ -200,6 +200,10 @@ func (p *Publisher) publish(pc *pubChannel, exchange, key string, msg *message.M
 		return true, fmt.Errorf("marshal message %s: %w", msg.UUID, err)
 	}
 	ctx := msg.Context()
+	select {
+	case <-pc.returns: // none can be left (a channel is reused only after a clean confirmation); if one were, it is not this message's
+	default:
+	}
 	dc, err := pc.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, amqpMsg)
 	if err != nil {
 		if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
@@ -224,7 +228,8 @@ func (p *Publisher) publish(pc *pubChannel, exchange, key string, msg *message.M
 		if pc.ch.IsClosed() {
 			return false, fmt.Errorf("message %s: %w: the channel was closed", msg.UUID, ErrNotConfirmed)
 		}
-		return true, fmt.Errorf("message %s: %w: the broker refused it (basic.nack)", msg.UUID, ErrNotConfirmed)
+		// Not reused: nothing says a return could not follow.
+		return false, fmt.Errorf("message %s: %w: the broker refused it (basic.nack)", msg.UUID, ErrNotConfirmed)
 	}
 	// The connection's reader hands a basic.return to pc.returns before it
 	// dispatches the basic.ack that follows it: if this message was
