@@ -14,9 +14,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/middleware"
+	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/poison"
 )
 
@@ -326,5 +328,97 @@ func TestWatermillAMQPPublisherLosesUnroutedCopies(t *testing.T) {
 			}
 			t.Logf("lost: the original acked after one park, nothing on the work or parking queue")
 		})
+	}
+}
+
+// The same through the pipeline, for a dead letter, with watermill-amqp's
+// Subscriber consuming and declaring the parking topic (the pipeline's
+// default initializer, wrapped here to delete the queue after each
+// declaration): amqpsub's Publisher as Config.Publisher makes the unrouted
+// copy a failed park, the original comes back without another run, and the
+// copy lands once the queue stays.
+func TestPipelineDeadLetterThroughAmqpsubPublisher(t *testing.T) {
+	t.Parallel()
+	f := newPubFixture(t)
+	work := testenv.Name(t, "w")
+	dead := work + ".dead_letter"
+	f.queue(t, work)
+	f.cleanup(t, func(ch *amqp091.Channel) { _, _ = ch.QueueDelete(dead, false, false, false) })
+	cfg := f.config(t)
+	sub, err := amqp.NewSubscriber(cfg, testenv.AMQPLogger(t, nil))
+	must(t, err)
+	pub, err := amqpsub.NewPublisher(amqpsub.PublisherConfig{AMQP: cfg}, nil)
+	must(t, err)
+	init := &breakingInitializer{sub: sub, after: func(topic string) { parkScenarios[0].breakRoute(t, f, topic) }}
+	init.broken.Store(true)
+	log := &countingLog{}
+
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, nil)
+	must(t, err)
+	p, err := pipeline.New(router, pipeline.Config{
+		Publisher: pub, ParkInitializer: init, NackDelay: 50 * time.Millisecond, Logger: log, DisableTracing: true,
+		Retry: middleware.RetryConfig{MaxAttempts: 1, NoInProcessRetries: true, RedeliveryDelay: settle.NoDelay},
+	})
+	must(t, err)
+	var runs atomic.Int64
+	_, err = p.Handle("h", work, sub, func(*message.Message) error {
+		runs.Add(1)
+		return errors.New("the card service is down")
+	})
+	must(t, err)
+	ch, err := f.conn.Channel()
+	must(t, err)
+	must(t, ch.PublishWithContext(t.Context(), "", work, false, false, amqp091.Publishing{
+		MessageId: "payment-9", DeliveryMode: amqp091.Persistent, Body: []byte(`{}`),
+	}))
+	_ = ch.Close()
+
+	ctx, cancel := context.WithCancel(t.Context())
+	errc := make(chan error, 1)
+	go func() { errc <- router.Run(ctx) }()
+	stopped := false
+	stop := func() {
+		if stopped {
+			return
+		}
+		stopped = true
+		cancel()
+		must(t, router.Close())
+		must(t, <-errc)
+		must(t, sub.Close())
+		must(t, pub.Close())
+	}
+	defer stop()
+	<-router.Running()
+
+	count := func(queue string) int {
+		ch, err := f.conn.Channel()
+		must(t, err)
+		defer ch.Close()
+		q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+		if err != nil {
+			return 0
+		}
+		return q.Messages
+	}
+	if !waitFor(func() bool { return init.calls.Load() >= 4 }) {
+		t.Fatalf("%d park(s) within 60s, want 4: the original was acked after a copy routed to no queue (%d on %s, %d on %s)",
+			init.calls.Load(), count(work), work, count(dead), dead)
+	}
+	init.broken.Store(false)
+	if !waitFor(func() bool { return count(dead) == 1 && log.parked() }) {
+		t.Fatalf("the copy is not on %s 60s after the queue was left in place (%d there)", dead, count(dead))
+	}
+	time.Sleep(200 * time.Millisecond) // the router acks the original after the middleware returned
+	stop()
+	if n := count(work); n != 0 {
+		t.Errorf("%d message(s) on the work queue after the copy was parked, want 0", n)
+	}
+	if n := runs.Load(); n != 1 {
+		t.Errorf("the handler ran %d times, want 1 (MaxAttempts 1; a deferred park runs nothing again)", n)
+	}
+	got := f.drain(t, dead)
+	if len(got) != 1 || got["payment-9"] != 1 {
+		t.Errorf("%s holds %v, want payment-9 once", dead, got)
 	}
 }
