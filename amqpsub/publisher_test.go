@@ -1,6 +1,7 @@
 package amqpsub_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -363,4 +364,27 @@ func TestPublishThroughAClosedConnection(t *testing.T) {
 		t.Errorf("%d messages published after the connection was closed, want 50 within 30s", okAfter.Load())
 	}
 	t.Logf("%d published, %d unconfirmed, %d other errors (e.g. %q), %d on the queue", len(ok), unconfirmed, len(otherErrs), otherErrs[:min(1, len(otherErrs))], len(got))
+}
+
+// The messages of one Publish call are all published. A message whose
+// context is done is not published, and the publisher goes on.
+func TestPublishSeveralAndCancelled(t *testing.T) {
+	t.Parallel()
+	f := newPubFixture(t)
+	q := testenv.Name(t, "q")
+	f.queue(t, q)
+	pub := f.publisher(t, f.config(t))
+	must(t, pub.Publish(q, message.NewMessage("m1", nil), message.NewMessage("m2", nil)))
+
+	cancelled := message.NewMessage("m3", nil)
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	cancelled.SetContext(ctx)
+	if err := pub.Publish(q, cancelled); !errors.Is(err, context.Canceled) {
+		t.Errorf("a message whose context is done: %v, want context.Canceled", err)
+	}
+	must(t, pub.Publish(q, message.NewMessage("m4", nil)))
+	if got := f.drain(t, q); fmt.Sprint(got) != "map[m1:1 m2:1 m4:1]" {
+		t.Errorf("queue holds %v, want m1, m2 and m4", got)
+	}
 }
