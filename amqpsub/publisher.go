@@ -166,28 +166,36 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		return fmt.Errorf("amqpsub: publish to %q: waiting for a channel: %w", topic, ctx.Err())
 	}
 	defer func() { <-p.slots }()
-	pc, err := p.channel()
-	if err != nil {
-		return fmt.Errorf("amqpsub: publish to %q: %w", topic, err)
-	}
-	if err := p.declareExchange(pc, topic); err != nil {
-		p.discard(pc)
-		return fmt.Errorf("amqpsub: publish to %q: %w", topic, err)
-	}
 	exchange, key := p.cfg.AMQP.Exchange.GenerateName(topic), p.cfg.AMQP.Publish.GenerateRoutingKey(topic)
+	var pc *pubChannel
 	for _, msg := range msgs {
+		if pc == nil {
+			var err error
+			if pc, err = p.channel(); err != nil {
+				return fmt.Errorf("amqpsub: publish to %q: %w", topic, err)
+			}
+			if err := p.declareExchange(pc, topic); err != nil {
+				p.discard(pc)
+				return fmt.Errorf("amqpsub: publish to %q: %w", topic, err)
+			}
+		}
 		reusable, err := p.publish(pc, exchange, key, msg)
+		if !reusable {
+			p.discard(pc)
+			pc = nil
+		}
 		if err != nil {
-			if reusable {
+			if pc != nil {
 				p.release(pc)
 			} else {
 				p.forget(topic)
-				p.discard(pc)
 			}
 			return fmt.Errorf("amqpsub: publish to %q: %w", topic, err)
 		}
 	}
-	p.release(pc)
+	if pc != nil {
+		p.release(pc)
+	}
 	return nil
 }
 
