@@ -86,7 +86,13 @@
 // binding as a subscriber of its configuration would, so it can declare the
 // parking topics too.
 //
-// # What it does not guarantee
+// A message to a topic that no queue is bound to fails, where
+// watermill-amqp's Publisher drops it quietly: a handler's output to a
+// pub/sub exchange that has no subscriber yet is an error (the handler is
+// retried). Bind a queue first, or publish such messages with another
+// publisher.
+//
+// # What the publisher does not guarantee
 //
 // A message whose Publish failed with ErrNotConfirmed may still have reached
 // a queue: a retry can publish it twice (settle's parking then leaves two
