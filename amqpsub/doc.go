@@ -1,5 +1,6 @@
 // Package amqpsub is a Watermill subscriber for RabbitMQ that hands the
-// router many deliveries of one subscription at once.
+// router many deliveries of one subscription at once, and a publisher that
+// reports a message the broker routed to no queue.
 //
 // # Why
 //
@@ -57,4 +58,47 @@
 // should be above InFlight, so that the next deliveries are already on the
 // client when the ones in flight are acked; one below InFlight (the 1 of
 // watermill-amqp's configurations) or 0 is raised to 4 × InFlight.
+//
+// # The publisher
+//
+// RabbitMQ drops a message it can route to no queue (a queue that does not
+// exist, an exchange with no binding for the routing key) and, with
+// publisher confirms, confirms it all the same. watermill-amqp's Publisher
+// does not listen for the broker's basic.return, even with
+// Publish.Mandatory, so it reports such a message as published; settle
+// would then ack the original of a dead-letter or poison copy that is gone.
+//
+// Publisher takes the same amqp.Config and publishes every message with
+// the mandatory flag on a channel in confirm mode, one message at a time per
+// channel: RabbitMQ sends a returned message's basic.return before its
+// basic.ack on the same channel, so the return that has arrived with the
+// confirmation is that message's. Publish returns nil only for a message the
+// broker routed and confirmed; an error wrapping ErrUnroutable for one it
+// returned (naming the exchange and routing key), ErrNotConfirmed for one it
+// refused or did not confirm before the channel or the connection was lost.
+// Use it for parking (pipeline.Config.Publisher, middleware.ParkConfig):
+//
+//	pub, err := amqpsub.NewPublisher(amqpsub.PublisherConfig{AMQP: amqpCfg}, logger)
+//
+// It owns its connection, dialled again with Connection.Reconnect's backoff
+// when lost (a Publish while it is down fails at once), and implements
+// message.SubscribeInitializer: it declares a topic's queue, exchange and
+// binding as a subscriber of its configuration would, so it can declare the
+// parking topics too.
+//
+// A message to a topic that no queue is bound to fails, where
+// watermill-amqp's Publisher drops it quietly: a handler's output to a
+// pub/sub exchange that has no subscriber yet is an error (the handler is
+// retried). Bind a queue first, or publish such messages with another
+// publisher.
+//
+// # What the publisher does not guarantee
+//
+// A message whose Publish failed with ErrNotConfirmed may still have reached
+// a queue: a retry can publish it twice (settle's parking then leaves two
+// copies; the dedupe of a consumer of handler output makes its effect happen
+// once). A message routed to some queues that then refuse it is nacked
+// (ErrNotConfirmed). An exchange with an alternate exchange that takes the
+// message routes it, so it is not returned: the copy is where the alternate
+// exchange put it.
 package amqpsub

@@ -28,9 +28,6 @@ func ExampleNewSubscriber() {
 	}
 	cfg := amqp.NewDurableQueueConfig(os.Getenv("AMQP_URL"))
 	cfg.Marshaler = marshaler
-	// The pipeline acks a delivery once its dead-letter copy or its output
-	// is published: the publisher must wait for RabbitMQ's confirmation.
-	cfg.Publish.ConfirmDelivery = true
 
 	// Up to 16 deliveries in the router at once; the prefetch of 1 that
 	// NewDurableQueueConfig sets is raised to 64.
@@ -39,7 +36,10 @@ func ExampleNewSubscriber() {
 		log.Fatal(err)
 	}
 	defer sub.Close()
-	pub, err := amqp.NewPublisher(cfg, logger)
+	// The pipeline acks a delivery once its dead-letter copy or its output
+	// is published: amqpsub's publisher returns only once RabbitMQ has
+	// routed the message to a queue and confirmed it.
+	pub, err := amqpsub.NewPublisher(amqpsub.PublisherConfig{AMQP: cfg}, logger)
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -3,6 +3,7 @@ package middleware
 import (
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 	"time"
 
@@ -20,9 +21,13 @@ type ParkConfig struct {
 	// Publisher publishes the parked copies. Required. Poison and
 	// dead-letter parking may share one. The original is acked once
 	// Publish returns nil, so Publish must return only when the broker has
-	// stored the copy: a watermill-amqp Publisher must have
-	// Publish.ConfirmDelivery (or Publish.Transactional) set, and one
-	// without is refused (ErrUnconfirmedPublisher).
+	// stored the copy. On RabbitMQ use amqpsub.Publisher, which also fails
+	// a copy the broker routed to no queue (amqpsub.ErrUnroutable). A
+	// watermill-amqp Publisher must have Publish.ConfirmDelivery (or
+	// Publish.Transactional) set, and one without is refused
+	// (ErrUnconfirmedPublisher); one with it is accepted, with an error
+	// logged when the middleware is built: it reports a copy RabbitMQ
+	// routed nowhere as published.
 	Publisher message.Publisher
 	// Topic receives the parked copies. Required. Poison and dead-letter
 	// parking may share one; settle_outcome tells the two kinds apart.
@@ -34,7 +39,7 @@ type ParkConfig struct {
 	// Initializer declares Topic (SubscribeInitialize) before every copy
 	// is published, so that the broker has a queue to route the copy to:
 	// RabbitMQ drops a message published to a queue that does not exist,
-	// and still confirms it. A failed declaration is a failed park (the
+	// and still confirms it (only amqpsub.Publisher notices). A failed declaration is a failed park (the
 	// delivery is deferred). Defaults to Publisher when it implements
 	// message.SubscribeInitializer, else nil: nothing is declared and the
 	// topic must exist before the first copy. For RabbitMQ pass the
@@ -154,10 +159,30 @@ func shortName(name string) string {
 	return strings.ToValidUTF8(name[:64], "") + "…"
 }
 
+// errReturnsUnseen is logged when a parking middleware is built on
+// watermill-amqp's Publisher.
+var errReturnsUnseen = errors.New("watermill-amqp's Publisher does not listen for basic.return, and RabbitMQ confirms a message it routed nowhere")
+
+// watermillAMQP reports whether pub is watermill-amqp's Publisher, without
+// importing watermill-amqp (see park.Unconfirmed).
+func watermillAMQP(pub message.Publisher) bool {
+	t := reflect.TypeOf(pub)
+	if t == nil || t.Kind() != reflect.Pointer {
+		return false
+	}
+	t = t.Elem()
+	return t.Name() == "Publisher" && t.PkgPath() == "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+}
+
 func (c ParkConfig) park(name string, match func(*message.Message, *settlement.Record, error) (park.Info, bool)) (message.HandlerMiddleware, error) {
 	c.setDefaults()
 	if err := c.Validate(); err != nil {
 		return nil, err
+	}
+	if watermillAMQP(c.Publisher) {
+		c.Logger.Error(name+": parking through watermill-amqp's Publisher: a copy that RabbitMQ routes to no queue cannot be detected, "+
+			"and its original would be acked; publish the copies with amqpsub.NewPublisher", errReturnsUnseen,
+			watermill.LogFields{"topic": c.Topic})
 	}
 	return park.Middleware(park.Config{
 		Publisher:   c.Publisher,
