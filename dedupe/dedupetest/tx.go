@@ -197,7 +197,7 @@ func zombie(t *testing.T, h Harness, lv TxLevel, op string) {
 			for {
 				b, err := h.Store.Claim(ctx, key, longTTL)
 				if err != nil {
-					return outcome{err: fmt.Errorf("B's claim: %w", err)}
+					return outcome{err: fmt.Errorf("claim of worker B: %w", err)}
 				}
 				if b.Result != dedupe.Busy || time.Now().After(deadline) {
 					if b.Result != dedupe.Acquired {
@@ -301,7 +301,7 @@ func bConfirm[T any](ctx context.Context, h Harness, lv TxLevel, b dedupe.Claim,
 		return tx.Commit()
 	})
 	if err != nil {
-		return done(false, fmt.Errorf("B's effect and confirmation: %w", err))
+		return done(false, fmt.Errorf("effect and confirmation of worker B: %w", err))
 	}
 	return done(true, nil)
 }
