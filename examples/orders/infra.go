@@ -27,6 +27,7 @@ import (
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 
 	"github.com/settle-go/settle/amqpmarshal"
+	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/outbox"
 )
@@ -344,9 +345,11 @@ func newBroker(amqpURL, runID string) (*broker, error) {
 	}
 	cfg := amqp.NewDurableQueueConfig(amqpURL)
 	cfg.Marshaler = m
-	cfg.Publish.ConfirmDelivery = true
 	cfg.Consume.Qos.PrefetchCount = 16
-	pub, err := amqp.NewPublisher(cfg, logger)
+	// settle's publisher waits for the broker's confirmation of every
+	// message and fails one the broker routed to no queue, so that a parked
+	// copy is never lost while its original is acked (docs/poison.md).
+	pub, err := amqpsub.NewPublisher(amqpsub.PublisherConfig{AMQP: cfg}, logger)
 	if err != nil {
 		return nil, fmt.Errorf("rabbitmq: %w", err)
 	}
