@@ -57,4 +57,10 @@
 // should be above InFlight, so that the next deliveries are already on the
 // client when the ones in flight are acked; one below InFlight (the 1 of
 // watermill-amqp's configurations) or 0 is raised to 4 × InFlight.
+//
+// Like watermill-amqp's Subscriber, it implements
+// message.SubscribeInitializer, so the dead-letter and poison queues of a
+// handler it feeds are declared through it before each copy (pipeline does
+// this; a router assembled by hand passes it as
+// middleware.ParkConfig.Initializer).
 package amqpsub
