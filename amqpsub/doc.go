@@ -52,15 +52,13 @@
 //		InFlight: 16,
 //	}, logger)
 //
+// It implements message.SubscribeInitializer, as watermill-amqp's
+// Subscriber does, so the dead-letter and poison queues of a handler it
+// feeds are declared through it before each copy (pipeline does this; a
+// router assembled by hand passes it as middleware.ParkConfig.Initializer).
 // With pipeline, give it to HandleTx or HandleBatchTx with Config.Concurrency
 // 1: pipeline reads InFlight to size the batches. Consume.Qos.PrefetchCount
 // should be above InFlight, so that the next deliveries are already on the
 // client when the ones in flight are acked; one below InFlight (the 1 of
 // watermill-amqp's configurations) or 0 is raised to 4 × InFlight.
-//
-// Like watermill-amqp's Subscriber, it implements
-// message.SubscribeInitializer, so the dead-letter and poison queues of a
-// handler it feeds are declared through it before each copy (pipeline does
-// this; a router assembled by hand passes it as
-// middleware.ParkConfig.Initializer).
 package amqpsub
