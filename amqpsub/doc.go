@@ -53,6 +53,10 @@
 //		InFlight: 16,
 //	}, logger)
 //
+// It implements message.SubscribeInitializer, as watermill-amqp's
+// Subscriber does, so the dead-letter and poison queues of a handler it
+// feeds are declared through it before each copy (pipeline does this; a
+// router assembled by hand passes it as middleware.ParkConfig.Initializer).
 // With pipeline, give it to HandleTx or HandleBatchTx with Config.Concurrency
 // 1: pipeline reads InFlight to size the batches. Consume.Qos.PrefetchCount
 // should be above InFlight, so that the next deliveries are already on the

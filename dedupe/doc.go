@@ -32,7 +32,15 @@
 // the handler while renewing the claim, and confirms or releases. A duplicate is acked without running the
 // handler; a busy key returns [ErrBusy] so that the broker redelivers the
 // message later. It is a plain message.HandlerMiddleware and can be added to
-// any router.
+// any router. A handler that returns messages needs [Config.Publisher], which
+// publishes them before the key is confirmed; without it the delivery fails
+// permanently ([ErrOutputWithoutPublisher]), never in a redelivery loop.
+//
+// Every call to the store has a deadline ([Config.StoreTimeout] for claims,
+// renewals and the claim's hold and confirmation in a transaction;
+// [Config.SettleTimeout] for Confirm and Release): a store that does not
+// answer, as behind a silent network partition, defers the delivery within
+// that bound.
 //
 // When the handler succeeded and the store cannot take the confirmation
 // (the database restarting, the claims table renamed), the middleware holds

@@ -17,10 +17,12 @@
 // "Stored" is the broker's word: the publisher must wait for the broker's
 // confirmation (a watermill-amqp Publisher without Publish.ConfirmDelivery
 // is refused, ErrUnconfirmedPublisher), and the parking topic is declared
-// before each copy (ParkConfig.Initializer), because RabbitMQ drops, and
-// still confirms, a message published to a queue that does not exist. A copy
-// is bounded so that a broker that accepted the message takes its copy too
-// (ParkConfig.MaxMetadataBytes).
+// before each copy (ParkConfig.Initializer, required with a watermill-amqp
+// Publisher, ErrNoInitializer), because RabbitMQ drops, and still confirms,
+// a message published to a queue that does not exist. A copy is bounded so
+// that a broker that accepted the message takes its copy too
+// (ParkConfig.MaxMetadataBytes; the original's entries left out are named in
+// settle_dropped_headers).
 //
 // The order matters. From the outside in:
 //

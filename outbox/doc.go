@@ -21,7 +21,9 @@
 // it, and after [RelayConfig.MaxAttempts] sets it aside, where [Outbox.Status],
 // [Outbox.Failed] and `settle outbox status` show it, until [Outbox.Requeue]
 // (`settle outbox retry`) puts it back. A broker outage sets nothing aside.
-// Batches are bounded in rows and in bytes.
+// Batches are bounded in rows and in bytes. A table of the earlier shape,
+// without the per-row failure columns, is brought to this one by the
+// statements of [Outbox.SchemaUpgrade] (`settle outbox schema -upgrade`).
 //
 // # What it does not guarantee
 //

@@ -21,5 +21,13 @@
 // deferred within that bound instead of held, and settle's PostgreSQL
 // transactions set their own lock and idle-in-transaction timeouts so that
 // a vanished client's locks do not hold the other consumers for long. What
-// MySQL and MariaDB need in the DSN instead is in docs/operating.md.
+// MySQL and MariaDB need in the DSN instead is in docs/operating.md. The
+// handler's own function has that deadline too where no claim is renewed
+// (OneStatement, batches), and running past it is the handler's failure, an
+// attempt.
+//
+// A transaction that loses its connection (ErrConnectionLost: the server
+// ended the session, the connection was reset or closed) is no message's
+// failure: it is run again on a new connection, after BusyDelay, up to three
+// times, and then its deliveries are deferred, no attempt spent.
 package pipeline
