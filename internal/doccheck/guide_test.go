@@ -3,6 +3,7 @@ package doccheck_test
 import (
 	"bufio"
 	"context"
+	"database/sql"
 	"fmt"
 	"os"
 	"os/exec"
@@ -13,10 +14,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+	_ "github.com/jackc/pgx/v5/stdlib"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/otlptest"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/outbox"
 )
 
 const guide = "../../docs/getting-started.md"
@@ -113,6 +118,14 @@ func run(t *testing.T, dir string, env []string, line string) {
 // good one is recorded and its e-mail sent through the outbox and the
 // relay, in one trace; the two copies are on their queues; SIGTERM stops
 // the router and the relay, and the program exits 0.
+//
+// The program parks through the publisher settle recommends on RabbitMQ
+// (amqpsub.Publisher): it logs no error at start about copies RabbitMQ
+// could route to no queue, as it does for watermill-amqp's Publisher. Its
+// relay publishes through the same publisher, which fails a row routed to
+// no queue: a row left in the outbox before the program started (by an
+// earlier run) is forwarded once its queue exists, without one failed
+// publish, and nothing is pending or set aside at the end.
 func TestGettingStartedService(t *testing.T) {
 	t.Parallel()
 	pgURL := testenv.Require(t, testenv.PostgresURLEnv)
@@ -132,6 +145,24 @@ func TestGettingStartedService(t *testing.T) {
 		_, _ = pg.ExecContext(context.Background(), "DROP SCHEMA "+schema+" CASCADE")
 		deleteQueues(amqpURL, queues)
 	})
+	sep := "?"
+	if strings.Contains(pgURL, "?") {
+		sep = "&"
+	}
+	dbURL := pgURL + sep + "search_path=" + schema
+	appDB, err := sql.Open("pgx", dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer appDB.Close()
+	// An e-mail requested by an earlier run and not yet forwarded: the
+	// relay's first row, there before the program starts.
+	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const leftOver = "welcome-eve@example.com"
+	seedOutbox(t, appDB, ob, welcome, message.NewMessage(leftOver, []byte(`{"to":"eve@example.com"}`)))
 
 	// The newcomer's module, beside a checkout of settle (here, this one).
 	root, err := filepath.Abs("../..")
@@ -169,13 +200,9 @@ func TestGettingStartedService(t *testing.T) {
 		t.Fatalf("the recipe left no replace directive in go.mod:\n%s", gomod)
 	}
 
-	sep := "?"
-	if strings.Contains(pgURL, "?") {
-		sep = "&"
-	}
 	cmd := exec.Command(filepath.Join(mod, "welcome"))
 	cmd.Env = append(os.Environ(),
-		"DATABASE_URL="+pgURL+sep+"search_path="+schema,
+		"DATABASE_URL="+dbURL,
 		"AMQP_URL="+amqpURL,
 		"OTEL_EXPORTER_OTLP_ENDPOINT=http://"+recv.Endpoint(),
 		"OTEL_SERVICE_NAME=welcome",
@@ -224,6 +251,12 @@ func TestGettingStartedService(t *testing.T) {
 	case <-time.After(60 * time.Second):
 		t.Fatalf("the program did not log %q within 60s\n%s", readyLog, logs())
 	}
+	// The newcomer's path is the recommended one: no parking middleware
+	// warned that its publisher cannot see a copy routed nowhere.
+	if lines := unroutedWarnings(logs()); len(lines) > 0 {
+		t.Errorf("at start the program logged %d error(s) about copies RabbitMQ routes to no queue: the guide's publisher is not amqpsub.Publisher\n%s",
+			len(lines), strings.Join(lines, "\n"))
+	}
 
 	conn, err := amqp091.Dial(amqpURL)
 	if err != nil {
@@ -271,6 +304,26 @@ func TestGettingStartedService(t *testing.T) {
 	if welcomes != 2 {
 		t.Errorf("%d rows in welcomes, want 2 (ada and bob; the poison message writes none)", welcomes)
 	}
+	// Every row the relay had, the left-over one first, was forwarded:
+	// none pending, none set aside, no publish of a row failed.
+	var st outbox.Status
+	for deadline := time.Now().Add(60 * time.Second); ; {
+		if st, err = ob.Status(t.Context(), appDB); err != nil {
+			t.Fatal(err)
+		}
+		if st.Pending == 0 && st.SetAside == 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if st.Pending != 0 || st.SetAside != 0 {
+		t.Errorf("outbox: %d row(s) pending, %d set aside (%s)\n%s", st.Pending, st.SetAside, st.Explain(), logs())
+	}
+	for _, line := range strings.Split(logs(), "\n") {
+		if strings.Contains(line, "outbox: publishing a row failed") {
+			t.Errorf("the relay failed to publish a row: %s", line)
+		}
+	}
 
 	// SIGTERM stops the router and the relay; the program flushes its
 	// spans and exits 0.
@@ -307,6 +360,67 @@ func TestGettingStartedService(t *testing.T) {
 	if !whole {
 		t.Errorf("no trace holds process %s, send %s and process %s (%d spans in %d traces received)",
 			signedUp, welcome, welcome, len(recv.Spans()), len(traces))
+	}
+	// The left-over e-mail was relayed and sent.
+	sent := false
+	for _, sp := range recv.Spans() {
+		id, _ := otlptest.Attr(sp, "messaging.message.id")
+		outcome, _ := otlptest.Attr(sp, "settle.outcome")
+		if sp.GetName() == "process "+welcome && id == leftOver && outcome == "done" {
+			sent = true
+		}
+	}
+	if !sent {
+		t.Errorf("no span process %s of message %s with settle.outcome done: the row left in the outbox before the start was not forwarded and handled\n%s",
+			welcome, leftOver, logs())
+	}
+}
+
+// unroutedWarnings returns the error-level lines of log that warn of a
+// parking publisher that cannot see a copy RabbitMQ routed to no queue
+// (middleware's warning for watermill-amqp's Publisher).
+func unroutedWarnings(log string) []string {
+	var out []string
+	for _, line := range strings.Split(log, "\n") {
+		l := strings.ToLower(line)
+		if !strings.Contains(l, "level=error") {
+			continue
+		}
+		if strings.Contains(l, "routes to no queue") || strings.Contains(l, "basic.return") ||
+			strings.Contains(l, "amqpsub.newpublisher") || strings.Contains(l, "watermill-amqp's publisher") {
+			out = append(out, line)
+		}
+	}
+	return out
+}
+
+// seedOutbox creates the outbox's tables, as the program will, and commits
+// msg to topic in the outbox.
+func seedOutbox(t *testing.T, db *sql.DB, ob *outbox.Outbox, topic string, msg *message.Message) {
+	t.Helper()
+	stmts, err := ob.Schema()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range stmts {
+		if _, err := db.ExecContext(t.Context(), s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tx, err := db.BeginTx(t.Context(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	pub, err := ob.TxPublisher(tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish(topic, msg); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
 	}
 }
 
