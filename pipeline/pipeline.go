@@ -23,9 +23,14 @@ type Config struct {
 	// Publisher publishes dead-letter and poison copies, and the messages
 	// that handlers produce. Required. A delivery is acked once Publish has
 	// returned nil for its copy or its output, so Publish must return only
-	// when the broker has stored the message: a watermill-amqp Publisher
+	// when the broker has stored the message. On RabbitMQ use
+	// amqpsub.Publisher (amqpsub.NewPublisher, from watermill-amqp's
+	// configuration): it also fails a message the broker routed to no queue
+	// (amqpsub.ErrUnroutable), which RabbitMQ confirms all the same. A
+	// watermill-amqp Publisher reports such a message as published: one
 	// without Publish.ConfirmDelivery (or Publish.Transactional) is refused
-	// (middleware.ErrUnconfirmedPublisher).
+	// (middleware.ErrUnconfirmedPublisher), and one with it is accepted
+	// with an error logged by each parking middleware built on it.
 	Publisher message.Publisher
 	// ParkInitializer declares the dead-letter and poison topics before
 	// every copy is published to them (see middleware.ParkConfig.Initializer):
