@@ -128,11 +128,11 @@ func TestReliabilityShortBatch(t *testing.T) {
 func TestReliabilityShortZombie(t *testing.T) {
 	dbURL := testenv.Require(t, testenv.MySQLURLEnv)
 	amqpURL := testenv.AMQPURL(t)
-	res := runCampaignWithin(t, 150*time.Second, reliability.Config{
+	res := runCampaignWithin(t, 240*time.Second, reliability.Config{
 		DB:       dbURL,
 		AMQP:     amqpURL,
 		Mode:     reliability.ModeTx,
-		Cycles:   10,
+		Cycles:   6,
 		Messages: 100,
 		Faults:   []string{reliability.FaultSIGSTOP, reliability.FaultSIGSTOP, reliability.FaultSIGSTOP},
 	})
