@@ -1,0 +1,73 @@
+package main
+
+import (
+	"strings"
+	"testing"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/settle-go/settle/internal/testenv"
+)
+
+// review: the -queue name is the operator's input, but it is also a name
+// that exists on the broker (anyone who can declare queues chose it): the
+// lines that name it (a queue with consumers, a listing cut by -limit, a
+// quorum queue read with -force) print it escaped, C1 controls and
+// bidirectional overrides included, which the last filter on stdout and
+// stderr lets through.
+func TestReviewQueueNameIsEscaped(t *testing.T) {
+	t.Parallel()
+	b := setupBroker(t)
+	ch, err := b.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	declare := func(name string, args amqp091.Table) {
+		if _, err := ch.QueueDeclare(name, true, false, false, false, args); err != nil {
+			t.Fatalf("declare %q: %v", name, err)
+		}
+		t.Cleanup(func() {
+			if ch, err := b.conn.Channel(); err == nil {
+				_, _ = ch.QueueDelete(name, false, false, false)
+				_ = ch.Close()
+			}
+		})
+		for range 3 {
+			if err := ch.Publish("", name, false, false, amqp091.Publishing{Headers: amqp091.Table{"_watermill_message_uuid": testenv.Name(t, "m")}, Body: []byte("x")}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	classic := testenv.Name(t, "dlq") + "\u009b2J\u202e"
+	declare(classic, nil)
+	b.waitDepth(t, classic, 3)
+	// A consumer holds one message: the queue has a consumer, 2 ready.
+	cch, err := b.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cch.Close()
+	if err := cch.Qos(1, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cch.Consume(classic, "", false, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	b.waitDepth(t, classic, 2)
+	r := mustRun(t, exitOK, "dlq", "list", "-queue", classic, "-limit", "1", "-amqp", b.url)
+	if p := unsafeOutput(r.stdout + r.stderr); p != "" {
+		t.Errorf("dlq list of a queue with consumers, cut by -limit: %s in\n%v", p, r)
+	}
+	if !strings.Contains(r.stderr, `\u009b2J`) {
+		t.Errorf("the queue's name is not shown escaped:\n%v", r)
+	}
+
+	quorum := testenv.Name(t, "qq") + "\u009b2J\u202e"
+	declare(quorum, amqp091.Table{"x-queue-type": "quorum"})
+	b.waitDepth(t, quorum, 3)
+	r = mustRun(t, exitOK, "dlq", "list", "-queue", quorum, "-force", "-amqp", b.url)
+	if p := unsafeOutput(r.stdout + r.stderr); p != "" {
+		t.Errorf("dlq list -force of a quorum queue: %s in\n%v", p, r)
+	}
+}
