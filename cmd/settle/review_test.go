@@ -1,12 +1,15 @@
 package main
 
 import (
+	"context"
+	"encoding/json"
 	"strings"
 	"testing"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/outbox"
 )
 
 // review: the -queue name is the operator's input, but it is also a name
@@ -69,5 +72,50 @@ func TestReviewQueueNameIsEscaped(t *testing.T) {
 	r = mustRun(t, exitOK, "dlq", "list", "-queue", quorum, "-force", "-amqp", b.url)
 	if p := unsafeOutput(r.stdout + r.stderr); p != "" {
 		t.Errorf("dlq list -force of a quorum queue: %s in\n%v", p, r)
+	}
+}
+
+// review: outbox retry's dry run reads at most 10,000 set-aside rows and
+// says that many "would be re-queued", but -yes re-queues every set-aside
+// row the selection matches: with more rows set aside than that (a
+// destination down for a day), the operator approves one number and the
+// command acts on another. What -yes does must be what the dry run showed.
+func TestReviewOutboxRetryDryRunMatchesYes(t *testing.T) {
+	t.Parallel()
+	db, u := testenv.Postgres(t), testenv.Require(t, testenv.PostgresURLEnv)
+	topic := "cli_rv_" + testenv.Name(t, "r")[len(testenv.Name(t, "r"))-8:]
+	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: topic})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for _, tbl := range []string{topic, topic + "_relays"} {
+			_, _ = db.ExecContext(context.Background(), `DROP TABLE IF EXISTS "`+tbl+`"`)
+		}
+	})
+	const n = 10_005
+	if _, err := db.ExecContext(t.Context(), `INSERT INTO "`+topic+`" ("uuid", "topic", "payload", "metadata", "attempts", "last_error", "set_aside_at")
+SELECT 'u-' || g, 'refused', '\x7b7d'::bytea, '{}', 5, 'refused', clock_timestamp() FROM generate_series(1, $1) g`, n); err != nil {
+		t.Fatal(err)
+	}
+	dry := mustRun(t, exitOK, "outbox", "retry", "-db", u, "-topic", topic, "-all", "-json")
+	var shown struct {
+		Rows []json.RawMessage `json:"rows"`
+	}
+	if err := json.Unmarshal([]byte(dry.stdout), &shown); err != nil {
+		t.Fatal(err)
+	}
+	yes := mustRun(t, exitOK, "outbox", "retry", "-db", u, "-topic", topic, "-all", "-yes", "-json")
+	var did struct {
+		Requeued int64 `json:"requeued"`
+	}
+	if err := json.Unmarshal([]byte(yes.stdout), &did); err != nil {
+		t.Fatal(err)
+	}
+	if int64(len(shown.Rows)) != did.Requeued {
+		t.Fatalf("the dry run showed %d rows to re-queue, -yes re-queued %d", len(shown.Rows), did.Requeued)
 	}
 }
