@@ -119,3 +119,43 @@ SELECT 'u-' || g, 'refused', '\x7b7d'::bytea, '{}', 5, 'refused', clock_timestam
 		t.Fatalf("the dry run showed %d rows to re-queue, -yes re-queued %d", len(shown.Rows), did.Requeued)
 	}
 }
+
+// review: copies whose settle_original_topic is odd (empty, the reserved
+// amq. prefix, 300 bytes, control characters, the dead-letter queue itself)
+// replayed with -any-destination -yes: no copy leaves the dead-letter
+// queue without reaching a queue, nothing loops, and the output is safe.
+func TestReviewReplayOddDestinations(t *testing.T) {
+	t.Parallel()
+	b := setupBroker(t)
+	dlq := b.queue(t, "dlq")
+	good := b.queue(t, "orders")
+	ch, err := b.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	dests := []string{"", "amq.rabbitmq.reply-to", "amq.gen-x", strings.Repeat("q", 300), "or\x1bders\u009b\n", dlq, good}
+	for i, d := range dests {
+		if err := ch.Publish("", dlq, false, false, amqp091.Publishing{
+			Headers: amqp091.Table{
+				"_watermill_message_uuid": testenv.Name(t, "m") + string(rune('a'+i)),
+				"settle_outcome":          "dead_lettered",
+				"settle_original_topic":   d,
+			},
+			DeliveryMode: amqp091.Persistent,
+			Body:         []byte("x"),
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b.waitDepth(t, dlq, len(dests))
+	r := runCmd(t.Context(), nil, "dlq", "replay", "-queue", dlq, "-all", "-any-destination", "-yes", "-amqp", b.url)
+	if p := unsafeOutput(r.stdout + r.stderr); p != "" {
+		t.Errorf("%s in\n%v", p, r)
+	}
+	t.Logf("%v", r)
+	left, onGood := b.depth(t, dlq), b.depth(t, good)
+	if left+onGood != len(dests) {
+		t.Errorf("%d copies on the dead-letter queue and %d on %s, want %d in all (a copy went nowhere)\n%v", left, onGood, good, len(dests), r)
+	}
+}
