@@ -3,11 +3,13 @@ package pipeline_test
 import (
 	"context"
 	"database/sql"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
@@ -88,5 +90,22 @@ func TestReviewDefaultModeHandlerOutlivesCallTimeout(t *testing.T) {
 				t.Fatalf("cents = %d, want 11", cents)
 			}
 		})
+	}
+}
+
+// review: a CallTimeout or Config.StoreTimeout no database answers within
+// (1ns, 1µs) is refused by name: accepted, it deferred every delivery for
+// ever without a run.
+func TestReviewTinyCallTimeoutRefused(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	for _, d := range []time.Duration{time.Nanosecond, time.Microsecond, 9 * time.Millisecond} {
+		_, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: db.DB, CallTimeout: d}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil })
+		if err == nil || !strings.Contains(err.Error(), "TxConfig.CallTimeout") {
+			t.Errorf("CallTimeout %v: %v; want it refused by name", d, err)
+		}
+		if err := (pipeline.Config{Publisher: gochannel.NewGoChannel(gochannel.Config{}, nil), StoreTimeout: d}).Validate(); err == nil || !strings.Contains(err.Error(), "StoreTimeout") {
+			t.Errorf("Config.StoreTimeout %v: %v; want it refused by name", d, err)
+		}
 	}
 }
