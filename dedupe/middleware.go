@@ -76,7 +76,7 @@ type Config struct {
 	// this machine that no partition can cut off, and a MemoryStore have
 	// none. Defaults to ClaimTimeout/2, and at least 1s: a busy database
 	// may well take longer than a few milliseconds, and a bound shorter than
-	// its worst answer would defer healthy deliveries. Must be > 0; keep it
+	// its worst answer would defer healthy deliveries. Must be >= 10ms; keep it
 	// below ClaimTimeout, since a claim that took longer to take has
 	// lapsed when it arrives.
 	StoreTimeout time.Duration
@@ -157,8 +157,10 @@ func (c Config) Validate() error {
 		return fmt.Errorf("dedupe: Config.RenewInterval must be > 0 and < ClaimTimeout (%v), got %v", c.ClaimTimeout, c.RenewInterval)
 	case c.SettleTimeout <= 0:
 		return fmt.Errorf("dedupe: Config.SettleTimeout must be > 0, got %v", c.SettleTimeout)
-	case c.StoreTimeout <= 0:
-		return fmt.Errorf("dedupe: Config.StoreTimeout must be > 0, got %v", c.StoreTimeout)
+	case c.StoreTimeout < 10*time.Millisecond:
+		// Below that no database answers, and every delivery would be
+		// deferred for ever without a run (a unit mistaken, as 5 for 5s).
+		return fmt.Errorf("dedupe: Config.StoreTimeout must be >= 10ms, got %v", c.StoreTimeout)
 	case c.BusyDelay < 0:
 		return fmt.Errorf("dedupe: Config.BusyDelay must be >= 0 or settle.NoDelay, got %v", c.BusyDelay)
 	case c.UnavailableDelay < 0:

@@ -37,8 +37,10 @@ func callTimeout(d time.Duration) time.Duration {
 
 // validCallTimeout reports a CallTimeout that cannot be used.
 func validCallTimeout(config string, d time.Duration) error {
-	if d < 0 {
-		return fmt.Errorf("pipeline: %s.CallTimeout must be >= 0 (0 means %v), got %v", config, DefaultCallTimeout, d)
+	if d < 0 || d > 0 && d < 10*time.Millisecond {
+		// Below 10ms no database answers: every delivery would be
+		// deferred for ever without a run.
+		return fmt.Errorf("pipeline: %s.CallTimeout must be 0 (meaning %v) or >= 10ms, got %v", config, DefaultCallTimeout, d)
 	}
 	return nil
 }

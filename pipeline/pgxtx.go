@@ -69,7 +69,7 @@ type PgxTxConfig struct {
 	// delivery, as TxConfig.CallTimeout does; the PostgreSQL lock and
 	// idle-in-transaction timeouts are set by the BEGIN itself (no extra
 	// round trip). Defaults to DefaultCallTimeout; Pipeline.HandlePgxTx sets
-	// it from Config.StoreTimeout. Must be >= 0.
+	// it from Config.StoreTimeout. Must be 0 or >= 10ms.
 	CallTimeout time.Duration
 }
 

@@ -64,7 +64,7 @@ type Config struct {
 	// transactional handler's transaction (TxConfig.CallTimeout, when that
 	// is not set): a database that does not answer within it defers the
 	// delivery instead of holding it. Defaults to ClaimTimeout/2, and at
-	// least 1s. Must be >= 0.
+	// least 1s. Must be 0 or >= 10ms.
 	StoreTimeout time.Duration
 	// BusyDelay is how long a delivery whose key another worker holds waits
 	// before it is nacked (deferred, not an attempt); in a transactional
@@ -142,8 +142,8 @@ func (c Config) Validate() error {
 	if c.RenewInterval < 0 {
 		return fmt.Errorf("pipeline: Config.RenewInterval must be >= 0, got %v", c.RenewInterval)
 	}
-	if c.StoreTimeout < 0 {
-		return fmt.Errorf("pipeline: Config.StoreTimeout must be >= 0, got %v", c.StoreTimeout)
+	if c.StoreTimeout < 0 || c.StoreTimeout > 0 && c.StoreTimeout < 10*time.Millisecond {
+		return fmt.Errorf("pipeline: Config.StoreTimeout must be 0 (its default) or >= 10ms, got %v", c.StoreTimeout)
 	}
 	return nil
 }

@@ -80,7 +80,7 @@ type TxConfig struct {
 	// docs/operating.md for the settings the other databases need. On
 	// SQLite, a file of this machine, no call has a deadline.
 	// Defaults to DefaultCallTimeout (15s); Pipeline.HandleTx sets it from
-	// Config.StoreTimeout (ClaimTimeout/2, at least 1s). Must be >= 0.
+	// Config.StoreTimeout (ClaimTimeout/2, at least 1s). Must be 0 or >= 10ms.
 	CallTimeout time.Duration
 }
 

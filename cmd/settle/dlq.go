@@ -42,7 +42,7 @@ func runDLQList(e *env, args []string) (err error) {
 	if len(entries) == 0 {
 		fmt.Fprintf(e.stderr, "queue %q is empty\n", f.queue)
 	} else if len(entries) < s.depth {
-		fmt.Fprintf(e.stderr, "showing the first %d of %d messages on %s (-limit 0 lists all)\n", len(entries), s.depth, f.queue)
+		fmt.Fprintf(e.stderr, "showing the first %d of %d messages on %s (-limit 0 lists all)\n", len(entries), s.depth, safeLine(f.queue))
 	}
 	if *asJSON {
 		views := make([]entry, len(entries))

@@ -71,7 +71,7 @@ func openDLQ(e *env, f amqpFlags) (*dlqSession, error) {
 		return nil, err
 	}
 	if q.Consumers > 0 {
-		fmt.Fprintf(e.stderr, "warning: queue %s has %d consumer(s): the messages this command reads are held from them until it ends, and a dead-letter or poison queue should have none\n", f.queue, q.Consumers)
+		fmt.Fprintf(e.stderr, "warning: queue %s has %d consumer(s): the messages this command reads are held from them until it ends, and a dead-letter or poison queue should have none\n", safeLine(f.queue), q.Consumers)
 	}
 	// An empty queue is read not at all: nothing to spend, nothing to ask.
 	kind, perr := queueClassic, error(nil)
@@ -83,9 +83,9 @@ func openDLQ(e *env, f amqpFlags) (*dlqSession, error) {
 		_ = conn.Close()
 		return nil, fmt.Errorf("%w: %s", errCountsDeliveries, countingHelp(f.queue))
 	case kind == queueCounts:
-		fmt.Fprintf(e.stderr, "warning: %s (-force)\n", countingHelp(f.queue))
+		fmt.Fprintf(e.stderr, "warning: %s (-force)\n", safeLine(countingHelp(f.queue)))
 	case kind == queueMayCount:
-		fmt.Fprintf(e.stderr, "warning: cannot tell whether queue %s counts deliveries (%v); the command stops at the first message that carries a delivery count\n", f.queue, perr)
+		fmt.Fprintf(e.stderr, "warning: cannot tell whether queue %s counts deliveries (%s); the command stops at the first message that carries a delivery count\n", safeLine(f.queue), safeLine(fmt.Sprint(perr)))
 	}
 	ch, err := conn.Channel()
 	if err != nil {

@@ -162,9 +162,21 @@ func runOutboxRetry(e *env, args []string) (err error) {
 		return err
 	}
 	var requeued int64
-	if *yes && len(rows) > 0 {
-		if requeued, err = d.outboxRequeue(e.ctx, ob, outbox.Selection{Offsets: offsets, Topic: *dest}); err != nil {
-			return fmt.Errorf("re-queue: %w", err)
+	if *yes {
+		// Exactly the rows read (and shown by the dry run), by offset: a
+		// selection of more rows than one read takes is re-queued a read's
+		// worth at a time, never more than was shown.
+		for i := 0; i < len(rows); i += outbox.MaxSelectionOffsets {
+			chunk := rows[i:min(i+outbox.MaxSelectionOffsets, len(rows))]
+			offs := make([]int64, len(chunk))
+			for j, r := range chunk {
+				offs[j] = r.Offset
+			}
+			n, err := d.outboxRequeue(e.ctx, ob, outbox.Selection{Offsets: offs, Topic: *dest})
+			requeued += n
+			if err != nil {
+				return fmt.Errorf("re-queue (%d row(s) re-queued before the error): %w", requeued, err)
+			}
 		}
 	}
 	if *asJSON {
@@ -181,6 +193,9 @@ func runOutboxRetry(e *env, args []string) (err error) {
 	}
 	if err := writeFailedRows(e.stdout, rows); err != nil {
 		return err
+	}
+	if len(rows) == sel.Limit {
+		fmt.Fprintf(e.stderr, "note: at most %d rows are read at a time; more may be set aside (run the command again after this one)\n", sel.Limit)
 	}
 	if !*yes {
 		_, err = fmt.Fprintf(e.stdout, "dry run: %d set-aside row(s) of outbox %s would be re-queued; run again with -yes to re-queue them\n", len(rows), *topic)

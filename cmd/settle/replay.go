@@ -318,10 +318,10 @@ func (r *replayer) summary() {
 			r.selected, r.examined, r.selected-r.skipped)
 	} else {
 		fmt.Fprintf(r.e.stdout, "replayed %d of %d examined messages (%d selected, %d skipped); about %d left on %s\n",
-			r.replayed, r.examined, r.selected, r.skipped, left, r.s.queue)
+			r.replayed, r.examined, r.selected, r.skipped, left, safeLine(r.s.queue))
 	}
 	if r.selected == 0 && r.sel.handler != "" && r.examined > 0 && r.handlers[r.sel.handler] == 0 {
-		fmt.Fprintf(r.e.stdout, "no examined message has handler %q; the handlers on %s: %s\n", r.sel.handler, r.s.queue, r.handlerList())
+		fmt.Fprintf(r.e.stdout, "no examined message has handler %q; the handlers on %s: %s\n", r.sel.handler, safeLine(r.s.queue), r.handlerList())
 	}
 }
 
