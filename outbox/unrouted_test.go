@@ -91,7 +91,7 @@ func TestRelayRefusesAPublisherThatDoesNotConfirm(t *testing.T) {
 	t.Parallel()
 	e := setup(t, testenv.Postgres(t))
 	pool := testenv.PgxPool(t)
-	e.publishTx(t, "orders.placed", message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
+	e.publishTx(t, testenv.Name(t, "refused"), message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
 
 	unconfirmed := watermillPublisher(t, func(*amqp.Config) {})
 	constructors := []struct {
