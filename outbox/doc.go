@@ -21,6 +21,12 @@
 // it, and after [RelayConfig.MaxAttempts] sets it aside, where [Outbox.Status],
 // [Outbox.Failed] and `settle outbox status` show it, until [Outbox.Requeue]
 // (`settle outbox retry`) puts it back. A broker outage sets nothing aside.
+// A row is marked forwarded once the relay's publisher returned nil: on
+// RabbitMQ, relay through amqpsub.Publisher, which also fails a row the
+// broker routed to no queue (the row is then retried and set aside like
+// any refused row). A watermill-amqp Publisher without publisher confirms is
+// refused ([ErrUnconfirmedPublisher]); one with them is accepted with an
+// error logged, since it reports a row routed nowhere as published.
 // Batches are bounded in rows and in bytes. A table of the earlier shape,
 // without the per-row failure columns, is brought to this one by the
 // statements of [Outbox.SchemaUpgrade] (`settle outbox schema -upgrade`).
@@ -38,6 +44,9 @@
 //     failure, or a row to another topic after its topic began to fail, so
 //     that an outage sets nothing aside; until then it is retried, and
 //     Status shows it.
+//   - That a row routed to no queue is seen through a publisher that does
+//     not report it: watermill-amqp's Publisher marks it forwarded, and a
+//     publisher wrapped in a type of your own is not looked into.
 //
 // [SQLiteSchema] and [SQLiteOffsetsAdapter] are a separate piece: they let
 // watermill-sql publish to and subscribe from SQLite (modernc.org/sqlite).

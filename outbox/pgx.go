@@ -76,7 +76,7 @@ func (o *Outbox) NewPgxRelay(pool *pgxpool.Pool, out message.Publisher, cfg Rela
 	if err := o.errPgxDialect("NewPgxRelay"); err != nil {
 		return nil, err
 	}
-	return o.newRelay(pgxConn(pool), out, cfg)
+	return o.newRelay("NewPgxRelay", pgxConn(pool), out, cfg)
 }
 
 // PgxForward is Forward on a pgx pool.

@@ -26,6 +26,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/amqpcheck"
 )
 
 // ScopeName is the OpenTelemetry instrumentation scope of the outbox's
@@ -226,20 +227,50 @@ type Relay struct {
 	health health // the loop's only
 }
 
+// ErrUnconfirmedPublisher is wrapped by the error NewRelay, NewPgxRelay,
+// Forward and PgxForward return for a watermill-amqp Publisher whose
+// configuration has neither Publish.ConfirmDelivery nor
+// Publish.Transactional: it returns before RabbitMQ has stored a message, so
+// a row lost on the way would be marked forwarded, and gone.
+var ErrUnconfirmedPublisher = errors.New("outbox: the relay's publisher does not wait for the broker's confirmation (watermill-amqp: set Publish.ConfirmDelivery = true)")
+
+// errReturnsUnseen is logged when a relay is built on watermill-amqp's
+// Publisher.
+var errReturnsUnseen = errors.New("watermill-amqp's Publisher does not listen for basic.return, and RabbitMQ confirms a message it routed nowhere")
+
 // NewRelay returns a relay from the outbox on db to out. It touches no
 // database until Run. The relay does not own db or out: closing the relay
 // leaves them open.
+//
+// A row is marked forwarded once out.Publish returns nil, so Publish must
+// return only when the broker has stored the message. On RabbitMQ use
+// amqpsub.Publisher, which also fails a row the broker routed to no queue
+// (amqpsub.ErrUnroutable): the row is then retried and set aside like any
+// refused row. A watermill-amqp Publisher must have Publish.ConfirmDelivery
+// (or Publish.Transactional) set, and one without is refused
+// (ErrUnconfirmedPublisher); one with it is accepted, with an error logged
+// when the relay is built: it reports a row RabbitMQ routed nowhere as
+// published, and the row is marked forwarded. A publisher wrapped in another
+// type is not looked into.
 func (o *Outbox) NewRelay(db *sql.DB, out message.Publisher, cfg RelayConfig) (*Relay, error) {
 	if db == nil || out == nil {
 		return nil, errors.New("outbox: NewRelay: db and out are required")
 	}
-	return o.newRelay(sqlConn(db), out, cfg)
+	return o.newRelay("NewRelay", sqlConn(db), out, cfg)
 }
 
-func (o *Outbox) newRelay(db conn, out message.Publisher, cfg RelayConfig) (*Relay, error) {
+func (o *Outbox) newRelay(name string, db conn, out message.Publisher, cfg RelayConfig) (*Relay, error) {
+	if amqpcheck.Unconfirmed(out) {
+		return nil, fmt.Errorf("outbox: %s: out: %w", name, ErrUnconfirmedPublisher)
+	}
 	cfg.setDefaults(o)
 	if err := cfg.Validate(); err != nil {
 		return nil, err
+	}
+	if amqpcheck.WatermillAMQP(out) {
+		cfg.Logger.Error("outbox: relaying through watermill-amqp's Publisher: a row that RabbitMQ routes to no queue cannot be detected, "+
+			"and it would be marked forwarded; relay with amqpsub.NewPublisher", errReturnsUnseen,
+			watermill.LogFields{"table": o.Table()})
 	}
 	var b [8]byte
 	_, _ = rand.Read(b[:])

@@ -122,7 +122,7 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.producers, "producers", 4, "goroutines publishing (one transaction per message)")
 	fs.IntVar(&o.payload, "payload", 100, "payload bytes per message")
 	fs.IntVar(&o.runs, "runs", 3, "runs; the table shows the median of each cell")
-	fs.BoolVar(&o.confirm, "confirm", false, "RabbitMQ: wait for publisher confirms (Publish.ConfirmDelivery)")
+	fs.BoolVar(&o.confirm, "confirm", true, "RabbitMQ: wait for publisher confirms (Publish.ConfirmDelivery); settle's relay refuses a publisher without them, so only true is accepted")
 	fs.IntVar(&o.amqpPool, "amqp-pool", 0, "RabbitMQ: Publish.ChannelPoolSize (0, the config's default, opens and closes a channel per Publish)")
 	fs.DurationVar(&o.timeout, "timeout", 20*time.Minute, "bound on the whole run")
 	fs.DurationVar(&o.idle, "idle", 10*time.Second, "lag scenario: how long each relay's idle statements are counted")
@@ -163,6 +163,8 @@ func parseFlags(args []string) (options, error) {
 		return o, errors.New("-producers and -runs must be > 0")
 	case o.amqpPool < 0:
 		return o, errors.New("-amqp-pool must be >= 0")
+	case !o.confirm:
+		return o, errors.New("-confirm=false: settle's relay refuses a watermill-amqp publisher without Publish.ConfirmDelivery (outbox.ErrUnconfirmedPublisher)")
 	}
 	return o, nil
 }
@@ -441,9 +443,6 @@ func (b *bench) openBroker(_ context.Context, url string) (*broker, error) {
 	var extra []string
 	if b.o.amqpPool > 0 {
 		extra = append(extra, fmt.Sprintf("%d pooled channels", b.o.amqpPool))
-	}
-	if b.o.confirm {
-		extra = append(extra, "confirms")
 	}
 	name := "rabbitmq"
 	if len(extra) > 0 {

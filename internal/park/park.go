@@ -11,7 +11,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"reflect"
 	"sort"
 	"strconv"
 	"strings"
@@ -26,6 +25,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/amqpcheck"
 	"github.com/settle-go/settle/internal/deliverymark"
 	"github.com/settle-go/settle/internal/lru"
 	"github.com/settle-go/settle/internal/settlement"
@@ -440,43 +440,15 @@ func (p *parker) declare() error {
 // Unconfirmed reports whether pub is a watermill-amqp Publisher that does not
 // wait for the broker's confirmation (neither Publish.ConfirmDelivery nor
 // Publish.Transactional): its Publish returns before RabbitMQ has stored the
-// message, so a copy lost on the way would be taken as parked. It looks into
-// the publisher's configuration by reflection, to keep watermill-amqp out of
-// the import graph of users of other brokers; a publisher wrapped in another
-// type is not seen through.
-func Unconfirmed(pub message.Publisher) bool {
-	v := reflect.ValueOf(pub)
-	if v.Kind() != reflect.Pointer || v.IsNil() {
-		return false
-	}
-	t := v.Type().Elem()
-	if t.Name() != "Publisher" || t.PkgPath() != "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp" {
-		return false
-	}
-	pc := v.Elem().FieldByName("config").FieldByName("Publish")
-	if !pc.IsValid() || pc.Kind() != reflect.Struct {
-		return false
-	}
-	confirm, tx := pc.FieldByName("ConfirmDelivery"), pc.FieldByName("Transactional")
-	if confirm.Kind() != reflect.Bool || tx.Kind() != reflect.Bool {
-		return false
-	}
-	return !confirm.Bool() && !tx.Bool()
-}
+// message, so a copy lost on the way would be taken as parked. See
+// amqpcheck.Unconfirmed, which the outbox relay uses too.
+func Unconfirmed(pub message.Publisher) bool { return amqpcheck.Unconfirmed(pub) }
 
 // DeclaresNothing reports whether pub is a watermill-amqp Publisher: it
 // declares no queue (only an exchange, when its configuration names one),
 // so a copy published with it to a topic whose queue nobody declared is
-// dropped by RabbitMQ, and confirmed. Like Unconfirmed, it looks at the type
-// by reflection and does not see through a wrapper.
-func DeclaresNothing(pub message.Publisher) bool {
-	v := reflect.ValueOf(pub)
-	if v.Kind() != reflect.Pointer || v.IsNil() {
-		return false
-	}
-	t := v.Type().Elem()
-	return t.Name() == "Publisher" && t.PkgPath() == "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
-}
+// dropped by RabbitMQ, and confirmed. See amqpcheck.WatermillAMQP.
+func DeclaresNothing(pub message.Publisher) bool { return amqpcheck.WatermillAMQP(pub) }
 
 // ScopeName is the instrumentation scope of the spans of parked copies.
 const ScopeName = "github.com/settle-go/settle/middleware"
