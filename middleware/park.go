@@ -3,7 +3,6 @@ package middleware
 import (
 	"errors"
 	"fmt"
-	"reflect"
 	"strings"
 	"time"
 
@@ -11,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/amqpcheck"
 	"github.com/settle-go/settle/internal/park"
 	"github.com/settle-go/settle/internal/settlement"
 )
@@ -163,23 +163,12 @@ func shortName(name string) string {
 // watermill-amqp's Publisher.
 var errReturnsUnseen = errors.New("watermill-amqp's Publisher does not listen for basic.return, and RabbitMQ confirms a message it routed nowhere")
 
-// watermillAMQP reports whether pub is watermill-amqp's Publisher, without
-// importing watermill-amqp (see park.Unconfirmed).
-func watermillAMQP(pub message.Publisher) bool {
-	t := reflect.TypeOf(pub)
-	if t == nil || t.Kind() != reflect.Pointer {
-		return false
-	}
-	t = t.Elem()
-	return t.Name() == "Publisher" && t.PkgPath() == "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
-}
-
 func (c ParkConfig) park(name string, match func(*message.Message, *settlement.Record, error) (park.Info, bool)) (message.HandlerMiddleware, error) {
 	c.setDefaults()
 	if err := c.Validate(); err != nil {
 		return nil, err
 	}
-	if watermillAMQP(c.Publisher) {
+	if amqpcheck.WatermillAMQP(c.Publisher) {
 		c.Logger.Error(name+": parking through watermill-amqp's Publisher: a copy that RabbitMQ routes to no queue cannot be detected, "+
 			"and its original would be acked; publish the copies with amqpsub.NewPublisher", errReturnsUnseen,
 			watermill.LogFields{"topic": c.Topic})
