@@ -58,11 +58,16 @@ func startJaeger(t *testing.T) jaeger {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// One pass over the file: replacing the ports one after another could
+	// rewrite a port chosen for an earlier one (a free port 43171 for 13133
+	// became 350531 when 4317 was replaced next).
 	ports := map[string]string{}
+	var pairs []string
 	for _, p := range []string{"13133", "16686", "16685", "4317", "4318"} {
 		ports[p] = freePort(t)
-		cfg = []byte(strings.ReplaceAll(string(cfg), "127.0.0.1:"+p, "127.0.0.1:"+ports[p]))
+		pairs = append(pairs, "127.0.0.1:"+p, "127.0.0.1:"+ports[p])
 	}
+	cfg = []byte(strings.NewReplacer(pairs...).Replace(string(cfg)))
 	dir := t.TempDir()
 	cfgPath := filepath.Join(dir, "jaeger.yaml")
 	if err := os.WriteFile(cfgPath, cfg, 0o600); err != nil {
