@@ -6,7 +6,6 @@ import (
 	"crypto/rand"
 	"database/sql"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	mrand "math/rand/v2"
@@ -931,13 +930,12 @@ func (r *Relay) recordFailure(res *batchResult, rw row, err error) {
 }
 
 func (r *Relay) message(ctx context.Context, rw row) (*message.Message, bool) {
-	m := message.NewMessage(rw.uuid, rw.payload)
-	if err := json.Unmarshal([]byte(rw.metadata), &m.Metadata); err != nil {
+	md, err := decodeMetadata(rw.metadata)
+	if err != nil {
 		return nil, false
 	}
-	if m.Metadata == nil {
-		m.Metadata = message.Metadata{}
-	}
+	m := message.NewMessage(rw.uuid, rw.payload)
+	m.Metadata = md
 	m.SetContext(ctx)
 	return m, true
 }

@@ -2,7 +2,6 @@ package outbox
 
 import (
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"regexp"
@@ -175,11 +174,11 @@ func (s SQLiteSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, er
 	}
 	args := make([]any, 0, 3*len(params.Msgs))
 	for _, msg := range params.Msgs {
-		metadata, err := json.Marshal(msg.Metadata)
+		metadata, err := encodeMetadata(msg.Metadata)
 		if err != nil {
 			return wsql.Query{}, fmt.Errorf("outbox: marshal metadata of message %s: %w", msg.UUID, err)
 		}
-		args = append(args, msg.UUID, []byte(msg.Payload), string(metadata))
+		args = append(args, msg.UUID, []byte(msg.Payload), metadata)
 	}
 	q := `INSERT INTO ` + s.MessagesTable(params.Topic) + ` ("uuid", "payload", "metadata") VALUES ` +
 		strings.TrimSuffix(strings.Repeat(`(?, ?, ?), `, len(params.Msgs)), ", ")
@@ -224,13 +223,11 @@ func (s SQLiteSchema) UnmarshalMessage(params wsql.UnmarshalMessageParams) (wsql
 	msg := message.NewMessage(string(r.UUID), r.Payload)
 	if metadata.Valid {
 		r.Metadata = []byte(metadata.String)
-		var md map[string]string
-		if err := json.Unmarshal(r.Metadata, &md); err != nil {
+		md, err := decodeMetadata(metadata.String)
+		if err != nil {
 			return wsql.Row{}, fmt.Errorf("outbox: unmarshal metadata of message %s (offset %d): %w", msg.UUID, r.Offset, err)
 		}
-		for k, v := range md {
-			msg.Metadata.Set(k, v)
-		}
+		msg.Metadata = md
 	}
 	r.Msg = msg
 	return r, nil
