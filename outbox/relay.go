@@ -941,7 +941,7 @@ func (r *Relay) message(ctx context.Context, rw row) (*message.Message, bool) {
 }
 
 func (r *Relay) poison(rw row) error {
-	r.cfg.Logger.Error("outbox: row's metadata is not a JSON object of strings; publishing it to the poison topic", nil, watermill.LogFields{
+	r.cfg.Logger.Error("outbox: row's metadata is neither a JSON object of strings nor settle's base64 form; publishing it to the poison topic", nil, watermill.LogFields{
 		"offset": rw.offset, "uuid": rw.uuid, "poison_topic": r.cfg.PoisonTopic,
 	})
 	m := message.NewMessage(rw.uuid, rw.payload)

@@ -43,11 +43,15 @@ var ErrInvalidBatchSize = errors.New("outbox: SubscribeBatchSize must be >= 0")
 //	"uuid"       TEXT NOT NULL                      -- the message UUID, any length
 //	"created_at" TIMESTAMP NOT NULL                 -- UTC, millisecond precision
 //	"payload"    BLOB                               -- bytes as published, not JSON
-//	"metadata"   TEXT                               -- JSON object of the metadata
+//	"metadata"   TEXT                               -- JSON object of the metadata (see below)
 //
 // The uuid column is TEXT, which SQLite does not bound: message UUIDs of any
 // length are stored and delivered unchanged (watermill-sql's PostgreSQL and
-// MySQL schemas hold 36 characters).
+// MySQL schemas hold 36 characters). The metadata column is the JSON object
+// of the metadata's strings when they are all valid UTF-8; metadata with a
+// key or value of other bytes is written as the outbox table writes it,
+// {"settle_metadata_base64":{"<base64 key>":"<base64 value>",...}}, and
+// delivered byte for byte.
 //
 // # Ordering and exactly-once delivery
 //
