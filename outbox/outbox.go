@@ -3,7 +3,6 @@ package outbox
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"regexp"
@@ -350,7 +349,7 @@ func (p *publisher) insert(topic string, msgs []*message.Message) error {
 		args := make([]any, 0, 4*len(chunk)+1)
 		ctx := chunk[0].Context()
 		for _, m := range chunk {
-			md, err := json.Marshal(m.Metadata)
+			md, err := encodeMetadata(m.Metadata)
 			if err != nil {
 				return fmt.Errorf("metadata of message %s: %w", m.UUID, err)
 			}
@@ -358,7 +357,7 @@ func (p *publisher) insert(topic string, msgs []*message.Message) error {
 			if payload == nil {
 				payload = []byte{}
 			}
-			args = append(args, m.UUID, topic, payload, string(md))
+			args = append(args, m.UUID, topic, payload, md)
 		}
 		notify := p.o.cfg.Dialect == dedupe.Postgres && !p.o.cfg.NotifyAfterCommit
 		if notify {

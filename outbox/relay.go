@@ -6,7 +6,6 @@ import (
 	"crypto/rand"
 	"database/sql"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	mrand "math/rand/v2"
@@ -962,19 +961,18 @@ func (r *Relay) recordFailure(res *batchResult, rw row, err error) {
 }
 
 func (r *Relay) message(ctx context.Context, rw row) (*message.Message, bool) {
-	m := message.NewMessage(rw.uuid, rw.payload)
-	if err := json.Unmarshal([]byte(rw.metadata), &m.Metadata); err != nil {
+	md, err := decodeMetadata(rw.metadata)
+	if err != nil {
 		return nil, false
 	}
-	if m.Metadata == nil {
-		m.Metadata = message.Metadata{}
-	}
+	m := message.NewMessage(rw.uuid, rw.payload)
+	m.Metadata = md
 	m.SetContext(ctx)
 	return m, true
 }
 
 func (r *Relay) poison(rw row) error {
-	r.cfg.Logger.Error("outbox: row's metadata is not a JSON object of strings; publishing it to the poison topic", nil, watermill.LogFields{
+	r.cfg.Logger.Error("outbox: row's metadata is neither a JSON object of strings nor settle's base64 form; publishing it to the poison topic", nil, watermill.LogFields{
 		"offset": rw.offset, "uuid": rw.uuid, "poison_topic": r.cfg.PoisonTopic,
 	})
 	m := message.NewMessage(rw.uuid, rw.payload)

@@ -2,7 +2,6 @@ package outbox
 
 import (
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"regexp"
@@ -44,11 +43,15 @@ var ErrInvalidBatchSize = errors.New("outbox: SubscribeBatchSize must be >= 0")
 //	"uuid"       TEXT NOT NULL                      -- the message UUID, any length
 //	"created_at" TIMESTAMP NOT NULL                 -- UTC, millisecond precision
 //	"payload"    BLOB                               -- bytes as published, not JSON
-//	"metadata"   TEXT                               -- JSON object of the metadata
+//	"metadata"   TEXT                               -- JSON object of the metadata (see below)
 //
 // The uuid column is TEXT, which SQLite does not bound: message UUIDs of any
 // length are stored and delivered unchanged (watermill-sql's PostgreSQL and
-// MySQL schemas hold 36 characters).
+// MySQL schemas hold 36 characters). The metadata column is the JSON object
+// of the metadata's strings when they are all valid UTF-8; metadata with a
+// key or value of other bytes is written as the outbox table writes it,
+// {"settle_metadata_base64":{"<base64 key>":"<base64 value>",...}}, and
+// delivered byte for byte.
 //
 // # Ordering and exactly-once delivery
 //
@@ -175,11 +178,11 @@ func (s SQLiteSchema) InsertQuery(params wsql.InsertQueryParams) (wsql.Query, er
 	}
 	args := make([]any, 0, 3*len(params.Msgs))
 	for _, msg := range params.Msgs {
-		metadata, err := json.Marshal(msg.Metadata)
+		metadata, err := encodeMetadata(msg.Metadata)
 		if err != nil {
 			return wsql.Query{}, fmt.Errorf("outbox: marshal metadata of message %s: %w", msg.UUID, err)
 		}
-		args = append(args, msg.UUID, []byte(msg.Payload), string(metadata))
+		args = append(args, msg.UUID, []byte(msg.Payload), metadata)
 	}
 	q := `INSERT INTO ` + s.MessagesTable(params.Topic) + ` ("uuid", "payload", "metadata") VALUES ` +
 		strings.TrimSuffix(strings.Repeat(`(?, ?, ?), `, len(params.Msgs)), ", ")
@@ -224,13 +227,11 @@ func (s SQLiteSchema) UnmarshalMessage(params wsql.UnmarshalMessageParams) (wsql
 	msg := message.NewMessage(string(r.UUID), r.Payload)
 	if metadata.Valid {
 		r.Metadata = []byte(metadata.String)
-		var md map[string]string
-		if err := json.Unmarshal(r.Metadata, &md); err != nil {
+		md, err := decodeMetadata(metadata.String)
+		if err != nil {
 			return wsql.Row{}, fmt.Errorf("outbox: unmarshal metadata of message %s (offset %d): %w", msg.UUID, r.Offset, err)
 		}
-		for k, v := range md {
-			msg.Metadata.Set(k, v)
-		}
+		msg.Metadata = md
 	}
 	r.Msg = msg
 	return r, nil
