@@ -23,9 +23,13 @@ func oddMetadata(rng *rand.Rand, m *message.Message) {
 	keys := []string{"tenant", "ключ", "键-🔑", "with space", "a.b:c/d", strings.Repeat("k", 200), "x-empty"}
 	for range rng.IntN(8) {
 		k := keys[rng.IntN(len(keys))] + fmt.Sprint(rng.IntN(3))
-		switch rng.IntN(4) {
+		switch rng.IntN(6) {
 		case 0:
 			m.Metadata.Set(k, "")
+		case 4: // not UTF-8: a binary header
+			m.Metadata.Set(k, "bin\xff\xfe\x00\xc3(")
+		case 5: // a key that is not UTF-8
+			m.Metadata.Set("key-\xff"+k, "v")
 		case 1:
 			m.Metadata.Set(k, "line\nbreak\ttab\x01\x7f\u0085")
 		case 2:

@@ -99,9 +99,10 @@ type RelayConfig struct {
 	// table; Status counts a relay as alive for three intervals after its
 	// last heartbeat. Defaults to 10s. Must be > 0.
 	HeartbeatInterval time.Duration
-	// PoisonTopic receives, unchanged, rows whose metadata is not a JSON
-	// object of strings (written by something else into the outbox table),
-	// so that they do not block the relay; they are counted as failed and
+	// PoisonTopic receives, unchanged, rows whose metadata is neither a
+	// JSON object of strings nor settle's base64 form of one (written by
+	// something else into the outbox table), so that they do not block the
+	// relay; they are counted as failed and
 	// marked forwarded. Defaults to the outbox topic + "_poison".
 	PoisonTopic string
 	// CloseTimeout bounds Close's wait for the batch in progress. Defaults
