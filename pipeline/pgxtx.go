@@ -117,9 +117,14 @@ func NewPgxTxHandler(cfg PgxTxConfig, fn PgxTxFunc) (message.NoPublishHandlerFun
 // flow is cfg's flow for fn, or for batchFn (a batch handler) when fn is
 // nil: the txFlow of TxConfig with pgx under it.
 func (cfg PgxTxConfig) flow(fn PgxTxFunc, batchFn PgxBatchTxFunc) txFlow {
-	opts := cfg.boundedTxOptions()
+	b := cfg.bounds(fn == nil)
+	limited := cfg.txOptionsWith(b.limits)
 	return txFlow{
-		begin: bounded{d: callTimeout(cfg.CallTimeout)}.bound(func(ctx context.Context) (txn, error) {
+		begin: b.bound(func(ctx context.Context, limits string) (txn, error) {
+			opts := cfg.TxOptions
+			if limits != "" {
+				opts = limited // b.limits, in the BEGIN's round trip
+			}
 			tx, err := cfg.DB.BeginTx(ctx, opts)
 			if err != nil {
 				return nil, err

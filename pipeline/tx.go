@@ -210,12 +210,18 @@ type txFlow struct {
 // flow is cfg's flow for fn, or for batchFn (a batch handler) when fn is nil.
 func (cfg TxConfig) flow(fn TxFunc, batchFn BatchTxFunc) txFlow {
 	return txFlow{
-		begin: cfg.bounds().bound(func(ctx context.Context) (txn, error) {
+		begin: cfg.bounds(fn == nil).bound(func(ctx context.Context, limits string) (txn, error) {
 			tx, err := cfg.DB.BeginTx(ctx, cfg.TxOptions)
 			if err != nil {
 				return nil, err
 			}
-			return &sqlTxn{cfg: &cfg, fn: fn, batchFn: batchFn, tx: tx}, nil
+			t := &sqlTxn{cfg: &cfg, fn: fn, batchFn: batchFn, tx: tx}
+			if limits != "" {
+				if err := t.setLocal(ctx, limits); err != nil {
+					return t, err
+				}
+			}
+			return t, nil
 		}),
 		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
 		batchHandler: fn == nil, busyDelay: settlement.Delay(cfg.BusyDelay, time.Second),
