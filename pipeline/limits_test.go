@@ -28,9 +28,9 @@ import (
 // lock in a transaction whose COMMIT never reaches the server.
 type cutAfterConfirm struct {
 	proxy    *blackhole.Proxy
-	effects  string                  // the handler's table: its statements name it
+	effects  string                   // the handler's table: its statements name it
 	conn     atomic.Pointer[pgx.Conn] // the handler's connection
-	returned atomic.Bool             // the handler's function has returned
+	returned atomic.Bool              // the handler's function has returned
 	cut      atomic.Bool
 }
 

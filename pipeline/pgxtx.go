@@ -66,10 +66,14 @@ type PgxTxConfig struct {
 	// Batch. Defaults to dedupe.HandlerScope.
 	Scope dedupe.ScopeFunc
 	// CallTimeout bounds each call settle makes on the database for a
-	// delivery, as TxConfig.CallTimeout does; the PostgreSQL lock and
-	// idle-in-transaction timeouts are set by the BEGIN itself (no extra
-	// round trip). Defaults to DefaultCallTimeout; Pipeline.HandlePgxTx sets
-	// it from Config.StoreTimeout. Must be 0 or >= 10ms.
+	// delivery, and sets the transaction's PostgreSQL lock and
+	// idle-in-transaction timeouts, as TxConfig.CallTimeout does: in
+	// OneStatement and Batch modes they ride in the BEGIN itself (no extra
+	// round trip); behind the dedupe middleware they are one statement
+	// after the handler's function, before the confirmation, so that they
+	// bound settle's statements and not the function's. Defaults to
+	// DefaultCallTimeout; Pipeline.HandlePgxTx sets it from
+	// Config.StoreTimeout. Must be 0 or >= 10ms.
 	CallTimeout time.Duration
 }
 
