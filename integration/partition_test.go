@@ -34,10 +34,13 @@ const (
 	// partBound is how long after the partition starts every key must be
 	// done: the partitioned consumer's calls end within a call timeout
 	// (1s), the server ends its transactions after two (2s, PostgreSQL's
-	// idle_in_transaction_session_timeout set by settle, MariaDB's
-	// idle_transaction_timeout from the DSN), its claims lapse after a
-	// claim timeout, and the deliveries it deferred come back; twice that
-	// again for a loaded machine.
+	// idle_in_transaction_session_timeout set by settle in OneStatement
+	// and batch modes, MariaDB's idle_transaction_timeout from the DSN;
+	// in PostgreSQL's default mode the cut comes in the handler, before
+	// settle sets it, and the cut-off transaction holds no lock the other
+	// consumer needs: its confirmation never arrived), its claims lapse
+	// after a claim timeout, and the deliveries it deferred come back;
+	// twice that again for a loaded machine.
 	partBound = 2 * (2*partClaimTimeout + 2*time.Second)
 	// partHeal is when a healed partition heals.
 	partHeal = 5 * time.Second

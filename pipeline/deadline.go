@@ -45,22 +45,47 @@ func validCallTimeout(config string, d time.Duration) error {
 	return nil
 }
 
-// serverTimeouts returns the statement that gives a PostgreSQL transaction
-// of settle's its server-side bounds, for that transaction only (SET LOCAL,
-// through set_config): lock_timeout, so that none of its statements waits
-// longer than half a call for a lock (one held by a client that vanished
-// behind a partition, above all), and idle_in_transaction_session_timeout,
-// so that the server ends the session, and frees its locks, when the client
-// falls silent in the middle of the transaction for two calls' time.
-func serverTimeouts(d time.Duration) string {
+// serverTimeouts returns the statements that give a PostgreSQL transaction
+// of settle's its server-side bounds for the rest of it (SET LOCAL: that
+// transaction only; and SET takes no snapshot, unlike a SELECT of
+// set_config, so that at REPEATABLE READ and SERIALIZABLE the snapshot is
+// still taken by the statement after it, dedupe.HoldTx's when it runs
+// first): lock_timeout, so that none of its statements waits longer than
+// half a call for a lock (one held by a client that vanished behind a
+// partition, above all), and idle_in_transaction_session_timeout, so that
+// the server ends the session, and frees its locks, when the client falls
+// silent in the middle of the transaction for two calls' time (plus wait,
+// the longest a batch's transaction, begun at its first delivery, may idle
+// while the others join).
+//
+// They bound settle's own statements, not the handler's work: a
+// transaction sets them at BEGIN only when the handler's function runs
+// with the call's deadline anyway (OneStatement, batches: see
+// bounded.early), and otherwise (behind the dedupe middleware, where the
+// function runs as long as it takes) just before settle's final
+// statements, the confirmation and COMMIT.
+func serverTimeouts(d, wait time.Duration) string {
 	lock := max(d/2, time.Millisecond).Milliseconds()
-	idle := max(2*d, time.Millisecond).Milliseconds()
-	return "SELECT set_config('lock_timeout', '" + strconv.FormatInt(lock, 10) + "', true), " +
-		"set_config('idle_in_transaction_session_timeout', '" + strconv.FormatInt(idle, 10) + "', true)"
+	idle := max(2*d+max(wait, 0), time.Millisecond).Milliseconds()
+	return "SET LOCAL lock_timeout = " + strconv.FormatInt(lock, 10) + "; " +
+		"SET LOCAL idle_in_transaction_session_timeout = " + strconv.FormatInt(idle, 10)
 }
 
-// setLocaler is a txn that can run serverTimeouts' statement right after
-// BEGIN (database/sql; on pgx it is part of the BEGIN itself).
+// batchWait is how long a batch's transaction, begun when its first
+// delivery arrives (txFlow.beginEarly), may wait idle for the others: the
+// batch's MaxWait; 0 without batching.
+func batchWait(c BatchConfig) time.Duration {
+	switch {
+	case !c.enabled() || c.MaxWait < 0:
+		return 0
+	case c.MaxWait == 0:
+		return DefaultBatchWait
+	}
+	return c.MaxWait
+}
+
+// setLocaler is a txn that can run serverTimeouts' statements (sqlTxn,
+// pgxTxn).
 type setLocaler interface {
 	setLocal(ctx context.Context, query string) error
 }
@@ -74,29 +99,49 @@ type bounded struct {
 	// go-sql-driver's COMMIT, until its connection dies), and is left to
 	// it.
 	ctxless bool
-	// setLocal is serverTimeouts' statement to run after BEGIN, or "".
-	setLocal string
+	// limits is serverTimeouts' statements, or "" (not PostgreSQL).
+	limits string
+	// batchFn: the flow runs a batch function (callBatch), which always
+	// has the call's deadline.
+	batchFn bool
+}
+
+// early reports whether the handler's function, in a transaction begun
+// with ctx, runs with the call's deadline (see boundTxn.call), and so the
+// server-side limits can be set at BEGIN without bounding it more than it
+// is: a batch function, or a function whose delivery holds no claim of the
+// dedupe middleware (OneStatement, batches without the middleware). Behind
+// the middleware the function runs as long as it takes, under the
+// session's own settings, and the limits come after it.
+func (b bounded) early(ctx context.Context) bool {
+	if b.batchFn {
+		return true
+	}
+	_, held := dedupe.ClaimFromContext(ctx)
+	return !held
 }
 
 // bound returns begin with every call of the transactions it begins
-// bounded by b.d. The transaction's context, which database/sql ties the
-// transaction to, is begin's context made cancellable: a BEGIN, COMMIT or
-// ROLLBACK that runs past the deadline cancels it, which makes the driver
-// abandon the call and close the connection (database/sql then drops it
-// from the pool), and the transaction is rolled back by the server.
-func (b bounded) bound(begin func(context.Context) (txn, error)) func(context.Context) (txn, error) {
+// bounded by b.d. begin begins a transaction that runs limits (b.limits or
+// "") right at its BEGIN: in the same round trip where the driver allows
+// it (pgx), as the next statement otherwise. The transaction's context,
+// which database/sql ties the transaction to, is begin's context made
+// cancellable: a BEGIN, COMMIT or ROLLBACK that runs past the deadline
+// cancels it, which makes the driver abandon the call and close the
+// connection (database/sql then drops it from the pool), and the
+// transaction is rolled back by the server.
+func (b bounded) bound(begin func(ctx context.Context, limits string) (txn, error)) func(context.Context) (txn, error) {
 	if b.d <= 0 {
-		return begin
+		return func(ctx context.Context) (txn, error) { return begin(ctx, "") }
 	}
 	return func(ctx context.Context) (txn, error) {
+		now, later := b.limits, ""
+		if !b.early(ctx) {
+			now, later = "", b.limits
+		}
 		tctx, cancel := context.WithCancelCause(ctx)
 		guard := time.AfterFunc(b.d, func() { cancel(ErrCallTimeout) })
-		t, err := begin(tctx)
-		if err == nil && b.setLocal != "" {
-			if sl, ok := t.(setLocaler); ok {
-				err = sl.setLocal(tctx, b.setLocal)
-			}
-		}
+		t, err := begin(tctx, now)
 		if !guard.Stop() {
 			err = errors.Join(ErrCallTimeout, err)
 		}
@@ -107,7 +152,7 @@ func (b bounded) bound(begin func(context.Context) (txn, error)) func(context.Co
 			cancel(nil)
 			return nil, timedOut(tctx, err)
 		}
-		return &boundTxn{txn: t, bounded: b, end: cancel}, nil
+		return &boundTxn{txn: t, bounded: b, end: cancel, pending: later}, nil
 	}
 }
 
@@ -125,6 +170,10 @@ type boundTxn struct {
 	bounded
 	end   context.CancelCauseFunc // cancels the transaction's context
 	ended bool                    // committed, or rolled back
+	// pending is the server-side limits not set at BEGIN (see
+	// bounded.early), set before settle's first statement after the
+	// handler's function; "" once set, or when there are none.
+	pending string
 	// calls are the contexts of the handler calls, cancelled when the
 	// transaction ends: what a handler published may still be written
 	// with them after it returned (a batch's outbox rows).
@@ -165,16 +214,40 @@ func (t *boundTxn) hold(ctx context.Context) error {
 }
 
 func (t *boundTxn) confirm(ctx context.Context) error {
+	if err := t.limit(ctx); err != nil {
+		return err
+	}
 	cctx, cancel := t.callCtx(ctx)
 	defer cancel()
 	return timedOut(cctx, t.txn.confirm(cctx))
 }
 
+// limit sets the server-side limits left for after the handler's function
+// (pending), within a call's deadline.
+func (t *boundTxn) limit(ctx context.Context) error {
+	if t.pending == "" {
+		return nil
+	}
+	sl, ok := t.txn.(setLocaler)
+	if !ok {
+		return nil
+	}
+	cctx, cancel := t.callCtx(ctx)
+	defer cancel()
+	if err := sl.setLocal(cctx, t.pending); err != nil {
+		return timedOut(cctx, fmt.Errorf("pipeline: server-side timeouts: %w", err))
+	}
+	t.pending = ""
+	return nil
+}
+
 // call runs the handler's function. Behind the dedupe middleware, whose
-// claim is renewed while it runs and cancels it when lost, it runs as long
-// as it takes; without it (OneStatement, Batch) the transaction holds the
-// key and nothing else would end a call stuck on a silent connection, so it
-// gets the call's deadline. Its failure is its own.
+// claim is renewed while it runs (or held by the transaction) and cancels
+// it when lost, it runs as long as it takes, and settle's server-side
+// limits are not yet set (bounded.early); without it (OneStatement, Batch)
+// the transaction holds the key and nothing else would end a call stuck on
+// a silent connection, so it gets the call's deadline. Its failure is its
+// own.
 func (t *boundTxn) call(ctx context.Context, msg *message.Message) error {
 	if _, held := dedupe.ClaimFromContext(ctx); held {
 		return t.txn.call(ctx, msg)
@@ -201,6 +274,9 @@ func (t *boundTxn) probe(ctx context.Context) error {
 }
 
 func (t *boundTxn) commit(ctx context.Context) error {
+	if err := t.limit(ctx); err != nil {
+		return err
+	}
 	t.ended = true
 	defer t.done()
 	return t.finish(ctx, t.txn.commit)
@@ -250,6 +326,9 @@ func (t *boundTxn) flushOutbox(ctx context.Context) error {
 	if !ok {
 		return nil
 	}
+	if err := t.limit(ctx); err != nil {
+		return err
+	}
 	cctx, cancel := t.callCtx(ctx)
 	defer cancel()
 	return timedOut(cctx, ob.flushOutbox(cctx))
@@ -275,9 +354,10 @@ func (b boundClaimer) ClaimConfirmedAll(ctx context.Context, keys []string) ([]d
 	return c, timedOut(cctx, err)
 }
 
-// bounds is how the calls of cfg's transactions are bounded.
-func (cfg TxConfig) bounds() bounded {
-	b := bounded{d: callTimeout(cfg.CallTimeout), ctxless: true}
+// bounds is how the calls of cfg's transactions are bounded; batchFn: for
+// a batch function.
+func (cfg TxConfig) bounds(batchFn bool) bounded {
+	b := bounded{d: callTimeout(cfg.CallTimeout), ctxless: true, batchFn: batchFn}
 	if cfg.Store != nil {
 		switch cfg.Store.Dialect() {
 		case dedupe.SQLite:
@@ -285,7 +365,7 @@ func (cfg TxConfig) bounds() bounded {
 			// its writers wait for each other with its busy timeout.
 			return bounded{}
 		case dedupe.Postgres:
-			b.setLocal = serverTimeouts(b.d)
+			b.limits = serverTimeouts(b.d, batchWait(cfg.Batch))
 		}
 	}
 	return b
@@ -297,10 +377,17 @@ func (t *sqlTxn) setLocal(ctx context.Context, query string) error {
 	return err
 }
 
-// boundedTxOptions are cfg.TxOptions with a BEGIN that also sets the
-// transaction's server-side timeouts (serverTimeouts), in the same round
-// trip: pgx sends a BeginQuery without arguments as one simple query.
-func (cfg PgxTxConfig) boundedTxOptions() pgx.TxOptions {
+// bounds is how the calls of cfg's transactions are bounded; batchFn: for
+// a batch function.
+func (cfg PgxTxConfig) bounds(batchFn bool) bounded {
+	d := callTimeout(cfg.CallTimeout)
+	return bounded{d: d, limits: serverTimeouts(d, batchWait(cfg.Batch)), batchFn: batchFn}
+}
+
+// txOptionsWith are cfg.TxOptions with a BEGIN that also runs stmts in the
+// same round trip: pgx sends a BeginQuery without arguments as one simple
+// query.
+func (cfg PgxTxConfig) txOptionsWith(stmts string) pgx.TxOptions {
 	opts := cfg.TxOptions
 	begin := opts.BeginQuery
 	if begin == "" {
@@ -315,8 +402,14 @@ func (cfg PgxTxConfig) boundedTxOptions() pgx.TxOptions {
 			begin += " " + string(opts.DeferrableMode)
 		}
 	}
-	opts.BeginQuery = begin + "; " + serverTimeouts(callTimeout(cfg.CallTimeout))
+	opts.BeginQuery = begin + "; " + stmts
 	return opts
+}
+
+// setLocal runs query in the transaction.
+func (t *pgxTxn) setLocal(ctx context.Context, query string) error {
+	_, err := t.tx.Exec(ctx, query)
+	return err
 }
 
 // warnServerTimeouts tells, when a database/sql transactional handler on

@@ -66,10 +66,14 @@ type PgxTxConfig struct {
 	// Batch. Defaults to dedupe.HandlerScope.
 	Scope dedupe.ScopeFunc
 	// CallTimeout bounds each call settle makes on the database for a
-	// delivery, as TxConfig.CallTimeout does; the PostgreSQL lock and
-	// idle-in-transaction timeouts are set by the BEGIN itself (no extra
-	// round trip). Defaults to DefaultCallTimeout; Pipeline.HandlePgxTx sets
-	// it from Config.StoreTimeout. Must be 0 or >= 10ms.
+	// delivery, and sets the transaction's PostgreSQL lock and
+	// idle-in-transaction timeouts, as TxConfig.CallTimeout does: in
+	// OneStatement and Batch modes they ride in the BEGIN itself (no extra
+	// round trip); behind the dedupe middleware they are one statement
+	// after the handler's function, before the confirmation, so that they
+	// bound settle's statements and not the function's. Defaults to
+	// DefaultCallTimeout; Pipeline.HandlePgxTx sets it from
+	// Config.StoreTimeout. Must be 0 or >= 10ms.
 	CallTimeout time.Duration
 }
 
@@ -117,9 +121,14 @@ func NewPgxTxHandler(cfg PgxTxConfig, fn PgxTxFunc) (message.NoPublishHandlerFun
 // flow is cfg's flow for fn, or for batchFn (a batch handler) when fn is
 // nil: the txFlow of TxConfig with pgx under it.
 func (cfg PgxTxConfig) flow(fn PgxTxFunc, batchFn PgxBatchTxFunc) txFlow {
-	opts := cfg.boundedTxOptions()
+	b := cfg.bounds(fn == nil)
+	limited := cfg.txOptionsWith(b.limits)
 	return txFlow{
-		begin: bounded{d: callTimeout(cfg.CallTimeout)}.bound(func(ctx context.Context) (txn, error) {
+		begin: b.bound(func(ctx context.Context, limits string) (txn, error) {
+			opts := cfg.TxOptions
+			if limits != "" {
+				opts = limited // b.limits, in the BEGIN's round trip
+			}
 			tx, err := cfg.DB.BeginTx(ctx, opts)
 			if err != nil {
 				return nil, err

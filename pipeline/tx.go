@@ -73,12 +73,24 @@ type TxConfig struct {
 	// the pool), the transaction is rolled back and the delivery deferred
 	// (an error wrapping ErrCallTimeout and dedupe.ErrUnavailable), no
 	// attempt spent. On PostgreSQL (Store of the Postgres dialect) each
-	// transaction also sets, for itself only, lock_timeout to CallTimeout/2
-	// and idle_in_transaction_session_timeout to 2*CallTimeout, so that no
-	// statement of it waits longer for a lock held by a vanished client and
-	// the server ends a transaction whose client fell silent; see
-	// docs/operating.md for the settings the other databases need. On
-	// SQLite, a file of this machine, no call has a deadline.
+	// transaction also sets, for itself only (SET LOCAL), lock_timeout to
+	// CallTimeout/2 and idle_in_transaction_session_timeout to
+	// 2*CallTimeout, so that settle's statements do not wait longer for a
+	// lock held by a vanished client and the server ends a transaction
+	// whose client fell silent. They bound settle's statements, not the
+	// handler's work: behind the dedupe middleware, where the handler's
+	// function runs as long as it takes, they are set after it returns,
+	// before the confirmation and COMMIT (one statement), and the function
+	// runs under the session's own settings; in OneStatement and Batch
+	// modes, where the function has CallTimeout as its deadline anyway,
+	// they are set right after BEGIN and hold for its statements too (a
+	// lock wait past CallTimeout/2 fails it; a batch's idle limit also
+	// allows for Batch.MaxWait). What ends a vanished consumer's
+	// transaction while its handler runs behind the middleware is the
+	// server's TCP keepalive, or an idle_in_transaction_session_timeout of
+	// the session's own; see docs/operating.md for those and for the
+	// settings the other databases need. On SQLite, a file of this
+	// machine, no call has a deadline.
 	// Defaults to DefaultCallTimeout (15s); Pipeline.HandleTx sets it from
 	// Config.StoreTimeout (ClaimTimeout/2, at least 1s). Must be 0 or >= 10ms.
 	CallTimeout time.Duration
@@ -210,12 +222,18 @@ type txFlow struct {
 // flow is cfg's flow for fn, or for batchFn (a batch handler) when fn is nil.
 func (cfg TxConfig) flow(fn TxFunc, batchFn BatchTxFunc) txFlow {
 	return txFlow{
-		begin: cfg.bounds().bound(func(ctx context.Context) (txn, error) {
+		begin: cfg.bounds(fn == nil).bound(func(ctx context.Context, limits string) (txn, error) {
 			tx, err := cfg.DB.BeginTx(ctx, cfg.TxOptions)
 			if err != nil {
 				return nil, err
 			}
-			return &sqlTxn{cfg: &cfg, fn: fn, batchFn: batchFn, tx: tx}, nil
+			t := &sqlTxn{cfg: &cfg, fn: fn, batchFn: batchFn, tx: tx}
+			if limits != "" {
+				if err := t.setLocal(ctx, limits); err != nil {
+					return t, err
+				}
+			}
+			return t, nil
 		}),
 		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
 		batchHandler: fn == nil, busyDelay: settlement.Delay(cfg.BusyDelay, time.Second),
