@@ -43,18 +43,21 @@ func validCallTimeout(config string, d time.Duration) error {
 	return nil
 }
 
-// serverTimeouts returns the statement that gives a PostgreSQL transaction
-// of settle's its server-side bounds, for that transaction only (SET LOCAL,
-// through set_config): lock_timeout, so that none of its statements waits
-// longer than half a call for a lock (one held by a client that vanished
-// behind a partition, above all), and idle_in_transaction_session_timeout,
-// so that the server ends the session, and frees its locks, when the client
-// falls silent in the middle of the transaction for two calls' time.
+// serverTimeouts returns the statements that give a PostgreSQL transaction
+// of settle's its server-side bounds, for that transaction only (SET
+// LOCAL): lock_timeout, so that none of its statements waits longer than
+// half a call for a lock (one held by a client that vanished behind a
+// partition, above all), and idle_in_transaction_session_timeout, so that
+// the server ends the session, and frees its locks, when the client falls
+// silent in the middle of the transaction for two calls' time. SET takes no
+// snapshot, unlike a SELECT of set_config: at REPEATABLE READ and
+// SERIALIZABLE the snapshot is taken by the transaction's first statement
+// after them, dedupe.HoldTx's, which must come before it.
 func serverTimeouts(d time.Duration) string {
 	lock := max(d/2, time.Millisecond).Milliseconds()
 	idle := max(2*d, time.Millisecond).Milliseconds()
-	return "SELECT set_config('lock_timeout', '" + strconv.FormatInt(lock, 10) + "', true), " +
-		"set_config('idle_in_transaction_session_timeout', '" + strconv.FormatInt(idle, 10) + "', true)"
+	return "SET LOCAL lock_timeout = " + strconv.FormatInt(lock, 10) + "; " +
+		"SET LOCAL idle_in_transaction_session_timeout = " + strconv.FormatInt(idle, 10)
 }
 
 // setLocaler is a txn that can run serverTimeouts' statement right after

@@ -36,7 +36,9 @@ func TestReviewLongTxAtRepeatableReadConfirms(t *testing.T) {
 				e := newTxEnv(t, d.Open(t))
 				mw, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 900 * time.Millisecond, RenewInterval: 200 * time.Millisecond})
 				must(t, err)
-				cfg := pipeline.TxConfig{DB: e.db.DB, TxOptions: &sql.TxOptions{Isolation: lv}}
+				// Store as Pipeline.HandleTx sets it: on PostgreSQL each
+				// transaction then sets its server-side timeouts first.
+				cfg := pipeline.TxConfig{DB: e.db.DB, Store: e.store, TxOptions: &sql.TxOptions{Isolation: lv}}
 				runs := 0
 				h := mw(func(msg *message.Message) ([]*message.Message, error) {
 					return nil, pipeline.RunTx(msg.Context(), cfg, msg, func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
@@ -58,9 +60,10 @@ func TestReviewLongTxAtRepeatableReadConfirms(t *testing.T) {
 						break
 					}
 				}
-				if lastErr != nil || e.rows(t) != 1 {
+				if lastErr != nil || e.rows(t) != 1 || runs != 1 {
 					t.Errorf("after %d runs: %v; %d effect rows, want the handler done once", runs, lastErr, e.rows(t))
 				}
+				confirmedOnce(t, e.store, msg.UUID)
 			})
 		}
 	}
@@ -101,6 +104,17 @@ func TestReviewLongPgxTxAtRepeatableReadConfirms(t *testing.T) {
 			if lastErr != nil || e.rows(t) != 1 {
 				t.Errorf("%v; %d effect rows, want the handler done once", lastErr, e.rows(t))
 			}
+			confirmedOnce(t, store, msg.UUID)
 		})
+	}
+}
+
+// confirmedOnce requires key to be confirmed after one attempt.
+func confirmedOnce(t *testing.T, store dedupe.Store, key string) {
+	t.Helper()
+	c, err := store.Claim(t.Context(), key, time.Minute)
+	must(t, err)
+	if c.Result != dedupe.Duplicate || c.Attempt != 1 {
+		t.Errorf("key %s: %v after %d attempts, want confirmed after 1", key, c.Result, c.Attempt)
 	}
 }
