@@ -2,6 +2,7 @@ package dedupe
 
 import (
 	"context"
+	"errors"
 	"fmt"
 )
 
@@ -38,42 +39,41 @@ func holdIn(ctx context.Context, ex executor) error {
 // holdPostgres holds the claim of st in the transaction s runs on, if the
 // transaction reads a snapshot (REPEATABLE READ, SERIALIZABLE).
 //
-// One statement asks the transaction's isolation level and, at those two
-// levels only, renews the claim in the transaction: the UPDATE locks the
-// row until the transaction ends, so no one else writes it before the
-// confirmation does. The renewal is paused first, a renewal in flight let
-// finish, because the statement takes the snapshot: a renewal that landed
-// after it would make the UPDATE, and every later one in the transaction,
-// fail with a serialization failure. At READ COMMITTED, where each
-// statement reads the latest rows, nothing is written or locked, and the
-// renewal resumes.
+// SHOW asks the transaction's isolation level without taking the snapshot
+// or touching the claims table. At READ COMMITTED, where each statement
+// reads the latest rows, that is all: the renewal goes on beside the
+// transaction, and the table is not locked until the confirmation (a
+// migration's ALTER TABLE is not held up by every running handler). At the
+// other two levels the renewal is paused, a renewal in flight let finish,
+// and the claim renewed in the transaction: that UPDATE takes the snapshot
+// and locks the row until the transaction ends, so no one else writes it
+// before the confirmation does. A renewal landing after the snapshot would
+// have made every later UPDATE of the row in the transaction fail with a
+// serialization failure.
 func holdPostgres(ctx context.Context, st *held, s *SQLStore) error {
 	if err := checkOwned(st.claim); err != nil {
 		return err
 	}
 	ctx, cancel := st.bounded(ctx)
 	defer cancel()
+	var level string
+	if err := s.ex.queryRow(ctx, "SHOW transaction_isolation", nil, &level); err != nil {
+		return fmt.Errorf("dedupe: hold claim in transaction: %w", err)
+	}
+	if level != "repeatable read" && level != "serializable" {
+		return nil
+	}
 	st.ren.pause(ctx)
-	t := s.dialect.quote(s.table)
-	q := `WITH lv AS (SELECT current_setting('transaction_isolation') IN ('repeatable read', 'serializable') AS snapshot),
-held AS (UPDATE ` + t + ` SET expires_at = ` + s.dialect.nowMicros() + ` + $1
-	WHERE key = $2 AND state = 1 AND token = $3 AND (SELECT snapshot FROM lv) RETURNING 1)
-SELECT snapshot, EXISTS (SELECT 1 FROM held) FROM lv`
-	var snapshot, locked bool
-	err := s.ex.queryRow(ctx, q, []any{st.ttl.Microseconds(), []byte(st.claim.Key), st.claim.Token}, &snapshot, &locked)
-	switch {
-	case err != nil:
+	err := s.Renew(ctx, st.claim, st.ttl)
+	if err != nil && !errors.Is(err, ErrClaimLost) {
 		st.ren.resume() // the transaction holds nothing
 		return fmt.Errorf("dedupe: hold claim in transaction: %w", err)
-	case !snapshot:
-		st.ren.resume()
-		return nil
 	}
 	// The transaction holds the row, or the claim is someone else's:
 	// either way the background renewal has nothing left to do.
 	st.stopRenew()
-	if !locked {
-		return fmt.Errorf("dedupe: hold claim in transaction: %w", ErrClaimLost)
+	if err != nil {
+		return fmt.Errorf("dedupe: hold claim in transaction: %w", err)
 	}
 	return nil
 }
