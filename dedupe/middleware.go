@@ -647,7 +647,8 @@ func confirmIn(ctx context.Context, ex executor) error {
 // already is reported as lost (ErrClaimLost). At READ COMMITTED, and on
 // MySQL/MariaDB at every level (InnoDB's UPDATE reads the latest row, not
 // the snapshot), the renewal lands beside the transaction and HoldTx
-// changes nothing.
+// changes nothing (on PostgreSQL it asks the level, a SHOW that takes no
+// snapshot and no lock).
 func HoldTx(ctx context.Context, tx DB) error {
 	return holdIn(ctx, sqlExec{db: tx})
 }
