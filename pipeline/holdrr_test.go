@@ -69,6 +69,10 @@ func TestLongTxAtRepeatableReadHoldsOffTakeover(t *testing.T) {
 			e := newTxEnv(t, testenv.Postgres(t))
 			holding := make(chan struct{})
 			a := newRRWorker(t, e, iso, func(ctx context.Context, tx *sql.Tx, msg *message.Message) error {
+				var n int
+				if err := tx.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+e.charges).Scan(&n); err != nil {
+					return err // the snapshot is taken here, if not by the hold
+				}
 				close(holding)
 				time.Sleep(1800 * time.Millisecond) // three claim timeouts, no renewal
 				return nil
@@ -205,6 +209,10 @@ func TestLongTxAtRepeatableReadBehindMiddleware(t *testing.T) {
 				mode.cfg(&cfg)
 				var runs atomic.Int64
 				h, err := pipeline.NewTxHandler(cfg, func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
+					var n int
+					if err := tx.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+e.charges).Scan(&n); err != nil {
+						return err // the snapshot is taken here, if not by the hold
+					}
 					if runs.Add(1) == 1 {
 						time.Sleep(700 * time.Millisecond) // three renewals of every claim in the batch
 					}
