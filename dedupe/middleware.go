@@ -609,9 +609,13 @@ func confirmIn(ctx context.Context, ex executor) error {
 		return fmt.Errorf("dedupe: confirming in a pgx.Tx needs a store of the Postgres dialect, not %s", s.dialect)
 	}
 	s = s.on(ex)
-	st.stopRenew()
 	ctx, cancel := st.bounded(ctx)
 	defer cancel()
+	// A renewal in flight is let finish rather than cancelled: cancelled,
+	// its UPDATE may still commit on the server after the confirmation's
+	// snapshot (REPEATABLE READ), which would refuse the confirmation.
+	st.ren.pause(ctx)
+	st.stopRenew()
 	if err := s.Confirm(ctx, st.claim); err != nil {
 		return fmt.Errorf("dedupe: confirm in transaction: %w", err)
 	}
@@ -621,34 +625,34 @@ func confirmIn(ctx context.Context, ex executor) error {
 
 // HoldTx hands the protection of the claim of the message being handled to
 // tx, the handler's own transaction. Call it from a handler behind the dedupe
-// middleware, with msg.Context(), right after beginning tx; RunTx (and so
-// every pipeline transactional handler) does.
+// middleware, with msg.Context(), right after beginning tx and before any
+// other statement in it; RunTx (and so every pipeline transactional handler)
+// does. For a pgx.Tx, call [HoldPgxTx].
 //
-// On SQLite it matters: a transaction that writes holds the database's only
-// write lock until it ends, so the middleware's renewal, which runs on
-// another connection, cannot land, and a handler running longer than the
-// claim timeout would be cancelled as if its claim were lost. HoldTx renews
-// the claim inside tx instead, taking the write lock at once, and stops the
+// On SQLite a transaction that writes holds the database's only write lock
+// until it ends, so the middleware's renewal, which runs on another
+// connection, cannot land, and a handler running longer than the claim
+// timeout would be cancelled as if its claim were lost. HoldTx renews the
+// claim inside tx instead, taking the write lock at once, and stops the
 // background renewal: while tx is open no other writer, and so no other
-// worker's takeover, can touch the key, however long the handler runs. On
-// PostgreSQL and MySQL the renewal lands beside the transaction, and HoldTx
-// does nothing.
+// worker's takeover, can touch the key, however long the handler runs.
+//
+// On PostgreSQL at REPEATABLE READ or SERIALIZABLE a renewal landing beside
+// the transaction after its snapshot would make the confirmation in it fail
+// for good (a serialization failure, for a claim that was never lost). There
+// HoldTx renews the claim inside tx, which locks its row until tx ends, and
+// stops the background renewal: another worker's takeover, or a claim of the
+// same key, waits for tx to end (up to its own deadline, after which its
+// delivery is deferred), and then finds the key confirmed or, after a
+// rollback, as it was. That is why it must come before any other statement:
+// the renewal is stopped before the snapshot is taken. A claim taken over
+// already is reported as lost (ErrClaimLost). At READ COMMITTED, and on
+// MySQL/MariaDB at every level (InnoDB's UPDATE reads the latest row, not
+// the snapshot), the renewal lands beside the transaction and HoldTx
+// changes nothing (on PostgreSQL it asks the level, a SHOW that takes no
+// snapshot and no lock).
 func HoldTx(ctx context.Context, tx DB) error {
-	st, ok := ctx.Value(heldCtxKey{}).(*held)
-	if !ok {
-		return ErrNoClaim
-	}
-	sb, ok := st.store.(sqlBacked)
-	if !ok || sb.sqlStore().dialect != SQLite {
-		return nil
-	}
-	st.stopRenew()
-	ctx, cancel := st.bounded(ctx)
-	defer cancel()
-	if err := sb.sqlStore().WithTx(tx).Renew(ctx, st.claim, st.ttl); err != nil {
-		return fmt.Errorf("dedupe: hold claim in transaction: %w", err)
-	}
-	return nil
+	return holdIn(ctx, sqlExec{db: tx})
 }
 
 // publish sends the handler's output while the claim is still held, so that
@@ -852,7 +856,10 @@ type renewal struct {
 
 	mu       sync.Mutex
 	stopped  bool
+	paused   bool               // by pause, until resume: a renewal due is missed, not run
+	missed   bool               // a renewal came due while paused
 	rcancel  context.CancelFunc // cancels a renewal in flight
+	done     chan struct{}      // closed when the last renewal started has finished; nil before the first
 	inflight sync.WaitGroup
 	// expires is when the claim lapses in the store unless a renewal lands:
 	// once renewals have failed past it, another worker may have taken the
@@ -867,11 +874,19 @@ func (r *renewal) fire() {
 		r.mu.Unlock()
 		return
 	}
+	if r.paused {
+		r.missed = true // resume starts it
+		r.mu.Unlock()
+		return
+	}
 	rctx, rcancel := context.WithCancel(r.ctx)
 	r.rcancel = rcancel
+	done := make(chan struct{})
+	r.done = done
 	r.inflight.Add(1)
 	r.mu.Unlock()
 	defer r.inflight.Done()
+	defer close(done)
 	defer rcancel()
 
 	again := r.once(rctx)
@@ -933,6 +948,39 @@ func renewalsFailed(hctx *handlerCtx) bool {
 	}
 	var u *unrenewed
 	return errors.As(context.Cause(hctx.inner), &u)
+}
+
+// pause keeps the claim from being renewed until resume (or stop), and
+// waits for a renewal in flight to finish: let finish, not cancelled, so
+// that its statement has ended on the server when pause returns (a
+// cancelled statement may still commit there later). If ctx ends first, the
+// renewal in flight is cancelled and waited for. A renewal that comes due
+// while paused runs at resume.
+func (r *renewal) pause(ctx context.Context) {
+	r.mu.Lock()
+	r.paused = true
+	done, cancel := r.done, r.rcancel
+	r.mu.Unlock()
+	if done == nil {
+		return
+	}
+	select {
+	case <-done:
+	case <-ctx.Done():
+		cancel()
+		<-done
+	}
+}
+
+// resume undoes pause, and renews at once if a renewal came due meanwhile.
+func (r *renewal) resume() {
+	r.mu.Lock()
+	missed := r.missed && !r.stopped
+	r.paused, r.missed = false, false
+	r.mu.Unlock()
+	if missed {
+		go r.fire()
+	}
 }
 
 func (r *renewal) stop() {

@@ -134,14 +134,14 @@ func ConfirmPgxTx(ctx context.Context, tx pgx.Tx) error {
 	return confirmIn(ctx, newPgxExec(tx))
 }
 
-// HoldPgxTx is [HoldTx] for a pgx.Tx. PostgreSQL lets the middleware's
-// renewal land beside the transaction, so it only checks that ctx carries a
-// claim; it exists so that code written for either driver reads the same.
+// HoldPgxTx is [HoldTx] for a pgx.Tx: call it right after beginning tx,
+// before any other statement in it. At REPEATABLE READ and SERIALIZABLE it
+// renews the claim in tx, which locks its row until tx ends, and stops the
+// background renewal, whose UPDATE beside the transaction would make the
+// confirmation fail; at READ COMMITTED it changes nothing. The middleware's
+// store must be a *PgxStore or a *SQLStore with the Postgres dialect.
 func HoldPgxTx(ctx context.Context, tx pgx.Tx) error {
-	if _, ok := ctx.Value(heldCtxKey{}).(*held); !ok {
-		return ErrNoClaim
-	}
-	return nil
+	return holdIn(ctx, newPgxExec(tx))
 }
 
 // pgxExec is the pgx executor.

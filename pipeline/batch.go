@@ -408,6 +408,19 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 	if ob, ok := tx.(outboxBuffering); ok {
 		ob.bufferOutbox()
 	}
+	// Every claim of the dedupe middleware is held by the transaction before
+	// any handler runs, and before any other statement: on SQLite the first
+	// hold takes the write lock, after which the middleware's renewals of
+	// the others could not land; on PostgreSQL at REPEATABLE READ or
+	// SERIALIZABLE the first statement takes the snapshot, and a renewal
+	// landing after it would fail the hold of its claim.
+	for i, j := range jobs {
+		if j.held {
+			if failed, err := heldFailed(i, tx.hold(j.ctx)); err != nil {
+				return failed, err
+			}
+		}
+	}
 	// All keys in one statement; a batch whose claims fail fails whole.
 	var claims []dedupe.Claim
 	if len(keys) > 0 {
@@ -416,16 +429,6 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 				return runConnLost, err
 			}
 			return runNotStarted, err
-		}
-	}
-	// Every claim of the dedupe middleware is held by the transaction before
-	// any handler runs: on SQLite the first hold takes the write lock, after
-	// which the middleware's renewals of the others could not land.
-	for i, j := range jobs {
-		if j.held {
-			if failed, err := heldFailed(i, tx.hold(j.ctx)); err != nil {
-				return failed, err
-			}
 		}
 	}
 	var ran []int // indexes of the jobs the batch function gets

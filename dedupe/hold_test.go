@@ -1,0 +1,150 @@
+package dedupe_test
+
+import (
+	"context"
+	"database/sql"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/testenv"
+)
+
+// holdCase is one driver's way of running a handler's own transaction
+// behind the middleware: begin at iso, HoldTx, then inside, ConfirmTx and
+// commit.
+type holdCase struct {
+	name  string
+	store func(t *testing.T, db testenv.DB, table string) dedupe.Store
+	run   func(ctx context.Context, t *testing.T, db testenv.DB, iso string, inside func(ctx context.Context) error) error
+}
+
+func holdCases() []holdCase {
+	levels := map[string]sql.IsolationLevel{"read committed": sql.LevelReadCommitted, "repeatable read": sql.LevelRepeatableRead, "serializable": sql.LevelSerializable}
+	return []holdCase{
+		{
+			name: "database/sql",
+			store: func(t *testing.T, db testenv.DB, table string) dedupe.Store {
+				s, err := dedupe.NewSQLStore(db.DB, dedupe.SQLConfig{Dialect: db.Dialect, Table: table})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return s
+			},
+			run: func(ctx context.Context, t *testing.T, db testenv.DB, iso string, inside func(ctx context.Context) error) error {
+				tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: levels[iso]})
+				if err != nil {
+					return err
+				}
+				defer func() { _ = tx.Rollback() }()
+				if err := dedupe.HoldTx(ctx, tx); err != nil {
+					return err
+				}
+				var n int
+				if err := tx.QueryRowContext(ctx, "SELECT 1").Scan(&n); err != nil {
+					return err
+				}
+				if err := inside(ctx); err != nil {
+					return err
+				}
+				if err := dedupe.ConfirmTx(ctx, tx); err != nil {
+					return err
+				}
+				return tx.Commit()
+			},
+		},
+		{
+			name: "pgx",
+			store: func(t *testing.T, _ testenv.DB, table string) dedupe.Store {
+				s, err := dedupe.NewPgxStore(testenv.PgxPool(t), dedupe.PgxConfig{Table: table})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return s
+			},
+			run: func(ctx context.Context, t *testing.T, _ testenv.DB, iso string, inside func(ctx context.Context) error) error {
+				tx, err := testenv.PgxPool(t).BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.TxIsoLevel(iso)})
+				if err != nil {
+					return err
+				}
+				defer func() { _ = tx.Rollback(context.Background()) }()
+				if err := dedupe.HoldPgxTx(ctx, tx); err != nil {
+					return err
+				}
+				if _, err := tx.Exec(ctx, "SELECT 1"); err != nil {
+					return err
+				}
+				if err := inside(ctx); err != nil {
+					return err
+				}
+				if err := dedupe.ConfirmPgxTx(ctx, tx); err != nil {
+					return err
+				}
+				return tx.Commit(ctx)
+			},
+		},
+	}
+}
+
+// A handler's own transaction on PostgreSQL, begun at REPEATABLE READ or
+// SERIALIZABLE with HoldTx (HoldPgxTx) as its first statement, outlives
+// three renewals of its claim and confirms: the transaction holds the
+// claim's row, and no renewal writes it after the snapshot. Without the
+// hold, ConfirmTx failed with a serialization failure every time. While it
+// is held, another claim of the key waits on the row: cut short by its
+// deadline, it gets no answer (and the delivery would be deferred), never
+// the key. At READ COMMITTED the renewal goes on beside the transaction and
+// another claim of the key is told Busy at once.
+func TestHoldTxOnPostgresAtEveryIsolationLevel(t *testing.T) {
+	t.Parallel()
+	for _, c := range holdCases() {
+		for _, iso := range []string{"read committed", "repeatable read", "serializable"} {
+			t.Run(c.name+"/"+iso, func(t *testing.T) {
+				t.Parallel()
+				db := testenv.Postgres(t)
+				store := c.store(t, db, testenv.DedupeTable(t, db))
+				mw, err := dedupe.NewMiddleware(dedupe.Config{Store: store, ClaimTimeout: 600 * time.Millisecond, RenewInterval: 150 * time.Millisecond})
+				if err != nil {
+					t.Fatal(err)
+				}
+				uuid := watermill.NewUUID()
+				key, err := dedupe.MessageKey(newMsg(t, uuid), nil, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				runs := 0
+				h := mw(func(msg *message.Message) ([]*message.Message, error) {
+					runs++
+					return nil, c.run(msg.Context(), t, db, iso, func(ctx context.Context) error {
+						time.Sleep(700 * time.Millisecond) // past the claim timeout: renewals, or the hold, keep it
+						// Another worker's claim of the key.
+						cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+						defer cancel()
+						other, err := store.Claim(cctx, key, time.Minute)
+						switch {
+						case iso == "read committed" && (err != nil || other.Result != dedupe.Busy):
+							t.Errorf("another claim at read committed: %v, %v; want Busy at once", other.Result, err)
+						case iso != "read committed" && err == nil:
+							t.Errorf("another claim while the transaction holds the key: %v; want it to wait on the row", other.Result)
+						}
+						return nil
+					})
+				})
+				if _, err := h(newMsg(t, uuid)); err != nil {
+					t.Fatalf("handler's transaction: %v", err)
+				}
+				claim, err := store.Claim(t.Context(), key, time.Minute)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if runs != 1 || claim.Result != dedupe.Duplicate || claim.Attempt != 1 {
+					t.Errorf("ran %d times; key %v after %d attempts, want confirmed after one run", runs, claim.Result, claim.Attempt)
+				}
+			})
+		}
+	}
+}
