@@ -254,6 +254,9 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 		}
 		orig := msg.Context()
 		claim, err := m.claim(orig, key)
+		if err == nil && claim.Result == Acquired && orig.Err() != nil {
+			err = m.giveBack(orig, claim)
+		}
 		if err != nil {
 			return nil, m.unavailable(msg, orig, err)
 		}
@@ -289,13 +292,31 @@ func (m *mw) storeTimeout() time.Duration {
 
 // claim claims key, bounded by StoreTimeout: a store that cannot answer
 // defers the delivery within that bound.
+//
+// The claim does not end with the delivery's context: a shutdown that
+// cancelled the statement after the server had written the row would leave
+// the key claimed, unknown to anyone, and its redelivery busy for the whole
+// claim timeout. A claim made while the delivery was cancelled is given back
+// at once (giveBack).
 func (m *mw) claim(ctx context.Context, key string) (Claim, error) {
+	ctx = context.WithoutCancel(ctx)
 	if d := m.storeTimeout(); d > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, d)
 		defer cancel()
 	}
 	return m.cfg.Store.Claim(ctx, key, m.cfg.ClaimTimeout)
+}
+
+// giveBack releases a claim acquired for a delivery that was cancelled
+// meanwhile (the router is shutting down), so that its redelivery finds
+// the key free; the handler does not run. It returns the error that
+// defers the delivery.
+func (m *mw) giveBack(orig context.Context, claim Claim) error {
+	if err := m.settle(orig, claim, false); err != nil {
+		return errors.Join(context.Cause(orig), err)
+	}
+	return context.Cause(orig)
 }
 
 // notAcquired settles a delivery whose key is a duplicate (acked, nil) or
