@@ -130,13 +130,13 @@ func (c ParkConfig) Validate() error {
 	switch {
 	case c.Publisher == nil:
 		return errors.New("middleware: ParkConfig.Publisher is required")
-	case park.Unconfirmed(c.Publisher):
+	case amqpcheck.Unconfirmed(c.Publisher):
 		return fmt.Errorf("middleware: ParkConfig.Publisher: %w", ErrUnconfirmedPublisher)
 	case c.Topic == "":
 		return errors.New("middleware: ParkConfig.Topic is required")
-	case c.Initializer == nil && park.DeclaresNothing(c.Publisher):
+	case c.Initializer == nil && amqpcheck.WatermillAMQP(c.Publisher):
 		return ErrNoInitializer
-	case park.DeclaresNothing(c.Publisher) && (len(c.Topic) > 255 || strings.HasPrefix(c.Topic, "amq.")):
+	case amqpcheck.WatermillAMQP(c.Publisher) && (len(c.Topic) > 255 || strings.HasPrefix(c.Topic, "amq.")):
 		// RabbitMQ never declares such a queue or exchange: every copy
 		// would fail, and its message, deferred at the head of its queue,
 		// hold the messages behind it for good.

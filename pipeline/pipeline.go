@@ -11,7 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/settle-go/settle/dedupe"
-	"github.com/settle-go/settle/internal/park"
+	"github.com/settle-go/settle/internal/amqpcheck"
 	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/internal/workers"
 	"github.com/settle-go/settle/middleware"
@@ -130,7 +130,7 @@ func (c Config) Validate() error {
 	if c.Publisher == nil {
 		return errors.New("pipeline: Config.Publisher is required")
 	}
-	if park.Unconfirmed(c.Publisher) {
+	if amqpcheck.Unconfirmed(c.Publisher) {
 		return fmt.Errorf("pipeline: Config.Publisher: %w", middleware.ErrUnconfirmedPublisher)
 	}
 	if c.Concurrency < 0 {

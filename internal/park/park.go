@@ -25,7 +25,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle"
-	"github.com/settle-go/settle/internal/amqpcheck"
 	"github.com/settle-go/settle/internal/deliverymark"
 	"github.com/settle-go/settle/internal/lru"
 	"github.com/settle-go/settle/internal/settlement"
@@ -436,19 +435,6 @@ func (p *parker) declare() error {
 	}
 	return nil
 }
-
-// Unconfirmed reports whether pub is a watermill-amqp Publisher that does not
-// wait for the broker's confirmation (neither Publish.ConfirmDelivery nor
-// Publish.Transactional): its Publish returns before RabbitMQ has stored the
-// message, so a copy lost on the way would be taken as parked. See
-// amqpcheck.Unconfirmed, which the outbox relay uses too.
-func Unconfirmed(pub message.Publisher) bool { return amqpcheck.Unconfirmed(pub) }
-
-// DeclaresNothing reports whether pub is a watermill-amqp Publisher: it
-// declares no queue (only an exchange, when its configuration names one),
-// so a copy published with it to a topic whose queue nobody declared is
-// dropped by RabbitMQ, and confirmed. See amqpcheck.WatermillAMQP.
-func DeclaresNothing(pub message.Publisher) bool { return amqpcheck.WatermillAMQP(pub) }
 
 // ScopeName is the instrumentation scope of the spans of parked copies.
 const ScopeName = "github.com/settle-go/settle/middleware"
