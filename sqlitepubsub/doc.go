@@ -5,8 +5,9 @@
 // [wsql.SchemaAdapter] (the messages table of a topic and its statements)
 // and a [wsql.OffsetsAdapter] (how far each consumer group got). It ships
 // them for PostgreSQL and MySQL only. Those cannot serve SQLite: their DDL
-// and placeholders are not SQLite's, and their subscribers keep consumer
-// groups exactly-once with SELECT ... FOR UPDATE, which SQLite does not have.
+// is PostgreSQL's and MySQL's, and their offsets adapters keep a consumer
+// group exactly-once by locking its offset row with SELECT ... FOR UPDATE,
+// which SQLite does not have.
 // [Schema] and [Offsets] are the SQLite pair, built on what SQLite does have:
 // one writer at a time.
 //
