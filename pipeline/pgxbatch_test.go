@@ -22,13 +22,14 @@ import (
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/poison"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // pgxBatchEnv is a pgx batch handler on PostgreSQL that records the
 // messages of every run of its function.
 type pgxBatchEnv struct {
 	*pgxEnv
-	ob *outbox.Outbox // nil unless withOutbox
+	ob *outbox.Outbox[pgx.Tx] // nil unless withOutbox
 	h  message.NoPublishHandlerFunc
 
 	mu   sync.Mutex
@@ -62,12 +63,12 @@ func newPgxBatchEnv(t *testing.T, withOutbox bool, fn pipeline.PgxBatchTxFunc) *
 
 // newPgxOutbox is a PostgreSQL outbox with its own table, dropped at the
 // end of the test.
-func newPgxOutbox(t *testing.T, pool *pgxpool.Pool) *outbox.Outbox {
+func newPgxOutbox(t *testing.T, pool *pgxpool.Pool) *outbox.Outbox[pgx.Tx] {
 	t.Helper()
 	name := testenv.Name(t, "ob")
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: "ob_" + name[len(name)-8:]})
+	ob, err := outbox.New(sqldb.Pgx(pool), outbox.Config{Topic: "ob_" + name[len(name)-8:]})
 	must(t, err)
-	must(t, ob.PgxInitSchema(t.Context(), pool))
+	must(t, ob.InitSchema(t.Context()))
 	t.Cleanup(func() {
 		_, _ = pool.Exec(context.Background(), `DROP TABLE IF EXISTS "`+ob.Table()+`", "`+ob.Table()+`_relays"`)
 	})
@@ -200,9 +201,9 @@ func TestPgxBatchHandlerIsolatesAFailingMessage(t *testing.T) {
 	}
 }
 
-func pgxPending(t *testing.T, ob *outbox.Outbox, pool *pgxpool.Pool) int64 {
+func pgxPending(t *testing.T, ob *outbox.Outbox[pgx.Tx], pool *pgxpool.Pool) int64 {
 	t.Helper()
-	st, err := ob.PgxStatus(t.Context(), pool)
+	st, err := ob.Status(t.Context())
 	must(t, err)
 	return st.Pending
 }
@@ -298,7 +299,7 @@ func TestPgxBatchRollbackLeavesNothing(t *testing.T) {
 					t.Fatalf("claims in the caller's tx: %+v", claims)
 				}
 			}
-			out, err := ob.PgxTxPublisher(tx)
+			out, err := ob.TxPublisher(tx)
 			must(t, err)
 			msgs := []*message.Message{message.NewMessage("own-a", []byte("own-a")), message.NewMessage("own-b", []byte("own-b"))}
 			must(t, e.insertAll(ctx, tx, msgs, out))
@@ -412,7 +413,7 @@ func TestPipelineHandlePgxBatchTxOnRabbitMQ(t *testing.T) {
 	// The relay forwards the receipts to an in-process topic.
 	receipts := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 128, Persistent: true}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = receipts.Close() })
-	relay, err := ob.NewPgxRelay(e.pool, receipts, outbox.RelayConfig{PollInterval: 50 * time.Millisecond})
+	relay, err := ob.NewRelay(receipts, outbox.RelayConfig{PollInterval: 50 * time.Millisecond})
 	must(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	relayDone, routerDone := make(chan error, 1), make(chan error, 1)
@@ -510,7 +511,7 @@ func TestHandlePgxTxChecksTheOutboxTable(t *testing.T) {
 	e := newPgxEnv(t)
 	h := newHarnessWith(t, e.store, func(c *pipeline.Config) { c.Concurrency = 2 })
 	name := testenv.Name(t, "nm")
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: "nm_" + name[len(name)-8:]})
+	ob, err := outbox.New(sqldb.Pgx(e.pool), outbox.Config{Topic: "nm_" + name[len(name)-8:]})
 	must(t, err)
 	fn := func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }
 	batchFn := func(context.Context, pgx.Tx, []*message.Message, message.Publisher) error { return nil }
@@ -523,7 +524,7 @@ func TestHandlePgxTxChecksTheOutboxTable(t *testing.T) {
 	if _, err := h.p.HandlePgxBatchTx("ledger", "orders", sub, nil, cfg, batchFn); err == nil || !strings.Contains(err.Error(), "outbox schema") {
 		t.Fatalf("HandlePgxBatchTx with a missing outbox table = %v; want the command that creates it", err)
 	}
-	must(t, ob.PgxInitSchema(t.Context(), e.pool))
+	must(t, ob.InitSchema(t.Context()))
 	t.Cleanup(func() {
 		_, _ = e.pool.Exec(context.Background(), `DROP TABLE IF EXISTS "`+ob.Table()+`", "`+ob.Table()+`_relays"`)
 	})

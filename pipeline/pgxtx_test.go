@@ -19,6 +19,7 @@ import (
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // pgxEnv is a claims table and a charges table on PostgreSQL, used through
@@ -466,9 +467,9 @@ func TestPgxTxHandlerPublishesThroughTheOutbox(t *testing.T) {
 	t.Parallel()
 	e := newPgxEnv(t)
 	name := testenv.Name(t, "ob")
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: "ob_" + name[len(name)-8:]})
+	ob, err := outbox.New(sqldb.Pgx(e.pool), outbox.Config{Topic: "ob_" + name[len(name)-8:]})
 	must(t, err)
-	must(t, ob.PgxInitSchema(t.Context(), e.pool))
+	must(t, ob.InitSchema(t.Context()))
 	t.Cleanup(func() {
 		_, _ = e.pool.Exec(context.Background(), `DROP TABLE IF EXISTS "`+ob.Table()+`", "`+ob.Table()+`_relays"`)
 	})
@@ -490,7 +491,7 @@ func TestPgxTxHandlerPublishesThroughTheOutbox(t *testing.T) {
 		})
 	must(t, err)
 	pending := func() int64 {
-		st, err := ob.PgxStatus(t.Context(), e.pool)
+		st, err := ob.Status(t.Context())
 		must(t, err)
 		return st.Pending
 	}

@@ -18,13 +18,14 @@ import (
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 type txEnv struct {
 	db      testenv.DB
 	claims  string // the claims table
 	store   *dedupe.SQLStore
-	ob      *outbox.Outbox
+	ob      *outbox.Outbox[*sql.Tx]
 	charges string
 }
 
@@ -35,9 +36,9 @@ func newTxEnv(t *testing.T, db testenv.DB) *txEnv {
 	must(t, err)
 	name := testenv.Name(t, "tx")
 	topic := "ob_" + name[len(name)-8:]
-	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: topic})
+	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: topic})
 	must(t, err)
-	must(t, ob.InitSchema(t.Context(), db.DB))
+	must(t, ob.InitSchema(t.Context()))
 	charges := "charges_" + name[len(name)-8:]
 	_, err = db.ExecContext(t.Context(), "CREATE TABLE "+charges+" (order_id VARCHAR(64) PRIMARY KEY, cents INTEGER NOT NULL)")
 	must(t, err)
@@ -72,7 +73,7 @@ func (e *txEnv) rows(t *testing.T) int {
 
 func (e *txEnv) pending(t *testing.T) int64 {
 	t.Helper()
-	st, err := e.ob.Status(t.Context(), e.db.DB)
+	st, err := e.ob.Status(t.Context())
 	must(t, err)
 	return st.Pending
 }
@@ -134,7 +135,7 @@ func TestTxHandlerCommitsWritesOutboxAndConfirmTogether(t *testing.T) {
 		defer ps.Close()
 		receipts, err := ps.Subscribe(t.Context(), "receipts")
 		must(t, err)
-		n, err := e.ob.Forward(t.Context(), e.db.DB, ps, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+		n, err := e.ob.Forward(t.Context(), ps, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 		if err != nil || n != 1 {
 			t.Fatalf("Forward = %d, %v; want 1", n, err)
 		}

@@ -18,8 +18,8 @@
 //     broker. "bare" is watermill-sql's publisher on wsql.TxFromStdSQL(tx)
 //     wrapped by forwarder.NewPublisher, forwarded by forwarder.NewForwarder
 //     on a watermill-sql subscriber; "settle" is Outbox.TxPublisher(tx) and
-//     Outbox.NewRelay on database/sql; "settle pgx" is Outbox.PgxTxPublisher
-//     on a pgx.Tx and Outbox.NewPgxRelay on a pgxpool.Pool. All poll with
+//     Outbox.NewRelay on database/sql (sqldb.Std); "settle pgx" is the same
+//     on a pgx.Tx and a pgxpool.Pool (sqldb.Pgx). All poll with
 //     -poll and read 100 rows per query (the watermill-sql PostgreSQL
 //     default).
 //   - paced: the same at a fixed -rate for -paced, to read the lag of an
@@ -66,6 +66,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 const seqKey = "bench_seq"
@@ -610,19 +611,19 @@ func (b *bench) barePath(topic string) path {
 }
 
 func (b *bench) settlePath(ctx context.Context, topic string) (path, error) {
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: topic})
+	ob, err := outbox.New(sqldb.Std(b.db, sqldb.Postgres), outbox.Config{Topic: topic})
 	if err != nil {
 		return path{}, err
 	}
 	b.tables = append(b.tables, ob.Table(), ob.Table()+"_relays")
-	if err := ob.InitSchema(ctx, b.db); err != nil {
+	if err := ob.InitSchema(ctx); err != nil {
 		return path{}, err
 	}
 	return path{
 		name: "settle",
 		inTx: b.sqlTx(ob.TxPublisher),
 		start: func(ctx context.Context, out message.Publisher) (func() error, error) {
-			r, err := ob.NewRelay(b.db, out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
+			r, err := ob.NewRelay(out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
 			if err != nil {
 				return nil, err
 			}
@@ -631,22 +632,22 @@ func (b *bench) settlePath(ctx context.Context, topic string) (path, error) {
 	}, nil
 }
 
-// settlePgxPath is settle's outbox on pgx: PgxTxPublisher on the
-// producers' pgx.Tx, NewPgxRelay on the pool.
+// settlePgxPath is settle's outbox on pgx: TxPublisher on the producers'
+// pgx.Tx, the relay on the pool.
 func (b *bench) settlePgxPath(ctx context.Context, topic string) (path, error) {
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: topic})
+	ob, err := outbox.New(sqldb.Pgx(b.pool), outbox.Config{Topic: topic})
 	if err != nil {
 		return path{}, err
 	}
 	b.tables = append(b.tables, ob.Table(), ob.Table()+"_relays")
-	if err := ob.PgxInitSchema(ctx, b.pool); err != nil {
+	if err := ob.InitSchema(ctx); err != nil {
 		return path{}, err
 	}
 	return path{
 		name: "settle pgx",
-		inTx: pgxTx(b.pool, ob.PgxTxPublisher),
+		inTx: pgxTx(b.pool, ob.TxPublisher),
 		start: func(ctx context.Context, out message.Publisher) (func() error, error) {
-			r, err := ob.NewPgxRelay(b.pool, out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
+			r, err := ob.NewRelay(out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
 			if err != nil {
 				return nil, err
 			}

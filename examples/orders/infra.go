@@ -29,7 +29,6 @@ import (
 	"github.com/settle-go/settle/amqpmarshal"
 	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/dedupe"
-	"github.com/settle-go/settle/outbox"
 )
 
 // telemetry is the example's OpenTelemetry setup: traces go to an OTLP
@@ -291,14 +290,14 @@ func (s *schema) drop() {
 	}
 }
 
-func (s *schema) dropOutbox(ob *outbox.Outbox) {
+func (s *schema) dropOutbox(table string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	q := `"`
 	if s.dialect == dedupe.MySQL {
 		q = "`"
 	}
-	for _, t := range []string{ob.Table(), ob.Table() + "_relays"} {
+	for _, t := range []string{table, table + "_relays"} {
 		_, _ = s.db.ExecContext(ctx, "DROP TABLE IF EXISTS "+q+t+q)
 	}
 }
