@@ -22,6 +22,7 @@ import (
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/poison"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // pgxBatchEnv is a pgx batch handler on PostgreSQL that records the
@@ -65,7 +66,7 @@ func newPgxBatchEnv(t *testing.T, withOutbox bool, fn pipeline.PgxBatchTxFunc) *
 func newPgxOutbox(t *testing.T, pool *pgxpool.Pool) *outbox.Outbox {
 	t.Helper()
 	name := testenv.Name(t, "ob")
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: "ob_" + name[len(name)-8:]})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: "ob_" + name[len(name)-8:]})
 	must(t, err)
 	must(t, ob.PgxInitSchema(t.Context(), pool))
 	t.Cleanup(func() {
@@ -357,7 +358,7 @@ func TestPgxBatchTxConfigIsChecked(t *testing.T) {
 	t.Parallel()
 	fn := func(context.Context, pgx.Tx, []*message.Message, message.Publisher) error { return nil }
 	// A real pool and table: the pipeline checks the store's table.
-	store, err := dedupe.NewPgxStore(testenv.PgxPool(t), dedupe.PgxConfig{Table: testenv.DedupeTable(t, testenv.Postgres(t))})
+	store, err := dedupe.NewSQLStore(sqldb.Pgx(testenv.PgxPool(t)), dedupe.SQLConfig{Table: testenv.DedupeTable(t, testenv.Postgres(t))})
 	must(t, err)
 	for _, c := range []struct {
 		cfg  pipeline.PgxTxConfig
@@ -480,7 +481,7 @@ func ExampleNewPgxBatchTxHandler() {
 		panic(err)
 	}
 	defer pool.Close()
-	store, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{})
+	store, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{})
 	if err != nil {
 		panic(err)
 	}
@@ -510,7 +511,7 @@ func TestHandlePgxTxChecksTheOutboxTable(t *testing.T) {
 	e := newPgxEnv(t)
 	h := newHarnessWith(t, e.store, func(c *pipeline.Config) { c.Concurrency = 2 })
 	name := testenv.Name(t, "nm")
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: "nm_" + name[len(name)-8:]})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: "nm_" + name[len(name)-8:]})
 	must(t, err)
 	fn := func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }
 	batchFn := func(context.Context, pgx.Tx, []*message.Message, message.Publisher) error { return nil }

@@ -19,6 +19,7 @@ import (
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // pgxEnv is a claims table and a charges table on PostgreSQL, used through
@@ -26,14 +27,14 @@ import (
 // as two rows.
 type pgxEnv struct {
 	pool    *pgxpool.Pool
-	store   *dedupe.PgxStore
+	store   *dedupe.SQLStore[pgx.Tx]
 	charges string
 }
 
 func newPgxEnv(t *testing.T) *pgxEnv {
 	t.Helper()
 	db, pool := testenv.Postgres(t), testenv.PgxPool(t)
-	store, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: testenv.DedupeTable(t, db)})
+	store, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
 	must(t, err)
 	charges := testenv.Name(t, "charges")
 	_, err = pool.Exec(t.Context(), `CREATE TABLE "`+charges+`" (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL)`)
@@ -409,10 +410,10 @@ func TestConfirmPgxTxStores(t *testing.T) {
 	t.Parallel()
 	db, pool := testenv.Postgres(t), testenv.PgxPool(t)
 	table := testenv.DedupeTable(t, db)
-	sqlStore, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dedupe.Postgres, Table: table})
+	sqlStore, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: table})
 	must(t, err)
 	lite := testenv.SQLite(t)
-	liteStore, err := dedupe.NewSQLStore(lite, dedupe.SQLConfig{Dialect: dedupe.SQLite, Table: testenv.DedupeTable(t, lite)})
+	liteStore, err := dedupe.NewSQLStore(lite.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, lite)})
 	must(t, err)
 	run := func(store dedupe.Store, id string) error {
 		dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store})
@@ -423,7 +424,7 @@ func TestConfirmPgxTxStores(t *testing.T) {
 				return nil, err
 			}
 			defer func() { _ = tx.Rollback(context.Background()) }()
-			if err := dedupe.ConfirmPgxTx(msg.Context(), tx); err != nil {
+			if err := dedupe.ConfirmTx(msg.Context(), tx); err != nil {
 				return nil, err
 			}
 			return nil, tx.Commit(msg.Context())
@@ -466,7 +467,7 @@ func TestPgxTxHandlerPublishesThroughTheOutbox(t *testing.T) {
 	t.Parallel()
 	e := newPgxEnv(t)
 	name := testenv.Name(t, "ob")
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: "ob_" + name[len(name)-8:]})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: "ob_" + name[len(name)-8:]})
 	must(t, err)
 	must(t, ob.PgxInitSchema(t.Context(), e.pool))
 	t.Cleanup(func() {

@@ -18,12 +18,13 @@ import (
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 type txEnv struct {
 	db      testenv.DB
 	claims  string // the claims table
-	store   *dedupe.SQLStore
+	store   *dedupe.SQLStore[*sql.Tx]
 	ob      *outbox.Outbox
 	charges string
 }
@@ -31,7 +32,7 @@ type txEnv struct {
 func newTxEnv(t *testing.T, db testenv.DB) *txEnv {
 	t.Helper()
 	claims := testenv.DedupeTable(t, db)
-	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: claims})
+	store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: claims})
 	must(t, err)
 	name := testenv.Name(t, "tx")
 	topic := "ob_" + name[len(name)-8:]
@@ -50,14 +51,14 @@ func newTxEnv(t *testing.T, db testenv.DB) *txEnv {
 }
 
 func quote(db testenv.DB, s string) string {
-	if db.Dialect == dedupe.MySQL {
+	if db.Dialect == sqldb.MySQL {
 		return "`" + s + "`"
 	}
 	return `"` + s + `"`
 }
 
 func (e *txEnv) ph(n int) string {
-	if e.db.Dialect == dedupe.Postgres {
+	if e.db.Dialect == sqldb.Postgres {
 		return fmt.Sprintf("$%d", n)
 	}
 	return "?"
