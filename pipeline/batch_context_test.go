@@ -22,6 +22,7 @@ import (
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // The handlers of these tests do what a careful Go programmer does: they
@@ -311,10 +312,10 @@ func TestBatchOutboxKeepsTheHandlersTrace(t *testing.T) {
 		tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 		t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 		name := testenv.Name(t, "tr")
-		ob, err := outbox.New(outbox.Config{Dialect: e.db.Dialect, Topic: "tr_" + name[len(name)-8:],
+		ob, err := outbox.New(sqldb.Std(e.db.DB, sqldb.Dialect(e.db.Dialect)), outbox.Config{Topic: "tr_" + name[len(name)-8:],
 			Propagator: propagation.TraceContext{}, TracerProvider: tp})
 		must(t, err)
-		must(t, ob.InitSchema(t.Context(), e.db.DB))
+		must(t, ob.InitSchema(t.Context()))
 		t.Cleanup(func() {
 			for _, tbl := range []string{ob.Table(), ob.Table() + "_relays"} {
 				_, _ = e.db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+quote(e.db, tbl))

@@ -65,7 +65,7 @@ func TestHandleTxChecksTheOutboxTable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: "not_migrated"})
+	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: "not_migrated"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -74,7 +74,7 @@ func TestHandleTxChecksTheOutboxTable(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "outbox schema") {
 		t.Fatalf("HandleTx with a missing outbox table = %v; want the command that creates it", err)
 	}
-	if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+	if err := ob.InitSchema(t.Context()); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := p.HandleTx("charge", "orders", ps, nil, pipeline.TxConfig{DB: db.DB, Outbox: ob}, fn); err != nil {

@@ -11,7 +11,7 @@ import (
 
 // PgxBatchTxFunc is BatchTxFunc on pgx: it handles a batch of messages in one
 // pgx transaction. It does its writes on tx and publishes on out, the outbox
-// bound to tx (outbox.Outbox.PgxTxPublisher; nil when PgxTxConfig.Outbox is
+// bound to tx (outbox.Outbox.TxPublisher; nil when PgxTxConfig.Outbox is
 // nil); it must not commit or roll tx back. msgs holds only messages whose
 // work is not done yet. A failure is settled as BatchTxFunc says: an error
 // that names its message (MessageFailed) fails that message alone, any other

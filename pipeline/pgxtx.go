@@ -9,7 +9,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
@@ -19,7 +18,7 @@ import (
 
 // PgxTxFunc is a transactional handler on pgx: TxFunc with a pgx.Tx. It
 // does its writes on tx and publishes its messages on out, the outbox bound
-// to tx (outbox.Outbox.PgxTxPublisher; nil when PgxTxConfig.Outbox is nil).
+// to tx (outbox.Outbox.TxPublisher; nil when PgxTxConfig.Outbox is nil).
 // It must not commit or roll tx back.
 type PgxTxFunc func(ctx context.Context, tx pgx.Tx, msg *message.Message, out message.Publisher) error
 
@@ -39,7 +38,7 @@ type PgxTxConfig struct {
 	DB PgxBeginner
 	// Outbox, if set, gives the handler a publisher whose messages commit
 	// with its writes. It must be a PostgreSQL outbox.
-	Outbox *outbox.Outbox
+	Outbox *outbox.Outbox[pgx.Tx]
 	// TxOptions are passed to BeginTx. The zero value is PostgreSQL's
 	// default (read committed, read write).
 	TxOptions pgx.TxOptions
@@ -142,7 +141,7 @@ func (cfg PgxTxConfig) flow(fn PgxTxFunc, batchFn PgxBatchTxFunc) txFlow {
 }
 
 // notifier is the outbox's in-process wake-up, or nil without an outbox.
-func notifier(ob *outbox.Outbox) func() {
+func notifier[TTx any](ob *outbox.Outbox[TTx]) func() {
 	if ob == nil {
 		return nil
 	}
@@ -185,7 +184,7 @@ func (t *pgxTxn) bindOutbox() error {
 	if t.cfg.Outbox == nil {
 		return nil
 	}
-	return t.bind(func() (message.Publisher, error) { return t.cfg.Outbox.PgxTxPublisher(t.tx) })
+	return t.bind(func() (message.Publisher, error) { return t.cfg.Outbox.TxPublisher(t.tx) })
 }
 
 // probe asks pgx, which closes a connection on any failure of its I/O or a
@@ -235,10 +234,10 @@ func (p *Pipeline) handlePgxTx(method, name, topic string, sub message.Subscribe
 	if cfg.CallTimeout == 0 {
 		cfg.CallTimeout = p.cfg.storeTimeout()
 	}
-	if pool, ok := cfg.DB.(*pgxpool.Pool); ok && cfg.Outbox != nil {
+	if cfg.Outbox != nil {
 		// As HandleTx: a missing outbox table is one clear error now, not
 		// a failure of every delivery later.
-		err := checkNow(func(ctx context.Context) error { return cfg.Outbox.PgxCheck(ctx, pool) })
+		err := checkNow(func(ctx context.Context) error { return cfg.Outbox.Check(ctx) })
 		if err != nil {
 			return nil, fmt.Errorf("pipeline: %s %q: PgxTxConfig.Outbox: %w", method, name, err)
 		}

@@ -449,10 +449,10 @@ func (p *Pipeline) handleTx(method, name, topic string, sub message.Subscriber, 
 		cfg.Store = sqlStore // its dialect says which server-side timeouts the transactions set
 	}
 	warnServerTimeouts(cfg, name, p.cfg.Logger)
-	if cfg.Outbox != nil && cfg.DB != nil {
+	if cfg.Outbox != nil {
 		// A missing outbox table is one clear error now, not a failure of
 		// every delivery later.
-		err := checkNow(func(ctx context.Context) error { return cfg.Outbox.Check(ctx, cfg.DB) })
+		err := checkNow(func(ctx context.Context) error { return cfg.Outbox.Check(ctx) })
 		if err != nil {
 			return nil, fmt.Errorf("pipeline: %s %q: TxConfig.Outbox: %w", method, name, err)
 		}

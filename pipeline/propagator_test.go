@@ -17,6 +17,7 @@ import (
 	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // A newcomer's program sets a tracer provider and no propagator (this test
@@ -33,9 +34,9 @@ func TestDefaultPropagatorKeepsOneTrace(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 
-	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, TracerProvider: tp}) // no Propagator
+	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{TracerProvider: tp}) // no Propagator
 	must(t, err)
-	must(t, ob.InitSchema(t.Context(), db.DB))
+	must(t, ob.InitSchema(t.Context()))
 	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
 	must(t, err)
@@ -49,7 +50,7 @@ func TestDefaultPropagatorKeepsOneTrace(t *testing.T) {
 	h := &harness{pubsub: ps, router: router, p: p, spans: rec}
 	h.run(t)
 
-	relay, err := ob.NewRelay(db.DB, ps, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+	relay, err := ob.NewRelay(ps, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 	must(t, err)
 	done := make(chan error, 1)
 	go func() { done <- relay.Run(t.Context()) }()

@@ -18,6 +18,7 @@ import (
 	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // A HandleProducing handler's output, published by the dedupe middleware
@@ -78,7 +79,7 @@ func TestTxOutboxMessagesContinueTheTrace(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: e.ob.Topic(), TracerProvider: tp, Propagator: propagation.TraceContext{}})
+	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: e.ob.Topic(), TracerProvider: tp, Propagator: propagation.TraceContext{}})
 	must(t, err)
 	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})

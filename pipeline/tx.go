@@ -29,7 +29,7 @@ type TxConfig struct {
 	DB *sql.DB
 	// Outbox, if set, gives the handler a publisher whose messages commit
 	// with its writes.
-	Outbox *outbox.Outbox
+	Outbox *outbox.Outbox[*sql.Tx]
 	// TxOptions are passed to BeginTx. Nil means the driver's default.
 	TxOptions *sql.TxOptions
 	// OneStatement takes the message's key inside the transaction, written
