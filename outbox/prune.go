@@ -25,11 +25,7 @@ func (o *Outbox[TTx]) Prune(ctx context.Context, before time.Time) (int64, error
 }
 
 func (c *core) prune(ctx context.Context, before time.Time) (int64, error) {
-	olderThan := max(time.Since(before), 0)
-	var age any = olderThan.Seconds()
-	if c.q.d == sqldb.MySQL {
-		age = olderThan.Microseconds()
-	}
+	age := c.pruneAge(before)
 	var total int64
 	for {
 		n, err := c.pruneBatch(ctx, age)
@@ -41,6 +37,16 @@ func (c *core) prune(ctx context.Context, before time.Time) (int64, error) {
 			return total, nil
 		}
 	}
+}
+
+// pruneAge is the argument of the prune's filter (q.pruneWhere) for the
+// cut-off before: how long ago it was, in seconds (MySQL: microseconds).
+func (c *core) pruneAge(before time.Time) any {
+	olderThan := max(time.Since(before), 0)
+	if c.q.d == sqldb.MySQL {
+		return olderThan.Microseconds()
+	}
+	return olderThan.Seconds()
 }
 
 // pruneBatch deletes one batch in a transaction of its own, READ COMMITTED
