@@ -198,11 +198,11 @@ func testOutboxStatus(t *testing.T, driver string) {
 	var b [4]byte
 	_, _ = rand.Read(b[:])
 	topic := "cli_status_" + hex.EncodeToString(b[:])
-	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: topic})
+	ob, err := outbox.New(db.Driver(), outbox.Config{Topic: topic})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+	if err := ob.InitSchema(t.Context()); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
@@ -284,7 +284,7 @@ func testOutboxStatus(t *testing.T, driver string) {
 		t.Errorf("prune of a missing outbox:\n%v", r)
 	}
 	// Forward the two rows, then prune them.
-	n, err := ob.Forward(t.Context(), db.DB, gochannel.NewGoChannel(gochannel.Config{}, nil), outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
+	n, err := ob.Forward(t.Context(), gochannel.NewGoChannel(gochannel.Config{}, nil), outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
 	if err != nil || n != 2 {
 		t.Fatalf("Forward = %d, %v", n, err)
 	}
@@ -345,18 +345,10 @@ func TestDatabaseDriver(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s -driver %s: %v", redact(tc.url), tc.driver, err)
 		}
-		if (d.pool != nil) != tc.pgx {
-			t.Errorf("%s -driver %s: on a pgx pool = %v, want %v", redact(tc.url), tc.driver, d.pool != nil, tc.pgx)
+		if got, want := d.driver, map[bool]string{true: driverPgx, false: driverSQL}[tc.pgx]; got != want {
+			t.Errorf("%s -driver %s: on %s, want %s", redact(tc.url), tc.driver, got, want)
 		}
-		// The one handle answers: on pgx there is no database/sql pool.
-		if d.pool != nil {
-			if d.db != nil {
-				t.Errorf("%s -driver %s: a database/sql handle beside the pgx pool", redact(tc.url), tc.driver)
-			}
-			if err := d.pool.Ping(t.Context()); err != nil {
-				t.Error(err)
-			}
-		} else if err := d.db.PingContext(t.Context()); err != nil {
+		if err := d.pool.Alive(t.Context()); err != nil {
 			t.Errorf("%s -driver %s: %v", redact(tc.url), tc.driver, err)
 		}
 		if err := d.Close(); err != nil {
@@ -404,11 +396,11 @@ func TestOutboxPrune(t *testing.T) {
 			var b [4]byte
 			_, _ = rand.Read(b[:])
 			topic := "cli_prune_" + hex.EncodeToString(b[:])
-			ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: topic})
+			ob, err := outbox.New(db.Driver(), outbox.Config{Topic: topic})
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+			if err := ob.InitSchema(t.Context()); err != nil {
 				t.Fatal(err)
 			}
 			q := func(s string) string {
@@ -441,7 +433,7 @@ func TestOutboxPrune(t *testing.T) {
 			// Three rows forwarded, two of them two days ago; one pending.
 			ch := gochannel.NewGoChannel(gochannel.Config{}, nil)
 			defer ch.Close()
-			if n, err := ob.Forward(t.Context(), db.DB, ch, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, BatchSize: 3}); err != nil || n < 3 {
+			if n, err := ob.Forward(t.Context(), ch, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, BatchSize: 3}); err != nil || n < 3 {
 				t.Fatalf("Forward = %d, %v", n, err)
 			}
 			back := map[sqldb.Dialect]string{
