@@ -399,18 +399,18 @@ func TestPipelineHandlePgxTx(t *testing.T) {
 	// The pipeline refuses a store that is not a PgxStore.
 	h := newHarness(t, dedupe.NewMemoryStore())
 	fn := func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }
-	if _, err := h.p.HandlePgxTx("x", "t", h.pubsub, nil, pipeline.PgxTxConfig{DB: &pgxpool.Pool{}}, fn); err == nil || !strings.Contains(err.Error(), "PgxStore") {
+	if _, err := h.p.HandlePgxTx("x", "t", h.pubsub, nil, pipeline.PgxTxConfig{DB: &pgxpool.Pool{}}, fn); err == nil || !strings.Contains(err.Error(), "SQLStore[pgx.Tx]") {
 		t.Fatalf("HandlePgxTx with a memory store: %v", err)
 	}
 }
 
-// ConfirmPgxTx works with the database/sql store of the same table in the
-// middleware, and refuses a store of another dialect.
-func TestConfirmPgxTxStores(t *testing.T) {
+// ConfirmTx of a pgx.Tx works with the pgx store in the middleware, and
+// refuses a store of another driver, naming both types.
+func TestConfirmTxOfPgxStores(t *testing.T) {
 	t.Parallel()
 	db, pool := testenv.Postgres(t), testenv.PgxPool(t)
 	table := testenv.DedupeTable(t, db)
-	sqlStore, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: table})
+	pgxStore, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: table})
 	must(t, err)
 	lite := testenv.SQLite(t)
 	liteStore, err := dedupe.NewSQLStore(lite.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, lite)})
@@ -432,12 +432,12 @@ func TestConfirmPgxTxStores(t *testing.T) {
 		_, err = h(message.NewMessage(id, nil))
 		return err
 	}
-	must(t, run(sqlStore, "s-1"))
-	if c, err := sqlStore.Claim(t.Context(), "s-1", time.Minute); err != nil || c.Result != dedupe.Duplicate {
-		t.Fatalf("after ConfirmPgxTx with a SQLStore: %+v, %v; want duplicate", c, err)
+	must(t, run(pgxStore, "s-1"))
+	if c, err := pgxStore.Claim(t.Context(), "s-1", time.Minute); err != nil || c.Result != dedupe.Duplicate {
+		t.Fatalf("after ConfirmTx with the pgx store: %+v, %v; want duplicate", c, err)
 	}
-	if err := run(liteStore, "l-1"); err == nil || !strings.Contains(err.Error(), "Postgres dialect") {
-		t.Fatalf("ConfirmPgxTx with a SQLite store: %v", err)
+	if err := run(liteStore, "l-1"); err == nil || !strings.Contains(err.Error(), "*dedupe.SQLStore[*sql.Tx]") {
+		t.Fatalf("ConfirmTx of a pgx.Tx with a database/sql store: %v", err)
 	}
 	if c, err := liteStore.Claim(t.Context(), "l-1", time.Minute); err != nil || c.Result != dedupe.Acquired {
 		t.Fatalf("the refused confirmation released the SQLite claim: %+v, %v; want acquired", c, err)
