@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/settle-go/settle/sqldb"
@@ -40,11 +41,17 @@ func (c *core) prune(ctx context.Context, before time.Time) (int64, error) {
 }
 
 // pruneAge is the argument of the prune's filter (q.pruneWhere) for the
-// cut-off before: how long ago it was, in seconds (MySQL: microseconds).
+// cut-off before: how long ago it was, in seconds (MySQL: microseconds;
+// SQLite: seconds as text).
 func (c *core) pruneAge(before time.Time) any {
 	olderThan := max(time.Since(before), 0)
-	if c.q.d == sqldb.MySQL {
+	switch c.q.d {
+	case sqldb.MySQL:
 		return olderThan.Microseconds()
+	case sqldb.SQLite:
+		// Text in the statement's modifier: SQLite would print a small
+		// REAL in exponent form ("1e-05 seconds"), which it does not read.
+		return strconv.FormatFloat(olderThan.Seconds(), 'f', 6, 64)
 	}
 	return olderThan.Seconds()
 }

@@ -10,7 +10,7 @@
 // NewPgxTxHandler and NewPgxBatchTxHandler (Pipeline.HandlePgxTx and
 // Pipeline.HandlePgxBatchTx) hand the function a pgx.Tx, with a
 // dedupe.PgxStore for the keys and the outbox bound to that pgx.Tx
-// (outbox.Outbox.PgxTxPublisher). Both drivers run the one transactional
+// (outbox.Outbox.TxPublisher on an outbox of sqldb.Pgx). Both drivers run the one transactional
 // flow of this package, group commit (BatchConfig) included; only the
 // driver under it differs.
 //

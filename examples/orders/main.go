@@ -15,8 +15,9 @@
 //
 // On a postgres:// URL settle runs on pgx: a pgxpool.Pool, the dedupe
 // store on it (dedupe.NewSQLStore on sqldb.Pgx), a transactional handler whose function
-// gets a pgx.Tx (Pipeline.HandlePgxTx), the outbox publisher bound to that
-// pgx.Tx (PgxTxPublisher) and the relay on the pool (NewPgxRelay). On
+// gets a pgx.Tx (Pipeline.HandlePgxTx), and an outbox on the pool
+// (outbox.New(sqldb.Pgx(pool), ...)): its publisher bound to that pgx.Tx
+// (TxPublisher) and its relay on the pool (NewRelay). On
 // mysql:// and sqlite:// it runs on database/sql.
 //
 // -db defaults to $SETTLE_POSTGRES_URL, else $SETTLE_MYSQL_URL, and -amqp to

@@ -20,7 +20,7 @@ import (
 
 // openDB opens the run's database. A postgres:// URL gets a pgxpool.Pool,
 // which settle uses directly (the pgx path: PgxStore, pgx transactional
-// handler, PgxTxPublisher, NewPgxRelay), and a *sql.DB over the same pool
+// handler, an outbox on sqldb.Pgx(pool)), and a *sql.DB over the same pool
 // for the example's own bookkeeping (schema, counts): one pool, not two.
 // Other URLs get database/sql alone, and pool is nil.
 func openDB(ctx context.Context, u string) (db *sql.DB, d sqldb.Dialect, pool *pgxpool.Pool, err error) {
@@ -69,7 +69,7 @@ func chargePgx(s *schema, topic string) pipeline.PgxTxFunc {
 }
 
 // placeOrderPgx is placeOrder in a pgx transaction: the order row and its
-// "placed" event in the outbox (PgxTxPublisher) commit together.
+// "placed" event in the outbox (TxPublisher on the pgx.Tx) commit together.
 func placeOrderPgx(ctx context.Context, tracer trace.Tracer, pool *pgxpool.Pool, ob *outbox.Outbox[pgx.Tx], s *schema, topic string, o orderPlaced) (*message.Message, error) {
 	ctx, span := tracer.Start(ctx, "place order", trace.WithAttributes(attribute.String("order.id", o.OrderID)))
 	defer span.End()
