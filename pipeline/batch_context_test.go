@@ -406,7 +406,7 @@ func TestProducingHandlersContextThroughRabbitMQ(t *testing.T) {
 			cfg := pipeline.Config{Publisher: a.pub, Retry: fastRetry(), DisableTracing: true}
 			if withStore {
 				db := testenv.SQLite(t)
-				cfg.Store, err = dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
+				cfg.Store, err = dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
 				must(t, err)
 			}
 			p, err := pipeline.New(router, cfg)

@@ -21,6 +21,7 @@ import (
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/poison"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // batchEnv is a batched transactional handler on one database that records
@@ -411,7 +412,7 @@ func outboxInserts(t *testing.T, e *txEnv) func() int {
 	ctx := t.Context()
 	var ddl []string
 	switch e.db.Dialect {
-	case dedupe.Postgres:
+	case sqldb.Postgres:
 		ddl = []string{
 			"CREATE TABLE " + stamps + " (at TIMESTAMPTZ NOT NULL)",
 			"CREATE FUNCTION " + stamps + "_f() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN INSERT INTO " + stamps + " (at) VALUES (statement_timestamp()); RETURN NULL; END $$",
@@ -421,7 +422,7 @@ func outboxInserts(t *testing.T, e *txEnv) func() int {
 			_, _ = e.db.ExecContext(context.Background(), "DROP TRIGGER IF EXISTS "+stamps+"_t ON "+table)
 			_, _ = e.db.ExecContext(context.Background(), "DROP FUNCTION IF EXISTS "+stamps+"_f()")
 		})
-	case dedupe.MySQL:
+	case sqldb.MySQL:
 		// NOW(6) in a trigger is the start of the statement that fired it.
 		ddl = []string{
 			"CREATE TABLE " + stamps + " (at DATETIME(6) NOT NULL)",
@@ -468,7 +469,7 @@ func TestBatchWritesItsOutboxInOneInsert(t *testing.T) {
 func TestBatchIsolatesAFailingOutboxRow(t *testing.T) {
 	t.Parallel()
 	forEachDB(t, func(t *testing.T, e *txEnv) {
-		if e.db.Dialect == dedupe.SQLite {
+		if e.db.Dialect == sqldb.SQLite {
 			t.Skip("SQLite cannot add a CHECK constraint to a table")
 		}
 		_, err := e.db.ExecContext(t.Context(), "ALTER TABLE "+quote(e.db, e.ob.Table())+

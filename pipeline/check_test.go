@@ -30,14 +30,14 @@ func TestNewChecksTheClaimsTable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	missing, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: "not_migrated"})
+	missing, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: "not_migrated"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: missing}); !errors.Is(err, dedupe.ErrSchema) {
-		t.Fatalf("New on a missing claims table = %v; want an error wrapping dedupe.ErrSchema", err)
+	if _, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: missing}); !errors.Is(err, sqldb.ErrSchema) {
+		t.Fatalf("New on a missing claims table = %v; want an error wrapping sqldb.ErrSchema", err)
 	}
-	present, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
+	present, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -57,7 +57,7 @@ func TestHandleTxChecksTheOutboxTable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
+	store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -93,22 +93,22 @@ func TestPgxStoreClaimsTableIsChecked(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	missing, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: "not_migrated"})
+	missing, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: "not_migrated"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: missing}); !errors.Is(err, dedupe.ErrSchema) {
-		t.Fatalf("New on a missing claims table = %v; want an error wrapping dedupe.ErrSchema", err)
+	if _, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: missing}); !errors.Is(err, sqldb.ErrSchema) {
+		t.Fatalf("New on a missing claims table = %v; want an error wrapping sqldb.ErrSchema", err)
 	}
 	p, err := pipeline.New(router, pipeline.Config{Publisher: ps})
 	if err != nil {
 		t.Fatal(err)
 	}
 	fn := func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }
-	if _, err := p.HandlePgxTx("charge", "orders", ps, missing, pipeline.PgxTxConfig{DB: pool}, fn); !errors.Is(err, dedupe.ErrSchema) {
-		t.Fatalf("HandlePgxTx on a missing claims table = %v; want an error wrapping dedupe.ErrSchema", err)
+	if _, err := p.HandlePgxTx("charge", "orders", ps, missing, pipeline.PgxTxConfig{DB: pool}, fn); !errors.Is(err, sqldb.ErrSchema) {
+		t.Fatalf("HandlePgxTx on a missing claims table = %v; want an error wrapping sqldb.ErrSchema", err)
 	}
-	present, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: testenv.DedupeTable(t, testenv.Postgres(t))})
+	present, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: testenv.DedupeTable(t, testenv.Postgres(t))})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -30,7 +30,7 @@ func storeCases() []storeCase {
 	for _, d := range testenv.Databases() {
 		cases = append(cases, storeCase{d.Name, func(t *testing.T) (dedupe.Store, testenv.DB) {
 			db := d.Open(t)
-			s, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
+			s, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
 			must(t, err)
 			return s, db
 		}})

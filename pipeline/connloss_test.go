@@ -21,6 +21,7 @@ import (
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // lossTx is what the test's handler does in its transaction, whatever the
@@ -69,7 +70,7 @@ func sqlLossDB(t *testing.T, db, admin testenv.DB) lossDB {
 	effects := effectTable(t, e, &db, nil, "id VARCHAR(64) NOT NULL")
 	kill := func(tx *sql.Tx) error {
 		ctx := context.Background()
-		if db.Dialect == dedupe.Postgres {
+		if db.Dialect == sqldb.Postgres {
 			var pid int
 			if err := tx.QueryRowContext(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
 				return err
@@ -128,7 +129,7 @@ func sqlLossDB(t *testing.T, db, admin testenv.DB) lossDB {
 		},
 		claim: func(t *testing.T, key string) (state, attempts int) {
 			q := `SELECT state, attempts FROM "` + e.claims + `" WHERE key = $1`
-			if db.Dialect == dedupe.MySQL {
+			if db.Dialect == sqldb.MySQL {
 				q = "SELECT state, attempts FROM `" + e.claims + "` WHERE `key` = ?"
 			}
 			err := admin.QueryRowContext(t.Context(), q, []byte(key)).Scan(&state, &attempts)
@@ -146,7 +147,7 @@ func pgxLossDB(t *testing.T) lossDB {
 	t.Helper()
 	pool, admin := testenv.PgxPool(t), testenv.PgxPool(t)
 	claims := testenv.DedupeTable(t, testenv.Postgres(t))
-	store, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: claims})
+	store, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: claims})
 	must(t, err)
 	effects := testenv.Name(t, "eff")
 	_, err = pool.Exec(t.Context(), `CREATE TABLE "`+effects+`" (id TEXT NOT NULL)`)
@@ -447,7 +448,7 @@ func TestRefusingDatabaseDefersAfterTheDelay(t *testing.T) {
 			db, dialect, err := sqlurl.Open("postgres://postgres@" + closedAddr(t) + "/test?sslmode=disable&connect_timeout=5")
 			must(t, err)
 			t.Cleanup(func() { _ = db.Close() })
-			store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: "dd_refused"})
+			store, err := dedupe.NewSQLStore(sqldb.Std(db, dialect), dedupe.SQLConfig{Table: "dd_refused"})
 			must(t, err)
 			var runs atomic.Int64
 			cfg := pipeline.TxConfig{DB: db, Store: store, BusyDelay: delay}

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // ErrCallTimeout is wrapped by the error of a database call that settle made
@@ -359,12 +360,12 @@ func (b boundClaimer) ClaimConfirmedAll(ctx context.Context, keys []string) ([]d
 func (cfg TxConfig) bounds(batchFn bool) bounded {
 	b := bounded{d: callTimeout(cfg.CallTimeout), ctxless: true, batchFn: batchFn}
 	if cfg.Store != nil {
-		switch cfg.Store.Dialect() {
-		case dedupe.SQLite:
+		switch storeDialect(cfg.Store) {
+		case sqldb.SQLite:
 			// A file of this machine: no partition can cut it off, and
 			// its writers wait for each other with its busy timeout.
 			return bounded{}
-		case dedupe.Postgres:
+		case sqldb.Postgres:
 			b.limits = serverTimeouts(b.d, batchWait(cfg.Batch))
 		}
 	}
@@ -418,7 +419,7 @@ func (t *pgxTxn) setLocal(ctx context.Context, query string) error {
 // them per transaction there; see docs/operating.md). It asks one
 // connection of the pool, whose settings come from the server and the DSN.
 func warnServerTimeouts(cfg TxConfig, name string, logger watermill.LoggerAdapter) {
-	if cfg.DB == nil || cfg.Store == nil || cfg.Store.Dialect() != dedupe.MySQL {
+	if cfg.DB == nil || cfg.Store == nil || storeDialect(cfg.Store) != sqldb.MySQL {
 		return
 	}
 	d := callTimeout(cfg.CallTimeout)

@@ -19,6 +19,7 @@ import (
 	"github.com/settle-go/settle/internal/blackhole"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // cutAfterConfirm is a pgx tracer that cuts a proxy right after the first
@@ -93,7 +94,7 @@ func TestDefaultModeLimitsBoundACutCommit(t *testing.T) {
 				var store dedupe.Store
 				var h message.NoPublishHandlerFunc
 				if pool != nil {
-					s, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: claims})
+					s, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: claims})
 					must(t, err)
 					store = s
 					h, err = pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: pool, Store: s, CallTimeout: callTimeout, BusyDelay: 10 * time.Millisecond},
@@ -104,7 +105,7 @@ func TestDefaultModeLimitsBoundACutCommit(t *testing.T) {
 						})
 					must(t, err)
 				} else {
-					s, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dedupe.Postgres, Table: claims})
+					s, err := dedupe.NewSQLStore(sqldb.Std(db, sqldb.Postgres), dedupe.SQLConfig{Table: claims})
 					must(t, err)
 					store = s
 					h, err = pipeline.NewTxHandler(pipeline.TxConfig{DB: db, Store: s, CallTimeout: callTimeout, BusyDelay: 10 * time.Millisecond},

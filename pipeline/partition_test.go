@@ -21,6 +21,7 @@ import (
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // partitionedDB opens env's database through a proxy, on one connection:
@@ -62,7 +63,7 @@ func TestCallTimeoutDefersACutTransaction(t *testing.T) {
 			must(t, err)
 			t.Cleanup(func() { _, _ = d.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+effects) })
 			insert := "INSERT INTO " + effects + " (msg) VALUES (?)"
-			if d.Dialect == dedupe.Postgres {
+			if d.Dialect == sqldb.Postgres {
 				insert = "INSERT INTO " + effects + " (msg) VALUES ($1)"
 			}
 			proxy, u := partitionedDB(t, env)
@@ -82,7 +83,7 @@ func TestCallTimeoutDefersACutTransaction(t *testing.T) {
 				pool, err := pgxpool.NewWithConfig(context.Background(), pc)
 				must(t, err)
 				t.Cleanup(pool.Close)
-				store, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: claims})
+				store, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: claims})
 				must(t, err)
 				h, err = pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: pool, Store: store, OneStatement: true, CallTimeout: timeout, BusyDelay: 10 * time.Millisecond},
 					func(ctx context.Context, tx pgx.Tx, msg *message.Message, _ message.Publisher) error {
@@ -96,7 +97,7 @@ func TestCallTimeoutDefersACutTransaction(t *testing.T) {
 				must(t, err)
 				t.Cleanup(func() { _ = db.Close() })
 				db.SetMaxOpenConns(1)
-				store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: claims})
+				store, err := dedupe.NewSQLStore(sqldb.Std(db, dialect), dedupe.SQLConfig{Table: claims})
 				must(t, err)
 				h, err = pipeline.NewTxHandler(pipeline.TxConfig{DB: db, Store: store, OneStatement: true, CallTimeout: timeout, BusyDelay: 10 * time.Millisecond},
 					func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
@@ -213,7 +214,7 @@ func TestHandleTxTellsWhatMariaDBLacks(t *testing.T) {
 		must(t, err)
 		t.Cleanup(func() { _ = db.Close() })
 		td := testenv.DB{DB: db, Dialect: dialect}
-		store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: testenv.DedupeTable(t, td)})
+		store, err := dedupe.NewSQLStore(sqldb.Std(db, dialect), dedupe.SQLConfig{Table: testenv.DedupeTable(t, td)})
 		must(t, err)
 		log := &infoLog{LoggerAdapter: watermill.NopLogger{}}
 		router, err := message.NewRouter(message.RouterConfig{}, nil)

@@ -45,7 +45,7 @@ func NewPgxBatchTxHandler(cfg PgxTxConfig, fn PgxBatchTxFunc) (message.NoPublish
 // together, and whose writes, outbox messages and dedupe keys commit in one
 // pgx transaction. store must be a PgxStore on cfg.DB's database; nil means
 // Config.Store, which must then be one.
-func (p *Pipeline) HandlePgxBatchTx(name, topic string, sub message.Subscriber, store *dedupe.PgxStore, cfg PgxTxConfig, fn PgxBatchTxFunc) (Handlers, error) {
+func (p *Pipeline) HandlePgxBatchTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore[pgx.Tx], cfg PgxTxConfig, fn PgxBatchTxFunc) (Handlers, error) {
 	if err := p.canBatch("HandlePgxBatchTx", "PgxTxConfig", name, sub, cfg.Batch); err != nil {
 		return nil, err
 	}

@@ -29,7 +29,7 @@ import (
 // messages of every run of its function.
 type pgxBatchEnv struct {
 	*pgxEnv
-	ob *outbox.Outbox[pgx.Tx] // nil unless withOutbox
+	ob *outbox.Outbox // nil unless withOutbox
 	h  message.NoPublishHandlerFunc
 
 	mu   sync.Mutex
@@ -63,12 +63,12 @@ func newPgxBatchEnv(t *testing.T, withOutbox bool, fn pipeline.PgxBatchTxFunc) *
 
 // newPgxOutbox is a PostgreSQL outbox with its own table, dropped at the
 // end of the test.
-func newPgxOutbox(t *testing.T, pool *pgxpool.Pool) *outbox.Outbox[pgx.Tx] {
+func newPgxOutbox(t *testing.T, pool *pgxpool.Pool) *outbox.Outbox {
 	t.Helper()
 	name := testenv.Name(t, "ob")
-	ob, err := outbox.New(sqldb.Pgx(pool), outbox.Config{Topic: "ob_" + name[len(name)-8:]})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: "ob_" + name[len(name)-8:]})
 	must(t, err)
-	must(t, ob.InitSchema(t.Context()))
+	must(t, ob.PgxInitSchema(t.Context(), pool))
 	t.Cleanup(func() {
 		_, _ = pool.Exec(context.Background(), `DROP TABLE IF EXISTS "`+ob.Table()+`", "`+ob.Table()+`_relays"`)
 	})
@@ -201,9 +201,9 @@ func TestPgxBatchHandlerIsolatesAFailingMessage(t *testing.T) {
 	}
 }
 
-func pgxPending(t *testing.T, ob *outbox.Outbox[pgx.Tx], pool *pgxpool.Pool) int64 {
+func pgxPending(t *testing.T, ob *outbox.Outbox, pool *pgxpool.Pool) int64 {
 	t.Helper()
-	st, err := ob.Status(t.Context())
+	st, err := ob.PgxStatus(t.Context(), pool)
 	must(t, err)
 	return st.Pending
 }
@@ -299,7 +299,7 @@ func TestPgxBatchRollbackLeavesNothing(t *testing.T) {
 					t.Fatalf("claims in the caller's tx: %+v", claims)
 				}
 			}
-			out, err := ob.TxPublisher(tx)
+			out, err := ob.PgxTxPublisher(tx)
 			must(t, err)
 			msgs := []*message.Message{message.NewMessage("own-a", []byte("own-a")), message.NewMessage("own-b", []byte("own-b"))}
 			must(t, e.insertAll(ctx, tx, msgs, out))
@@ -358,7 +358,7 @@ func TestPgxBatchTxConfigIsChecked(t *testing.T) {
 	t.Parallel()
 	fn := func(context.Context, pgx.Tx, []*message.Message, message.Publisher) error { return nil }
 	// A real pool and table: the pipeline checks the store's table.
-	store, err := dedupe.NewPgxStore(testenv.PgxPool(t), dedupe.PgxConfig{Table: testenv.DedupeTable(t, testenv.Postgres(t))})
+	store, err := dedupe.NewSQLStore(sqldb.Pgx(testenv.PgxPool(t)), dedupe.SQLConfig{Table: testenv.DedupeTable(t, testenv.Postgres(t))})
 	must(t, err)
 	for _, c := range []struct {
 		cfg  pipeline.PgxTxConfig
@@ -413,7 +413,7 @@ func TestPipelineHandlePgxBatchTxOnRabbitMQ(t *testing.T) {
 	// The relay forwards the receipts to an in-process topic.
 	receipts := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 128, Persistent: true}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = receipts.Close() })
-	relay, err := ob.NewRelay(receipts, outbox.RelayConfig{PollInterval: 50 * time.Millisecond})
+	relay, err := ob.NewPgxRelay(e.pool, receipts, outbox.RelayConfig{PollInterval: 50 * time.Millisecond})
 	must(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	relayDone, routerDone := make(chan error, 1), make(chan error, 1)
@@ -481,7 +481,7 @@ func ExampleNewPgxBatchTxHandler() {
 		panic(err)
 	}
 	defer pool.Close()
-	store, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{})
+	store, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{})
 	if err != nil {
 		panic(err)
 	}
@@ -511,7 +511,7 @@ func TestHandlePgxTxChecksTheOutboxTable(t *testing.T) {
 	e := newPgxEnv(t)
 	h := newHarnessWith(t, e.store, func(c *pipeline.Config) { c.Concurrency = 2 })
 	name := testenv.Name(t, "nm")
-	ob, err := outbox.New(sqldb.Pgx(e.pool), outbox.Config{Topic: "nm_" + name[len(name)-8:]})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: "nm_" + name[len(name)-8:]})
 	must(t, err)
 	fn := func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }
 	batchFn := func(context.Context, pgx.Tx, []*message.Message, message.Publisher) error { return nil }
@@ -524,7 +524,7 @@ func TestHandlePgxTxChecksTheOutboxTable(t *testing.T) {
 	if _, err := h.p.HandlePgxBatchTx("ledger", "orders", sub, nil, cfg, batchFn); err == nil || !strings.Contains(err.Error(), "outbox schema") {
 		t.Fatalf("HandlePgxBatchTx with a missing outbox table = %v; want the command that creates it", err)
 	}
-	must(t, ob.InitSchema(t.Context()))
+	must(t, ob.PgxInitSchema(t.Context(), e.pool))
 	t.Cleanup(func() {
 		_, _ = e.pool.Exec(context.Background(), `DROP TABLE IF EXISTS "`+ob.Table()+`", "`+ob.Table()+`_relays"`)
 	})

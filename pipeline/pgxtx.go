@@ -48,7 +48,7 @@ type PgxTxConfig struct {
 	OneStatement bool
 	// Store is the claims table for OneStatement and Batch
 	// (Pipeline.HandlePgxTx sets it).
-	Store *dedupe.PgxStore
+	Store *dedupe.SQLStore[pgx.Tx]
 	// Key derives the key for OneStatement and Batch. Defaults to the
 	// message UUID.
 	Key dedupe.KeyFunc
@@ -97,7 +97,7 @@ func (c PgxTxConfig) Validate() error {
 // and commits the handler's writes and the dedupe confirmation of the
 // message's key together, or neither. Behind the dedupe middleware (with a
 // dedupe.PgxStore on the same database) the claim is taken outside the
-// transaction and confirmed inside it (dedupe.ConfirmPgxTx); with
+// transaction and confirmed inside it (dedupe.ConfirmTx); with
 // OneStatement or Batch the key is written as confirmed inside it and no
 // middleware is needed. The flow is the very one of NewTxHandler, whose
 // documentation says the rest.
@@ -158,8 +158,8 @@ type pgxTxn struct {
 }
 
 func (t *pgxTxn) claims() claimer                   { return t.cfg.Store.WithTx(t.tx) }
-func (t *pgxTxn) hold(ctx context.Context) error    { return dedupe.HoldPgxTx(ctx, t.tx) }
-func (t *pgxTxn) confirm(ctx context.Context) error { return dedupe.ConfirmPgxTx(ctx, t.tx) }
+func (t *pgxTxn) hold(ctx context.Context) error    { return dedupe.HoldTx(ctx, t.tx) }
+func (t *pgxTxn) confirm(ctx context.Context) error { return dedupe.ConfirmTx(ctx, t.tx) }
 func (t *pgxTxn) commit(ctx context.Context) error  { return t.tx.Commit(ctx) }
 
 // call runs fn with the outbox bound to the transaction, bound at the first
@@ -206,7 +206,7 @@ func (t *pgxTxn) rollback(ctx context.Context) error {
 // HandlePgxTx is HandleTx on pgx: it adds a transactional handler whose
 // function receives a pgx.Tx (see NewPgxTxHandler). store must be a PgxStore
 // on cfg.DB's database; nil means Config.Store, which must then be one.
-func (p *Pipeline) HandlePgxTx(name, topic string, sub message.Subscriber, store *dedupe.PgxStore, cfg PgxTxConfig, fn PgxTxFunc) (Handlers, error) {
+func (p *Pipeline) HandlePgxTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore[pgx.Tx], cfg PgxTxConfig, fn PgxTxFunc) (Handlers, error) {
 	return p.handlePgxTx("HandlePgxTx", name, topic, sub, store, cfg, func(cfg PgxTxConfig) (message.NoPublishHandlerFunc, error) {
 		return NewPgxTxHandler(cfg, fn)
 	})
@@ -214,14 +214,14 @@ func (p *Pipeline) HandlePgxTx(name, topic string, sub message.Subscriber, store
 
 // handlePgxTx adds a pgx transactional handler built by build from cfg,
 // completed with the pipeline's store, key and busy delay.
-func (p *Pipeline) handlePgxTx(method, name, topic string, sub message.Subscriber, store *dedupe.PgxStore, cfg PgxTxConfig, build func(PgxTxConfig) (message.NoPublishHandlerFunc, error)) (Handlers, error) {
+func (p *Pipeline) handlePgxTx(method, name, topic string, sub message.Subscriber, store *dedupe.SQLStore[pgx.Tx], cfg PgxTxConfig, build func(PgxTxConfig) (message.NoPublishHandlerFunc, error)) (Handlers, error) {
 	var s dedupe.Store = p.cfg.Store
 	if store != nil {
 		s = store
 	}
-	pgxStore, ok := s.(*dedupe.PgxStore)
+	pgxStore, ok := s.(*dedupe.SQLStore[pgx.Tx])
 	if !ok {
-		return nil, fmt.Errorf("pipeline: %s %q needs a *dedupe.PgxStore, got %T", method, name, s)
+		return nil, fmt.Errorf("pipeline: %s %q needs a *dedupe.SQLStore[pgx.Tx], got %T", method, name, s)
 	}
 	if store != nil {
 		if err := checkStore(store); err != nil {

@@ -27,14 +27,14 @@ import (
 // as two rows.
 type pgxEnv struct {
 	pool    *pgxpool.Pool
-	store   *dedupe.PgxStore
+	store   *dedupe.SQLStore[pgx.Tx]
 	charges string
 }
 
 func newPgxEnv(t *testing.T) *pgxEnv {
 	t.Helper()
 	db, pool := testenv.Postgres(t), testenv.PgxPool(t)
-	store, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: testenv.DedupeTable(t, db)})
+	store, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
 	must(t, err)
 	charges := testenv.Name(t, "charges")
 	_, err = pool.Exec(t.Context(), `CREATE TABLE "`+charges+`" (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL)`)
@@ -399,21 +399,21 @@ func TestPipelineHandlePgxTx(t *testing.T) {
 	// The pipeline refuses a store that is not a PgxStore.
 	h := newHarness(t, dedupe.NewMemoryStore())
 	fn := func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }
-	if _, err := h.p.HandlePgxTx("x", "t", h.pubsub, nil, pipeline.PgxTxConfig{DB: &pgxpool.Pool{}}, fn); err == nil || !strings.Contains(err.Error(), "PgxStore") {
+	if _, err := h.p.HandlePgxTx("x", "t", h.pubsub, nil, pipeline.PgxTxConfig{DB: &pgxpool.Pool{}}, fn); err == nil || !strings.Contains(err.Error(), "SQLStore[pgx.Tx]") {
 		t.Fatalf("HandlePgxTx with a memory store: %v", err)
 	}
 }
 
-// ConfirmPgxTx works with the database/sql store of the same table in the
-// middleware, and refuses a store of another dialect.
-func TestConfirmPgxTxStores(t *testing.T) {
+// ConfirmTx of a pgx.Tx works with the pgx store in the middleware, and
+// refuses a store of another driver, naming both types.
+func TestConfirmTxOfPgxStores(t *testing.T) {
 	t.Parallel()
 	db, pool := testenv.Postgres(t), testenv.PgxPool(t)
 	table := testenv.DedupeTable(t, db)
-	sqlStore, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dedupe.Postgres, Table: table})
+	pgxStore, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: table})
 	must(t, err)
 	lite := testenv.SQLite(t)
-	liteStore, err := dedupe.NewSQLStore(lite, dedupe.SQLConfig{Dialect: dedupe.SQLite, Table: testenv.DedupeTable(t, lite)})
+	liteStore, err := dedupe.NewSQLStore(lite.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, lite)})
 	must(t, err)
 	run := func(store dedupe.Store, id string) error {
 		dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store})
@@ -424,7 +424,7 @@ func TestConfirmPgxTxStores(t *testing.T) {
 				return nil, err
 			}
 			defer func() { _ = tx.Rollback(context.Background()) }()
-			if err := dedupe.ConfirmPgxTx(msg.Context(), tx); err != nil {
+			if err := dedupe.ConfirmTx(msg.Context(), tx); err != nil {
 				return nil, err
 			}
 			return nil, tx.Commit(msg.Context())
@@ -432,12 +432,12 @@ func TestConfirmPgxTxStores(t *testing.T) {
 		_, err = h(message.NewMessage(id, nil))
 		return err
 	}
-	must(t, run(sqlStore, "s-1"))
-	if c, err := sqlStore.Claim(t.Context(), "s-1", time.Minute); err != nil || c.Result != dedupe.Duplicate {
-		t.Fatalf("after ConfirmPgxTx with a SQLStore: %+v, %v; want duplicate", c, err)
+	must(t, run(pgxStore, "s-1"))
+	if c, err := pgxStore.Claim(t.Context(), "s-1", time.Minute); err != nil || c.Result != dedupe.Duplicate {
+		t.Fatalf("after ConfirmTx with the pgx store: %+v, %v; want duplicate", c, err)
 	}
-	if err := run(liteStore, "l-1"); err == nil || !strings.Contains(err.Error(), "Postgres dialect") {
-		t.Fatalf("ConfirmPgxTx with a SQLite store: %v", err)
+	if err := run(liteStore, "l-1"); err == nil || !strings.Contains(err.Error(), "*dedupe.SQLStore[*sql.Tx]") {
+		t.Fatalf("ConfirmTx of a pgx.Tx with a database/sql store: %v", err)
 	}
 	if c, err := liteStore.Claim(t.Context(), "l-1", time.Minute); err != nil || c.Result != dedupe.Acquired {
 		t.Fatalf("the refused confirmation released the SQLite claim: %+v, %v; want acquired", c, err)
@@ -467,9 +467,9 @@ func TestPgxTxHandlerPublishesThroughTheOutbox(t *testing.T) {
 	t.Parallel()
 	e := newPgxEnv(t)
 	name := testenv.Name(t, "ob")
-	ob, err := outbox.New(sqldb.Pgx(e.pool), outbox.Config{Topic: "ob_" + name[len(name)-8:]})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: "ob_" + name[len(name)-8:]})
 	must(t, err)
-	must(t, ob.InitSchema(t.Context()))
+	must(t, ob.PgxInitSchema(t.Context(), e.pool))
 	t.Cleanup(func() {
 		_, _ = e.pool.Exec(context.Background(), `DROP TABLE IF EXISTS "`+ob.Table()+`", "`+ob.Table()+`_relays"`)
 	})
@@ -491,7 +491,7 @@ func TestPgxTxHandlerPublishesThroughTheOutbox(t *testing.T) {
 		})
 	must(t, err)
 	pending := func() int64 {
-		st, err := ob.Status(t.Context())
+		st, err := ob.PgxStatus(t.Context(), e.pool)
 		must(t, err)
 		return st.Pending
 	}

@@ -2,6 +2,7 @@ package pipeline
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"time"
@@ -401,7 +402,7 @@ func (p *Pipeline) HandleProducing(name, topic string, sub message.Subscriber, p
 // together. The messages continue the delivery's trace unless they carry a
 // trace context of their own. store must be a SQLStore on cfg.DB's database; nil means
 // Config.Store, which must then be one.
-func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore, cfg TxConfig, fn TxFunc) (Handlers, error) {
+func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore[*sql.Tx], cfg TxConfig, fn TxFunc) (Handlers, error) {
 	return p.handleTx("HandleTx", name, topic, sub, store, cfg, func(cfg TxConfig) (message.NoPublishHandlerFunc, error) {
 		return NewTxHandler(cfg, fn)
 	})
@@ -413,7 +414,7 @@ func (p *Pipeline) HandleTx(name, topic string, sub message.Subscriber, store *d
 // there must be at least 2), are handed to fn together, and their writes,
 // outbox messages and dedupe keys commit in one transaction. store is as
 // for HandleTx.
-func (p *Pipeline) HandleBatchTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore, cfg TxConfig, fn BatchTxFunc) (Handlers, error) {
+func (p *Pipeline) HandleBatchTx(name, topic string, sub message.Subscriber, store *dedupe.SQLStore[*sql.Tx], cfg TxConfig, fn BatchTxFunc) (Handlers, error) {
 	if err := p.canBatch("HandleBatchTx", "TxConfig", name, sub, cfg.Batch); err != nil {
 		return nil, err
 	}
@@ -424,14 +425,14 @@ func (p *Pipeline) HandleBatchTx(name, topic string, sub message.Subscriber, sto
 
 // handleTx adds a database/sql transactional handler built by build from
 // cfg, completed with the pipeline's store, key and busy delay.
-func (p *Pipeline) handleTx(method, name, topic string, sub message.Subscriber, store *dedupe.SQLStore, cfg TxConfig, build func(TxConfig) (message.NoPublishHandlerFunc, error)) (Handlers, error) {
+func (p *Pipeline) handleTx(method, name, topic string, sub message.Subscriber, store *dedupe.SQLStore[*sql.Tx], cfg TxConfig, build func(TxConfig) (message.NoPublishHandlerFunc, error)) (Handlers, error) {
 	var s dedupe.Store = p.cfg.Store
 	if store != nil {
 		s = store
 	}
-	sqlStore, ok := s.(*dedupe.SQLStore)
+	sqlStore, ok := s.(*dedupe.SQLStore[*sql.Tx])
 	if !ok {
-		return nil, fmt.Errorf("pipeline: %s %q needs a *dedupe.SQLStore, got %T", method, name, s)
+		return nil, fmt.Errorf("pipeline: %s %q needs a *dedupe.SQLStore[*sql.Tx], got %T", method, name, s)
 	}
 	if store != nil {
 		if err := checkStore(store); err != nil {

@@ -16,6 +16,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // review: in the default mode (the dedupe middleware in front), TxConfig's
@@ -75,7 +76,7 @@ func TestReviewDefaultModeHandlerOutlivesCallTimeout(t *testing.T) {
 				var runs atomic.Int64
 				if driver == "pgx" {
 					pool := testenv.PgxPool(t)
-					s, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: claims})
+					s, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: claims})
 					must(t, err)
 					store = s
 					h, err = pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: pool, Store: s, CallTimeout: callTimeout},
@@ -85,7 +86,7 @@ func TestReviewDefaultModeHandlerOutlivesCallTimeout(t *testing.T) {
 						})
 					must(t, err)
 				} else {
-					s, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: claims})
+					s, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: claims})
 					must(t, err)
 					store = s
 					// Store as Pipeline.HandleTx sets it: its dialect is

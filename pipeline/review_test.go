@@ -13,6 +13,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // review: a transactional handler in the default mode (the dedupe
@@ -77,7 +78,7 @@ func TestReviewLongPgxTxAtRepeatableReadConfirms(t *testing.T) {
 			t.Parallel()
 			pool := testenv.PgxPool(t)
 			e := newTxEnv(t, testenv.Postgres(t))
-			store, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: e.claims})
+			store, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: e.claims})
 			must(t, err)
 			mw, err := dedupe.NewMiddleware(dedupe.Config{Store: store, ClaimTimeout: 900 * time.Millisecond, RenewInterval: 200 * time.Millisecond})
 			must(t, err)

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -13,6 +14,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // TxFunc is a handler that runs in a database transaction. It does its
@@ -41,7 +43,7 @@ type TxConfig struct {
 	// Store is the claims table for OneStatement (Pipeline.HandleTx sets it,
 	// in every mode). In the default mode it is optional; its dialect tells
 	// which server-side timeouts the transactions set (see CallTimeout).
-	Store *dedupe.SQLStore
+	Store *dedupe.SQLStore[*sql.Tx]
 	// Key derives the key for OneStatement. Defaults to the message UUID.
 	Key dedupe.KeyFunc
 	// BusyDelay is how long a delivery whose key another worker holds waits
@@ -242,7 +244,7 @@ func (cfg TxConfig) flow(fn TxFunc, batchFn BatchTxFunc) txFlow {
 		// wait; SQLite's is a call in the process, and settle's SQLite
 		// URLs begin IMMEDIATE, which would hold the database's write lock
 		// while the batch fills.
-		beginEarly: cfg.Store != nil && cfg.Store.Dialect() != dedupe.SQLite,
+		beginEarly: cfg.Store != nil && storeDialect(cfg.Store) != sqldb.SQLite,
 	}
 }
 
@@ -491,4 +493,17 @@ func unavailable(ctx context.Context, delay time.Duration, err error) error {
 	settlement.FromContext(ctx).Defer()
 	settlement.Sleep(ctx, delay)
 	return fmt.Errorf("%w: %w", dedupe.ErrUnavailable, err)
+}
+
+// storeDialect is the dialect of s's database, read from its DDL. It stands
+// in for the dialect of a sqldb.Driver until TxConfig takes one.
+func storeDialect(s *dedupe.SQLStore[*sql.Tx]) sqldb.Dialect {
+	ddl := s.Schema()[0]
+	switch {
+	case strings.Contains(ddl, "ENGINE=InnoDB"):
+		return sqldb.MySQL
+	case strings.Contains(ddl, "BYTEA"):
+		return sqldb.Postgres
+	}
+	return sqldb.SQLite
 }

@@ -24,21 +24,21 @@ import (
 type txEnv struct {
 	db      testenv.DB
 	claims  string // the claims table
-	store   *dedupe.SQLStore
-	ob      *outbox.Outbox[*sql.Tx]
+	store   *dedupe.SQLStore[*sql.Tx]
+	ob      *outbox.Outbox
 	charges string
 }
 
 func newTxEnv(t *testing.T, db testenv.DB) *txEnv {
 	t.Helper()
 	claims := testenv.DedupeTable(t, db)
-	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: claims})
+	store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: claims})
 	must(t, err)
 	name := testenv.Name(t, "tx")
 	topic := "ob_" + name[len(name)-8:]
-	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: topic})
+	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: topic})
 	must(t, err)
-	must(t, ob.InitSchema(t.Context()))
+	must(t, ob.InitSchema(t.Context(), db.DB))
 	charges := "charges_" + name[len(name)-8:]
 	_, err = db.ExecContext(t.Context(), "CREATE TABLE "+charges+" (order_id VARCHAR(64) PRIMARY KEY, cents INTEGER NOT NULL)")
 	must(t, err)
@@ -51,14 +51,14 @@ func newTxEnv(t *testing.T, db testenv.DB) *txEnv {
 }
 
 func quote(db testenv.DB, s string) string {
-	if db.Dialect == dedupe.MySQL {
+	if db.Dialect == sqldb.MySQL {
 		return "`" + s + "`"
 	}
 	return `"` + s + `"`
 }
 
 func (e *txEnv) ph(n int) string {
-	if e.db.Dialect == dedupe.Postgres {
+	if e.db.Dialect == sqldb.Postgres {
 		return fmt.Sprintf("$%d", n)
 	}
 	return "?"
@@ -73,7 +73,7 @@ func (e *txEnv) rows(t *testing.T) int {
 
 func (e *txEnv) pending(t *testing.T) int64 {
 	t.Helper()
-	st, err := e.ob.Status(t.Context())
+	st, err := e.ob.Status(t.Context(), e.db.DB)
 	must(t, err)
 	return st.Pending
 }
@@ -135,7 +135,7 @@ func TestTxHandlerCommitsWritesOutboxAndConfirmTogether(t *testing.T) {
 		defer ps.Close()
 		receipts, err := ps.Subscribe(t.Context(), "receipts")
 		must(t, err)
-		n, err := e.ob.Forward(t.Context(), ps, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+		n, err := e.ob.Forward(t.Context(), e.db.DB, ps, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 		if err != nil || n != 1 {
 			t.Fatalf("Forward = %d, %v; want 1", n, err)
 		}

@@ -63,7 +63,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
@@ -206,7 +205,7 @@ func run(o options, stdout, stderr io.Writer) error {
 	// database/sql keeps 2 idle connections by default: more producers
 	// than that would open a connection per transaction.
 	db.SetMaxIdleConns(16)
-	if dialect != dedupe.Postgres {
+	if dialect != sqldb.Postgres {
 		return fmt.Errorf("-db: PostgreSQL only, got %s", dialect)
 	}
 	if err := db.PingContext(ctx); err != nil {

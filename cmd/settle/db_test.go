@@ -56,7 +56,7 @@ func TestDedupePrune(t *testing.T) {
 			tdb := testenv.DB{DB: db, Dialect: dialect}
 			table := testenv.DedupeTable(t, tdb)
 			quoted := `"` + table + `"`
-			if dialect == dedupe.MySQL {
+			if dialect == sqldb.MySQL {
 				quoted = "`" + table + "`"
 			}
 
@@ -74,9 +74,9 @@ func TestDedupePrune(t *testing.T) {
 				{"recent-confirmed", 2, 0, now.Add(-2 * time.Minute).UnixMicro()},
 				{"old-but-live-claim", 1, now.Add(time.Hour).UnixMicro(), old},
 			}
-			insert := `INSERT INTO ` + quoted + ` (` + map[bool]string{true: "`key`", false: "key"}[dialect == dedupe.MySQL] +
+			insert := `INSERT INTO ` + quoted + ` (` + map[bool]string{true: "`key`", false: "key"}[dialect == sqldb.MySQL] +
 				`, state, token, attempts, expires_at, updated_at) VALUES ($1, $2, 't', 1, $3, $4)`
-			if dialect != dedupe.Postgres {
+			if dialect != sqldb.Postgres {
 				insert = strings.NewReplacer("$1", "?", "$2", "?", "$3", "?", "$4", "?").Replace(insert)
 			}
 			for _, r := range rows {
@@ -86,7 +86,7 @@ func TestDedupePrune(t *testing.T) {
 			}
 			keys := func() []string {
 				t.Helper()
-				q, err := db.QueryContext(t.Context(), `SELECT `+map[bool]string{true: "`key`", false: "key"}[dialect == dedupe.MySQL]+` FROM `+quoted+` ORDER BY 1`)
+				q, err := db.QueryContext(t.Context(), `SELECT `+map[bool]string{true: "`key`", false: "key"}[dialect == sqldb.MySQL]+` FROM `+quoted+` ORDER BY 1`)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -135,7 +135,7 @@ func TestDedupePrune(t *testing.T) {
 					t.Fatalf("%v deleted rows: %q left, want %q", args, got, all)
 				}
 			}
-			store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: table})
+			store, err := dedupe.NewSQLStore(sqldb.Std(db, dialect), dedupe.SQLConfig{Table: table})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -198,7 +198,7 @@ func testOutboxStatus(t *testing.T, driver string) {
 	var b [4]byte
 	_, _ = rand.Read(b[:])
 	topic := "cli_status_" + hex.EncodeToString(b[:])
-	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(dedupe.Postgres)), outbox.Config{Topic: topic})
+	ob, err := outbox.New(db.Driver(), outbox.Config{Topic: topic})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -345,18 +345,10 @@ func TestDatabaseDriver(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s -driver %s: %v", redact(tc.url), tc.driver, err)
 		}
-		if (d.pool != nil) != tc.pgx {
-			t.Errorf("%s -driver %s: on a pgx pool = %v, want %v", redact(tc.url), tc.driver, d.pool != nil, tc.pgx)
+		if got, want := d.driver, map[bool]string{true: driverPgx, false: driverSQL}[tc.pgx]; got != want {
+			t.Errorf("%s -driver %s: on %s, want %s", redact(tc.url), tc.driver, got, want)
 		}
-		// The one handle answers: on pgx there is no database/sql pool.
-		if d.pool != nil {
-			if d.db != nil {
-				t.Errorf("%s -driver %s: a database/sql handle beside the pgx pool", redact(tc.url), tc.driver)
-			}
-			if err := d.pool.Ping(t.Context()); err != nil {
-				t.Error(err)
-			}
-		} else if err := d.db.PingContext(t.Context()); err != nil {
+		if err := d.pool.Alive(t.Context()); err != nil {
 			t.Errorf("%s -driver %s: %v", redact(tc.url), tc.driver, err)
 		}
 		if err := d.Close(); err != nil {
@@ -404,7 +396,7 @@ func TestOutboxPrune(t *testing.T) {
 			var b [4]byte
 			_, _ = rand.Read(b[:])
 			topic := "cli_prune_" + hex.EncodeToString(b[:])
-			ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: topic})
+			ob, err := outbox.New(db.Driver(), outbox.Config{Topic: topic})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -412,7 +404,7 @@ func TestOutboxPrune(t *testing.T) {
 				t.Fatal(err)
 			}
 			q := func(s string) string {
-				if db.Dialect == dedupe.MySQL {
+				if db.Dialect == sqldb.MySQL {
 					return strings.ReplaceAll(s, `"`, "`")
 				}
 				return s
@@ -444,10 +436,10 @@ func TestOutboxPrune(t *testing.T) {
 			if n, err := ob.Forward(t.Context(), ch, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, BatchSize: 3}); err != nil || n < 3 {
 				t.Fatalf("Forward = %d, %v", n, err)
 			}
-			back := map[dedupe.Dialect]string{
-				dedupe.Postgres: `UPDATE "` + topic + `" SET "forwarded_at" = "forwarded_at" - INTERVAL '48 hours' WHERE "offset" IN (SELECT "offset" FROM "` + topic + `" WHERE "forwarded_at" IS NOT NULL ORDER BY "offset" LIMIT 2)`,
-				dedupe.MySQL:    "UPDATE `" + topic + "` SET forwarded_at = forwarded_at - INTERVAL 48 HOUR WHERE forwarded_at IS NOT NULL ORDER BY `offset` LIMIT 2",
-				dedupe.SQLite:   `UPDATE "` + topic + `" SET "forwarded_at" = strftime('%Y-%m-%d %H:%M:%f', "forwarded_at", '-48 hours') WHERE "offset" IN (SELECT "offset" FROM "` + topic + `" WHERE "forwarded_at" IS NOT NULL ORDER BY "offset" LIMIT 2)`,
+			back := map[sqldb.Dialect]string{
+				sqldb.Postgres: `UPDATE "` + topic + `" SET "forwarded_at" = "forwarded_at" - INTERVAL '48 hours' WHERE "offset" IN (SELECT "offset" FROM "` + topic + `" WHERE "forwarded_at" IS NOT NULL ORDER BY "offset" LIMIT 2)`,
+				sqldb.MySQL:    "UPDATE `" + topic + "` SET forwarded_at = forwarded_at - INTERVAL 48 HOUR WHERE forwarded_at IS NOT NULL ORDER BY `offset` LIMIT 2",
+				sqldb.SQLite:   `UPDATE "` + topic + `" SET "forwarded_at" = strftime('%Y-%m-%d %H:%M:%f', "forwarded_at", '-48 hours') WHERE "offset" IN (SELECT "offset" FROM "` + topic + `" WHERE "forwarded_at" IS NOT NULL ORDER BY "offset" LIMIT 2)`,
 			}[db.Dialect]
 			if _, err := db.ExecContext(t.Context(), back); err != nil {
 				t.Fatal(err)

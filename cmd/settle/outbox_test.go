@@ -16,7 +16,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
@@ -61,7 +60,7 @@ func TestOutboxStatusAndRetry(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { _ = d.Close() })
-			return testenv.DB{DB: d, Dialect: dedupe.SQLite}, u
+			return testenv.DB{DB: d, Dialect: sqldb.SQLite}, u
 		}, nil},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -70,7 +69,7 @@ func TestOutboxStatusAndRetry(t *testing.T) {
 			var b [4]byte
 			_, _ = rand.Read(b[:])
 			topic := "cli_retry_" + hex.EncodeToString(b[:])
-			ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: topic})
+			ob, err := outbox.New(db.Driver(), outbox.Config{Topic: topic})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -14,7 +14,7 @@
 //	go run ./examples/orders -db 'postgres://postgres@127.0.0.1:5432/test?sslmode=disable' -amqp 'amqp://guest:guest@127.0.0.1:5672/'
 //
 // On a postgres:// URL settle runs on pgx: a pgxpool.Pool, the dedupe
-// store on it (dedupe.NewPgxStore), a transactional handler whose function
+// store on it (dedupe.NewSQLStore on sqldb.Pgx), a transactional handler whose function
 // gets a pgx.Tx (Pipeline.HandlePgxTx), and an outbox on the pool
 // (outbox.New(sqldb.Pgx(pool), ...)): its publisher bound to that pgx.Tx
 // (TxPublisher) and its relay on the pool (NewRelay). On
