@@ -29,7 +29,7 @@ import (
 // messages of every run of its function.
 type pgxBatchEnv struct {
 	*pgxEnv
-	ob *outbox.Outbox // nil unless withOutbox
+	ob *outbox.Outbox[pgx.Tx] // nil unless withOutbox
 	h  message.NoPublishHandlerFunc
 
 	mu   sync.Mutex
@@ -63,7 +63,7 @@ func newPgxBatchEnv(t *testing.T, withOutbox bool, fn pipeline.PgxBatchTxFunc) *
 
 // newPgxOutbox is a PostgreSQL outbox with its own table, dropped at the
 // end of the test.
-func newPgxOutbox(t *testing.T, pool *pgxpool.Pool) *outbox.Outbox {
+func newPgxOutbox(t *testing.T, pool *pgxpool.Pool) *outbox.Outbox[pgx.Tx] {
 	t.Helper()
 	name := testenv.Name(t, "ob")
 	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: "ob_" + name[len(name)-8:]})
@@ -201,7 +201,7 @@ func TestPgxBatchHandlerIsolatesAFailingMessage(t *testing.T) {
 	}
 }
 
-func pgxPending(t *testing.T, ob *outbox.Outbox, pool *pgxpool.Pool) int64 {
+func pgxPending(t *testing.T, ob *outbox.Outbox[pgx.Tx], pool *pgxpool.Pool) int64 {
 	t.Helper()
 	st, err := ob.PgxStatus(t.Context(), pool)
 	must(t, err)

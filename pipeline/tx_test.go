@@ -25,7 +25,7 @@ type txEnv struct {
 	db      testenv.DB
 	claims  string // the claims table
 	store   *dedupe.SQLStore[*sql.Tx]
-	ob      *outbox.Outbox
+	ob      *outbox.Outbox[*sql.Tx]
 	charges string
 }
 
