@@ -20,13 +20,3 @@ func TestAttempt(t *testing.T) {
 		}
 	}
 }
-
-func TestMetadataCarrier(t *testing.T) {
-	t.Parallel()
-	md := message.Metadata{}
-	c := settle.MetadataCarrier(md)
-	c.Set("traceparent", "00-abc")
-	if md.Get("traceparent") != "00-abc" || c.Get("traceparent") != "00-abc" || len(c.Keys()) != 1 {
-		t.Fatalf("carrier did not write through to the metadata: %v", md)
-	}
-}

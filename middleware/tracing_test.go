@@ -35,16 +35,16 @@ type traced struct {
 	mw     message.HandlerMiddleware
 }
 
-func newTraced(t *testing.T, opts ...middleware.Option) *traced {
+func newTraced(t *testing.T, opts ...settle.Option) *traced {
 	t.Helper()
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()); _ = mp.Shutdown(context.Background()) })
-	opts = append([]middleware.Option{
-		middleware.WithTracerProvider(tp), middleware.WithMeterProvider(mp),
-		middleware.WithPropagators(propagation.TraceContext{}), middleware.WithMessagingSystem("gochannel"),
+	opts = append([]settle.Option{
+		settle.WithTracerProvider(tp), settle.WithMeterProvider(mp),
+		settle.WithPropagators(propagation.TraceContext{}), settle.WithMessagingSystem("gochannel"),
 	}, opts...)
 	mw, err := middleware.NewTracing(opts...)
 	must(t, err)
@@ -104,7 +104,7 @@ func TestTracingOutcomes(t *testing.T) {
 			var last sdktrace.ReadOnlySpan
 			eventually(t, 5*time.Second, "the process span of the last delivery", func() bool {
 				for _, sp := range byName(tr.rec.Ended(), "process "+topic) {
-					if attr(sp, middleware.OutcomeKey).AsString() == string(c.outcome) {
+					if attr(sp, attribute.Key("settle.outcome")).AsString() == string(c.outcome) {
 						last = sp
 						return true
 					}
@@ -114,7 +114,7 @@ func TestTracingOutcomes(t *testing.T) {
 			if last.SpanKind() != trace.SpanKindConsumer {
 				t.Fatalf("process span kind %v", last.SpanKind())
 			}
-			if got := attr(last, middleware.OutcomeKey).AsString(); got != string(c.outcome) {
+			if got := attr(last, attribute.Key("settle.outcome")).AsString(); got != string(c.outcome) {
 				t.Fatalf("outcome %q, want %q", got, c.outcome)
 			}
 			for k, want := range map[attribute.Key]string{
@@ -149,7 +149,7 @@ func TestTracingOutcomes(t *testing.T) {
 				eventually(t, 5*time.Second, "the parked copy", func() bool { _, d, p := s.snapshot(); return len(d)+len(p) == 1 })
 				_, dead, pois := s.snapshot()
 				copies := append(dead, pois...)
-				sc := trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(), settle.MetadataCarrier(copies[0].Metadata)))
+				sc := trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(), propagation.MapCarrier(copies[0].Metadata)))
 				if sc.TraceID() != last.SpanContext().TraceID() || sc.SpanID() != sends[0].SpanContext().SpanID() {
 					t.Fatalf("the parked copy carries trace %s span %s; want the send span of trace %s", sc.TraceID(), sc.SpanID(), last.SpanContext().TraceID())
 				}
@@ -173,8 +173,8 @@ func TestTracingRetryAndDuplicate(t *testing.T) {
 	sort.Slice(procs, func(i, j int) bool { return procs[i].StartTime().Before(procs[j].StartTime()) })
 	var outcomes []string
 	for _, p := range procs {
-		outcomes = append(outcomes, attr(p, middleware.OutcomeKey).AsString())
-		if o := attr(p, middleware.OutcomeKey).AsString(); o == "retry" && p.Status().Code != codes.Error {
+		outcomes = append(outcomes, attr(p, attribute.Key("settle.outcome")).AsString())
+		if o := attr(p, attribute.Key("settle.outcome")).AsString(); o == "retry" && p.Status().Code != codes.Error {
 			t.Errorf("a retry's process span has status %v", p.Status())
 		} else if o == "duplicate" && p.Status().Code == codes.Error {
 			t.Errorf("a duplicate is not an error: %v", p.Status())
@@ -196,7 +196,7 @@ func TestTracingRetryAndDuplicate(t *testing.T) {
 		for _, m := range sm.Metrics {
 			if d, ok := m.Data.(metricdata.Sum[int64]); ok && m.Name == "settle.settlements" {
 				for _, dp := range d.DataPoints {
-					o, _ := dp.Attributes.Value(middleware.OutcomeKey)
+					o, _ := dp.Attributes.Value(attribute.Key("settle.outcome"))
 					got[o.AsString()] += dp.Value
 				}
 			}
@@ -239,7 +239,7 @@ func TestProducerContextIsParentOrLink(t *testing.T) {
 	producer.End()
 	newMsg := func() *message.Message {
 		m := message.NewMessage(watermill.NewUUID(), nil)
-		propagation.TraceContext{}.Inject(ctx, settle.MetadataCarrier(m.Metadata))
+		propagation.TraceContext{}.Inject(ctx, propagation.MapCarrier(m.Metadata))
 		return m
 	}
 	run := func(tr *traced) sdktrace.ReadOnlySpan {
@@ -255,7 +255,7 @@ func TestProducerContextIsParentOrLink(t *testing.T) {
 	if parent.Parent().SpanID() != producer.SpanContext().SpanID() || parent.SpanContext().TraceID() != producer.SpanContext().TraceID() {
 		t.Fatalf("default: the process span's parent is %v, want the producer span", parent.Parent().SpanID())
 	}
-	linked := run(newTraced(t, middleware.WithLinkToProducer()))
+	linked := run(newTraced(t, settle.WithLinkToProducer()))
 	if linked.Parent().IsValid() || len(linked.Links()) != 1 || linked.Links()[0].SpanContext.SpanID() != producer.SpanContext().SpanID() {
 		t.Fatalf("with a link: parent %v, links %v; want a new root linked to the producer", linked.Parent(), linked.Links())
 	}
@@ -278,7 +278,7 @@ func TestTracingDeferred(t *testing.T) {
 	s.publish(message.NewMessage(uuid, nil), message.NewMessage(uuid, nil))
 	eventually(t, 5*time.Second, "a deferred delivery", func() bool {
 		for _, sp := range byName(tr.rec.Ended(), "process "+topic) {
-			if attr(sp, middleware.OutcomeKey).AsString() == "deferred" {
+			if attr(sp, attribute.Key("settle.outcome")).AsString() == "deferred" {
 				return true
 			}
 		}
@@ -287,7 +287,7 @@ func TestTracingDeferred(t *testing.T) {
 	close(release)
 	s.waitAcked(2)
 	for _, sp := range byName(tr.rec.Ended(), "process "+topic) {
-		if attr(sp, middleware.OutcomeKey).AsString() == "deferred" && sp.Status().Code == codes.Error {
+		if attr(sp, attribute.Key("settle.outcome")).AsString() == "deferred" && sp.Status().Code == codes.Error {
 			t.Fatalf("a deferral has error status: %v", sp.Status())
 		}
 	}
@@ -302,7 +302,7 @@ func checkIdentified(t *testing.T, spans []sdktrace.ReadOnlySpan, system string)
 		if got := attr(s, "messaging.system").AsString(); got != system {
 			t.Errorf("span %q: messaging.system = %q, want %q", s.Name(), got, system)
 		}
-		for _, k := range []attribute.Key{"messaging.destination.name", "messaging.message.id", middleware.HandlerKey} {
+		for _, k := range []attribute.Key{"messaging.destination.name", "messaging.message.id", attribute.Key("settle.handler")} {
 			if attr(s, k).AsString() == "" {
 				t.Errorf("span %q has no %s", s.Name(), k)
 			}
@@ -383,8 +383,8 @@ func TestProducedMessagesContinueTheTrace(t *testing.T) {
 					procMid.SpanContext().TraceID(), procMid.Parent().SpanID(), procIn.SpanContext().TraceID(), create.SpanContext().SpanID())
 			}
 			checkIdentified(t, spans, "gochannel")
-			if attr(procMid, middleware.HandlerKey).AsString() != "mid" || attr(create, middleware.HandlerKey).AsString() != "in" {
-				t.Errorf("settle.handler: process mid %q, create %q", attr(procMid, middleware.HandlerKey).AsString(), attr(create, middleware.HandlerKey).AsString())
+			if attr(procMid, attribute.Key("settle.handler")).AsString() != "mid" || attr(create, attribute.Key("settle.handler")).AsString() != "in" {
+				t.Errorf("settle.handler: process mid %q, create %q", attr(procMid, attribute.Key("settle.handler")).AsString(), attr(create, attribute.Key("settle.handler")).AsString())
 			}
 		})
 	}
@@ -476,7 +476,7 @@ func TestSettleSpansOfManyDeliveriesEndOnTheirOwnSettlement(t *testing.T) {
 // error after the settle wait, once.
 func TestSettleSpanEndsAfterTheSettleWait(t *testing.T) {
 	t.Parallel()
-	tr := newTraced(t, middleware.WithSettleWait(40*time.Millisecond))
+	tr := newTraced(t, settle.WithSettleWait(40*time.Millisecond))
 	h := tr.mw(func(*message.Message) ([]*message.Message, error) { return nil, nil })
 	msg := message.NewMessage("never-acked", nil)
 	start := time.Now()

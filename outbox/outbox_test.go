@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
@@ -33,7 +34,7 @@ func setup(t testing.TB, db testenv.DB) *env {
 	t.Helper()
 	name := testenv.Name(t, "ob")
 	topic := "ob_" + name[len(name)-8:]
-	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: topic, Propagator: propagation.TraceContext{}})
+	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: topic, Tracing: []settle.Option{settle.WithPropagators(propagation.TraceContext{})}})
 	if err != nil {
 		t.Fatal(err)
 	}

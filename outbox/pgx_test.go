@@ -18,6 +18,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
@@ -60,8 +61,7 @@ func pgxSetup(t *testing.T, cfg outbox.Config) *pgxEnv {
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 	cfg.Dialect = dedupe.Postgres
 	cfg.Topic = "ob_" + name[len(name)-8:]
-	cfg.Propagator = propagation.TraceContext{}
-	cfg.TracerProvider = tp
+	cfg.Tracing = append(cfg.Tracing, settle.WithPropagators(propagation.TraceContext{}), settle.WithTracerProvider(tp))
 	ob, err := outbox.New(cfg)
 	if err != nil {
 		t.Fatal(err)

@@ -26,11 +26,8 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/amqpcheck"
+	"github.com/settle-go/settle/internal/telemetry"
 )
-
-// ScopeName is the OpenTelemetry instrumentation scope of the outbox's
-// metrics and spans.
-const ScopeName = "github.com/settle-go/settle/outbox"
 
 // MaxBatchSize is the largest RelayConfig.BatchSize.
 const MaxBatchSize = 1000
@@ -286,7 +283,7 @@ func (o *Outbox) newRelay(name string, db conn, out message.Publisher, cfg Relay
 }
 
 func (r *Relay) instruments() error {
-	meter := r.cfg.MeterProvider.Meter(ScopeName)
+	meter := r.cfg.MeterProvider.Meter(telemetry.OutboxScope)
 	var err error
 	attrs := attribute.NewSet(attribute.String("settle.outbox.topic", r.o.cfg.Topic))
 	r.attrs = metric.WithAttributeSet(attrs)

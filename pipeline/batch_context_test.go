@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
@@ -312,7 +313,7 @@ func TestBatchOutboxKeepsTheHandlersTrace(t *testing.T) {
 		t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 		name := testenv.Name(t, "tr")
 		ob, err := outbox.New(outbox.Config{Dialect: e.db.Dialect, Topic: "tr_" + name[len(name)-8:],
-			Propagator: propagation.TraceContext{}, TracerProvider: tp})
+			Tracing: []settle.Option{settle.WithPropagators(propagation.TraceContext{}), settle.WithTracerProvider(tp)}})
 		must(t, err)
 		must(t, ob.InitSchema(t.Context(), e.db.DB))
 		t.Cleanup(func() {

@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/amqpcheck"
 	"github.com/settle-go/settle/internal/settlement"
@@ -87,8 +88,10 @@ type Config struct {
 	// attempts, 2 in-process retries, backoff from 100ms, 1s before a failed
 	// message is nacked). See middleware.RetryConfig.
 	Retry middleware.RetryConfig
-	// Tracing options (tracer, meter, propagators, messaging system).
-	Tracing []middleware.Option
+	// Tracing is given to middleware.NewTracing: settle.WithTracerProvider,
+	// settle.WithMeterProvider, settle.WithPropagators, ... (the same
+	// options as outbox.Config.Tracing).
+	Tracing []settle.Option
 	// DisableTracing leaves the tracing middleware out.
 	DisableTracing bool
 	// Concurrency is how many deliveries of each handler run at once. A
