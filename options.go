@@ -73,8 +73,9 @@ func WithLinkToProducer() Option {
 }
 
 // WithSettleWait bounds how long the tracing middleware's settle span waits
-// for the router to ack or nack; after it the span ends with an error.
-// Defaults to 30s; d <= 0 means the default.
+// for the router to ack or nack a delivery whose output the router
+// publishes (see middleware.NewTracing); after it the span ends with an
+// error. Defaults to 30s; d <= 0 means the default.
 func WithSettleWait(d time.Duration) Option {
 	return telemetry.OptionFunc(func(c *telemetry.Config) {
 		if d > 0 {

@@ -40,7 +40,6 @@ type tracing struct {
 	cfg      telemetry.Config
 	mattrs   sync.Map // metricKey -> *measurement, built once per outcome and handler
 	names    sync.Map // deliveryKey -> *spanNames, built once per handler and topic
-	settler  *settler
 	consumer trace.SpanStartOption
 	client   trace.SpanStartOption
 	tracer   trace.Tracer
@@ -61,8 +60,8 @@ type tracing struct {
 //     settle.outcome, settle.attempt), whose parent is the producer's
 //     context read from the message's metadata;
 //   - a client span "ack <topic>" or "nack <topic>" (operation type settle)
-//     under it, that ends when the router has really acked or nacked the
-//     message, not when the middleware returned;
+//     under it, named for what the router does with the message (see
+//     below for when it ends);
 //   - a producer span "create <topic>" under it for each message the handler
 //     returns, whose context is written into that message's metadata, so
 //     the consumers of the handler's output continue the same trace (see
@@ -83,11 +82,20 @@ type tracing struct {
 // Metrics: settle.settlements (by outcome and handler), settle.handler.duration
 // (seconds) and settle.retries (in-process retries).
 //
-// Watermill tells that a message was acked or nacked only through channels
-// closed after the middleware chain has returned, so the settle spans need a
-// goroutine to wait on them: one per tracing middleware waits for all the
-// deliveries in flight (up to 32; more get a goroutine each). It runs while
-// any delivery waits and stops about 10–20ms after the last one settled.
+// The settle span reports the router's settlement. When the chain returns
+// an error (the router nacks) or no messages for the router to publish (it
+// acks), nothing is left for the router to decide, and the span ends before
+// the middleware returns, on the delivery's own goroutine: router.Close
+// waits for it, so every such span has ended when Close returns, and a
+// tracer provider shut down right after exports it. Only when the router
+// still has to publish messages the chain returned does the span wait for
+// the router's ack or nack (Watermill tells of them only by closing
+// channels), on a goroutine of that delivery that ends with it or after the
+// settle wait; such a span can end just after Close returns. A middleware
+// inside this one that publishes the output itself (dedupe.Config.Publisher,
+// as pipeline does) leaves the router nothing to publish.
+// A middleware outside this one that changes what the chain returns is not
+// seen: the settle span names what the chain returned.
 func NewTracing(opts ...settle.Option) (message.HandlerMiddleware, error) {
 	cfg := telemetry.Resolve(opts)
 	if cfg.System == "" {
@@ -103,7 +111,6 @@ func NewTracing(opts ...settle.Option) (message.HandlerMiddleware, error) {
 		consumer: trace.WithSpanKind(trace.SpanKindConsumer),
 		client:   trace.WithSpanKind(trace.SpanKindClient),
 		producer: trace.WithSpanKind(trace.SpanKindProducer),
-		settler:  newSettler(cfg.SettleWait),
 	}
 	meter := cfg.MeterProvider.Meter(telemetry.MiddlewareScope, metric.WithInstrumentationVersion(telemetry.Version), metric.WithSchemaURL(semconv.SchemaURL))
 	var err error
@@ -163,7 +170,7 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 			defer func() {
 				if p := recover(); p != nil {
 					err = &PanicError{Value: p}
-					t.finish(msg, pctx, span, rec, d, start, err)
+					t.finish(msg, pctx, span, rec, d, start, err, 0, false)
 					msg.SetContext(orig)
 					panic(p)
 				}
@@ -175,7 +182,7 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 			// middleware returns: give each message its create span now.
 			out.trace(produced)
 		}
-		t.finish(msg, pctx, span, rec, d, start, err)
+		t.finish(msg, pctx, span, rec, d, start, err, len(produced), out != nil)
 		msg.SetContext(orig)
 		return produced, err
 	}
@@ -298,9 +305,11 @@ func TraceProduced(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
-// finish decides the outcome, ends the process span and starts the settle
-// span that ends on the router's ack or nack. pctx carries the process span.
-func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.Span, rec *settlement.Record, d *spanNames, start time.Time, err error) {
+// finish decides the outcome, ends the process span and makes the settle
+// span. pctx carries the process span. produced is the number of messages
+// the chain returned for the router to publish; publishes says that the
+// router handler has a publisher.
+func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.Span, rec *settlement.Record, d *spanNames, start time.Time, err error, produced int, publishes bool) {
 	o, retries, parkedTo, reason := rec.Snapshot()
 	outcome := settle.Outcome(o)
 	switch {
@@ -359,7 +368,19 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 		outcomeKey.String(string(outcome)),
 	)
 	_, settleSpan := t.tracer.Start(pctx, name, t.client, trace.WithAttributes(sattrs...))
-	t.settler.add(msg, settleSpan, op)
+	if err == nil && produced > 0 && publishes {
+		// The router publishes the handler's output after this middleware
+		// returns, then acks, or nacks when publishing failed: only its
+		// settlement tells which.
+		go settling{msg: msg, span: settleSpan, decided: op}.await(t.cfg.SettleWait)
+		return
+	}
+	// Nothing is left for the router to decide: it nacks an error and acks
+	// a success at once (and nacks a success with output but no publisher).
+	// The span ends here, on the delivery's own goroutine, which
+	// router.Close waits for: so it has ended when Close returns, and a
+	// tracer provider shut down right after still exports it.
+	settling{msg: msg, span: settleSpan, decided: op}.endNow(err == nil && produced == 0)
 }
 
 type metricKey struct {
