@@ -1,6 +1,8 @@
 // Package settle is the shared vocabulary of settle's packages: the outcomes a
-// delivery can settle with, the metadata keys settle writes on messages, and
-// the Settlement record of one delivery.
+// delivery can settle with, the metadata keys settle writes on messages, the
+// Settlement record of one delivery, IsPermanent, and the OpenTelemetry
+// options (Option) that the tracing middleware, the pipeline and the outbox
+// all take.
 //
 // settle makes Watermill pipelines on at-least-once brokers produce effects
 // that happen once. The work is done by its sub-packages, each usable on its

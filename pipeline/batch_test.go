@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/internal/sqlurl"
@@ -343,7 +344,7 @@ func TestTypedBatchHandlerPoisonsOneMessage(t *testing.T) {
 		errs := b.deliver(msgs...)
 		for i, err := range errs {
 			if i == 2 {
-				if !poison.IsPermanent(err) {
+				if !settle.IsPermanent(err) {
 					t.Fatalf("tb-2: %v, want a permanent decode error", err)
 				}
 				continue

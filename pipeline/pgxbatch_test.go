@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
@@ -346,7 +347,7 @@ func TestTypedPgxBatchTxPoisonsOneMessage(t *testing.T) {
 		message.NewMessage("pt-3", []byte(`{"id":"A-3","cents":3}`)),
 	}
 	errs := deliverAll(b.h, msgs)
-	if errs[0] != nil || errs[2] != nil || !poison.IsPermanent(errs[1]) {
+	if errs[0] != nil || errs[2] != nil || !settle.IsPermanent(errs[1]) {
 		t.Fatalf("errs = %v; want only pt-2 to fail, permanently", errs)
 	}
 	if n := len(b.all(t)); n != 2 {

@@ -13,9 +13,9 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
-	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/sqldb"
@@ -34,7 +34,7 @@ func TestProducedMessagesContinueTheTrace(t *testing.T) {
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 	p, err := pipeline.New(router, pipeline.Config{
 		Publisher: ps, Store: dedupe.NewMemoryStore(), Retry: fastRetry(),
-		Tracing: []middleware.Option{middleware.WithTracerProvider(tp), middleware.WithPropagators(propagation.TraceContext{})},
+		Tracing: []settle.Option{settle.WithTracerProvider(tp), settle.WithPropagators(propagation.TraceContext{})},
 	})
 	must(t, err)
 	_, err = p.HandleProducing("ship", "orders", ps, "shipments", func(msg *message.Message) ([]*message.Message, error) {
@@ -86,7 +86,7 @@ func TestTxOutboxMessagesContinueTheTrace(t *testing.T) {
 	must(t, err)
 	p, err := pipeline.New(router, pipeline.Config{
 		Publisher: ps, Store: e.store, Retry: fastRetry(),
-		Tracing: []middleware.Option{middleware.WithTracerProvider(tp), middleware.WithPropagators(propagation.TraceContext{})},
+		Tracing: []settle.Option{settle.WithTracerProvider(tp), settle.WithPropagators(propagation.TraceContext{})},
 	})
 	must(t, err)
 	_, err = p.HandleTx("charge", "payments", ps, nil, pipeline.TxConfig{DB: db.DB, Outbox: ob},
