@@ -76,8 +76,8 @@ func (c *Config) setDefaults() {
 	}
 }
 
-// Validate reports the first invalid field.
-func (c Config) Validate() error {
+// validate reports the first invalid field.
+func (c Config) validate() error {
 	switch {
 	case c.MessageUUIDHeaderKey == "":
 		return fmt.Errorf("%w: Config.MessageUUIDHeaderKey is empty", ErrInvalidConfig)
@@ -108,7 +108,7 @@ var _ amqp.Marshaler = Marshaler{}
 // ErrInvalidConfig that names the bad field.
 func New(cfg Config) (Marshaler, error) {
 	cfg.setDefaults()
-	if err := cfg.Validate(); err != nil {
+	if err := cfg.validate(); err != nil {
 		return Marshaler{}, err
 	}
 	return Marshaler{

@@ -149,10 +149,3 @@ func (s *MemoryStore) Prune(ctx context.Context, before time.Time) (int64, error
 // inProcess marks the store as one whose calls never wait on I/O: the
 // middleware settles claims without a timeout context of its own.
 func (*MemoryStore) inProcess() {}
-
-// Len returns the number of keys held, in any state.
-func (s *MemoryStore) Len() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.keys)
-}
