@@ -142,8 +142,8 @@ func (c *RetryConfig) setDefaults() {
 	}
 }
 
-// Validate reports the first invalid field.
-func (c RetryConfig) Validate() error {
+// validate reports the first invalid field.
+func (c RetryConfig) validate() error {
 	switch {
 	case c.MaxAttempts < 1:
 		return fmt.Errorf("middleware: RetryConfig.MaxAttempts must be >= 1, got %d", c.MaxAttempts)
@@ -276,7 +276,7 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 // and the middleware that deferred it has already waited.
 func NewRetry(cfg RetryConfig) (message.HandlerMiddleware, error) {
 	cfg.setDefaults()
-	if err := cfg.Validate(); err != nil {
+	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
 	r := &retry{cfg: cfg, tracked: lru.New[trackKey, *failures](cfg.TrackedMessages), misplaced: settlement.NewRateLog(cfg.Logger, time.Minute)}
