@@ -23,8 +23,8 @@ import (
 // that returns true) when no retry can produce a key.
 type KeyFunc func(*message.Message) (string, error)
 
-// MessageUUID is the default KeyFunc: the message's UUID.
-func MessageUUID(msg *message.Message) (string, error) { return msg.UUID, nil }
+// messageUUID is the default KeyFunc: the message's UUID.
+func messageUUID(msg *message.Message) (string, error) { return msg.UUID, nil }
 
 // MetadataKey returns a KeyFunc that reads the key from a metadata field,
 // prefixed by prefix (for example MetadataKey("order_id", "order:")). A
@@ -44,7 +44,7 @@ type Config struct {
 	// Store keeps the claims. Required. To share claims between processes it
 	// must be a SQLStore (or another shared store), not a MemoryStore.
 	Store Store
-	// Key derives the key from a message. Defaults to MessageUUID.
+	// Key derives the key from a message. Defaults to the message's UUID.
 	Key KeyFunc
 	// Scope names the logical handler the key belongs to; the stored key is
 	// ScopedKey(Scope(msg), Key(msg)), so each handler of a message does its
@@ -123,7 +123,7 @@ func (c *Config) setDefaults() {
 		c.MaxUnavailableDelay = max(30*time.Second, c.UnavailableDelay)
 	}
 	if c.Key == nil {
-		c.Key = MessageUUID
+		c.Key = messageUUID
 	}
 	if c.Scope == nil {
 		c.Scope = HandlerScope
