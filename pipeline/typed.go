@@ -57,7 +57,7 @@ type Message[T any] struct {
 }
 
 // Decode decodes msg's payload into a Message[T] with codec (nil means
-// JSON). A failure is a *poison.DecodeError: permanent, so the message is
+// JSON). A failure is poison.Decode's error (wrapping poison.ErrDecode): permanent, so the message is
 // poisoned on its first delivery instead of retried.
 func Decode[T any](codec Codec, msg *message.Message) (Message[T], error) {
 	if codec == nil {
