@@ -3,6 +3,7 @@ package middleware
 import (
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -242,8 +243,9 @@ func attemptOf(msg *message.Message, rec *settlement.Record) int {
 	if n, _, _ := rec.Attempt(); n > 0 {
 		return n
 	}
-	if msg.Metadata.Get(settle.MetaAttempt) == "" {
+	n, err := strconv.Atoi(msg.Metadata.Get(settle.MetaAttempt))
+	if err != nil || n < 1 {
 		return 0
 	}
-	return settle.Attempt(msg)
+	return n
 }

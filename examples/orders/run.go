@@ -278,7 +278,7 @@ func run(parent context.Context, cfg config) (err error) {
 		switch {
 		case bouncingMail(n):
 			return fmt.Errorf("smtp: 450 mailbox %s unavailable", m.Body.Email)
-		case flakyMail(n) && settle.Attempt(m.Message) == 1:
+		case flakyMail(n) && settle.SettlementFromContext(ctx).Attempt() == 1:
 			return errors.New("smtp: connection reset by peer")
 		}
 		if _, err := db.ExecContext(ctx, "INSERT INTO "+s.emails+" (order_id) VALUES ("+s.ph(1)+")", m.Body.OrderID); err != nil {
