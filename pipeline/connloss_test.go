@@ -65,7 +65,7 @@ func (m lossMode) txConfig(cfg *pipeline.TxConfig) {
 // the same server, which kills the handler's backends.
 func sqlLossDB(t *testing.T, db, admin testenv.DB) lossDB {
 	t.Helper()
-	e := newTxEnv(t, db)
+	e := newTxEnv(t, stdOf(db))
 	effects := effectTable(t, e, &db, nil, "id VARCHAR(64) NOT NULL")
 	kill := func(tx *sql.Tx) error {
 		ctx := context.Background()
@@ -101,12 +101,12 @@ func sqlLossDB(t *testing.T, db, admin testenv.DB) lossDB {
 	return lossDB{
 		store: e.store,
 		add: func(p *pipeline.Pipeline, topic string, sub message.Subscriber, mode lossMode, body lossBody) error {
-			cfg := pipeline.TxConfig{DB: db.DB, Outbox: e.ob}
+			cfg := pipeline.TxConfig[*sql.Tx]{DB: std(db), Outbox: e.ob}
 			mode.txConfig(&cfg)
-			_, err := p.HandleTx("charge", topic, sub, nil, cfg, func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
+			_, err := pipeline.HandleTx(p, "charge", topic, sub, cfg, func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
 				return body(ctx, msg, lossTx{
 					insert: func(id string) error {
-						_, err := tx.ExecContext(ctx, "INSERT INTO "+effects+" (id) VALUES ("+e.ph(1)+")", id)
+						_, err := tx.ExecContext(ctx, "INSERT INTO "+effects+" (id) VALUES ("+e.db.ph(1)+")", id)
 						return err
 					},
 					kill: func() error { return kill(tx) },
@@ -450,7 +450,7 @@ func TestRefusingDatabaseDefersAfterTheDelay(t *testing.T) {
 			store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: "dd_refused"})
 			must(t, err)
 			var runs atomic.Int64
-			cfg := pipeline.TxConfig{DB: db, Store: store, BusyDelay: delay}
+			cfg := pipeline.TxConfig[*sql.Tx]{DB: db, Store: store, BusyDelay: delay}
 			mode.txConfig(&cfg)
 			h, err := pipeline.NewTxHandler(cfg, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error {
 				runs.Add(1)

@@ -145,3 +145,6 @@ func must(t testing.TB, err error) {
 		t.Fatal(err)
 	}
 }
+
+// std is a database/sql database's Driver.
+func std(d testenv.DB) sqldb.Driver[*sql.Tx] { return sqldb.Std(d.DB, sqldb.Dialect(d.Dialect)) }

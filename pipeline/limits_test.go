@@ -107,7 +107,7 @@ func TestDefaultModeLimitsBoundACutCommit(t *testing.T) {
 					s, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dedupe.Postgres, Table: claims})
 					must(t, err)
 					store = s
-					h, err = pipeline.NewTxHandler(pipeline.TxConfig{DB: db, Store: s, CallTimeout: callTimeout, BusyDelay: 10 * time.Millisecond},
+					h, err = pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: db, Store: s, CallTimeout: callTimeout, BusyDelay: 10 * time.Millisecond},
 						func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 							_, err := tx.ExecContext(ctx, insert, msg.UUID, name)
 							returned.Store(true)

@@ -98,7 +98,7 @@ func TestCallTimeoutDefersACutTransaction(t *testing.T) {
 				db.SetMaxOpenConns(1)
 				store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: claims})
 				must(t, err)
-				h, err = pipeline.NewTxHandler(pipeline.TxConfig{DB: db, Store: store, OneStatement: true, CallTimeout: timeout, BusyDelay: 10 * time.Millisecond},
+				h, err = pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: db, Store: store, OneStatement: true, CallTimeout: timeout, BusyDelay: 10 * time.Millisecond},
 					func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 						_, err := tx.ExecContext(ctx, insert, msg.UUID)
 						cut()
@@ -157,7 +157,7 @@ func TestCallTimeoutDefersACutTransaction(t *testing.T) {
 func TestCallTimeoutRefusesBadConfig(t *testing.T) {
 	t.Parallel()
 	db := testenv.SQLite(t)
-	if _, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: db.DB, CallTimeout: -time.Second}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil }); err == nil || !strings.Contains(err.Error(), "TxConfig.CallTimeout") {
+	if _, err := pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: std(db), CallTimeout: -time.Second}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil }); err == nil || !strings.Contains(err.Error(), "TxConfig.CallTimeout") {
 		t.Errorf("negative TxConfig.CallTimeout: %v; want it refused by name", err)
 	}
 	if _, err := pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: &pgxpool.Pool{}, CallTimeout: -time.Second}, func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }); err == nil || !strings.Contains(err.Error(), "PgxTxConfig.CallTimeout") {
@@ -222,7 +222,7 @@ func TestHandleTxTellsWhatMariaDBLacks(t *testing.T) {
 		defer ps.Close()
 		p, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: store, Logger: log})
 		must(t, err)
-		_, err = p.HandleTx("charge", "orders", ps, nil, pipeline.TxConfig{DB: db}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil })
+		_, err = pipeline.HandleTx(p, "charge", "orders", ps, pipeline.TxConfig[*sql.Tx]{DB: db}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil })
 		must(t, err)
 		warned := false
 		for _, l := range log.lines {

@@ -193,7 +193,7 @@ func TestPipelineProducingAndTx(t *testing.T) {
 		return []*message.Message{out}, err
 	}))
 	must(t, err)
-	_, err = h.p.HandleTx("charge", "payments", h.pubsub, nil, pipeline.TxConfig{DB: db.DB, Outbox: e.ob},
+	_, err = pipeline.HandleTx(h.p, "charge", "payments", h.pubsub, pipeline.TxConfig[*sql.Tx]{DB: std(db), Outbox: e.ob},
 		pipeline.TypedTx(nil, func(ctx context.Context, tx *sql.Tx, m pipeline.Message[order], out message.Publisher) error {
 			_, err := tx.ExecContext(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES (?, ?)", m.Body.ID, m.Body.Cents)
 			return err
@@ -243,7 +243,7 @@ func TestPipelineRefusesBadConfig(t *testing.T) {
 	}
 	p, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: dedupe.NewMemoryStore()})
 	must(t, err)
-	if _, err := p.HandleTx("x", "t", ps, nil, pipeline.TxConfig{}, nil); err == nil {
+	if _, err := pipeline.HandleTx(p, "x", "t", ps, pipeline.TxConfig[*sql.Tx]{}, nil); err == nil {
 		t.Fatal("HandleTx with a memory store succeeded")
 	}
 }

@@ -91,7 +91,7 @@ func TestReviewDefaultModeHandlerOutlivesCallTimeout(t *testing.T) {
 					// Store as Pipeline.HandleTx sets it: its dialect is
 					// what makes the transactions set their server-side
 					// timeouts.
-					h, err = pipeline.NewTxHandler(pipeline.TxConfig{DB: db.DB, Store: s, CallTimeout: callTimeout},
+					h, err = pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: std(db), Store: s, CallTimeout: callTimeout},
 						func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 							runs.Add(1)
 							return work(ctx, func(q string, args ...any) error { _, err := tx.ExecContext(ctx, q, args...); return err }, msg)
@@ -138,7 +138,7 @@ func TestReviewTinyCallTimeoutRefused(t *testing.T) {
 	t.Parallel()
 	db := testenv.Postgres(t)
 	for _, d := range []time.Duration{time.Nanosecond, time.Microsecond, 9 * time.Millisecond} {
-		_, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: db.DB, CallTimeout: d}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil })
+		_, err := pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: std(db), CallTimeout: d}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil })
 		if err == nil || !strings.Contains(err.Error(), "TxConfig.CallTimeout") {
 			t.Errorf("CallTimeout %v: %v; want it refused by name", d, err)
 		}

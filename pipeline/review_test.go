@@ -38,7 +38,7 @@ func TestReviewLongTxAtRepeatableReadConfirms(t *testing.T) {
 				must(t, err)
 				// Store as Pipeline.HandleTx sets it: on PostgreSQL each
 				// transaction then sets its server-side timeouts first.
-				cfg := pipeline.TxConfig{DB: e.db.DB, Store: e.store, TxOptions: &sql.TxOptions{Isolation: lv}}
+				cfg := pipeline.TxConfig[*sql.Tx]{DB: e.db.Driver, Store: e.store, TxOptions: &sql.TxOptions{Isolation: lv}}
 				runs := 0
 				h := mw(func(msg *message.Message) ([]*message.Message, error) {
 					return nil, pipeline.RunTx(msg.Context(), cfg, msg, func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
@@ -48,7 +48,7 @@ func TestReviewLongTxAtRepeatableReadConfirms(t *testing.T) {
 							return err // the snapshot is taken here
 						}
 						time.Sleep(700 * time.Millisecond) // three renewals
-						_, err := tx.ExecContext(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ("+e.ph(1)+", 100)", msg.UUID)
+						_, err := tx.ExecContext(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ("+e.db.ph(1)+", 100)", msg.UUID)
 						return err
 					})
 				})
@@ -76,7 +76,7 @@ func TestReviewLongPgxTxAtRepeatableReadConfirms(t *testing.T) {
 		t.Run(string(lv), func(t *testing.T) {
 			t.Parallel()
 			pool := testenv.PgxPool(t)
-			e := newTxEnv(t, testenv.Postgres(t))
+			e := newTxEnv(t, stdOf(testenv.Postgres(t)))
 			store, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: e.claims})
 			must(t, err)
 			mw, err := dedupe.NewMiddleware(dedupe.Config{Store: store, ClaimTimeout: 900 * time.Millisecond, RenewInterval: 200 * time.Millisecond})

@@ -74,7 +74,7 @@ func TestProducedMessagesContinueTheTrace(t *testing.T) {
 func TestTxOutboxMessagesContinueTheTrace(t *testing.T) {
 	t.Parallel()
 	db := testenv.SQLite(t)
-	e := newTxEnv(t, db)
+	e := newTxEnv(t, stdOf(db))
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
@@ -88,7 +88,7 @@ func TestTxOutboxMessagesContinueTheTrace(t *testing.T) {
 		Tracing: []middleware.Option{middleware.WithTracerProvider(tp), middleware.WithPropagators(propagation.TraceContext{})},
 	})
 	must(t, err)
-	_, err = p.HandleTx("charge", "payments", ps, nil, pipeline.TxConfig{DB: db.DB, Outbox: ob},
+	_, err = pipeline.HandleTx(p, "charge", "payments", ps, pipeline.TxConfig[*sql.Tx]{DB: std(db), Outbox: ob},
 		func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
 			return out.Publish("receipts", message.NewMessage("receipt-"+msg.UUID, nil)) // no SetContext
 		})
