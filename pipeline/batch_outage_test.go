@@ -69,7 +69,7 @@ func (a *batchAMQP) depth(t *testing.T, q string) int {
 
 // effectTable creates a table of effects on db with the given columns,
 // dropped at the end of the test through drop (db itself when nil).
-func effectTable(t *testing.T, e *txEnv[*sql.Tx], db, drop *testenv.DB, columns string) string {
+func effectTable[TTx any](t *testing.T, e *txEnv[TTx], db, drop *testenv.DB, columns string) string {
 	t.Helper()
 	if drop == nil {
 		drop = db

@@ -6,10 +6,12 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/sqldb"
 )
 
@@ -148,3 +150,22 @@ func must(t testing.TB, err error) {
 
 // std is a database/sql database's Driver.
 func std(d testenv.DB) sqldb.Driver[*sql.Tx] { return sqldb.Std(d.DB, sqldb.Dialect(d.Dialect)) }
+
+// stmtFunc is a test handler's work in its transaction, through the
+// transaction's executor: the same code whatever the driver.
+type stmtFunc func(ctx context.Context, ex sqldb.Executor, msg *message.Message) error
+
+// txHandlerOn is a transactional handler on d with cfg (DB and Store set
+// here: the store of the claims table claims) whose function runs fn, and
+// its store.
+func txHandlerOn[TTx any](t testing.TB, d sqldb.Driver[TTx], claims string, cfg pipeline.TxConfig[TTx], fn stmtFunc) (message.NoPublishHandlerFunc, dedupe.Store) {
+	t.Helper()
+	store, err := dedupe.NewSQLStore(d, dedupe.SQLConfig{Table: claims})
+	must(t, err)
+	cfg.DB, cfg.Store = d, store
+	h, err := pipeline.NewTxHandler(cfg, func(ctx context.Context, tx TTx, msg *message.Message, _ message.Publisher) error {
+		return fn(ctx, d.Tx(tx), msg)
+	})
+	must(t, err)
+	return h, store
+}

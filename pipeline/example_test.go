@@ -33,10 +33,10 @@ func Example() {
 		panic(err)
 	}
 	charged := make(chan string, 10)
-	_, err = pipeline.HandleTyped(p, "charge", "orders", pubsub, nil, func(ctx context.Context, m pipeline.Message[OrderPlaced]) error {
+	_, err = p.Handle("charge", "orders", pubsub, pipeline.Typed(nil, func(ctx context.Context, m pipeline.Message[OrderPlaced]) error {
 		charged <- fmt.Sprintf("charged %s: %d cents", m.Body.ID, m.Body.Cents)
 		return nil
-	})
+	}))
 	if err != nil {
 		panic(err)
 	}

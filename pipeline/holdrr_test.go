@@ -192,10 +192,10 @@ func TestLongTxAtRepeatableReadBehindMiddleware(t *testing.T) {
 	t.Parallel()
 	modes := []struct {
 		name string
-		cfg  func(*pipeline.TxConfig)
+		cfg  func(*pipeline.TxConfig[*sql.Tx])
 	}{
-		{"batch", func(c *pipeline.TxConfig) { c.Batch = pipeline.BatchConfig{MaxSize: 4, MaxWait: 50 * time.Millisecond} }},
-		{"one-statement", func(c *pipeline.TxConfig) { c.OneStatement = true }},
+		{"batch", func(c *pipeline.TxConfig[*sql.Tx]) { c.Batch = pipeline.BatchConfig{MaxSize: 4, MaxWait: 50 * time.Millisecond} }},
+		{"one-statement", func(c *pipeline.TxConfig[*sql.Tx]) { c.OneStatement = true }},
 	}
 	for _, mode := range modes {
 		for _, iso := range []sql.IsolationLevel{sql.LevelRepeatableRead, sql.LevelSerializable} {

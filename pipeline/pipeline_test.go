@@ -117,7 +117,7 @@ func TestPipelineSettlesEachOutcome(t *testing.T) {
 	var mu sync.Mutex
 	charged := map[string]int{}
 	var flaky atomic.Int64
-	_, err := pipeline.HandleTyped(h.p, "charge", "orders", h.pubsub, nil, func(ctx context.Context, m pipeline.Message[order]) error {
+	_, err := h.p.Handle("charge", "orders", h.pubsub, pipeline.Typed(nil, func(ctx context.Context, m pipeline.Message[order]) error {
 		switch m.Body.ID {
 		case "always-fails":
 			return errors.New("payment provider down")
@@ -130,7 +130,7 @@ func TestPipelineSettlesEachOutcome(t *testing.T) {
 		charged[m.Body.ID]++
 		mu.Unlock()
 		return nil
-	})
+	}))
 	must(t, err)
 	dead := h.collect(t, "orders.dead_letter")
 	poisoned := h.collect(t, "orders.poison")
@@ -186,12 +186,16 @@ func TestPipelineSettlesEachOutcome(t *testing.T) {
 func TestPipelineProducingAndTx(t *testing.T) {
 	t.Parallel()
 	db := testenv.SQLite(t)
-	e := newTxEnvOn(t, db)
+	e := newTxEnv(t, stdOf(db))
 	h := newHarness(t, e.store)
-	_, err := h.p.HandleProducing("ship", "orders", h.pubsub, "shipments", pipeline.TypedProducing(nil, func(ctx context.Context, m pipeline.Message[order]) ([]*message.Message, error) {
+	_, err := h.p.HandleProducing("ship", "orders", h.pubsub, "shipments", func(msg *message.Message) ([]*message.Message, error) {
+		m, err := pipeline.Decode[order](nil, msg)
+		if err != nil {
+			return nil, err
+		}
 		out, err := pipeline.NewMessage("ship-"+m.UUID, nil, m.Body)
 		return []*message.Message{out}, err
-	}))
+	})
 	must(t, err)
 	_, err = pipeline.HandleTx(h.p, "charge", "payments", h.pubsub, pipeline.TxConfig[*sql.Tx]{DB: std(db), Outbox: e.ob},
 		pipeline.TypedTx(nil, func(ctx context.Context, tx *sql.Tx, m pipeline.Message[order], out message.Publisher) error {

@@ -33,9 +33,9 @@ func TestDefaultPropagatorKeepsOneTrace(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 
-	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, TracerProvider: tp}) // no Propagator
+	ob, err := outbox.New(std(db), outbox.Config{TracerProvider: tp}) // no Propagator
 	must(t, err)
-	must(t, ob.InitSchema(t.Context(), db.DB))
+	must(t, ob.InitSchema(t.Context()))
 	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
 	must(t, err)

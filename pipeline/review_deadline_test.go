@@ -16,6 +16,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // review: in the default mode (the dedupe middleware in front), TxConfig's
@@ -70,33 +71,17 @@ func TestReviewDefaultModeHandlerOutlivesCallTimeout(t *testing.T) {
 					}
 				}
 
+				var runs atomic.Int64
+				run := func(ctx context.Context, ex sqldb.Executor, msg *message.Message) error {
+					runs.Add(1)
+					return work(ctx, func(q string, args ...any) error { _, err := ex.Exec(ctx, q, args...); return err }, msg)
+				}
 				var store dedupe.Store
 				var h message.NoPublishHandlerFunc
-				var runs atomic.Int64
 				if driver == "pgx" {
-					pool := testenv.PgxPool(t)
-					s, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: claims})
-					must(t, err)
-					store = s
-					h, err = pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: pool, Store: s, CallTimeout: callTimeout},
-						func(ctx context.Context, tx pgx.Tx, msg *message.Message, _ message.Publisher) error {
-							runs.Add(1)
-							return work(ctx, func(q string, args ...any) error { _, err := tx.Exec(ctx, q, args...); return err }, msg)
-						})
-					must(t, err)
+					h, store = txHandlerOn(t, sqldb.Pgx(testenv.PgxPool(t)), claims, pipeline.TxConfig[pgx.Tx]{CallTimeout: callTimeout}, run)
 				} else {
-					s, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: claims})
-					must(t, err)
-					store = s
-					// Store as Pipeline.HandleTx sets it: its dialect is
-					// what makes the transactions set their server-side
-					// timeouts.
-					h, err = pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: std(db), Store: s, CallTimeout: callTimeout},
-						func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
-							runs.Add(1)
-							return work(ctx, func(q string, args ...any) error { _, err := tx.ExecContext(ctx, q, args...); return err }, msg)
-						})
-					must(t, err)
+					h, store = txHandlerOn(t, std(db), claims, pipeline.TxConfig[*sql.Tx]{CallTimeout: callTimeout}, run)
 				}
 				mw, err := dedupe.NewMiddleware(dedupe.Config{Store: store, ClaimTimeout: 5 * time.Second})
 				must(t, err)
@@ -142,7 +127,9 @@ func TestReviewTinyCallTimeoutRefused(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "TxConfig.CallTimeout") {
 			t.Errorf("CallTimeout %v: %v; want it refused by name", d, err)
 		}
-		if err := (pipeline.Config{Publisher: gochannel.NewGoChannel(gochannel.Config{}, nil), StoreTimeout: d}).Validate(); err == nil || !strings.Contains(err.Error(), "StoreTimeout") {
+		router, err := message.NewRouter(message.RouterConfig{}, nil)
+		must(t, err)
+		if _, err := pipeline.New(router, pipeline.Config{Publisher: gochannel.NewGoChannel(gochannel.Config{}, nil), StoreTimeout: d}); err == nil || !strings.Contains(err.Error(), "StoreTimeout") {
 			t.Errorf("Config.StoreTimeout %v: %v; want it refused by name", d, err)
 		}
 	}

@@ -78,7 +78,7 @@ func TestTxOutboxMessagesContinueTheTrace(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: e.ob.Topic(), TracerProvider: tp, Propagator: propagation.TraceContext{}})
+	ob, err := outbox.New(std(db), outbox.Config{Topic: e.ob.Topic(), TracerProvider: tp, Propagator: propagation.TraceContext{}})
 	must(t, err)
 	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
