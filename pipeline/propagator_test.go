@@ -49,7 +49,7 @@ func TestDefaultPropagatorKeepsOneTrace(t *testing.T) {
 	h := &harness{pubsub: ps, router: router, p: p, spans: rec}
 	h.run(t)
 
-	relay, err := ob.NewRelay(db.DB, ps, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+	relay, err := ob.NewRelay(ps, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 	must(t, err)
 	done := make(chan error, 1)
 	go func() { done <- relay.Run(t.Context()) }()
