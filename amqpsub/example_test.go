@@ -15,6 +15,7 @@ import (
 	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // A batch handler fed by one RabbitMQ subscription with sixteen deliveries
@@ -49,7 +50,7 @@ func ExampleNewSubscriber() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dedupe.Postgres})
+	store, err := dedupe.NewSQLStore(sqldb.Std(db, sqldb.Postgres), dedupe.SQLConfig{})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -250,7 +250,7 @@ func TestBatchesFillFromOneSubscription(t *testing.T) {
 	d := testenv.SQLite(t)
 	_, err := d.ExecContext(t.Context(), "CREATE TABLE fx (msg TEXT NOT NULL PRIMARY KEY)")
 	must(t, err)
-	store, err := dedupe.NewSQLStore(d, dedupe.SQLConfig{Dialect: d.Dialect, Table: testenv.DedupeTable(t, d)})
+	store, err := dedupe.NewSQLStore(d.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, d)})
 	must(t, err)
 	sub := f.subscriber(t, 16)
 
@@ -365,7 +365,7 @@ func TestBatchesOnPostgresThroughAClosedConnection(t *testing.T) {
 	_, err = d.ExecContext(t.Context(), "CREATE TABLE "+fx+" (msg TEXT NOT NULL PRIMARY KEY)")
 	must(t, err)
 	t.Cleanup(func() { _, _ = d.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+fx) })
-	store, err := dedupe.NewSQLStore(d, dedupe.SQLConfig{Dialect: d.Dialect, Table: testenv.DedupeTable(t, d)})
+	store, err := dedupe.NewSQLStore(d.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, d)})
 	must(t, err)
 	sub, name := f.namedSubscriber(t, 16, nil)
 

@@ -23,6 +23,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // Batch cells: RabbitMQ + a database, 16 deliveries in flight.
@@ -119,12 +120,12 @@ type BatchRow struct {
 type batchDB struct {
 	name    string
 	db      *sql.DB
-	dialect dedupe.Dialect
+	dialect sqldb.Dialect
 	tables  []string
 }
 
 func (d *batchDB) ph(n int) string {
-	if d.dialect == dedupe.Postgres {
+	if d.dialect == sqldb.Postgres {
 		return "$" + strconv.Itoa(n)
 	}
 	return "?"
@@ -137,19 +138,20 @@ func (d *batchDB) effectTable(ctx context.Context) (string, error) {
 	return name, err
 }
 
-func (d *batchDB) store(ctx context.Context) (*dedupe.SQLStore, error) {
+func (d *batchDB) store(ctx context.Context) (*dedupe.SQLStore[*sql.Tx], error) {
 	name := "bench_claims_" + randomID()
-	ddl, err := dedupe.Schema(d.dialect, name)
+	store, err := dedupe.NewSQLStore(sqldb.Std(d.db, d.dialect), dedupe.SQLConfig{Table: name})
 	if err != nil {
 		return nil, err
 	}
+	ddl := store.Schema()
 	d.tables = append(d.tables, name)
 	for _, s := range ddl {
 		if _, err := d.db.ExecContext(ctx, s); err != nil {
 			return nil, err
 		}
 	}
-	return dedupe.NewSQLStore(d.db, dedupe.SQLConfig{Dialect: d.dialect, Table: name})
+	return store, nil
 }
 
 func (d *batchDB) checkEffects(ctx context.Context, table string, want int) error {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"io"
 	"strconv"
@@ -68,7 +69,7 @@ func runGrowth(ctx context.Context, o options, log io.Writer) (*GrowthResults, e
 		return nil, err
 	}
 	defer p.close()
-	claimConfirm := func(store *dedupe.SQLStore) func(ctx context.Context, key string) error {
+	claimConfirm := func(store *dedupe.SQLStore[*sql.Tx]) func(ctx context.Context, key string) error {
 		return func(ctx context.Context, key string) error {
 			c, err := store.Claim(ctx, key, time.Minute)
 			if err != nil {

@@ -17,6 +17,7 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // Section pgx: settle on pgx directly (dedupe.PgxStore, pipeline's pgx
@@ -412,14 +413,14 @@ const pgNow = `(extract(epoch from statement_timestamp()) * 1000000)::bigint`
 
 // cellTables makes one cell's claims and effect tables, and the two stores
 // on the claims table.
-func (b *pgxBench) cellTables(ctx context.Context) (sqlStore *dedupe.SQLStore, ps *dedupe.PgxStore, claims, effects string, err error) {
+func (b *pgxBench) cellTables(ctx context.Context) (sqlStore *dedupe.SQLStore[*sql.Tx], ps *dedupe.SQLStore[pgx.Tx], claims, effects string, err error) {
 	if sqlStore, claims, err = b.dedupeTable(ctx); err != nil {
 		return nil, nil, "", "", err
 	}
 	if effects, err = b.effectTable(ctx); err != nil {
 		return nil, nil, "", "", err
 	}
-	if ps, err = dedupe.NewPgxStore(b.pool, dedupe.PgxConfig{Table: claims}); err != nil {
+	if ps, err = dedupe.NewSQLStore(sqldb.Pgx(b.pool), dedupe.SQLConfig{Table: claims}); err != nil {
 		return nil, nil, "", "", err
 	}
 	return sqlStore, ps, claims, effects, nil

@@ -17,6 +17,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // Transactional modes on PostgreSQL.
@@ -59,7 +60,7 @@ func openPG(ctx context.Context, url string, conns int) (*pg, error) {
 	if err != nil {
 		return nil, err
 	}
-	if d != dedupe.Postgres {
+	if d != sqldb.Postgres {
 		_ = db.Close()
 		return nil, fmt.Errorf("SETTLE_POSTGRES_URL is not a PostgreSQL URL")
 	}
@@ -73,20 +74,20 @@ func openPG(ctx context.Context, url string, conns int) (*pg, error) {
 }
 
 // dedupeTable creates a claims table and returns its store.
-func (p *pg) dedupeTable(ctx context.Context) (*dedupe.SQLStore, string, error) {
+func (p *pg) dedupeTable(ctx context.Context) (*dedupe.SQLStore[*sql.Tx], string, error) {
 	name := "bench_claims_" + randomID()
-	ddl, err := dedupe.Schema(dedupe.Postgres, name)
+	store, err := dedupe.NewSQLStore(sqldb.Std(p.db, sqldb.Postgres), dedupe.SQLConfig{Table: name})
 	if err != nil {
 		return nil, "", err
 	}
+	ddl := store.Schema()
 	p.tables = append(p.tables, name)
 	for _, s := range ddl {
 		if _, err := p.db.ExecContext(ctx, s); err != nil {
 			return nil, "", err
 		}
 	}
-	s, err := dedupe.NewSQLStore(p.db, dedupe.SQLConfig{Dialect: dedupe.Postgres, Table: name})
-	return s, name, err
+	return store, name, nil
 }
 
 // effectTable creates a table of effects: one row per handled message, no
@@ -121,7 +122,7 @@ func (p *pg) close() {
 }
 
 // txOp returns the per-message work of mode on the effect table.
-func txOp(p *pg, store *dedupe.SQLStore, claims, effects, mode string) func(ctx context.Context, key string) error {
+func txOp(p *pg, store *dedupe.SQLStore[*sql.Tx], claims, effects, mode string) func(ctx context.Context, key string) error {
 	insert := "INSERT INTO " + effects + " (msg) VALUES ($1)"
 	effect := func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 		_, err := tx.ExecContext(ctx, insert, msg.UUID)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // benchGoroutines are the concurrency levels of BenchmarkClaimConfirm. Each
@@ -52,7 +53,7 @@ func BenchmarkClaimConfirm(b *testing.B) {
 					b.Run("settle", func(b *testing.B) {
 						db := open(b)
 						table := testenv.DedupeTable(b, db)
-						store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: table})
+						store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: table})
 						if err != nil {
 							b.Fatal(err)
 						}
@@ -74,7 +75,7 @@ func BenchmarkClaimConfirm(b *testing.B) {
 // inheriting the other's; its pool stays at the 4 connections sqlurl allows.
 func benchDB(b *testing.B, openDB func(testing.TB) testenv.DB) func(*testing.B) testenv.DB {
 	db := openDB(b)
-	if db.Dialect == dedupe.SQLite {
+	if db.Dialect == sqldb.SQLite {
 		return func(b *testing.B) testenv.DB {
 			db := openDB(b)
 			db.SetMaxIdleConns(4)
@@ -119,10 +120,10 @@ func benchFloor(b *testing.B, g int, db testenv.DB) {
 	table := testenv.DedupeTable(b, db)
 	var insert, update string
 	switch db.Dialect {
-	case dedupe.Postgres:
+	case sqldb.Postgres:
 		insert = `INSERT INTO "` + table + `" (key, state, token, attempts, expires_at, updated_at) VALUES ($1, 1, $2, 1, $3, $4) ON CONFLICT DO NOTHING`
 		update = `UPDATE "` + table + `" SET state = 2, token = '', expires_at = 0, updated_at = $1 WHERE key = $2`
-	case dedupe.MySQL:
+	case sqldb.MySQL:
 		insert = "INSERT IGNORE INTO `" + table + "` (`key`, state, token, attempts, expires_at, updated_at) VALUES (?, 1, ?, 1, ?, ?)"
 		update = "UPDATE `" + table + "` SET state = 2, token = '', expires_at = 0, updated_at = ? WHERE `key` = ?"
 	default:
@@ -131,7 +132,7 @@ func benchFloor(b *testing.B, g int, db testenv.DB) {
 	}
 	const token = "0123456789abcdef0123456789abcdef" // same width as a store token
 	exec := db.ExecContext
-	if db.Dialect == dedupe.MySQL {
+	if db.Dialect == sqldb.MySQL {
 		// As the store does on MySQL: the arguments written into the
 		// statements, so that go-sql-driver/mysql sends each as one query,
 		// not a prepare and an execute.
@@ -156,7 +157,7 @@ func benchFloor(b *testing.B, g int, db testenv.DB) {
 func checkConfirmed(b *testing.B, db testenv.DB, table string, want int) {
 	b.Helper()
 	q := `SELECT COUNT(*), COALESCE(SUM(CASE WHEN state = 2 THEN 1 ELSE 0 END), 0) FROM "` + table + `"`
-	if db.Dialect == dedupe.MySQL {
+	if db.Dialect == sqldb.MySQL {
 		q = "SELECT COUNT(*), COALESCE(SUM(CASE WHEN state = 2 THEN 1 ELSE 0 END), 0) FROM `" + table + "`"
 	}
 	var rows, confirmed int

@@ -8,6 +8,7 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // Check says what is wrong with the claims table and how to create it: a
@@ -27,20 +28,20 @@ func TestCheck(t *testing.T) {
 			t.Parallel()
 			db := d.Open(t)
 			q := func(s string) string {
-				if db.Dialect == dedupe.MySQL {
+				if db.Dialect == sqldb.MySQL {
 					return "`" + s + "`"
 				}
 				return `"` + s + `"`
 			}
 			store := func(table string) checker {
 				if d.Name == "postgres-pgx" {
-					s, err := dedupe.NewPgxStore(testenv.PgxPool(t), dedupe.PgxConfig{Table: table})
+					s, err := dedupe.NewSQLStore(testenv.Pgx(t), dedupe.SQLConfig{Table: table})
 					if err != nil {
 						t.Fatal(err)
 					}
 					return s
 				}
-				s, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: table})
+				s, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: table})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -54,8 +55,8 @@ func TestCheck(t *testing.T) {
 
 			missing := testenv.Name(t, "dd_missing")
 			err := store(missing).Check(t.Context())
-			var se *dedupe.SchemaError
-			if !errors.As(err, &se) || !errors.Is(err, dedupe.ErrSchema) || se.Table != missing {
+			var se *sqldb.SchemaError
+			if !errors.As(err, &se) || !errors.Is(err, sqldb.ErrSchema) || se.Table != missing {
 				t.Fatalf("Check of a missing table = %v; want a *SchemaError for %s", err, missing)
 			}
 			if !strings.Contains(err.Error(), "CREATE TABLE IF NOT EXISTS "+q(missing)) {
@@ -78,7 +79,7 @@ func TestCheck(t *testing.T) {
 			if err := store(noCol).Check(t.Context()); !errors.As(err, &se) || !strings.Contains(se.Problem, "column token is missing") {
 				t.Fatalf("Check of a table without token = %v", err)
 			}
-			if err := store(old).Check(t.Context()); !errors.As(err, &se) || !strings.Contains(se.Problem, "ADD COLUMN first_at") {
+			if err := store(old).Check(t.Context()); !errors.As(err, &se) || len(se.DDL) != 1 || !strings.Contains(se.DDL[0], "ADD COLUMN first_at") {
 				t.Fatalf("Check of a table made before first_at = %v; want the ALTER TABLE to run", err)
 			}
 			if err := store(wrongType).Check(t.Context()); !errors.As(err, &se) || !strings.Contains(se.Problem, "column attempts is") {

@@ -149,7 +149,7 @@ func txBackends() []txBackend {
 	for _, d := range testenv.Databases() {
 		bs = append(bs, txBackend{d.Name, func(t *testing.T) (txStore, func(t *testing.T) openTx) {
 			db := d.Open(t)
-			store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
+			store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -163,13 +163,13 @@ func txBackends() []txBackend {
 		}})
 	}
 	return append(bs, txBackend{"postgres-pgx", func(t *testing.T) (txStore, func(t *testing.T) openTx) {
-		db, pool := testenv.Postgres(t), testenv.PgxPool(t)
-		store, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: testenv.DedupeTable(t, db)})
+		db, drv := testenv.Postgres(t), testenv.Pgx(t)
+		store, err := dedupe.NewSQLStore(drv, dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
 		if err != nil {
 			t.Fatal(err)
 		}
 		return store, func(t *testing.T) openTx {
-			tx, err := pool.Begin(t.Context())
+			tx, err := drv.Begin(t.Context(), nil, "")
 			if err != nil {
 				t.Fatal(err)
 			}

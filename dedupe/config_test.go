@@ -6,28 +6,30 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/sqldb"
 )
 
 func TestNewSQLStoreRefusesBadConfig(t *testing.T) {
 	t.Parallel()
 	db := testenv.SQLite(t)
 	cases := []struct {
-		name  string
-		cfg   dedupe.SQLConfig
-		field string
+		name    string
+		dialect sqldb.Dialect
+		cfg     dedupe.SQLConfig
+		field   string
 	}{
-		{"no dialect", dedupe.SQLConfig{}, "SQLConfig.Dialect"},
-		{"unknown dialect", dedupe.SQLConfig{Dialect: "oracle"}, "SQLConfig.Dialect"},
-		{"injection in table", dedupe.SQLConfig{Dialect: dedupe.SQLite, Table: `x"; DROP TABLE y; --`}, "SQLConfig.Table"},
-		{"table with space", dedupe.SQLConfig{Dialect: dedupe.Postgres, Table: "my table"}, "SQLConfig.Table"},
-		{"three-part name", dedupe.SQLConfig{Dialect: dedupe.Postgres, Table: "a.b.c"}, "SQLConfig.Table"},
-		{"identifier too long", dedupe.SQLConfig{Dialect: dedupe.MySQL, Table: strings.Repeat("t", 64)}, "SQLConfig.Table"},
-		{"negative prune batch", dedupe.SQLConfig{Dialect: dedupe.MySQL, PruneBatch: -1}, "SQLConfig.PruneBatch"},
+		{"no dialect", "", dedupe.SQLConfig{}, "db.Dialect()"},
+		{"unknown dialect", "oracle", dedupe.SQLConfig{}, "db.Dialect()"},
+		{"injection in table", sqldb.SQLite, dedupe.SQLConfig{Table: `x"; DROP TABLE y; --`}, "SQLConfig.Table"},
+		{"table with space", sqldb.Postgres, dedupe.SQLConfig{Table: "my table"}, "SQLConfig.Table"},
+		{"three-part name", sqldb.Postgres, dedupe.SQLConfig{Table: "a.b.c"}, "SQLConfig.Table"},
+		{"identifier too long", sqldb.MySQL, dedupe.SQLConfig{Table: strings.Repeat("t", 64)}, "SQLConfig.Table"},
+		{"negative prune batch", sqldb.MySQL, dedupe.SQLConfig{PruneBatch: -1}, "SQLConfig.PruneBatch"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
-			s, err := dedupe.NewSQLStore(db, c.cfg)
+			s, err := dedupe.NewSQLStore(sqldb.Std(db.DB, c.dialect), c.cfg)
 			if err == nil || s != nil {
 				t.Fatalf("NewSQLStore(%+v) = %v, %v; want an error", c.cfg, s, err)
 			}
@@ -36,26 +38,33 @@ func TestNewSQLStoreRefusesBadConfig(t *testing.T) {
 			}
 		})
 	}
-	if _, err := dedupe.NewSQLStore(nil, dedupe.SQLConfig{Dialect: dedupe.SQLite}); err == nil {
+	if _, err := dedupe.NewSQLStore[any](nil, dedupe.SQLConfig{}); err == nil {
 		t.Fatal("NewSQLStore(nil db) succeeded")
 	}
-	if _, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dedupe.Postgres, Table: "settle.dedupe"}); err != nil {
+	if _, err := dedupe.NewSQLStore(sqldb.Std(db.DB, sqldb.Postgres), dedupe.SQLConfig{Table: "settle.dedupe"}); err != nil {
 		t.Fatalf("schema-qualified table refused: %v", err)
 	}
 }
 
-func TestSchemaQuotesAndValidates(t *testing.T) {
+// The DDL of every dialect names the table, quoted, and the default table
+// is settle_dedupe.
+func TestSchemaQuotes(t *testing.T) {
 	t.Parallel()
-	for _, d := range dedupe.Dialects() {
-		stmts, err := dedupe.Schema(d, "")
-		if err != nil || len(stmts) == 0 || !strings.Contains(stmts[0], dedupe.DefaultTable) {
-			t.Fatalf("Schema(%s, \"\") = %v, %v; want the default table", d, stmts, err)
+	db := testenv.SQLite(t)
+	for _, d := range []sqldb.Dialect{sqldb.Postgres, sqldb.MySQL, sqldb.SQLite} {
+		for table, want := range map[string]string{"": "settle_dedupe", "s.t": "t"} {
+			s, err := dedupe.NewSQLStore(sqldb.Std(db.DB, d), dedupe.SQLConfig{Table: table})
+			if err != nil {
+				t.Fatal(err)
+			}
+			stmts := s.Schema()
+			q := `"`
+			if d == sqldb.MySQL {
+				q = "`"
+			}
+			if len(stmts) == 0 || !strings.Contains(stmts[0], q+want+q) {
+				t.Fatalf("%s: Schema() of table %q = %v; want the table %s quoted", d, table, stmts, want)
+			}
 		}
-		if _, err := dedupe.Schema(d, "bad-name"); err == nil {
-			t.Fatalf("Schema(%s, bad-name) accepted an invalid identifier", d)
-		}
-	}
-	if _, err := dedupe.Schema("oracle", "t"); err == nil {
-		t.Fatal("Schema accepted an unknown dialect")
 	}
 }

@@ -28,7 +28,7 @@ func TestConfirmOutlastsAStoreOutage(t *testing.T) {
 			t.Parallel()
 			db := c.open(t)
 			table := testenv.DedupeTable(t, db)
-			store, err := dedupe.NewSQLStore(db.DB, dedupe.SQLConfig{Dialect: db.Dialect, Table: table})
+			store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: table})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -1,36 +1,11 @@
 package dedupe
 
 import (
-	"fmt"
-	"regexp"
 	"strings"
+
+	"github.com/settle-go/settle/internal/sqlkit"
+	"github.com/settle-go/settle/sqldb"
 )
-
-// Dialect names the SQL flavour a [SQLStore] speaks. The dialects differ only
-// in placeholders, column types and the spelling of insert-unless-present.
-type Dialect string
-
-const (
-	// Postgres is PostgreSQL through github.com/jackc/pgx/v5/stdlib (driver
-	// name "pgx"). Other database/sql drivers for PostgreSQL that accept $n
-	// placeholders and []byte for BYTEA work too.
-	Postgres Dialect = "postgres"
-	// MySQL is MySQL 8 or MariaDB 10.5+ through github.com/go-sql-driver/mysql.
-	MySQL Dialect = "mysql"
-	// SQLite is SQLite 3.35+ through modernc.org/sqlite (driver name "sqlite").
-	SQLite Dialect = "sqlite"
-)
-
-// Dialects lists the supported dialects.
-func Dialects() []Dialect { return []Dialect{Postgres, MySQL, SQLite} }
-
-func (d Dialect) valid() error {
-	switch d {
-	case Postgres, MySQL, SQLite:
-		return nil
-	}
-	return fmt.Errorf("dedupe: unknown dialect %q (want postgres, mysql or sqlite)", string(d))
-}
 
 // state is the stored state of a key. Absent keys have no row; a released
 // key keeps its row (and attempt count) but is treated as absent.
@@ -41,30 +16,6 @@ const (
 	stateClaimed   state = 1
 	stateConfirmed state = 2
 )
-
-var identRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$`)
-
-// validateTable checks that name is a plain identifier, optionally qualified
-// by one schema name. Quoting is added by the dialect, so names never need
-// escaping and never come from message data.
-func validateTable(name string) error {
-	if !identRE.MatchString(name) {
-		return fmt.Errorf("dedupe: table name %q is not a valid identifier (letters, digits and _, optionally schema.table, at most 63 characters each)", name)
-	}
-	return nil
-}
-
-func (d Dialect) quote(table string) string {
-	parts := strings.Split(table, ".")
-	q := `"`
-	if d == MySQL {
-		q = "`"
-	}
-	for i, p := range parts {
-		parts[i] = q + p + q
-	}
-	return strings.Join(parts, ".")
-}
 
 // indexName is the name of the updated_at index; schema-qualified tables get
 // the index in the same schema, so only the table part is used.
@@ -80,11 +31,11 @@ func indexName(table string) string {
 }
 
 // schema returns the DDL that creates the table and its index.
-func (d Dialect) schema(table string) []string {
-	t := d.quote(table)
+func schemaOf(d sqldb.Dialect, table string) []string {
+	t := sqlkit.Quote(d, table)
 	idx := indexName(table)
 	switch d {
-	case Postgres:
+	case sqldb.Postgres:
 		return []string{
 			`CREATE TABLE IF NOT EXISTS ` + t + ` (
 	key        BYTEA    NOT NULL PRIMARY KEY,
@@ -97,7 +48,7 @@ func (d Dialect) schema(table string) []string {
 )`,
 			`CREATE INDEX IF NOT EXISTS "` + idx + `" ON ` + t + ` (updated_at)`,
 		}
-	case MySQL:
+	case sqldb.MySQL:
 		return []string{
 			"CREATE TABLE IF NOT EXISTS " + t + ` (
 	` + "`key`" + `      VARBINARY(2048) NOT NULL PRIMARY KEY,
@@ -178,11 +129,11 @@ type queries struct {
 // nowMicros is the database's clock in Unix microseconds, one value per
 // statement (statement_timestamp, NOW(6)), so that a statement that reads it
 // twice compares with the time it writes.
-func (d Dialect) nowMicros() string {
+func nowMicros(d sqldb.Dialect) string {
 	switch d {
-	case Postgres:
+	case sqldb.Postgres:
 		return `(extract(epoch from statement_timestamp()) * 1000000)::bigint`
-	case MySQL:
+	case sqldb.MySQL:
 		return mysqlNowMicros
 	}
 	return ""
@@ -191,12 +142,12 @@ func (d Dialect) nowMicros() string {
 // mysqlNowMicros is the MySQL/MariaDB clock in microseconds.
 const mysqlNowMicros = `CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)`
 
-func (d Dialect) queries(table string) queries {
-	t := d.quote(table)
-	now := d.nowMicros()
+func queriesOf(d sqldb.Dialect, table string) queries {
+	t := sqlkit.Quote(d, table)
+	now := nowMicros(d)
 	var q queries
 	switch d {
-	case Postgres:
+	case sqldb.Postgres:
 		q.claim = `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at, first_at)
 VALUES ($1, 1, $2, 1, ` + now + ` + $3, ` + now + `, ` + now + `)
 ON CONFLICT (key) DO UPDATE SET state = 1, token = excluded.token, attempts = cur.attempts + 1,
@@ -222,7 +173,7 @@ RETURNING attempts`
 		pruneCond := `updated_at < $1 AND (state <> 1 OR expires_at < LEAST($1, ` + now + `))`
 		q.prune = `DELETE FROM ` + t + ` WHERE key IN (SELECT key FROM ` + t + ` WHERE ` + pruneCond +
 			` LIMIT $2 FOR UPDATE SKIP LOCKED) AND ` + pruneCond
-	case SQLite:
+	case sqldb.SQLite:
 		q.insert = `INSERT INTO ` + t + ` (key, state, token, attempts, expires_at, updated_at, first_at)
 VALUES (?1, 1, ?2, 1, ?3, ?4, ?4) ON CONFLICT (key) DO NOTHING RETURNING attempts, first_at`
 		q.takeover = `UPDATE ` + t + ` SET state = 1, token = ?1, attempts = attempts + 1, expires_at = ?2, updated_at = ?3,
@@ -243,7 +194,7 @@ RETURNING attempts`
 		pruneCond := `updated_at < ?1 AND (state <> 1 OR expires_at < ?2)`
 		q.prune = `DELETE FROM ` + t + ` WHERE rowid IN (SELECT rowid FROM ` + t + ` WHERE ` + pruneCond +
 			` LIMIT ?3) AND ` + pruneCond
-	case MySQL:
+	case sqldb.MySQL:
 		// MySQL has no conditional ON DUPLICATE KEY UPDATE, so every column is
 		// set to itself unless the row may be taken over. Assignments run left
 		// to right and see earlier ones, so state and expires_at, which the

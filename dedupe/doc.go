@@ -52,21 +52,19 @@
 // # Stores
 //
 // [MemoryStore] is per-process. [SQLStore] keeps claims in a table of
-// PostgreSQL, MySQL/MariaDB or SQLite shared by all workers; create the table
-// with the statements of [Schema] in your migrations (nothing is created on
-// start-up). A SQLStore on a *sql.Tx puts the claim in that transaction, so
-// claim, the handler's own writes and the confirmation commit together, and a
-// rollback leaves no trace: the effect happens exactly once for everything in
-// that database. Whatever the transaction's isolation level, no read that
-// decides who owns a key answers from its snapshot: a worker whose claim was
-// taken over after its transaction began gets [ErrClaimLost], or its
-// transaction is aborted over the conflict (a serialization failure), never
-// a confirmation.
-//
-// [PgxStore] is the same store on PostgreSQL driven by pgx directly (a
-// *pgxpool.Pool, a *pgx.Conn or a pgx.Tx), for services that need no
-// database/sql pool. The SQL of each dialect and every decision taken from
-// its results are written once; the two drivers are thin executors under them.
+// PostgreSQL, MySQL/MariaDB or SQLite shared by all workers, on the
+// [sqldb.Driver] the service opened its database with (sqldb.Std for
+// database/sql, sqldb.Pgx for a pgx pool): one store, one API, whatever the
+// driver. Create the table with the statements of [SQLStore.Schema] in your
+// migrations (nothing is created on start-up). A SQLStore bound to a
+// transaction ([SQLStore.WithTx], [ConfirmTx]) puts the claim or its
+// confirmation in that transaction, so the handler's own writes and the
+// confirmation commit together, and a rollback leaves no trace: the effect
+// happens exactly once for everything in that database. Whatever the
+// transaction's isolation level, no read that decides who owns a key answers
+// from its snapshot: a worker whose claim was taken over after its
+// transaction began gets [ErrClaimLost], or its transaction is aborted over
+// the conflict (a serialization failure), never a confirmation.
 //
 // # What it does not guarantee
 //

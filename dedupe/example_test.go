@@ -9,9 +9,11 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	_ "github.com/jackc/pgx/v5/stdlib"
 	_ "modernc.org/sqlite"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // The middleware runs the handler once per message UUID: a second delivery of
@@ -74,16 +76,15 @@ func ExampleSQLStore_WithTx() {
 	defer db.Close()
 	ctx := context.Background()
 
-	ddl, _ := dedupe.Schema(dedupe.SQLite, "settle_dedupe")
-	ddl = append(ddl, `CREATE TABLE charges (order_id TEXT PRIMARY KEY, cents INTEGER)`)
+	store, err := dedupe.NewSQLStore(sqldb.Std(db, sqldb.SQLite), dedupe.SQLConfig{})
+	if err != nil {
+		panic(err)
+	}
+	ddl := append(store.Schema(), `CREATE TABLE charges (order_id TEXT PRIMARY KEY, cents INTEGER)`)
 	for _, stmt := range ddl {
 		if _, err := db.ExecContext(ctx, stmt); err != nil {
 			panic(err)
 		}
-	}
-	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dedupe.SQLite})
-	if err != nil {
-		panic(err)
 	}
 
 	// charge claims the key, writes the charge and confirms, all in one
@@ -130,12 +131,19 @@ func ExampleSQLStore_WithTx() {
 	// charges: 1
 }
 
-func ExampleSchema() {
-	stmts, err := dedupe.Schema(dedupe.Postgres, "settle_dedupe")
+// The DDL of the claims table, for a migration: here PostgreSQL's. No
+// connection is made.
+func ExampleSQLStore_Schema() {
+	db, err := sql.Open("pgx", "postgres://localhost/app")
 	if err != nil {
 		panic(err)
 	}
-	fmt.Println(stmts[0])
+	defer db.Close()
+	store, err := dedupe.NewSQLStore(sqldb.Std(db, sqldb.Postgres), dedupe.SQLConfig{})
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println(store.Schema()[0])
 	// Output:
 	// CREATE TABLE IF NOT EXISTS "settle_dedupe" (
 	// 	key        BYTEA    NOT NULL PRIMARY KEY,

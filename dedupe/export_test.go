@@ -3,10 +3,10 @@ package dedupe
 // WithoutReturning makes s claim as it does on a MySQL server, which has no
 // INSERT … RETURNING: the write, then the row read back. The tests run it on
 // MariaDB, which has one, so that both paths are tried against a server.
-func WithoutReturning(s *SQLStore) { s.server.returning.Store(2) }
+func WithoutReturning[TTx any](s *SQLStore[TTx]) { s.server.returning.Store(2) }
 
 // ReturningKnown reports whether s has asked its server, and its answer.
-func ReturningKnown(s *SQLStore) (known, returning bool) {
+func ReturningKnown[TTx any](s *SQLStore[TTx]) (known, returning bool) {
 	v := s.server.returning.Load()
 	return v != 0, v == 1
 }

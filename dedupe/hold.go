@@ -4,34 +4,35 @@ import (
 	"context"
 	"errors"
 	"fmt"
+
+	"github.com/settle-go/settle/sqldb"
 )
 
-// holdIn hands the claim in ctx to the caller's transaction, whose
-// statements ex runs; see HoldTx.
-func holdIn(ctx context.Context, ex executor) error {
+// holdIn hands the claim in ctx to tx, the caller's transaction; see HoldTx.
+func holdIn[TTx any](ctx context.Context, tx TTx) error {
 	st, ok := ctx.Value(heldCtxKey{}).(*held)
 	if !ok {
 		return ErrNoClaim
 	}
-	sb, ok := st.store.(sqlBacked)
-	if !ok {
-		return nil // nothing to hand over: the renewal goes on beside
+	s, err := txStore[TTx](st, "holding a claim in")
+	if err != nil {
+		if _, sql := st.store.(sqlBacked); !sql {
+			return nil // nothing to hand over: the renewal goes on beside
+		}
+		return err
 	}
-	s := sb.sqlStore()
-	if _, pgx := ex.(pgxExec); pgx && s.dialect != Postgres {
-		return fmt.Errorf("dedupe: holding a claim in a pgx.Tx needs a store of the Postgres dialect, not %s", s.dialect)
-	}
+	s = s.WithTx(tx)
 	switch s.dialect {
-	case SQLite:
+	case sqldb.SQLite:
 		st.stopRenew()
 		ctx, cancel := st.bounded(ctx)
 		defer cancel()
-		if err := s.on(ex).Renew(ctx, st.claim, st.ttl); err != nil {
+		if err := s.Renew(ctx, st.claim, st.ttl); err != nil {
 			return fmt.Errorf("dedupe: hold claim in transaction: %w", err)
 		}
 		return nil
-	case Postgres:
-		return holdPostgres(ctx, st, s.on(ex))
+	case sqldb.Postgres:
+		return holdPostgres(ctx, st, s)
 	}
 	return nil
 }
@@ -50,14 +51,14 @@ func holdIn(ctx context.Context, ex executor) error {
 // before the confirmation does. A renewal landing after the snapshot would
 // have made every later UPDATE of the row in the transaction fail with a
 // serialization failure.
-func holdPostgres(ctx context.Context, st *held, s *SQLStore) error {
+func holdPostgres[TTx any](ctx context.Context, st *held, s *SQLStore[TTx]) error {
 	if err := checkOwned(st.claim); err != nil {
 		return err
 	}
 	ctx, cancel := st.bounded(ctx)
 	defer cancel()
 	var level string
-	if err := s.ex.queryRow(ctx, "SHOW transaction_isolation", nil, &level); err != nil {
+	if err := s.ex.QueryRow(ctx, "SHOW transaction_isolation", nil, &level); err != nil {
 		return fmt.Errorf("dedupe: hold claim in transaction: %w", err)
 	}
 	if level != "repeatable read" && level != "serializable" {

@@ -12,86 +12,64 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // holdCase is one driver's way of running a handler's own transaction
 // behind the middleware: begin at iso, HoldTx, then inside, ConfirmTx and
 // commit.
 type holdCase struct {
-	name  string
-	store func(t *testing.T, db testenv.DB, table string) dedupe.Store
-	run   func(ctx context.Context, t *testing.T, db testenv.DB, iso string, inside func(ctx context.Context) error) error
+	name string
+	// setup returns the store on a claims table, and run, which runs a
+	// handler's transaction on the same driver.
+	setup func(t *testing.T, db testenv.DB, table string) (dedupe.Store, holdRun)
+}
+
+type holdRun func(ctx context.Context, iso string, inside func(ctx context.Context) error) error
+
+var holdLevels = map[string]sql.IsolationLevel{"read committed": sql.LevelReadCommitted, "repeatable read": sql.LevelRepeatableRead, "serializable": sql.LevelSerializable}
+
+// holdCaseOn is the holdCase of the driver open returns: the same code for
+// every driver.
+func holdCaseOn[TTx any](name string, open func(t *testing.T, db testenv.DB) sqldb.Driver[TTx]) holdCase {
+	return holdCase{name, func(t *testing.T, db testenv.DB, table string) (dedupe.Store, holdRun) {
+		drv := open(t, db)
+		s, err := dedupe.NewSQLStore(drv, dedupe.SQLConfig{Table: table})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s, func(ctx context.Context, iso string, inside func(ctx context.Context) error) error {
+			tx, err := drv.Begin(ctx, &sql.TxOptions{Isolation: holdLevels[iso]}, "")
+			if err != nil {
+				return err
+			}
+			defer func() { _ = drv.Rollback(context.Background(), tx) }()
+			if err := dedupe.HoldTx(ctx, tx); err != nil {
+				return err
+			}
+			if err := drv.Tx(tx).QueryRow(ctx, "SELECT 1", nil, new(int)); err != nil {
+				return err
+			}
+			if err := inside(ctx); err != nil {
+				return err
+			}
+			if err := dedupe.ConfirmTx(ctx, tx); err != nil {
+				return err
+			}
+			return drv.Commit(ctx, tx)
+		}
+	}}
 }
 
 func holdCases() []holdCase {
-	levels := map[string]sql.IsolationLevel{"read committed": sql.LevelReadCommitted, "repeatable read": sql.LevelRepeatableRead, "serializable": sql.LevelSerializable}
 	return []holdCase{
-		{
-			name: "database/sql",
-			store: func(t *testing.T, db testenv.DB, table string) dedupe.Store {
-				s, err := dedupe.NewSQLStore(db.DB, dedupe.SQLConfig{Dialect: db.Dialect, Table: table})
-				if err != nil {
-					t.Fatal(err)
-				}
-				return s
-			},
-			run: func(ctx context.Context, t *testing.T, db testenv.DB, iso string, inside func(ctx context.Context) error) error {
-				tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: levels[iso]})
-				if err != nil {
-					return err
-				}
-				defer func() { _ = tx.Rollback() }()
-				if err := dedupe.HoldTx(ctx, tx); err != nil {
-					return err
-				}
-				var n int
-				if err := tx.QueryRowContext(ctx, "SELECT 1").Scan(&n); err != nil {
-					return err
-				}
-				if err := inside(ctx); err != nil {
-					return err
-				}
-				if err := dedupe.ConfirmTx(ctx, tx); err != nil {
-					return err
-				}
-				return tx.Commit()
-			},
-		},
-		{
-			name: "pgx",
-			store: func(t *testing.T, _ testenv.DB, table string) dedupe.Store {
-				s, err := dedupe.NewPgxStore(testenv.PgxPool(t), dedupe.PgxConfig{Table: table})
-				if err != nil {
-					t.Fatal(err)
-				}
-				return s
-			},
-			run: func(ctx context.Context, t *testing.T, _ testenv.DB, iso string, inside func(ctx context.Context) error) error {
-				tx, err := testenv.PgxPool(t).BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.TxIsoLevel(iso)})
-				if err != nil {
-					return err
-				}
-				defer func() { _ = tx.Rollback(context.Background()) }()
-				if err := dedupe.HoldPgxTx(ctx, tx); err != nil {
-					return err
-				}
-				if _, err := tx.Exec(ctx, "SELECT 1"); err != nil {
-					return err
-				}
-				if err := inside(ctx); err != nil {
-					return err
-				}
-				if err := dedupe.ConfirmPgxTx(ctx, tx); err != nil {
-					return err
-				}
-				return tx.Commit(ctx)
-			},
-		},
+		holdCaseOn("database/sql", func(_ *testing.T, db testenv.DB) sqldb.Driver[*sql.Tx] { return db.Driver() }),
+		holdCaseOn("pgx", func(t *testing.T, _ testenv.DB) sqldb.Driver[pgx.Tx] { return testenv.Pgx(t) }),
 	}
 }
 
 // A handler's own transaction on PostgreSQL, begun at REPEATABLE READ or
-// SERIALIZABLE with HoldTx (HoldPgxTx) as its first statement, outlives
+// SERIALIZABLE with HoldTx as its first statement, outlives
 // three renewals of its claim and confirms: the transaction holds the
 // claim's row, and no renewal writes it after the snapshot. Without the
 // hold, ConfirmTx failed with a serialization failure every time. While it
@@ -106,7 +84,7 @@ func TestHoldTxOnPostgresAtEveryIsolationLevel(t *testing.T) {
 			t.Run(c.name+"/"+iso, func(t *testing.T) {
 				t.Parallel()
 				db := testenv.Postgres(t)
-				store := c.store(t, db, testenv.DedupeTable(t, db))
+				store, run := c.setup(t, db, testenv.DedupeTable(t, db))
 				mw, err := dedupe.NewMiddleware(dedupe.Config{Store: store, ClaimTimeout: 600 * time.Millisecond, RenewInterval: 150 * time.Millisecond})
 				if err != nil {
 					t.Fatal(err)
@@ -119,7 +97,7 @@ func TestHoldTxOnPostgresAtEveryIsolationLevel(t *testing.T) {
 				runs := 0
 				h := mw(func(msg *message.Message) ([]*message.Message, error) {
 					runs++
-					return nil, c.run(msg.Context(), t, db, iso, func(ctx context.Context) error {
+					return nil, run(msg.Context(), iso, func(ctx context.Context) error {
 						time.Sleep(700 * time.Millisecond) // past the claim timeout: renewals, or the hold, keep it
 						// Another worker's claim of the key.
 						cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)

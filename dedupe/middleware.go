@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/settlement"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // KeyFunc returns the dedupe key of a message. An error from it fails the
@@ -146,8 +148,8 @@ func (c *Config) setDefaults() {
 	}
 }
 
-// Validate reports the first invalid field.
-func (c Config) Validate() error {
+// validate reports the first invalid field.
+func (c Config) validate() error {
 	switch {
 	case c.Store == nil:
 		return errors.New("dedupe: Config.Store is required")
@@ -211,7 +213,7 @@ func ClaimFromContext(ctx context.Context) (Claim, bool) {
 // context is cancelled with a cause that wraps ErrClaimLost.
 func NewMiddleware(cfg Config) (message.HandlerMiddleware, error) {
 	cfg.setDefaults()
-	if err := cfg.Validate(); err != nil {
+	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
 	_, local := cfg.Store.(inProcess)
@@ -240,7 +242,7 @@ func networked(s Store) bool {
 	if _, ok := s.(inProcess); ok || s == nil {
 		return false
 	}
-	if sb, ok := s.(sqlBacked); ok && sb.sqlStore().dialect == SQLite {
+	if sb, ok := s.(sqlBacked); ok && sb.sqlDialect() == sqldb.SQLite {
 		return false
 	}
 	return true
@@ -580,14 +582,31 @@ func (h *held) bounded(ctx context.Context) (context.Context, context.CancelFunc
 // stopRenew stops the renewal of the claim, if any; it may be called twice.
 func (h *held) stopRenew() { h.ren.stop() }
 
-// sqlBacked is a store whose statements can run on a caller's transaction:
-// *SQLStore and *PgxStore.
+// sqlBacked is a store whose statements can run in a caller's
+// transaction: a *SQLStore of any driver.
 type sqlBacked interface {
-	sqlStore() *SQLStore
+	sqlDialect() sqldb.Dialect
+	txType() string
 }
 
-func (s *SQLStore) sqlStore() *SQLStore { return s }
-func (p *PgxStore) sqlStore() *SQLStore { return p.s }
+func (s *SQLStore[TTx]) sqlDialect() sqldb.Dialect { return s.dialect }
+
+// txType names TTx, for the error of a ConfirmTx or HoldTx given another
+// transaction type.
+func (s *SQLStore[TTx]) txType() string { return reflect.TypeFor[TTx]().String() }
+
+// txStore is the middleware's store of st as a *SQLStore[TTx], or an error
+// naming what it is, for doing what.
+func txStore[TTx any](st *held, doing string) (*SQLStore[TTx], error) {
+	if s, ok := st.store.(*SQLStore[TTx]); ok {
+		return s, nil
+	}
+	want := reflect.TypeFor[TTx]().String()
+	if sb, ok := st.store.(sqlBacked); ok {
+		return nil, fmt.Errorf("dedupe: %s a transaction of type %s needs the middleware's store to be a *dedupe.SQLStore[%s], not a *dedupe.SQLStore[%s] (the store and the transaction must come from the same sqldb.Driver)", doing, want, want, sb.txType())
+	}
+	return nil, fmt.Errorf("dedupe: %s a transaction of type %s needs the middleware's store to be a *dedupe.SQLStore[%s], not %T", doing, want, want, st.store)
+}
 
 // ErrNoClaim is returned by ConfirmTx when the context carries no claim of
 // the dedupe middleware.
@@ -599,7 +618,7 @@ var ErrNoClaim = errors.New("dedupe: no claim in the context (is the handler beh
 // middleware, as the last statement before Commit, with msg.Context():
 //
 //	if err := dedupe.ConfirmTx(ctx, tx); err != nil { return err }
-//	return tx.Commit()
+//	return tx.Commit() // tx.Commit(ctx) on pgx
 //
 // It stops the claim's renewal first (the confirmation locks the row until
 // commit). If the handler then returns nil, the middleware takes the
@@ -608,28 +627,18 @@ var ErrNoClaim = errors.New("dedupe: no claim in the context (is the handler beh
 //
 // The claim itself was taken outside the transaction, so the attempt count
 // is durable even when the transaction rolls back or the process dies; the
-// store must be a *SQLStore (or a *PgxStore) on the same database as tx.
-// For a pgx.Tx, call [ConfirmPgxTx].
-func ConfirmTx(ctx context.Context, tx DB) error {
-	return confirmIn(ctx, sqlExec{db: tx})
-}
-
-// confirmIn confirms the claim in ctx with the statements run by ex, the
-// caller's transaction.
-func confirmIn(ctx context.Context, ex executor) error {
+// store must be the *SQLStore[TTx] of the driver tx comes from, on the
+// same database: TTx is *sql.Tx with [sqldb.Std], pgx.Tx with [sqldb.Pgx].
+func ConfirmTx[TTx any](ctx context.Context, tx TTx) error {
 	st, ok := ctx.Value(heldCtxKey{}).(*held)
 	if !ok {
 		return ErrNoClaim
 	}
-	sb, ok := st.store.(sqlBacked)
-	if !ok {
-		return fmt.Errorf("dedupe: confirming in a transaction needs a store with WithTx (a *SQLStore or *PgxStore), not %T", st.store)
+	s, err := txStore[TTx](st, "confirming in")
+	if err != nil {
+		return err
 	}
-	s := sb.sqlStore()
-	if _, pgx := ex.(pgxExec); pgx && s.dialect != Postgres {
-		return fmt.Errorf("dedupe: confirming in a pgx.Tx needs a store of the Postgres dialect, not %s", s.dialect)
-	}
-	s = s.on(ex)
+	s = s.WithTx(tx)
 	ctx, cancel := st.bounded(ctx)
 	defer cancel()
 	// A renewal in flight is let finish rather than cancelled: cancelled,
@@ -648,7 +657,8 @@ func confirmIn(ctx context.Context, ex executor) error {
 // tx, the handler's own transaction. Call it from a handler behind the dedupe
 // middleware, with msg.Context(), right after beginning tx and before any
 // other statement in it; RunTx (and so every pipeline transactional handler)
-// does. For a pgx.Tx, call [HoldPgxTx].
+// does. The middleware's store must be the *SQLStore[TTx] of the driver tx
+// comes from; with another store HoldTx does nothing.
 //
 // On SQLite a transaction that writes holds the database's only write lock
 // until it ends, so the middleware's renewal, which runs on another
@@ -672,8 +682,8 @@ func confirmIn(ctx context.Context, ex executor) error {
 // the snapshot), the renewal lands beside the transaction and HoldTx
 // changes nothing (on PostgreSQL it asks the level, a SHOW that takes no
 // snapshot and no lock).
-func HoldTx(ctx context.Context, tx DB) error {
-	return holdIn(ctx, sqlExec{db: tx})
+func HoldTx[TTx any](ctx context.Context, tx TTx) error {
+	return holdIn(ctx, tx)
 }
 
 // publish sends the handler's output while the claim is still held, so that

@@ -38,7 +38,7 @@ func storeCases() []storeCase {
 		{"sqlite", func(t *testing.T) (dedupe.Store, func() int) {
 			db := testenv.SQLite(t)
 			table := testenv.DedupeTable(t, db)
-			s, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: table})
+			s, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: table})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -37,7 +37,7 @@ func newOutputRabbit(t *testing.T, withPoison, withPublisher, derive bool) *outp
 	t.Helper()
 	u := testenv.AMQPURL(t)
 	db := testenv.SQLite(t)
-	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
+	store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
 	must(t, err)
 	r := &outputRabbit{src: testenv.Name(t, "src")}
 	r.out, r.psn = r.src+".out", r.src+".poison"

@@ -22,7 +22,7 @@ func TestReviewTinyStoreTimeout(t *testing.T) {
 	t.Parallel()
 	db := testenv.Postgres(t)
 	table := testenv.DedupeTable(t, db)
-	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: table})
+	store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: table})
 	if err != nil {
 		t.Fatal(err)
 	}

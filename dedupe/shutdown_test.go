@@ -41,7 +41,7 @@ func TestShutdownDuringClaimLeavesTheKeyFree(t *testing.T) {
 		t.Run(d.Name, func(t *testing.T) {
 			t.Parallel()
 			db := d.Open(t)
-			store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
+			store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -5,32 +5,18 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"reflect"
 	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
 
-	"github.com/go-sql-driver/mysql"
-)
-
-// DB is what a [SQLStore] runs its statements on. *sql.DB, *sql.Tx and
-// *sql.Conn all satisfy it.
-type DB interface {
-	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
-	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
-	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
-}
-
-var (
-	_ DB = (*sql.DB)(nil)
-	_ DB = (*sql.Tx)(nil)
-	_ DB = (*sql.Conn)(nil)
+	"github.com/settle-go/settle/internal/sqlkit"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // SQLConfig configures a [SQLStore].
 type SQLConfig struct {
-	// Dialect is the SQL flavour of the database. Required.
-	Dialect Dialect
 	// Table is the name of the claims table, a plain identifier optionally
 	// qualified by a schema ("settle.dedupe"). Defaults to "settle_dedupe".
 	Table string
@@ -39,24 +25,17 @@ type SQLConfig struct {
 	PruneBatch int
 }
 
-// DefaultTable is the table name used when SQLConfig.Table is empty.
-const DefaultTable = "settle_dedupe"
-
 func (c *SQLConfig) setDefaults() {
 	if c.Table == "" {
-		c.Table = DefaultTable
+		c.Table = "settle_dedupe"
 	}
 	if c.PruneBatch == 0 {
 		c.PruneBatch = 5000
 	}
 }
 
-// Validate reports the first invalid field.
-func (c SQLConfig) Validate() error {
-	if err := c.Dialect.valid(); err != nil {
-		return fmt.Errorf("SQLConfig.Dialect: %w", err)
-	}
-	if err := validateTable(c.Table); err != nil {
+func (c SQLConfig) validate() error {
+	if err := sqlkit.ValidTable(c.Table); err != nil {
 		return fmt.Errorf("SQLConfig.Table: %w", err)
 	}
 	if c.PruneBatch <= 0 {
@@ -66,8 +45,12 @@ func (c SQLConfig) Validate() error {
 }
 
 // SQLStore is a Store in a SQL table, shared by every process that uses the
-// same table. It never creates the table: run the statements of [Schema] with
-// your migration tool first.
+// same table, on any [sqldb.Driver]: database/sql on PostgreSQL,
+// MySQL/MariaDB or SQLite ([sqldb.Std], TTx *sql.Tx), or pgx on PostgreSQL
+// ([sqldb.Pgx], TTx pgx.Tx). The statements, and every decision taken from
+// what they return, are the same whatever the driver. It never creates the
+// table: run the statements of [SQLStore.Schema] with your migration tool
+// first.
 //
 // Times are stored as Unix microseconds. On PostgreSQL and MySQL/MariaDB they
 // come from the database server's clock, in the statement that writes them,
@@ -79,9 +62,9 @@ func (c SQLConfig) Validate() error {
 // read back and its token), never from affected-row counts, which driver
 // options such as clientFoundRows change.
 //
-// A SQLStore built on a *sql.Tx (directly or with [SQLStore.WithTx]) makes
-// the claim part of that transaction: commit it and the claim, the handler's
-// own writes and the confirmation land together; roll it back and no trace of
+// A store bound to a transaction with [SQLStore.WithTx] makes the claim
+// part of that transaction: commit it and the claim, the handler's own
+// writes and the confirmation land together; roll it back and no trace of
 // the claim is left. On PostgreSQL and MySQL a second transaction claiming the
 // same key waits for the first to finish, then sees Duplicate (committed) or
 // acquires the key (rolled back). Never renew a transactional claim: it is
@@ -94,14 +77,17 @@ func (c SQLConfig) Validate() error {
 // failure or a deadlock that the database raises instead is returned,
 // wrapping the driver's error: the transaction is aborted, and the caller
 // must roll it back.
-type SQLStore struct {
-	ex      executor
-	dialect Dialect
-	table   string
-	batch   int
-	q       queries
-	now     func() time.Time
-	server  *server // shared with the copies WithTx makes
+type SQLStore[TTx any] struct {
+	db      sqldb.Driver[TTx]
+	ex      sqldb.Executor
+	dialect sqldb.Dialect
+	// pipelined: ex sends the runs of QueryRowEach in one round trip (pgx).
+	pipelined bool
+	table     string
+	batch     int
+	q         queries
+	now       func() time.Time
+	server    *server // shared with the copies WithTx makes
 }
 
 // server is what a store learned of its server.
@@ -116,8 +102,8 @@ type server struct {
 // same statement (RETURNING): always on PostgreSQL and SQLite, on the MySQL
 // dialect only with MariaDB 10.5 or later. The server's version is asked for
 // once; a failure to ask is asked again at the next claim.
-func (s *SQLStore) returning(ctx context.Context) bool {
-	if s.dialect != MySQL {
+func (s *SQLStore[TTx]) returning(ctx context.Context) bool {
+	if s.dialect != sqldb.MySQL {
 		return true
 	}
 	switch s.server.returning.Load() {
@@ -127,7 +113,7 @@ func (s *SQLStore) returning(ctx context.Context) bool {
 		return false
 	}
 	var v string
-	if err := s.ex.queryRow(ctx, "SELECT VERSION()", nil, &v); err != nil {
+	if err := s.queryRow(ctx, "SELECT VERSION()", nil, &v); err != nil {
 		return false
 	}
 	ok := mariaDBReturning(v)
@@ -156,73 +142,78 @@ func mariaDBReturning(version string) bool {
 	return ma > 10 || ma == 10 && mi >= 5
 }
 
-// NewSQLStore returns a store on db. It checks cfg but touches no table.
-func NewSQLStore(db DB, cfg SQLConfig) (*SQLStore, error) {
+// NewSQLStore returns a store on db, in the dialect db.Dialect() names. It
+// checks cfg but touches no table. settle does not close db.
+func NewSQLStore[TTx any](db sqldb.Driver[TTx], cfg SQLConfig) (*SQLStore[TTx], error) {
 	if db == nil {
 		return nil, errors.New("dedupe: NewSQLStore: db is nil")
 	}
+	d := db.Dialect()
+	if err := sqlkit.ValidDialect(d); err != nil {
+		return nil, fmt.Errorf("dedupe: NewSQLStore: db.Dialect(): %w", err)
+	}
 	cfg.setDefaults()
-	if err := cfg.Validate(); err != nil {
+	if err := cfg.validate(); err != nil {
 		return nil, fmt.Errorf("dedupe: %w", err)
 	}
-	return newStore(sqlExec{db: db}, cfg), nil
+	return &SQLStore[TTx]{
+		db:        db,
+		ex:        db.DB(),
+		dialect:   d,
+		pipelined: d == sqldb.Postgres && pgxTx[TTx](),
+		table:     cfg.Table,
+		batch:     cfg.PruneBatch,
+		q:         queriesOf(d, cfg.Table),
+		now:       time.Now,
+		server:    &server{},
+	}, nil
 }
 
-// newStore builds the store on ex; cfg is checked.
-func newStore(ex executor, cfg SQLConfig) *SQLStore {
-	return &SQLStore{
-		ex:      cfg.Dialect.executor(ex),
-		dialect: cfg.Dialect,
-		table:   cfg.Table,
-		batch:   cfg.PruneBatch,
-		q:       cfg.Dialect.queries(cfg.Table),
-		now:     time.Now,
-		server:  &server{},
-	}
+// pgxTx reports whether TTx is pgx's transaction (github.com/jackc/pgx/v5's
+// Tx), whose driver sends the runs of Executor.QueryRowEach in one round
+// trip; database/sql sends one round trip per run. The type is recognised
+// by its package path, so that dedupe does not import pgx.
+func pgxTx[TTx any]() bool {
+	t := reflect.TypeFor[TTx]()
+	return t.PkgPath() == "github.com/jackc/pgx/v5" && t.Name() == "Tx"
 }
 
 // WithTx returns a store with the same configuration that runs its
-// statements on tx (or any other DB, such as a *sql.Conn). It is cheap: call
+// statements in tx, a transaction of the store's driver. It is cheap: call
 // it once per transaction.
-func (s *SQLStore) WithTx(tx DB) *SQLStore { return s.on(sqlExec{db: tx}) }
-
-// on returns a copy of s that runs its statements with ex.
-func (s *SQLStore) on(ex executor) *SQLStore {
+func (s *SQLStore[TTx]) WithTx(tx TTx) *SQLStore[TTx] {
 	c := *s
-	c.ex = s.dialect.executor(ex)
+	c.ex = s.db.Tx(tx)
 	return &c
 }
 
-// executor is ex as the dialect runs it: on MySQL, a database/sql executor
-// writes its arguments into its statements (see inlineArgs).
-func (d Dialect) executor(ex executor) executor {
-	if e, ok := ex.(sqlExec); ok && d == MySQL {
-		e.inline = true
-		return e
-	}
-	return ex
-}
-
 // Schema returns the statements that create the claims table and its index,
-// for your migrations. Each statement is idempotent (IF NOT EXISTS).
-func Schema(d Dialect, table string) ([]string, error) {
-	if table == "" {
-		table = DefaultTable
+// in the store's dialect, for your migrations. Each statement is idempotent
+// (IF NOT EXISTS).
+func (s *SQLStore[TTx]) Schema() []string { return schemaOf(s.dialect, s.table) }
+
+// exec, queryRow and query run a statement on the store's executor. On
+// MySQL the arguments are written into the statement first (inlineArgs).
+func (s *SQLStore[TTx]) exec(ctx context.Context, query string, args ...any) (int64, error) {
+	if s.dialect == sqldb.MySQL {
+		query, args = inlineArgs(query, args)
 	}
-	if err := d.valid(); err != nil {
-		return nil, err
-	}
-	if err := validateTable(table); err != nil {
-		return nil, err
-	}
-	return d.schema(table), nil
+	return s.ex.Exec(ctx, query, args...)
 }
 
-// Schema returns the DDL of this store's table; see the package-level Schema.
-func (s *SQLStore) Schema() []string { return s.dialect.schema(s.table) }
+func (s *SQLStore[TTx]) queryRow(ctx context.Context, query string, args []any, dest ...any) error {
+	if s.dialect == sqldb.MySQL {
+		query, args = inlineArgs(query, args)
+	}
+	return s.ex.QueryRow(ctx, query, args, dest...)
+}
 
-// Dialect returns the SQL dialect the store was made with.
-func (s *SQLStore) Dialect() Dialect { return s.dialect }
+func (s *SQLStore[TTx]) query(ctx context.Context, query string, args []any, each func(scan func(dest ...any) error) error) error {
+	if s.dialect == sqldb.MySQL {
+		query, args = inlineArgs(query, args)
+	}
+	return s.ex.Query(ctx, query, args, each)
+}
 
 func micros(t time.Time) int64 { return t.UnixMicro() }
 
@@ -245,7 +236,7 @@ func fromMicros(us int64) time.Time { return time.UnixMicro(us) }
 const claimRetries = 4
 
 // Claim implements Store.
-func (s *SQLStore) Claim(ctx context.Context, key string, ttl time.Duration) (Claim, error) {
+func (s *SQLStore[TTx]) Claim(ctx context.Context, key string, ttl time.Duration) (Claim, error) {
 	if err := ValidateKey(key); err != nil {
 		return Claim{}, err
 	}
@@ -271,7 +262,7 @@ func (s *SQLStore) Claim(ctx context.Context, key string, ttl time.Duration) (Cl
 				return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
 			}
 		}
-		if s.dialect == MySQL && r.found && r.state == stateClaimed && r.token == token {
+		if s.dialect == sqldb.MySQL && r.found && r.state == stateClaimed && r.token == token {
 			// The statement took the key: its token is ours.
 			return Claim{Key: key, Result: Acquired, Token: token, Attempt: r.attempts, ExpiresAt: fromMicros(r.expires), FirstAt: firstAt(r.first)}, nil
 		}
@@ -288,30 +279,30 @@ func (s *SQLStore) Claim(ctx context.Context, key string, ttl time.Duration) (Cl
 //
 // On MariaDB the statement returns the row as it left it (r, found), which
 // the caller reads instead of reading it back.
-func (s *SQLStore) tryClaim(ctx context.Context, k []byte, token string, ttl time.Duration) (c Claim, took bool, r row, err error) {
+func (s *SQLStore[TTx]) tryClaim(ctx context.Context, k []byte, token string, ttl time.Duration) (c Claim, took bool, r row, err error) {
 	var attempts int
 	var expires, first int64
 	switch s.dialect {
-	case MySQL:
+	case sqldb.MySQL:
 		if s.returning(ctx) {
 			r, err = s.returned(ctx, s.q.claimReturning, k, token, ttl.Microseconds())
 			return Claim{}, false, r, err
 		}
-		_, err := s.ex.exec(ctx, s.q.claim, k, token, ttl.Microseconds())
+		_, err := s.exec(ctx, s.q.claim, k, token, ttl.Microseconds())
 		return Claim{}, false, row{}, err
-	case SQLite:
+	case sqldb.SQLite:
 		now := s.now()
 		exp := micros(now.Add(ttl))
-		err = s.ex.queryRow(ctx, s.q.insert, []any{k, token, exp, micros(now)}, &attempts, &first)
-		if errors.Is(err, errNoRows) {
-			err = s.ex.queryRow(ctx, s.q.takeover, []any{token, exp, micros(now), k}, &attempts, &first)
+		err = s.queryRow(ctx, s.q.insert, []any{k, token, exp, micros(now)}, &attempts, &first)
+		if errors.Is(err, sql.ErrNoRows) {
+			err = s.queryRow(ctx, s.q.takeover, []any{token, exp, micros(now), k}, &attempts, &first)
 		}
 		expires = exp
 	default:
-		err = s.ex.queryRow(ctx, s.q.claim, []any{k, token, ttl.Microseconds()}, &attempts, &expires, &first)
+		err = s.queryRow(ctx, s.q.claim, []any{k, token, ttl.Microseconds()}, &attempts, &expires, &first)
 	}
 	switch {
-	case errors.Is(err, errNoRows):
+	case errors.Is(err, sql.ErrNoRows):
 		return Claim{}, false, row{}, nil
 	case err != nil:
 		return Claim{}, false, row{}, err
@@ -321,10 +312,10 @@ func (s *SQLStore) tryClaim(ctx context.Context, k []byte, token string, ttl tim
 
 // returned runs a MariaDB claim statement with RETURNING and reads the row
 // it returns, which is there whatever the statement did to it.
-func (s *SQLStore) returned(ctx context.Context, query string, args ...any) (row, error) {
+func (s *SQLStore[TTx]) returned(ctx context.Context, query string, args ...any) (row, error) {
 	var r row
-	if err := s.ex.queryRow(ctx, query, args, r.columns()...); err != nil {
-		if errors.Is(err, errNoRows) {
+	if err := s.queryRow(ctx, query, args, r.columns()...); err != nil {
+		if errors.Is(err, sql.ErrNoRows) {
 			err = errors.New("the claim statement returned no row")
 		}
 		return row{}, err
@@ -375,17 +366,17 @@ func (r row) settled() (Result, bool) {
 	return 0, false
 }
 
-func (s *SQLStore) readBack(ctx context.Context, k []byte) (row, error) {
+func (s *SQLStore[TTx]) readBack(ctx context.Context, k []byte) (row, error) {
 	var r row
-	err := s.ex.queryRow(ctx, s.q.readBack, []any{k}, r.columns()...)
-	if errors.Is(err, errNoRows) {
+	err := s.queryRow(ctx, s.q.readBack, []any{k}, r.columns()...)
+	if errors.Is(err, sql.ErrNoRows) {
 		return row{}, nil
 	}
 	if err != nil {
 		return row{}, fmt.Errorf("read back: %w", err)
 	}
 	r.found = true
-	if s.dialect == SQLite {
+	if s.dialect == sqldb.SQLite {
 		r.now = micros(s.now())
 	}
 	return r, nil
@@ -394,14 +385,14 @@ func (s *SQLStore) readBack(ctx context.Context, k []byte) (row, error) {
 // update runs one owner-checked UPDATE and maps "no row" to ErrClaimLost.
 // The WHERE clause (key, state, token) is what decides ownership: a row
 // counted as found or changed was the caller's.
-func (s *SQLStore) update(ctx context.Context, op, query string, c Claim, args ...any) error {
+func (s *SQLStore[TTx]) update(ctx context.Context, op, query string, c Claim, args ...any) error {
 	if err := checkOwned(c); err != nil {
 		return err
 	}
 	k := []byte(c.Key)
 	args = append(args, k, c.Token)
-	n, err := s.ex.exec(ctx, query, args...)
-	if err != nil && s.ex.inTx() && conflicted(err) {
+	n, err := s.exec(ctx, query, args...)
+	if err != nil && s.ex.InTx() && sqlkit.Conflict(err) {
 		return fmt.Errorf("dedupe: %s: the caller's transaction conflicts with a change of the key's row since its snapshot (a takeover or a renewal); roll it back: %w", op, err)
 	}
 	if err != nil {
@@ -410,7 +401,7 @@ func (s *SQLStore) update(ctx context.Context, op, query string, c Claim, args .
 	if n > 0 {
 		return nil
 	}
-	if s.dialect == MySQL {
+	if s.dialect == sqldb.MySQL {
 		// Without clientFoundRows MySQL counts changed rows, not matched ones:
 		// an UPDATE that writes the values already there reports 0. Ask
 		// whether we still own it, with a locking read: in a caller's
@@ -421,11 +412,11 @@ func (s *SQLStore) update(ctx context.Context, op, query string, c Claim, args .
 		// PostgreSQL refuses an UPDATE of a row changed since the snapshot
 		// with a serialization failure, which goes to the caller).
 		var one int
-		err := s.ex.queryRow(ctx, s.q.owner, []any{k, c.Token}, &one)
+		err := s.queryRow(ctx, s.q.owner, []any{k, c.Token}, &one)
 		if err == nil {
 			return nil
 		}
-		if !errors.Is(err, errNoRows) {
+		if !errors.Is(err, sql.ErrNoRows) {
 			return fmt.Errorf("dedupe: %s: %w", op, err)
 		}
 	}
@@ -433,27 +424,27 @@ func (s *SQLStore) update(ctx context.Context, op, query string, c Claim, args .
 }
 
 // Renew implements Store.
-func (s *SQLStore) Renew(ctx context.Context, c Claim, ttl time.Duration) error {
+func (s *SQLStore[TTx]) Renew(ctx context.Context, c Claim, ttl time.Duration) error {
 	if err := checkTTL(ttl); err != nil {
 		return err
 	}
-	if s.dialect == SQLite {
+	if s.dialect == sqldb.SQLite {
 		return s.update(ctx, "renew", s.q.renew, c, micros(s.now().Add(ttl)))
 	}
 	return s.update(ctx, "renew", s.q.renew, c, ttl.Microseconds())
 }
 
 // Confirm implements Store.
-func (s *SQLStore) Confirm(ctx context.Context, c Claim) error {
-	if s.dialect == SQLite {
+func (s *SQLStore[TTx]) Confirm(ctx context.Context, c Claim) error {
+	if s.dialect == sqldb.SQLite {
 		return s.update(ctx, "confirm", s.q.confirm, c, micros(s.now()))
 	}
 	return s.update(ctx, "confirm", s.q.confirm, c)
 }
 
 // Release implements Store.
-func (s *SQLStore) Release(ctx context.Context, c Claim) error {
-	if s.dialect == SQLite {
+func (s *SQLStore[TTx]) Release(ctx context.Context, c Claim) error {
+	if s.dialect == sqldb.SQLite {
 		return s.update(ctx, "release", s.q.release, c, micros(s.now()))
 	}
 	return s.update(ctx, "release", s.q.release, c)
@@ -463,13 +454,13 @@ func (s *SQLStore) Release(ctx context.Context, c Claim) error {
 // until none is left, so it may take several statements on a large table.
 // Each statement re-checks its filter on the row it deletes, under the row's
 // lock, so a key claimed or confirmed while the prune runs is kept.
-func (s *SQLStore) Prune(ctx context.Context, before time.Time) (int64, error) {
+func (s *SQLStore[TTx]) Prune(ctx context.Context, before time.Time) (int64, error) {
 	cutoff := micros(before)
 	var args []any
 	switch s.dialect {
-	case Postgres:
+	case sqldb.Postgres:
 		args = []any{cutoff, s.batch}
-	case MySQL:
+	case sqldb.MySQL:
 		args = []any{cutoff, cutoff, s.batch}
 	default:
 		// A claim that has not expired yet is live whatever the cutoff says.
@@ -477,7 +468,7 @@ func (s *SQLStore) Prune(ctx context.Context, before time.Time) (int64, error) {
 	}
 	var total int64
 	for deadlocks := 0; ; {
-		n, err := s.ex.exec(ctx, s.q.prune, args...)
+		n, err := s.exec(ctx, s.q.prune, args...)
 		if err != nil && s.deadlocked(err) && deadlocks < claimRetries {
 			deadlocks++
 			continue
@@ -504,7 +495,7 @@ func (s *SQLStore) Prune(ctx context.Context, before time.Time) (int64, error) {
 // rolled back or died with its process, so attempt counting across crashes
 // must come from elsewhere (the broker's delivery count), and the claim is
 // never renewed. Use Claim with ConfirmTx when you need those.
-func (s *SQLStore) ClaimConfirmed(ctx context.Context, key string) (Claim, error) {
+func (s *SQLStore[TTx]) ClaimConfirmed(ctx context.Context, key string) (Claim, error) {
 	if err := ValidateKey(key); err != nil {
 		return Claim{}, err
 	}
@@ -526,7 +517,7 @@ func (s *SQLStore) ClaimConfirmed(ctx context.Context, key string) (Claim, error
 				return Claim{}, fmt.Errorf("dedupe: claim confirmed: %w", err)
 			}
 		}
-		if s.dialect == MySQL && r.found && r.state == stateConfirmed && r.token == token {
+		if s.dialect == sqldb.MySQL && r.found && r.state == stateConfirmed && r.token == token {
 			return Claim{Key: key, Result: Acquired, Attempt: r.attempts}, nil
 		}
 		if res, ok := r.settled(); ok {
@@ -537,22 +528,22 @@ func (s *SQLStore) ClaimConfirmed(ctx context.Context, key string) (Claim, error
 }
 
 // tryClaimDone runs the claimDone statement once; took as for tryClaim.
-func (s *SQLStore) tryClaimDone(ctx context.Context, k []byte, token string) (took bool, attempts int, r row, err error) {
+func (s *SQLStore[TTx]) tryClaimDone(ctx context.Context, k []byte, token string) (took bool, attempts int, r row, err error) {
 	switch s.dialect {
-	case MySQL:
+	case sqldb.MySQL:
 		if s.returning(ctx) {
 			r, err = s.returned(ctx, s.q.claimDoneReturning, k, token)
 			return false, 0, r, err
 		}
-		_, err := s.ex.exec(ctx, s.q.claimDone, k, token)
+		_, err := s.exec(ctx, s.q.claimDone, k, token)
 		return false, 0, row{}, err
-	case SQLite:
-		err = s.ex.queryRow(ctx, s.q.claimDone, []any{k, token, micros(s.now())}, &attempts)
+	case sqldb.SQLite:
+		err = s.queryRow(ctx, s.q.claimDone, []any{k, token, micros(s.now())}, &attempts)
 	default:
-		err = s.ex.queryRow(ctx, s.q.claimDone, []any{k, token}, &attempts)
+		err = s.queryRow(ctx, s.q.claimDone, []any{k, token}, &attempts)
 	}
 	switch {
-	case errors.Is(err, errNoRows):
+	case errors.Is(err, sql.ErrNoRows):
 		return false, 0, row{}, nil
 	case err != nil:
 		return false, 0, row{}, err
@@ -567,41 +558,51 @@ func (s *SQLStore) tryClaimDone(ctx context.Context, k []byte, token string) (to
 // walks the updated_at index while a claim holds the row and moves its entry.
 // Inside a caller's transaction the whole transaction was rolled back, and the
 // error goes to the caller.
-func (s *SQLStore) deadlocked(err error) bool {
-	if s.ex.inTx() {
-		return false
-	}
-	var me *mysql.MySQLError
-	if errors.As(err, &me) {
-		return me.Number == 1213
-	}
-	var pe interface{ SQLState() string }
-	return errors.As(err, &pe) && pe.SQLState() == "40P01"
+func (s *SQLStore[TTx]) deadlocked(err error) bool {
+	return !s.ex.InTx() && sqlkit.Deadlock(err)
 }
 
-// conflicted reports an error by which the database refused a statement
-// of a caller's transaction over a row changed since the transaction's
-// snapshot: PostgreSQL's serialization failure (40001), InnoDB's 1020 under
-// innodb_snapshot_isolation, SQLite's busy snapshot (517). The transaction
-// cannot go on.
-func conflicted(err error) bool {
-	var me *mysql.MySQLError
-	if errors.As(err, &me) {
-		return me.Number == 1020
+// readBackUntaken reads back the rows of the keys that ClaimConfirmedAll's
+// statement did not take with QueryRowEach, on a driver that sends its runs
+// in one round trip (pgx), and settles those it finds confirmed (Duplicate)
+// or held (Busy). The others (released, expired or gone since) are left for
+// ClaimConfirmed. Without a read back each such key costs two round trips
+// of its own: a batch that is redelivered whole, after a crash between
+// commit and ack, costs one statement and one round trip instead of one
+// plus two per message.
+func (s *SQLStore[TTx]) readBackUntaken(ctx context.Context, claims []Claim, keys [][]byte) error {
+	var idx []int
+	for i := range claims {
+		if claims[i].Result == 0 {
+			idx = append(idx, i)
+		}
 	}
-	var pe interface{ SQLState() string }
-	if errors.As(err, &pe) {
-		return pe.SQLState() == "40001"
+	if len(idx) == 0 {
+		return nil
 	}
-	var se interface{ Code() int }
-	return errors.As(err, &se) && se.Code() == 517
+	rows := make([]row, len(idx))
+	args := make([][]any, len(idx))
+	for j, i := range idx {
+		args[j] = []any{keys[i]}
+	}
+	found, err := s.ex.QueryRowEach(ctx, s.q.readBack, args, func(j int) []any { return rows[j].columns() })
+	if err != nil {
+		return fmt.Errorf("read back: %w", err)
+	}
+	for j, i := range idx {
+		rows[j].found = found[j]
+		if res, ok := rows[j].settled(); ok {
+			claims[i].Result, claims[i].Attempt = res, rows[j].attempts
+		}
+	}
+	return nil
 }
 
 // ClaimConfirmedAll is ClaimConfirmed for many keys in one statement (plus,
 // on MySQL but not MariaDB, one read-back): the keys of a batch that commits
 // together. The claims come back in the order of keys. Keys must be
 // distinct.
-func (s *SQLStore) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Claim, error) {
+func (s *SQLStore[TTx]) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Claim, error) {
 	claims := make([]Claim, len(keys))
 	if len(keys) == 0 {
 		return claims, nil
@@ -620,7 +621,7 @@ func (s *SQLStore) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Clai
 		claims[i].Key = k
 	}
 	token := newToken()
-	if s.dialect == MySQL && s.returning(ctx) {
+	if s.dialect == sqldb.MySQL && s.returning(ctx) {
 		// MariaDB: every key's row comes back from the one statement.
 		rows, err := s.claimDoneAllReturning(ctx, bk, token)
 		if err != nil {
@@ -650,9 +651,9 @@ func (s *SQLStore) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Clai
 		// The rest were confirmed or held already, or changed under the
 		// statement. Read them all back in one round trip (pipelined on pgx,
 		// one statement otherwise).
-		readBack := s.readBackUntaken
-		if _, ok := s.ex.(pipeliner); !ok {
-			readBack = s.readBackUntakenAll
+		readBack := s.readBackUntakenAll
+		if s.pipelined {
+			readBack = s.readBackUntaken
 		}
 		if err := readBack(ctx, claims, bk); err != nil {
 			return nil, fmt.Errorf("dedupe: claim confirmed: %w", err)
@@ -673,8 +674,8 @@ func (s *SQLStore) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Clai
 	return claims, nil
 }
 
-// readBackUntakenAll is readBackUntaken in one statement, for an executor
-// that cannot pipeline (database/sql): the rows of the keys that
+// readBackUntakenAll is readBackUntaken in one statement, for a driver that
+// cannot pipeline (database/sql): the rows of the keys that
 // ClaimConfirmedAll's statement did not take, read as readBack reads one.
 // Without it a batch that is redelivered whole (after a crash between its
 // commit and its acks) costs two round trips per message.
@@ -683,7 +684,7 @@ func (s *SQLStore) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Clai
 // CONFLICT DO UPDATE locks the rows its WHERE turns down; MySQL reads them
 // FOR UPDATE, as readBack does; SQLite has one writer), so what is read is
 // what a claim would find until the transaction ends.
-func (s *SQLStore) readBackUntakenAll(ctx context.Context, claims []Claim, keys [][]byte) error {
+func (s *SQLStore[TTx]) readBackUntakenAll(ctx context.Context, claims []Claim, keys [][]byte) error {
 	index := map[string]int{}
 	var untaken [][]byte
 	for i := range claims {
@@ -695,17 +696,17 @@ func (s *SQLStore) readBackUntakenAll(ctx context.Context, claims []Claim, keys 
 	if len(untaken) == 0 {
 		return nil
 	}
-	t := s.dialect.quote(s.table)
+	t := sqlkit.Quote(s.dialect, s.table)
 	var q string
 	var args []any
 	switch s.dialect {
-	case Postgres:
-		q = `SELECT key, state, token, attempts, expires_at, first_at, ` + s.dialect.nowMicros() + ` FROM ` + t + ` WHERE key = ANY($1::bytea[])`
+	case sqldb.Postgres:
+		q = `SELECT key, state, token, attempts, expires_at, first_at, ` + nowMicros(s.dialect) + ` FROM ` + t + ` WHERE key = ANY($1::bytea[])`
 		args = []any{untaken}
 	default:
 		key, now, lock := "key", "0", ""
-		if s.dialect == MySQL {
-			key, now, lock = "`key`", s.dialect.nowMicros(), " FOR UPDATE"
+		if s.dialect == sqldb.MySQL {
+			key, now, lock = "`key`", nowMicros(s.dialect), " FOR UPDATE"
 		}
 		q = `SELECT ` + key + `, state, token, attempts, expires_at, first_at, ` + now + ` FROM ` + t + ` WHERE ` + key + ` IN (?` + strings.Repeat(", ?", len(untaken)-1) + `)` + lock
 		for _, k := range untaken {
@@ -713,7 +714,7 @@ func (s *SQLStore) readBackUntakenAll(ctx context.Context, claims []Claim, keys 
 		}
 	}
 	rows := map[int]row{}
-	err := s.ex.query(ctx, q, args, func(scan func(dest ...any) error) error {
+	err := s.query(ctx, q, args, func(scan func(dest ...any) error) error {
 		k, r, err := keyRow(scan)
 		if err != nil {
 			return err
@@ -722,7 +723,7 @@ func (s *SQLStore) readBackUntakenAll(ctx context.Context, claims []Claim, keys 
 		if !ok {
 			return fmt.Errorf("read back: a row of key %q, which was not asked for", k)
 		}
-		if s.dialect == SQLite {
+		if s.dialect == sqldb.SQLite {
 			r.now = micros(s.now())
 		}
 		rows[i] = r
@@ -741,20 +742,20 @@ func (s *SQLStore) readBackUntakenAll(ctx context.Context, claims []Claim, keys 
 
 // claimDoneAll runs the many-key claimDone and returns the attempts of each
 // key it wrote.
-func (s *SQLStore) claimDoneAll(ctx context.Context, keys [][]byte, token string) (map[string]int, error) {
+func (s *SQLStore[TTx]) claimDoneAll(ctx context.Context, keys [][]byte, token string) (map[string]int, error) {
 	taken := make(map[string]int, len(keys))
-	t := s.dialect.quote(s.table)
+	t := sqlkit.Quote(s.dialect, s.table)
 	var q string
 	args := make([]any, 0, 2*len(keys)+2)
 	switch s.dialect {
-	case Postgres:
+	case sqldb.Postgres:
 		q = `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
-SELECT k, 2, $2, 1, 0, ` + s.dialect.nowMicros() + ` FROM unnest($1::bytea[]) AS k
+SELECT k, 2, $2, 1, 0, ` + nowMicros(s.dialect) + ` FROM unnest($1::bytea[]) AS k
 ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
 WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
 RETURNING key, attempts`
 		args = append(args, keys, token)
-	case SQLite:
+	case sqldb.SQLite:
 		now := micros(s.now())
 		var b strings.Builder
 		b.WriteString(`INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at) VALUES `)
@@ -770,10 +771,10 @@ ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cu
 WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
 RETURNING key, attempts`)
 		q = b.String()
-	case MySQL:
+	case sqldb.MySQL:
 		return s.claimDoneAllMySQL(ctx, keys, token)
 	}
-	return taken, s.ex.query(ctx, q, args, takenRow(taken))
+	return taken, s.query(ctx, q, args, takenRow(taken))
 }
 
 // takenRow reads a (key, attempts) row into taken.
@@ -792,9 +793,9 @@ func takenRow(taken map[string]int) func(scan func(dest ...any) error) error {
 // claimDoneAllUpsert is the MySQL multi-row claimDone: every key that may
 // be taken is written as confirmed with token; the others are left as they
 // are (and locked).
-func (s *SQLStore) claimDoneAllUpsert(keys [][]byte, token string) (*strings.Builder, []any) {
-	t := s.dialect.quote(s.table)
-	now := s.dialect.nowMicros()
+func (s *SQLStore[TTx]) claimDoneAllUpsert(keys [][]byte, token string) (*strings.Builder, []any) {
+	t := sqlkit.Quote(s.dialect, s.table)
+	now := nowMicros(s.dialect)
 	cond := "(state = 0 OR (state = 1 AND expires_at <= VALUES(updated_at)))"
 	var b strings.Builder
 	args := make([]any, 0, 2*len(keys))
@@ -816,11 +817,11 @@ func (s *SQLStore) claimDoneAllUpsert(keys [][]byte, token string) (*strings.Bui
 
 // claimDoneAllReturning is claimDoneAllUpsert on MariaDB, with every key's
 // row returned as the statement left it.
-func (s *SQLStore) claimDoneAllReturning(ctx context.Context, keys [][]byte, token string) (map[string]row, error) {
+func (s *SQLStore[TTx]) claimDoneAllReturning(ctx context.Context, keys [][]byte, token string) (map[string]row, error) {
 	b, args := s.claimDoneAllUpsert(keys, token)
 	b.WriteString("\nRETURNING `key`, " + mysqlReturnedRow)
 	rows := make(map[string]row, len(keys))
-	err := s.ex.query(ctx, b.String(), args, func(scan func(dest ...any) error) error {
+	err := s.query(ctx, b.String(), args, func(scan func(dest ...any) error) error {
 		k, r, err := keyRow(scan)
 		if err != nil {
 			return err
@@ -839,10 +840,10 @@ func (s *SQLStore) claimDoneAllReturning(ctx context.Context, keys [][]byte, tok
 
 // claimDoneAllMySQL writes every key it may with one multi-row upsert, then
 // reads the rows back to see which carry its token.
-func (s *SQLStore) claimDoneAllMySQL(ctx context.Context, keys [][]byte, token string) (map[string]int, error) {
-	t := s.dialect.quote(s.table)
+func (s *SQLStore[TTx]) claimDoneAllMySQL(ctx context.Context, keys [][]byte, token string) (map[string]int, error) {
+	t := sqlkit.Quote(s.dialect, s.table)
 	b, args := s.claimDoneAllUpsert(keys, token)
-	if _, err := s.ex.exec(ctx, b.String(), args...); err != nil {
+	if _, err := s.exec(ctx, b.String(), args...); err != nil {
 		return nil, err
 	}
 	b.Reset()
@@ -857,5 +858,5 @@ func (s *SQLStore) claimDoneAllMySQL(ctx context.Context, keys [][]byte, token s
 	}
 	b.WriteString(") FOR UPDATE")
 	taken := make(map[string]int, len(keys))
-	return taken, s.ex.query(ctx, b.String(), args, takenRow(taken))
+	return taken, s.query(ctx, b.String(), args, takenRow(taken))
 }

@@ -9,13 +9,12 @@ import (
 	"time"
 
 	"github.com/go-sql-driver/mysql"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"modernc.org/sqlite"
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/dedupe/dedupetest"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/sqldb"
 )
 
 func TestMemoryStore(t *testing.T) {
@@ -29,11 +28,15 @@ func TestMemoryStore(t *testing.T) {
 // the server has it (MariaDB 10.5+), and with a write and a read-back where
 // it does not (MySQL). The server here is MariaDB; the second path runs on it
 // too, forced ("-readback").
+//
+// Every database runs the suite through database/sql ("std-"); PostgreSQL
+// runs it through pgx too ("pgx-postgres"): the same suite, the same store,
+// another driver.
 func TestSQLStore(t *testing.T) {
 	t.Parallel()
 	for _, d := range testenv.Databases() {
 		for _, readBack := range []bool{false, true} {
-			name := d.Name
+			name := "std-" + d.Name
 			if readBack {
 				if !strings.HasPrefix(d.Name, "mysql") {
 					continue
@@ -44,24 +47,35 @@ func TestSQLStore(t *testing.T) {
 				t.Parallel()
 				db := d.Open(t)
 				dedupetest.Run(t, func(t *testing.T) dedupetest.Harness {
-					if db.Dialect == dedupe.SQLite {
+					if db.Dialect == sqldb.SQLite {
 						// SQLite locks the whole file: a case's transaction
 						// held open on purpose (a zombie's, past its claim)
 						// would hold every other case's writes past their
 						// busy timeout. Each case gets a database of its own.
-						return sqlHarness(t, d.Open(t), readBack)
+						db := d.Open(t)
+						return sqlHarness(t, db, db.Driver(), isolationLevels(t, db), readBack)
 					}
-					return sqlHarness(t, db, readBack)
+					return sqlHarness(t, db, db.Driver(), isolationLevels(t, db), readBack)
 				})
 			})
 		}
 	}
+	// The pgx driver runs the same statements through pgx, on a pool whose
+	// connections the concurrent tests spread over.
+	t.Run("pgx-postgres", func(t *testing.T) {
+		t.Parallel()
+		db := testenv.Postgres(t)
+		drv := testenv.Pgx(t)
+		dedupetest.Run(t, func(t *testing.T) dedupetest.Harness {
+			return sqlHarness(t, db, drv, driverLevels(drv, postgresLevels), false)
+		})
+	})
 }
 
 func TestSQLStoreAsksMariaDBForReturning(t *testing.T) {
 	t.Parallel()
 	db := testenv.MySQL(t)
-	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
+	store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -78,9 +92,12 @@ func TestSQLStoreAsksMariaDBForReturning(t *testing.T) {
 	}
 }
 
-func sqlHarness(t *testing.T, db testenv.DB, withoutReturning bool) dedupetest.Harness {
+// sqlHarness is the suite's harness for a SQLStore on drv, whose database
+// db is (db makes the tables and counts the effects), with the transactions
+// of levels.
+func sqlHarness[TTx any](t *testing.T, db testenv.DB, drv sqldb.Driver[TTx], levels []level[TTx], withoutReturning bool) dedupetest.Harness {
 	table := testenv.DedupeTable(t, db)
-	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: table})
+	store, err := dedupe.NewSQLStore(drv, dedupe.SQLConfig{Table: table})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -88,24 +105,26 @@ func sqlHarness(t *testing.T, db testenv.DB, withoutReturning bool) dedupetest.H
 		dedupe.WithoutReturning(store)
 	}
 	fx := newTxFixture(t, db, table)
-	var levels []dedupetest.TxLevel
-	for _, lv := range isolationLevels(t, db) {
-		levels = append(levels, dedupetest.TxLevel{Name: lv.name, Begin: func(ctx context.Context) (dedupetest.Tx, error) {
+	var txLevels []dedupetest.TxLevel
+	for _, lv := range levels {
+		txLevels = append(txLevels, dedupetest.TxLevel{Name: lv.name, Begin: func(ctx context.Context) (dedupetest.Tx, error) {
 			tx, end, err := lv.begin(ctx)
 			if err != nil {
 				return dedupetest.Tx{}, err
 			}
-			t.Cleanup(func() { _ = tx.Rollback(); end() })
-			if err := fx.snapshot(ctx, tx); err != nil {
-				_ = tx.Rollback()
+			rollback := func() error { return drv.Rollback(context.Background(), tx) }
+			t.Cleanup(func() { _ = rollback(); end() })
+			ex := drv.Tx(tx)
+			if err := fx.snapshot(ctx, ex); err != nil {
+				_ = rollback()
 				end()
 				return dedupetest.Tx{}, err
 			}
 			return dedupetest.Tx{
 				Store:    store.WithTx(tx),
-				Commit:   func() error { defer end(); return tx.Commit() },
-				Rollback: func() error { defer end(); return tx.Rollback() },
-				Effect:   func(ctx context.Context, key string) error { return fx.effect(ctx, tx, key) },
+				Commit:   func() error { defer end(); return drv.Commit(ctx, tx) },
+				Rollback: func() error { defer end(); return rollback() },
+				Effect:   func(ctx context.Context, key string) error { return fx.effect(ctx, ex, key) },
 			}, nil
 		}})
 	}
@@ -114,17 +133,43 @@ func sqlHarness(t *testing.T, db testenv.DB, withoutReturning bool) dedupetest.H
 		// Round trips to a server on a loaded machine take milliseconds, and
 		// a renewal must land well within the claim's lifetime.
 		ClaimTTL:  600 * time.Millisecond,
-		TxLevels:  levels,
+		TxLevels:  txLevels,
 		TxAborted: txAborted,
 		Effects:   fx.count,
 	}
 }
 
+// postgresLevels are PostgreSQL's isolation levels (READ UNCOMMITTED is
+// READ COMMITTED there).
+var postgresLevels = []struct {
+	name string
+	iso  sql.IsolationLevel
+}{
+	{"read-committed", sql.LevelReadCommitted},
+	{"repeatable-read", sql.LevelRepeatableRead},
+	{"serializable", sql.LevelSerializable},
+}
+
+// driverLevels begins the transactions of each level with drv.Begin.
+func driverLevels[TTx any](drv sqldb.Driver[TTx], isos []struct {
+	name string
+	iso  sql.IsolationLevel
+}) []level[TTx] {
+	var out []level[TTx]
+	for _, l := range isos {
+		out = append(out, level[TTx]{l.name, func(ctx context.Context) (TTx, func(), error) {
+			tx, err := drv.Begin(ctx, &sql.TxOptions{Isolation: l.iso}, "")
+			return tx, func() {}, err
+		}})
+	}
+	return out
+}
+
 // level is an isolation level a user can set on a database, and how to
 // begin a transaction at it; end is called once the transaction is over.
-type level struct {
+type level[TTx any] struct {
 	name  string
-	begin func(ctx context.Context) (tx *sql.Tx, end func(), err error)
+	begin func(ctx context.Context) (tx TTx, end func(), err error)
 }
 
 // isolationLevels lists every isolation level db's database offers.
@@ -135,22 +180,18 @@ type level struct {
 // snapshot fails. SQLite has no levels: a transaction begun IMMEDIATE (as
 // settle's sqlite:// URLs do) or DEFERRED (the driver's default) on a WAL
 // database.
-func isolationLevels(t *testing.T, db testenv.DB) []level {
-	at := func(name string, iso sql.IsolationLevel) level {
-		return level{name, func(ctx context.Context) (*sql.Tx, func(), error) {
+func isolationLevels(t *testing.T, db testenv.DB) []level[*sql.Tx] {
+	at := func(name string, iso sql.IsolationLevel) level[*sql.Tx] {
+		return level[*sql.Tx]{name, func(ctx context.Context) (*sql.Tx, func(), error) {
 			tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: iso})
 			return tx, func() {}, err
 		}}
 	}
 	switch db.Dialect {
-	case dedupe.Postgres:
-		return []level{
-			at("read-committed", sql.LevelReadCommitted),
-			at("repeatable-read", sql.LevelRepeatableRead),
-			at("serializable", sql.LevelSerializable),
-		}
-	case dedupe.MySQL:
-		levels := []level{
+	case sqldb.Postgres:
+		return driverLevels(db.Driver(), postgresLevels)
+	case sqldb.MySQL:
+		levels := []level[*sql.Tx]{
 			at("read-uncommitted", sql.LevelReadUncommitted),
 			at("read-committed", sql.LevelReadCommitted),
 			at("repeatable-read", sql.LevelRepeatableRead),
@@ -158,7 +199,7 @@ func isolationLevels(t *testing.T, db testenv.DB) []level {
 		}
 		var name, value string
 		if err := db.QueryRowContext(t.Context(), "SHOW VARIABLES LIKE 'innodb_snapshot_isolation'").Scan(&name, &value); err == nil {
-			levels = append(levels, level{"repeatable-read-snapshot-isolation", func(ctx context.Context) (*sql.Tx, func(), error) {
+			levels = append(levels, level[*sql.Tx]{"repeatable-read-snapshot-isolation", func(ctx context.Context) (*sql.Tx, func(), error) {
 				conn, err := db.Conn(ctx)
 				if err != nil {
 					return nil, nil, err
@@ -190,7 +231,7 @@ func isolationLevels(t *testing.T, db testenv.DB) []level {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = deferred.Close() })
-	return []level{
+	return []level[*sql.Tx]{
 		at("immediate", sql.LevelDefault),
 		{"deferred", func(ctx context.Context) (*sql.Tx, func(), error) {
 			tx, err := deferred.BeginTx(ctx, nil)
@@ -237,7 +278,7 @@ func newTxFixture(t *testing.T, db testenv.DB, table string) *txFixture {
 }
 
 func (fx *txFixture) q(query string) string {
-	if fx.db.Dialect == dedupe.Postgres {
+	if fx.db.Dialect == sqldb.Postgres {
 		return strings.ReplaceAll(query, "?", "$1")
 	}
 	return query
@@ -246,18 +287,16 @@ func (fx *txFixture) q(query string) string {
 // snapshot reads the claims table in tx, as a handler that reads before it
 // confirms does: from here on, at REPEATABLE READ and above, tx reads a
 // snapshot.
-func (fx *txFixture) snapshot(ctx context.Context, tx interface {
-	QueryRowContext(context.Context, string, ...any) *sql.Row
-}) error {
+func (fx *txFixture) snapshot(ctx context.Context, tx sqldb.Executor) error {
 	q := "SELECT COUNT(*) FROM " + `"` + fx.table + `"`
-	if fx.db.Dialect == dedupe.MySQL {
+	if fx.db.Dialect == sqldb.MySQL {
 		q = "SELECT COUNT(*) FROM `" + fx.table + "`"
 	}
-	return tx.QueryRowContext(ctx, q).Scan(new(int))
+	return tx.QueryRow(ctx, q, nil, new(int))
 }
 
-func (fx *txFixture) effect(ctx context.Context, tx *sql.Tx, key string) error {
-	_, err := tx.ExecContext(ctx, fx.q("INSERT INTO "+fx.effects+" (k) VALUES (?)"), key)
+func (fx *txFixture) effect(ctx context.Context, tx sqldb.Executor, key string) error {
+	_, err := tx.Exec(ctx, fx.q("INSERT INTO "+fx.effects+" (k) VALUES (?)"), key)
 	return err
 }
 
@@ -265,57 +304,4 @@ func (fx *txFixture) count(ctx context.Context, key string) (int, error) {
 	var n int
 	err := fx.db.QueryRowContext(ctx, fx.q("SELECT COUNT(*) FROM "+fx.effects+" WHERE k = ?"), key).Scan(&n)
 	return n, err
-}
-
-// The pgx store runs the same statements through pgx, on a pool whose
-// connections the concurrent tests spread over.
-func TestPgxStore(t *testing.T) {
-	t.Parallel()
-	db := testenv.Postgres(t)
-	pool := testenv.PgxPool(t)
-	dedupetest.Run(t, func(t *testing.T) dedupetest.Harness {
-		return pgxHarness(t, db, pool)
-	})
-}
-
-func pgxHarness(t *testing.T, db testenv.DB, pool *pgxpool.Pool) dedupetest.Harness {
-	table := testenv.DedupeTable(t, db)
-	store, err := dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: table})
-	if err != nil {
-		t.Fatal(err)
-	}
-	fx := newTxFixture(t, db, table)
-	var levels []dedupetest.TxLevel
-	for _, lv := range []struct {
-		name string
-		iso  pgx.TxIsoLevel
-	}{{"read-committed", pgx.ReadCommitted}, {"repeatable-read", pgx.RepeatableRead}, {"serializable", pgx.Serializable}} {
-		levels = append(levels, dedupetest.TxLevel{Name: lv.name, Begin: func(ctx context.Context) (dedupetest.Tx, error) {
-			tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: lv.iso})
-			if err != nil {
-				return dedupetest.Tx{}, err
-			}
-			t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
-			if err := tx.QueryRow(ctx, `SELECT COUNT(*) FROM "`+table+`"`).Scan(new(int)); err != nil {
-				_ = tx.Rollback(ctx)
-				return dedupetest.Tx{}, err
-			}
-			return dedupetest.Tx{
-				Store:    store.WithTx(tx),
-				Commit:   func() error { return tx.Commit(ctx) },
-				Rollback: func() error { return tx.Rollback(ctx) },
-				Effect: func(ctx context.Context, key string) error {
-					_, err := tx.Exec(ctx, "INSERT INTO "+fx.effects+" (k) VALUES ($1)", key)
-					return err
-				},
-			}, nil
-		}})
-	}
-	return dedupetest.Harness{
-		Store:     store,
-		ClaimTTL:  600 * time.Millisecond,
-		TxLevels:  levels,
-		TxAborted: txAborted,
-		Effects:   fx.count,
-	}
 }

@@ -2,6 +2,7 @@ package integration_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"strings"
 	"sync"
@@ -114,8 +115,8 @@ func (e *atEnv) amqpConfig() amqp.Config {
 }
 
 // store returns a store on the claims table.
-func (e *atEnv) store() *dedupe.SQLStore {
-	s, err := dedupe.NewSQLStore(e.db, dedupe.SQLConfig{Dialect: dedupe.Postgres, Table: e.claims})
+func (e *atEnv) store() *dedupe.SQLStore[*sql.Tx] {
+	s, err := dedupe.NewSQLStore(e.db.Driver(), dedupe.SQLConfig{Table: e.claims})
 	if err != nil {
 		e.t.Fatal(err)
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 type batchOrder struct {
@@ -52,7 +53,7 @@ func runBatchedOnRabbitMQ(t *testing.T, dbName, kind string) {
 	}
 	d := db(t)
 	ph := func(i int) string {
-		if d.Dialect == dedupe.Postgres {
+		if d.Dialect == sqldb.Postgres {
 			return fmt.Sprintf("$%d", i)
 		}
 		return "?"
@@ -61,7 +62,7 @@ func runBatchedOnRabbitMQ(t *testing.T, dbName, kind string) {
 	_, err := d.ExecContext(t.Context(), "CREATE TABLE "+effects+" (msg VARCHAR(64) NOT NULL)")
 	saMust(t, err)
 	t.Cleanup(func() { _, _ = d.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+effects) })
-	store, err := dedupe.NewSQLStore(d, dedupe.SQLConfig{Dialect: d.Dialect, Table: testenv.DedupeTable(t, d)})
+	store, err := dedupe.NewSQLStore(d.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, d)})
 	saMust(t, err)
 
 	src := testenv.Name(t, "src")

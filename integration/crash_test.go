@@ -24,6 +24,7 @@ import (
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/middleware"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // The crash consumer is this test binary run again with crashHelperEnv=1:
@@ -274,7 +275,7 @@ func crashConsume() error {
 		return err
 	}
 	defer db.Close()
-	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: os.Getenv(crashClaimsEnv)})
+	store, err := dedupe.NewSQLStore(sqldb.Std(db, dialect), dedupe.SQLConfig{Table: os.Getenv(crashClaimsEnv)})
 	if err != nil {
 		return err
 	}

@@ -208,7 +208,7 @@ func (e *dedupeAMQP) stopAndExpectEmptyQueue() {
 func (e *dedupeAMQP) dedupeMiddleware() message.HandlerMiddleware {
 	e.t.Helper()
 	table := testenv.DedupeTable(e.t, e.db)
-	store, err := dedupe.NewSQLStore(e.db, dedupe.SQLConfig{Dialect: e.db.Dialect, Table: table})
+	store, err := dedupe.NewSQLStore(e.db.Driver(), dedupe.SQLConfig{Table: table})
 	if err != nil {
 		e.t.Fatal(err)
 	}

@@ -35,7 +35,7 @@ func TestTwoHandlersOfOneMessageOnRabbitMQ(t *testing.T) {
 			_, err := db.ExecContext(t.Context(), `CREATE TABLE "`+effects+`" (handler text NOT NULL, message_uuid text NOT NULL)`)
 			saMust(t, err)
 			t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), `DROP TABLE IF EXISTS "`+effects+`"`) })
-			store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
+			store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
 			saMust(t, err)
 
 			exchange := testenv.Name(t, "ex")

@@ -19,6 +19,7 @@ import (
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // obWait bounds each outbox test on RabbitMQ, and every wait inside it.
@@ -82,14 +83,14 @@ func newOBEnv(t *testing.T, db testenv.DB) *obEnv {
 }
 
 func obQuote(db testenv.DB, s string) string {
-	if db.Dialect == dedupe.MySQL {
+	if db.Dialect == sqldb.MySQL {
 		return "`" + s + "`"
 	}
 	return `"` + s + `"`
 }
 
 func obPH(db testenv.DB, n int) string {
-	if db.Dialect == dedupe.Postgres {
+	if db.Dialect == sqldb.Postgres {
 		return fmt.Sprintf("$%d", n)
 	}
 	return "?"
@@ -254,14 +255,14 @@ type obConsumer struct {
 func (e *obEnv) startConsumer() *obConsumer {
 	t := e.t
 	t.Helper()
-	if e.db.Dialect != dedupe.Postgres {
+	if e.db.Dialect != sqldb.Postgres {
 		t.Fatal("the consumer's effects and claims live in PostgreSQL")
 	}
 	c := &obConsumer{e: e, effects: testenv.Name(t, "obfx")}
 	_, err := e.db.ExecContext(t.Context(), `CREATE TABLE "`+c.effects+`" (message_uuid text NOT NULL, payload text NOT NULL)`)
 	saMust(t, err)
 	t.Cleanup(func() { _, _ = e.db.ExecContext(context.Background(), `DROP TABLE IF EXISTS "`+c.effects+`"`) })
-	store, err := dedupe.NewSQLStore(e.db, dedupe.SQLConfig{Dialect: e.db.Dialect, Table: testenv.DedupeTable(t, e.db)})
+	store, err := dedupe.NewSQLStore(e.db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, e.db)})
 	saMust(t, err)
 	dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store})
 	saMust(t, err)

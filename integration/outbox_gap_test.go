@@ -23,6 +23,7 @@ import (
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // The gap test's knobs. SETTLE_GAP_MESSAGES scales the run (the issue's
@@ -37,7 +38,7 @@ const (
 )
 
 // gapMessages returns the messages of one run on dialect.
-func gapMessages(t *testing.T, d dedupe.Dialect) int {
+func gapMessages(t *testing.T, d sqldb.Dialect) int {
 	if v := os.Getenv(gapMessagesEnv); v != "" {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 10 {
@@ -45,7 +46,7 @@ func gapMessages(t *testing.T, d dedupe.Dialect) int {
 		}
 		return n
 	}
-	if d == dedupe.SQLite {
+	if d == sqldb.SQLite {
 		return 400 // SQLite serialises the writers' transactions, delays included
 	}
 	return 2000
@@ -153,12 +154,12 @@ func runGap(t *testing.T, db testenv.DB) {
 		t.Fatalf("%s=%q: want empty or watermill", gapRelayEnv, os.Getenv(gapRelayEnv))
 	}
 	t.Cleanup(subj.cleanup)
-	dbURL := map[dedupe.Dialect]string{
-		dedupe.Postgres: os.Getenv(testenv.PostgresURLEnv),
-		dedupe.MySQL:    os.Getenv(testenv.MySQLURLEnv),
+	dbURL := map[sqldb.Dialect]string{
+		sqldb.Postgres: os.Getenv(testenv.PostgresURLEnv),
+		sqldb.MySQL:    os.Getenv(testenv.MySQLURLEnv),
 	}[db.Dialect]
 	openRelayDB := func() *sql.DB {
-		if db.Dialect == dedupe.SQLite {
+		if db.Dialect == sqldb.SQLite {
 			return db.DB // one file: a kill cancels the relay's context only
 		}
 		rdb, _, err := sqlurl.Open(dbURL)
@@ -381,9 +382,9 @@ func watermillGapSubject(t *testing.T, db testenv.DB, topic string, sink *gapSin
 	var schema wsql.SchemaAdapter
 	var offsets wsql.OffsetsAdapter
 	switch db.Dialect {
-	case dedupe.Postgres:
+	case sqldb.Postgres:
 		schema, offsets = wsql.DefaultPostgreSQLSchema{}, wsql.DefaultPostgreSQLOffsetsAdapter{}
-	case dedupe.MySQL:
+	case sqldb.MySQL:
 		schema, offsets = wsql.DefaultMySQLSchema{}, wsql.DefaultMySQLOffsetsAdapter{}
 	default:
 		schema, offsets = outbox.SQLiteSchema{SubscribeBatchSize: 10}, outbox.SQLiteOffsetsAdapter{}
@@ -441,8 +442,8 @@ func watermillGapSubject(t *testing.T, db testenv.DB, topic string, sink *gapSin
 	}
 }
 
-func gapQuote(d dedupe.Dialect, name string) string {
-	if d == dedupe.MySQL {
+func gapQuote(d sqldb.Dialect, name string) string {
+	if d == sqldb.MySQL {
 		return "`" + name + "`"
 	}
 	return `"` + name + `"`

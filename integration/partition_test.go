@@ -23,6 +23,7 @@ import (
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // The partition test's timing. The claim timeout is short so that the test
@@ -105,7 +106,7 @@ func runPartition(t *testing.T, dbName, mode string, heal bool) {
 	t.Cleanup(func() { _, _ = direct.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+effects) })
 	table := testenv.DedupeTable(t, direct)
 	insert := "INSERT INTO " + effects + " (msg, consumer) VALUES (?, ?)"
-	if dialect == dedupe.Postgres {
+	if dialect == sqldb.Postgres {
 		insert = "INSERT INTO " + effects + " (msg, consumer) VALUES ($1, $2)"
 	}
 
@@ -166,13 +167,13 @@ func runPartition(t *testing.T, dbName, mode string, heal bool) {
 		saMust(t, err)
 		t.Cleanup(func() { _ = sub.Close() })
 		var store dedupe.Store
-		var sqlStore *dedupe.SQLStore
-		var pgxStore *dedupe.PgxStore
+		var sqlStore *dedupe.SQLStore[*sql.Tx]
+		var pgxStore *dedupe.SQLStore[pgx.Tx]
 		if pool != nil {
-			pgxStore, err = dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: table})
+			pgxStore, err = dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: table})
 			store = pgxStore
 		} else {
-			sqlStore, err = dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: table})
+			sqlStore, err = dedupe.NewSQLStore(sqldb.Std(db, dialect), dedupe.SQLConfig{Table: table})
 			store = sqlStore
 		}
 		saMust(t, err)

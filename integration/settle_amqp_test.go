@@ -192,7 +192,7 @@ func (e *saEnv) start(handler func(call int64, msg *message.Message) error) {
 	mws := []message.HandlerMiddleware{e.observe, ps, dl, rt}
 	if !e.opts.noDedupe {
 		db := testenv.Postgres(t)
-		store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: db.Dialect, Table: testenv.DedupeTable(t, db)})
+		store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
 		saMust(t, err)
 		dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store, BusyDelay: 5 * time.Millisecond, Logger: logger})
 		saMust(t, err)

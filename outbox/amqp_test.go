@@ -17,9 +17,9 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // RabbitMQ's limits on this broker's defaults (rabbitmqctl environment):
@@ -222,13 +222,13 @@ func TestRelayForwardsAroundRowsTheBrokerRefuses(t *testing.T) {
 			setAside := []*message.Message{refused, huge}
 			retry, maxRetry := 50*time.Millisecond, 300*time.Millisecond
 			switch e.db.Dialect {
-			case dedupe.SQLite:
+			case sqldb.SQLite:
 				// SQLite rewrites the whole row at each claim, with the
 				// database's write lock held: under the race detector
 				// modernc's SQLite takes longer than a batch's AckDeadline
 				// for a 128 MiB row. The refused exchange is the bad row.
 				setAside = setAside[:1]
-			case dedupe.MySQL:
+			case sqldb.MySQL:
 				if err := e.tryPublishTx(t, good, huge); err == nil || !strings.Contains(err.Error(), "outbox: publish") {
 					t.Fatalf("writing a 128 MiB row on MariaDB = %v; want the outbox publish to fail", err)
 				}

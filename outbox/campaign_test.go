@@ -10,8 +10,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // oddMetadata fills m's metadata with what producers send and nobody
@@ -106,7 +106,7 @@ func TestOutboxHostileInputCampaign(t *testing.T) {
 				for i := range msgs {
 					id := fmt.Sprintf("camp-%d-%s", written+i, watermill.NewUUID())
 					size := payloadSize(rng)
-					if e.db.Dialect == dedupe.SQLite && size > 64<<10 {
+					if e.db.Dialect == sqldb.SQLite && size > 64<<10 {
 						size /= 8 // SQLite rewrites each claimed row whole
 					}
 					msgs[i] = message.NewMessage(id, make([]byte, size))

@@ -10,9 +10,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // Check passes on tables made by InitSchema, and on a missing or
@@ -30,7 +30,7 @@ func TestCheck(t *testing.T) {
 				t.Fatal(err)
 			}
 			q := func(s string) string {
-				if db.Dialect == dedupe.MySQL {
+				if db.Dialect == sqldb.MySQL {
 					return "`" + s + "`"
 				}
 				return `"` + s + `"`
@@ -83,14 +83,14 @@ func TestCheck(t *testing.T) {
 
 // oldOutboxDDL is the outbox table of settle before per-row failures, as
 // its Schema returned it.
-func oldOutboxDDL(d dedupe.Dialect, topic string) []string {
+func oldOutboxDDL(d sqldb.Dialect, topic string) []string {
 	switch d {
-	case dedupe.Postgres:
+	case sqldb.Postgres:
 		return []string{`CREATE TABLE "` + topic + `" (
 	"offset" BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "uuid" TEXT NOT NULL, "topic" TEXT NOT NULL, "payload" BYTEA NOT NULL,
 	"metadata" TEXT NOT NULL, "created_at" TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(), "forwarded_at" TIMESTAMPTZ)`,
 			`CREATE INDEX "` + topic + `_pending" ON "` + topic + `" ("offset") WHERE "forwarded_at" IS NULL`}
-	case dedupe.MySQL:
+	case sqldb.MySQL:
 		return []string{"CREATE TABLE `" + topic + "` (`offset` BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, uuid TEXT NOT NULL, topic VARCHAR(255) NOT NULL, " +
 			"payload LONGBLOB NOT NULL, metadata LONGTEXT NOT NULL, created_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), " +
 			"forwarded_at TIMESTAMP(6) NULL DEFAULT NULL, KEY `" + topic + "_pending` (forwarded_at, `offset`))"}
@@ -117,7 +117,7 @@ func TestSchemaUpgradeFromTheTableWithoutFailures(t *testing.T) {
 				t.Fatal(err)
 			}
 			q := func(s string) string {
-				if db.Dialect == dedupe.MySQL {
+				if db.Dialect == sqldb.MySQL {
 					return "`" + s + "`"
 				}
 				return `"` + s + `"`
@@ -134,7 +134,7 @@ func TestSchemaUpgradeFromTheTableWithoutFailures(t *testing.T) {
 				}
 			}
 			ph := "?, ?, ?, ?"
-			if db.Dialect == dedupe.Postgres {
+			if db.Dialect == sqldb.Postgres {
 				ph = "$1, $2, $3, $4"
 			}
 			if _, err := db.ExecContext(t.Context(), "INSERT INTO "+q(topic)+" (uuid, topic, payload, metadata) VALUES ("+ph+")", "old-row", "orders", []byte("{}"), "{}"); err != nil {

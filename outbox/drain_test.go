@@ -12,10 +12,10 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // TestDrainWaitsForTheBatchToCount: Drain returns only once what this relay
@@ -93,7 +93,7 @@ func openLateCommit(t *testing.T, url string) (testenv.DB, *atomic.Int64) {
 	late := new(atomic.Int64)
 	db := sql.OpenDB(lateConnector{Connector: base, late: late})
 	t.Cleanup(func() { _ = db.Close() })
-	if dialect == dedupe.SQLite {
+	if dialect == sqldb.SQLite {
 		db.SetMaxOpenConns(4)
 	}
 	return testenv.DB{DB: db, Dialect: dialect}, late

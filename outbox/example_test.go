@@ -12,8 +12,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	_ "modernc.org/sqlite"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // A message published in a transaction is forwarded only if the
@@ -28,7 +28,7 @@ func Example() {
 	defer db.Close()
 	ctx := context.Background()
 
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.SQLite})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.SQLite})
 	if err != nil {
 		panic(err)
 	}
@@ -74,7 +74,7 @@ func ExampleOutbox_NewNotifier() {
 		panic(err)
 	}
 	defer db.Close()
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, NotifyAfterCommit: true})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, NotifyAfterCommit: true})
 	if err != nil {
 		panic(err)
 	}

@@ -12,7 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // FailedRow is an outbox row whose publish has failed and that is not
@@ -77,7 +77,7 @@ func (o *Outbox) where(s Selection, setAsideOnly bool) (string, []any) {
 	var args []any
 	ph := func(v any) string {
 		args = append(args, v)
-		if o.cfg.Dialect == dedupe.Postgres {
+		if o.cfg.Dialect == sqldb.Postgres {
 			return "$" + strconv.Itoa(len(args))
 		}
 		return "?"
@@ -106,9 +106,9 @@ func (o *Outbox) where(s Selection, setAsideOnly bool) (string, []any) {
 func (o *Outbox) epoch(c string) string {
 	c = quoteIdent(o.cfg.Dialect, c)
 	switch o.cfg.Dialect {
-	case dedupe.Postgres:
+	case sqldb.Postgres:
 		return "COALESCE(EXTRACT(EPOCH FROM " + c + ")::float8, 0)"
-	case dedupe.MySQL:
+	case sqldb.MySQL:
 		return "COALESCE(UNIX_TIMESTAMP(" + c + "), 0)"
 	default:
 		return "COALESCE((julianday(" + c + ") - 2440587.5) * 86400.0, 0)"
@@ -117,9 +117,9 @@ func (o *Outbox) epoch(c string) string {
 
 func (o *Outbox) sizeExpr() string {
 	switch o.cfg.Dialect {
-	case dedupe.Postgres:
+	case sqldb.Postgres:
 		return `octet_length("payload") + octet_length("metadata")`
-	case dedupe.MySQL:
+	case sqldb.MySQL:
 		return "LENGTH(payload) + LENGTH(metadata)"
 	default:
 		return `length("payload") + length(CAST("metadata" AS BLOB))`
@@ -236,7 +236,7 @@ func (o *Outbox) requeue(ctx context.Context, db conn, sel Selection) (int64, er
 	if err != nil {
 		return 0, fmt.Errorf("outbox: requeue: %w", err)
 	}
-	if n > 0 && o.cfg.Dialect == dedupe.Postgres {
+	if n > 0 && o.cfg.Dialect == sqldb.Postgres {
 		if _, err := tx.ExecContext(ctx, "SELECT pg_notify($1, '')", o.q.table); err != nil {
 			return 0, fmt.Errorf("outbox: requeue: notify: %w", err)
 		}

@@ -11,7 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // notifyTimeout bounds one NOTIFY statement of a Notifier.
@@ -63,7 +63,7 @@ func (o *Outbox) NewPgxNotifier(pool *pgxpool.Pool) (*Notifier, error) {
 }
 
 func (o *Outbox) newNotifier(fn string, db conn) (*Notifier, error) {
-	if o.cfg.Dialect != dedupe.Postgres {
+	if o.cfg.Dialect != sqldb.Postgres {
 		return nil, fmt.Errorf("outbox: %s: NOTIFY is PostgreSQL's, and this outbox's Config.Dialect is %q; relays in other processes find rows at their PollInterval", fn, string(o.cfg.Dialect))
 	}
 	if !o.cfg.NotifyAfterCommit {

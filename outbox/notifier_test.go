@@ -11,9 +11,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // afterCommit returns two Outboxes of e's topic with NotifyAfterCommit: one
@@ -22,7 +22,7 @@ import (
 // runs on a pool of its own, polls once an hour, and forwards to e.pubsub.
 func afterCommit(t *testing.T, e *env) (writer *outbox.Outbox, got <-chan *message.Message) {
 	t.Helper()
-	cfg := outbox.Config{Dialect: dedupe.Postgres, Topic: e.ob.Topic(), NotifyAfterCommit: true}
+	cfg := outbox.Config{Dialect: sqldb.Postgres, Topic: e.ob.Topic(), NotifyAfterCommit: true}
 	writer, err := outbox.New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -150,7 +150,7 @@ func TestNotifierCoalesces(t *testing.T) {
 	t.Parallel()
 	e := setup(t, testenv.Postgres(t))
 	count := listenCount(t, e)
-	writer, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: e.ob.Topic(), NotifyAfterCommit: true})
+	writer, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: e.ob.Topic(), NotifyAfterCommit: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -188,9 +188,9 @@ func TestNewNotifierRefuses(t *testing.T) {
 		cfg  outbox.Config
 		want string
 	}{
-		{outbox.Config{Dialect: dedupe.SQLite, NotifyAfterCommit: true}, "NOTIFY is PostgreSQL's"},
-		{outbox.Config{Dialect: dedupe.MySQL, NotifyAfterCommit: true}, "NOTIFY is PostgreSQL's"},
-		{outbox.Config{Dialect: dedupe.Postgres}, "NotifyAfterCommit is false"},
+		{outbox.Config{Dialect: sqldb.SQLite, NotifyAfterCommit: true}, "NOTIFY is PostgreSQL's"},
+		{outbox.Config{Dialect: sqldb.MySQL, NotifyAfterCommit: true}, "NOTIFY is PostgreSQL's"},
+		{outbox.Config{Dialect: sqldb.Postgres}, "NotifyAfterCommit is false"},
 	} {
 		ob, err := outbox.New(c.cfg)
 		if err != nil {

@@ -18,8 +18,8 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/telemetry"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // DefaultTopic names the outbox when Config.Topic is empty: its rows live in
@@ -32,10 +32,10 @@ const DefaultStuckAfter = time.Minute
 
 // Config configures an Outbox.
 type Config struct {
-	// Dialect is the database's SQL flavour: dedupe.Postgres (pgx),
-	// dedupe.MySQL (MySQL >= 8.0 or MariaDB >= 10.6, for SKIP LOCKED) or
-	// dedupe.SQLite. Required.
-	Dialect dedupe.Dialect
+	// Dialect is the database's SQL flavour: sqldb.Postgres (pgx),
+	// sqldb.MySQL (MySQL >= 8.0 or MariaDB >= 10.6, for SKIP LOCKED) or
+	// sqldb.SQLite. Required.
+	Dialect sqldb.Dialect
 	// Topic names the outbox: its table, the table of its relays (Topic +
 	// "_relays") and its PostgreSQL notification channel. Defaults to
 	// DefaultTopic. 1-48 letters, digits, '_' or '-'.
@@ -93,7 +93,7 @@ func (c *Config) setDefaults() {
 // Validate reports the first invalid field.
 func (c Config) Validate() error {
 	switch c.Dialect {
-	case dedupe.Postgres, dedupe.MySQL, dedupe.SQLite:
+	case sqldb.Postgres, sqldb.MySQL, sqldb.SQLite:
 	default:
 		return fmt.Errorf("outbox: Config.Dialect must be postgres, mysql or sqlite, got %q", string(c.Dialect))
 	}
@@ -359,7 +359,7 @@ func (p *publisher) insert(topic string, msgs []*message.Message) error {
 			}
 			args = append(args, m.UUID, topic, payload, md)
 		}
-		notify := p.o.cfg.Dialect == dedupe.Postgres && !p.o.cfg.NotifyAfterCommit
+		notify := p.o.cfg.Dialect == sqldb.Postgres && !p.o.cfg.NotifyAfterCommit
 		if notify {
 			args = append(args, p.o.q.table)
 		}

@@ -17,9 +17,9 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 type env struct {
@@ -48,7 +48,7 @@ func setup(t testing.TB, db testenv.DB) *env {
 		ctx := context.Background()
 		_, _ = db.ExecContext(ctx, "DROP TABLE "+table)
 		q := func(s string) string {
-			if db.Dialect == dedupe.MySQL {
+			if db.Dialect == sqldb.MySQL {
 				return "`" + s + "`"
 			}
 			return `"` + s + `"`
@@ -62,7 +62,7 @@ func setup(t testing.TB, db testenv.DB) *env {
 }
 
 func (e *env) ph(n int) string {
-	if e.db.Dialect == dedupe.Postgres {
+	if e.db.Dialect == sqldb.Postgres {
 		return "$" + string(rune('0'+n))
 	}
 	return "?"
@@ -329,16 +329,16 @@ func TestNewRefusesBadConfig(t *testing.T) {
 		field string
 	}{
 		{outbox.Config{}, "Config.Dialect"},
-		{outbox.Config{Dialect: dedupe.SQLite, Topic: "has space"}, "Config.Topic"},
-		{outbox.Config{Dialect: dedupe.SQLite, Topic: `x"; DROP TABLE y`}, "Config.Topic"},
-		{outbox.Config{Dialect: dedupe.SQLite, StuckAfter: -time.Second}, "Config.StuckAfter"},
+		{outbox.Config{Dialect: sqldb.SQLite, Topic: "has space"}, "Config.Topic"},
+		{outbox.Config{Dialect: sqldb.SQLite, Topic: `x"; DROP TABLE y`}, "Config.Topic"},
+		{outbox.Config{Dialect: sqldb.SQLite, StuckAfter: -time.Second}, "Config.StuckAfter"},
 	}
 	for _, c := range cases {
 		if _, err := outbox.New(c.cfg); err == nil || !strings.Contains(err.Error(), c.field) {
 			t.Errorf("New(%+v) = %v; want an error naming %s", c.cfg, err, c.field)
 		}
 	}
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.SQLite})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.SQLite})
 	if err != nil {
 		t.Fatal(err)
 	}

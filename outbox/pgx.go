@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // The pgx path: an application on pgx (a pgxpool.Pool, a pgx.Tx) uses the
@@ -22,7 +22,7 @@ import (
 // errPgxDialect is returned by the pgx functions of an Outbox that is not
 // configured for PostgreSQL.
 func (o *Outbox) errPgxDialect(fn string) error {
-	if o.cfg.Dialect == dedupe.Postgres {
+	if o.cfg.Dialect == sqldb.Postgres {
 		return nil
 	}
 	return fmt.Errorf("outbox: %s: pgx is PostgreSQL only, and this outbox's Config.Dialect is %q", fn, string(o.cfg.Dialect))
@@ -53,7 +53,7 @@ func pgxConn(pool *pgxpool.Pool) conn {
 // PgxTxPublisher is TxPublisher for a pgx.Tx: the same rows, trace context
 // and "create" spans, and on PostgreSQL the same pg_notify, written on tx,
 // so that they commit or roll back with it. The Outbox must be configured
-// for dedupe.Postgres.
+// for sqldb.Postgres.
 func (o *Outbox) PgxTxPublisher(tx pgx.Tx) (message.Publisher, error) {
 	if tx == nil {
 		return nil, errors.New("outbox: PgxTxPublisher: tx is nil")

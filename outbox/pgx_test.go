@@ -18,9 +18,9 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // pgxEnv is an outbox on PostgreSQL reached only through pgx: a pool, the
@@ -58,7 +58,7 @@ func pgxSetup(t *testing.T, cfg outbox.Config) *pgxEnv {
 	spans := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	cfg.Dialect = dedupe.Postgres
+	cfg.Dialect = sqldb.Postgres
 	cfg.Topic = "ob_" + name[len(name)-8:]
 	cfg.Propagator = propagation.TraceContext{}
 	cfg.TracerProvider = tp
@@ -426,7 +426,7 @@ func TestPgxRefusesOtherDialects(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.MySQL})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.MySQL})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -445,7 +445,7 @@ func TestPgxRefusesOtherDialects(t *testing.T) {
 			t.Errorf("pgx function on a mysql outbox: %v; want an error saying PostgreSQL only", err)
 		}
 	}
-	pg, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres})
+	pg, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres})
 	if err != nil {
 		t.Fatal(err)
 	}

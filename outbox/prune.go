@@ -7,7 +7,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // pruneBatch is how many rows one DELETE of Prune removes.
@@ -30,7 +30,7 @@ func (o *Outbox) prune(ctx context.Context, db conn, olderThan time.Duration) (i
 		return 0, fmt.Errorf("outbox: prune: olderThan must be >= 0, got %v", olderThan)
 	}
 	var age any = olderThan.Seconds()
-	if o.cfg.Dialect == dedupe.MySQL {
+	if o.cfg.Dialect == sqldb.MySQL {
 		age = olderThan.Microseconds()
 	}
 	var total int64
@@ -51,7 +51,7 @@ func (o *Outbox) prune(ctx context.Context, db conn, olderThan time.Duration) (i
 // insert new rows into the index of pending rows.
 func (o *Outbox) pruneBatch(ctx context.Context, db conn, age any) (int64, error) {
 	var opts *sql.TxOptions
-	if o.cfg.Dialect != dedupe.SQLite {
+	if o.cfg.Dialect != sqldb.SQLite {
 		opts = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
 	}
 	tx, err := db.BeginTx(ctx, opts)

@@ -24,8 +24,8 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/amqpcheck"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // ScopeName is the OpenTelemetry instrumentation scope of the outbox's
@@ -125,7 +125,7 @@ func (c *RelayConfig) setDefaults(o *Outbox) {
 	}
 	if c.AckDeadline == 0 {
 		c.AckDeadline = 30 * time.Second
-		if o.cfg.Dialect == dedupe.SQLite {
+		if o.cfg.Dialect == sqldb.SQLite {
 			c.AckDeadline = 5 * time.Second
 		}
 	}
@@ -344,7 +344,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	r.o.addWaker(r.wake)
 	defer r.o.removeWaker(r.wake)
 	switch n := r.db.maxConns(); {
-	case r.o.cfg.Dialect != dedupe.Postgres:
+	case r.o.cfg.Dialect != sqldb.Postgres:
 	case n > 0 && n < 2:
 		r.cfg.Logger.Info("outbox: db allows one connection, which LISTEN would hold for good: the relay polls", nil)
 	default:
@@ -515,7 +515,7 @@ func (r *Relay) ttl() time.Duration { return 3 * r.cfg.HeartbeatInterval }
 // beatArg is the heartbeat's time-to-live in the unit of the dialect's
 // statement: seconds, or microseconds on MySQL.
 func (r *Relay) beatArg() any {
-	if r.o.cfg.Dialect == dedupe.MySQL {
+	if r.o.cfg.Dialect == sqldb.MySQL {
 		return r.ttl().Microseconds()
 	}
 	return r.ttl().Seconds()
@@ -623,7 +623,7 @@ func (r *Relay) batch(ctx context.Context) (batchResult, error) {
 	txCtx, txCancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
 	defer txCancel()
 	var opts *sql.TxOptions
-	if r.o.cfg.Dialect != dedupe.SQLite {
+	if r.o.cfg.Dialect != sqldb.SQLite {
 		// Row locks only: no gap locks on MySQL that would stall writers.
 		opts = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
 	}
@@ -633,7 +633,7 @@ func (r *Relay) batch(ctx context.Context) (batchResult, error) {
 		return res, fmt.Errorf("begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
-	if r.o.cfg.Dialect == dedupe.Postgres {
+	if r.o.cfg.Dialect == sqldb.Postgres {
 		// The marks need not wait for the WAL flush: a mark lost in a
 		// crash means the rows are published again, the duplicate the
 		// relay allows anyway. The next batch does not wait for the disk.
@@ -735,7 +735,7 @@ func (r *Relay) failArgs(text string, delay time.Duration, aside bool, offset in
 	if aside {
 		a = 1
 	}
-	if r.o.cfg.Dialect == dedupe.MySQL {
+	if r.o.cfg.Dialect == sqldb.MySQL {
 		return []any{text, a, delay.Microseconds(), a, offset}
 	}
 	return []any{text, delay.Seconds(), a, offset}
@@ -774,7 +774,7 @@ func offsets(rows []row) []any {
 }
 
 func (r *Relay) claim(ctx context.Context, tx wsql.Tx) ([]row, error) {
-	if r.o.cfg.Dialect == dedupe.MySQL {
+	if r.o.cfg.Dialect == sqldb.MySQL {
 		return r.claimMySQL(ctx, tx)
 	}
 	rs, err := tx.QueryContext(ctx, r.o.q.claim, r.cfg.BatchSize, r.cfg.BatchBytes)

@@ -4,14 +4,14 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // statements are the SQL of one outbox, built once by New from the dialect
 // and the table names. Names are validated (Config.Topic) and quoted; values
 // are always bound.
 type statements struct {
-	d        dedupe.Dialect
+	d        sqldb.Dialect
 	table    string // unquoted outbox table name
 	relays   string // unquoted relays table name
 	qTable   string // quoted
@@ -86,21 +86,21 @@ func claimWindow(inner, bytes string) string {
 		FROM (` + inner + `) AS "l") AS "s" WHERE "n" = 1 OR "total" <= ` + bytes
 }
 
-func quoteIdent(d dedupe.Dialect, name string) string {
-	if d == dedupe.MySQL {
+func quoteIdent(d sqldb.Dialect, name string) string {
+	if d == sqldb.MySQL {
 		return "`" + name + "`"
 	}
 	return `"` + name + `"`
 }
 
-func newStatements(d dedupe.Dialect, topic string) statements {
+func newStatements(d sqldb.Dialect, topic string) statements {
 	s := statements{d: d, table: topic, relays: topic + "_relays"}
 	q := func(n string) string { return quoteIdent(d, n) }
 	s.qTable, s.qRelays, s.qPending = q(s.table), q(s.relays), q(topic+"_pending")
 	s.qReady, s.qAside = q(topic+"_ready"), q(topic+"_set_aside")
 	t, r := s.qTable, s.qRelays
 	switch d {
-	case dedupe.Postgres:
+	case sqldb.Postgres:
 		s.schema = []string{
 			`CREATE TABLE IF NOT EXISTS ` + t + ` (
 	"offset" BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -160,7 +160,7 @@ ON CONFLICT ("relay_id") DO UPDATE SET "expires_at" = EXCLUDED."expires_at"`
 		s.prune = `DELETE FROM ` + t + ` WHERE "offset" IN (
 	SELECT "offset" FROM ` + t + ` WHERE "forwarded_at" < clock_timestamp() - make_interval(secs => $1) LIMIT $2 FOR UPDATE SKIP LOCKED)`
 		s.columns = `SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = $1`
-	case dedupe.MySQL:
+	case sqldb.MySQL:
 		s.schema = []string{
 			"CREATE TABLE IF NOT EXISTS " + t + ` (
 	` + "`offset`" + ` BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
@@ -280,7 +280,7 @@ func (s statements) insert(n int, notify bool) string {
 	var b strings.Builder
 	b.WriteString(`INSERT INTO ` + s.qTable)
 	switch s.d {
-	case dedupe.Postgres:
+	case sqldb.Postgres:
 		b.WriteString(` ("uuid", "topic", "payload", "metadata") SELECT v.u, v.t, v.p, v.m FROM (VALUES `)
 		for i := range n {
 			if i > 0 {
@@ -293,7 +293,7 @@ func (s statements) insert(n int, notify bool) string {
 		if notify {
 			b.WriteString(` CROSS JOIN (SELECT pg_notify($` + strconv.Itoa(4*n+1) + `, '')) AS n`)
 		}
-	case dedupe.MySQL:
+	case sqldb.MySQL:
 		b.WriteString(" (uuid, topic, payload, metadata) VALUES ")
 		b.WriteString(strings.TrimSuffix(strings.Repeat("(?, ?, ?, ?), ", n), ", "))
 	default:
@@ -311,9 +311,9 @@ func (s statements) mark(n int, forwarded bool) string {
 	val := "NULL"
 	if forwarded {
 		switch s.d {
-		case dedupe.Postgres:
+		case sqldb.Postgres:
 			val = "clock_timestamp()"
-		case dedupe.MySQL:
+		case sqldb.MySQL:
 			val = "CURRENT_TIMESTAMP(6)"
 		default:
 			val = `strftime('%Y-%m-%d %H:%M:%f', 'now')`
@@ -324,7 +324,7 @@ func (s statements) mark(n int, forwarded bool) string {
 		if i > 0 {
 			in.WriteString(", ")
 		}
-		if s.d == dedupe.Postgres {
+		if s.d == sqldb.Postgres {
 			in.WriteString("$" + strconv.Itoa(i+1))
 		} else {
 			in.WriteString("?")

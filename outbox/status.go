@@ -7,7 +7,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // State is Status's verdict on an outbox.
@@ -146,7 +146,7 @@ func (o *Outbox) status(ctx context.Context, db conn) (Status, error) {
 		return st, nil
 	}
 	args := []any{st.OldestOffset}
-	if o.cfg.Dialect != dedupe.Postgres {
+	if o.cfg.Dialect != sqldb.Postgres {
 		args = append(args, st.OldestOffset)
 	}
 	if err := queryRow(ctx, db, o.q.statusPass, args, &st.ForwardedSince); err != nil {

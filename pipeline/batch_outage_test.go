@@ -15,10 +15,10 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/settle-go/settle/amqpmarshal"
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // batchAMQP is a durable-queue publisher and subscriber on RabbitMQ, with
@@ -208,7 +208,7 @@ func TestBatchSurvivesClaimsTableOutage(t *testing.T) {
 			// The claims table goes away for a second, then comes back.
 			renameTo := func(from, to string) {
 				q := "ALTER TABLE " + quote(db, from) + " RENAME TO " + quote(db, to)
-				if db.Dialect == dedupe.MySQL {
+				if db.Dialect == sqldb.MySQL {
 					q = "RENAME TABLE " + quote(db, from) + " TO " + quote(db, to)
 				}
 				_, err := db.ExecContext(t.Context(), q)

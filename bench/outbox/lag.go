@@ -29,8 +29,8 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivermigrate"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // counter counts the statements a relay sends, through pgx's tracer: the
@@ -296,7 +296,7 @@ func (b *bench) lagSubjects(ctx context.Context) ([]lagSubject, func(), error) {
 		{"settle, NOTIFY after commit (Notifier)", true, true},
 		{"settle, writers in the relay's process (Notify)", true, false},
 	} {
-		cfg := outbox.Config{Dialect: dedupe.Postgres, Topic: b.topic("lag_settle"), NotifyAfterCommit: way.after}
+		cfg := outbox.Config{Dialect: sqldb.Postgres, Topic: b.topic("lag_settle"), NotifyAfterCommit: way.after}
 		writer, err := outbox.New(cfg)
 		if err != nil {
 			return nil, cleanup, err
@@ -343,7 +343,7 @@ func (b *bench) lagSubjects(ctx context.Context) ([]lagSubject, func(), error) {
 	// The same on pgx: PgxTxPublisher on the producers' pgx.Tx, NewPgxRelay
 	// on a pool of its own whose statements ctr counts.
 	ptopic := b.topic("lag_settle_pgx")
-	pob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: ptopic})
+	pob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: ptopic})
 	if err != nil {
 		return nil, cleanup, err
 	}

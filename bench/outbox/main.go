@@ -61,9 +61,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 const seqKey = "bench_seq"
@@ -203,7 +203,7 @@ func run(o options, stdout, stderr io.Writer) error {
 	// database/sql keeps 2 idle connections by default: more producers
 	// than that would open a connection per transaction.
 	db.SetMaxIdleConns(16)
-	if dialect != dedupe.Postgres {
+	if dialect != sqldb.Postgres {
 		return fmt.Errorf("-db: PostgreSQL only, got %s", dialect)
 	}
 	if err := db.PingContext(ctx); err != nil {
@@ -608,7 +608,7 @@ func (b *bench) barePath(topic string) path {
 }
 
 func (b *bench) settlePath(ctx context.Context, topic string) (path, error) {
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: topic})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: topic})
 	if err != nil {
 		return path{}, err
 	}
@@ -632,7 +632,7 @@ func (b *bench) settlePath(ctx context.Context, topic string) (path, error) {
 // settlePgxPath is settle's outbox on pgx: PgxTxPublisher on the
 // producers' pgx.Tx, NewPgxRelay on the pool.
 func (b *bench) settlePgxPath(ctx context.Context, topic string) (path, error) {
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: topic})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: topic})
 	if err != nil {
 		return path{}, err
 	}

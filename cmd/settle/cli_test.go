@@ -12,6 +12,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settleenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 func TestRunUsageErrors(t *testing.T) {
@@ -158,13 +159,14 @@ func TestHelpHidesEnvironmentURL(t *testing.T) {
 
 func TestSchemaStatements(t *testing.T) {
 	t.Parallel()
-	for _, d := range dedupe.Dialects() {
+	for _, d := range []sqldb.Dialect{sqldb.Postgres, sqldb.MySQL, sqldb.SQLite} {
 		t.Run("dedupe "+string(d), func(t *testing.T) {
 			t.Parallel()
-			want, err := dedupe.Schema(d, "app_claims")
+			store, err := dedupe.NewSQLStore(sqldb.Std(nil, d), dedupe.SQLConfig{Table: "app_claims"})
 			if err != nil {
 				t.Fatal(err)
 			}
+			want := store.Schema()
 			r := mustRun(t, exitOK, "dedupe", "schema", "-dialect", string(d), "-table", "app_claims")
 			checkSQL(t, r.stdout, len(want), "app_claims")
 		})

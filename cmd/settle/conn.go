@@ -13,9 +13,9 @@ import (
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settleenv"
 	"github.com/settle-go/settle/internal/sqlurl"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // Environment variables read for connection settings, the same as the
@@ -34,7 +34,7 @@ var osGetenv = os.Getenv
 // environment names (settleenv.DatabaseURL) when rawURL is empty. The
 // caller closes it. A URL that cannot be parsed is a usage error; a SQLite
 // file that does not exist is an error, and is not created.
-func openDB(e *env, rawURL string) (*sql.DB, dedupe.Dialect, error) {
+func openDB(e *env, rawURL string) (*sql.DB, sqldb.Dialect, error) {
 	ctx := e.ctx
 	from := "-db"
 	if rawURL == "" {
@@ -48,7 +48,7 @@ func openDB(e *env, rawURL string) (*sql.DB, dedupe.Dialect, error) {
 	if err != nil {
 		return nil, "", &usageError{msg: fmt.Sprintf("%s: %s", from, strings.TrimPrefix(err.Error(), "sqlurl: "))}
 	}
-	if dialect == dedupe.SQLite {
+	if dialect == sqldb.SQLite {
 		// Opening a SQLite file creates it: an operator's typo would leave
 		// an empty database behind and report empty tables.
 		path := sqlurl.SQLitePath(rawURL)

@@ -12,13 +12,14 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settleenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 func runDedupePrune(e *env, args []string) (err error) {
 	const name = "dedupe prune"
 	fs := newFlagSet(name)
 	dbURL, driver := dbFlag(fs), driverFlag(fs)
-	table := fs.String("table", dedupe.DefaultTable, "the dedupe table")
+	table := fs.String("table", "settle_dedupe", "the dedupe table")
 	olderThan := ageFlag(fs, "older-than", "remove confirmed and released keys last touched longer ago than this, e.g. 7d or 36h (required; at least "+shortAge(pruneFloor)+" without -force)")
 	var pf pruneFlags
 	pf.register(fs)
@@ -45,9 +46,9 @@ func runDedupePrune(e *env, args []string) (err error) {
 		Prune(ctx context.Context, before time.Time) (int64, error)
 	}
 	if d.pool != nil {
-		store, err = dedupe.NewPgxStore(d.pool, dedupe.PgxConfig{Table: *table})
+		store, err = dedupe.NewSQLStore(sqldb.Pgx(d.pool), dedupe.SQLConfig{Table: *table})
 	} else {
-		store, err = dedupe.NewSQLStore(d.db, dedupe.SQLConfig{Dialect: d.dialect, Table: *table})
+		store, err = dedupe.NewSQLStore(sqldb.Std(d.db, d.dialect), dedupe.SQLConfig{Table: *table})
 	}
 	if err != nil {
 		return fmt.Errorf("-table: %w", err)
@@ -87,7 +88,7 @@ func runDedupeSchema(e *env, args []string) error {
 	const name = "dedupe schema"
 	fs := newFlagSet(name)
 	dialect := fs.String("dialect", "", "postgres, mysql or sqlite (required)")
-	table := fs.String("table", dedupe.DefaultTable, "the dedupe table, optionally schema-qualified")
+	table := fs.String("table", "settle_dedupe", "the dedupe table, optionally schema-qualified")
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
@@ -98,10 +99,12 @@ func runDedupeSchema(e *env, args []string) error {
 	case *dialect == "":
 		return usagef(fs, name, "-dialect is required (postgres, mysql or sqlite)")
 	}
-	stmts, err := dedupe.Schema(dedupe.Dialect(*dialect), *table)
+	// The DDL needs no connection: the store is built on no database.
+	store, err := dedupe.NewSQLStore(sqldb.Std(nil, sqldb.Dialect(*dialect)), dedupe.SQLConfig{Table: *table})
 	if err != nil {
 		return usagef(fs, name, "%v", err)
 	}
+	stmts := store.Schema()
 	return writeSQL(e.stdout, fmt.Sprintf("settle dedupe table %s (%s)", *table, *dialect), stmts)
 }
 
@@ -121,7 +124,7 @@ func runOutboxSchema(e *env, args []string) error {
 	case *dialect == "":
 		return usagef(fs, name, "-dialect is required (postgres, mysql or sqlite)")
 	}
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Dialect(*dialect), Topic: *topic})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Dialect(*dialect), Topic: *topic})
 	if err != nil {
 		return usagef(fs, name, "%v", err)
 	}

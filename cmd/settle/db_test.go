@@ -18,6 +18,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // dedupe prune is a dry run without -yes, and refuses a retention below the
@@ -55,7 +56,7 @@ func TestDedupePrune(t *testing.T) {
 			tdb := testenv.DB{DB: db, Dialect: dialect}
 			table := testenv.DedupeTable(t, tdb)
 			quoted := `"` + table + `"`
-			if dialect == dedupe.MySQL {
+			if dialect == sqldb.MySQL {
 				quoted = "`" + table + "`"
 			}
 
@@ -73,9 +74,9 @@ func TestDedupePrune(t *testing.T) {
 				{"recent-confirmed", 2, 0, now.Add(-2 * time.Minute).UnixMicro()},
 				{"old-but-live-claim", 1, now.Add(time.Hour).UnixMicro(), old},
 			}
-			insert := `INSERT INTO ` + quoted + ` (` + map[bool]string{true: "`key`", false: "key"}[dialect == dedupe.MySQL] +
+			insert := `INSERT INTO ` + quoted + ` (` + map[bool]string{true: "`key`", false: "key"}[dialect == sqldb.MySQL] +
 				`, state, token, attempts, expires_at, updated_at) VALUES ($1, $2, 't', 1, $3, $4)`
-			if dialect != dedupe.Postgres {
+			if dialect != sqldb.Postgres {
 				insert = strings.NewReplacer("$1", "?", "$2", "?", "$3", "?", "$4", "?").Replace(insert)
 			}
 			for _, r := range rows {
@@ -85,7 +86,7 @@ func TestDedupePrune(t *testing.T) {
 			}
 			keys := func() []string {
 				t.Helper()
-				q, err := db.QueryContext(t.Context(), `SELECT `+map[bool]string{true: "`key`", false: "key"}[dialect == dedupe.MySQL]+` FROM `+quoted+` ORDER BY 1`)
+				q, err := db.QueryContext(t.Context(), `SELECT `+map[bool]string{true: "`key`", false: "key"}[dialect == sqldb.MySQL]+` FROM `+quoted+` ORDER BY 1`)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -134,7 +135,7 @@ func TestDedupePrune(t *testing.T) {
 					t.Fatalf("%v deleted rows: %q left, want %q", args, got, all)
 				}
 			}
-			store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: table})
+			store, err := dedupe.NewSQLStore(sqldb.Std(db, dialect), dedupe.SQLConfig{Table: table})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -197,7 +198,7 @@ func testOutboxStatus(t *testing.T, driver string) {
 	var b [4]byte
 	_, _ = rand.Read(b[:])
 	topic := "cli_status_" + hex.EncodeToString(b[:])
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres, Topic: topic})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: topic})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -411,7 +412,7 @@ func TestOutboxPrune(t *testing.T) {
 				t.Fatal(err)
 			}
 			q := func(s string) string {
-				if db.Dialect == dedupe.MySQL {
+				if db.Dialect == sqldb.MySQL {
 					return strings.ReplaceAll(s, `"`, "`")
 				}
 				return s
@@ -443,10 +444,10 @@ func TestOutboxPrune(t *testing.T) {
 			if n, err := ob.Forward(t.Context(), db.DB, ch, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, BatchSize: 3}); err != nil || n < 3 {
 				t.Fatalf("Forward = %d, %v", n, err)
 			}
-			back := map[dedupe.Dialect]string{
-				dedupe.Postgres: `UPDATE "` + topic + `" SET "forwarded_at" = "forwarded_at" - INTERVAL '48 hours' WHERE "offset" IN (SELECT "offset" FROM "` + topic + `" WHERE "forwarded_at" IS NOT NULL ORDER BY "offset" LIMIT 2)`,
-				dedupe.MySQL:    "UPDATE `" + topic + "` SET forwarded_at = forwarded_at - INTERVAL 48 HOUR WHERE forwarded_at IS NOT NULL ORDER BY `offset` LIMIT 2",
-				dedupe.SQLite:   `UPDATE "` + topic + `" SET "forwarded_at" = strftime('%Y-%m-%d %H:%M:%f', "forwarded_at", '-48 hours') WHERE "offset" IN (SELECT "offset" FROM "` + topic + `" WHERE "forwarded_at" IS NOT NULL ORDER BY "offset" LIMIT 2)`,
+			back := map[sqldb.Dialect]string{
+				sqldb.Postgres: `UPDATE "` + topic + `" SET "forwarded_at" = "forwarded_at" - INTERVAL '48 hours' WHERE "offset" IN (SELECT "offset" FROM "` + topic + `" WHERE "forwarded_at" IS NOT NULL ORDER BY "offset" LIMIT 2)`,
+				sqldb.MySQL:    "UPDATE `" + topic + "` SET forwarded_at = forwarded_at - INTERVAL 48 HOUR WHERE forwarded_at IS NOT NULL ORDER BY `offset` LIMIT 2",
+				sqldb.SQLite:   `UPDATE "` + topic + `" SET "forwarded_at" = strftime('%Y-%m-%d %H:%M:%f', "forwarded_at", '-48 hours') WHERE "offset" IN (SELECT "offset" FROM "` + topic + `" WHERE "forwarded_at" IS NOT NULL ORDER BY "offset" LIMIT 2)`,
 			}[db.Dialect]
 			if _, err := db.ExecContext(t.Context(), back); err != nil {
 				t.Fatal(err)

@@ -9,9 +9,9 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settleenv"
 	"github.com/settle-go/settle/internal/sqlurl"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // The values of -driver.
@@ -30,7 +30,7 @@ func driverFlag(fs *flag.FlagSet) *string {
 // database is what the database commands run on: database/sql, or a
 // pgxpool.Pool for PostgreSQL.
 type database struct {
-	dialect dedupe.Dialect
+	dialect sqldb.Dialect
 	// db is the database/sql handle; nil on pgx.
 	db *sql.DB
 	// pool is the pgx pool; nil on database/sql.
@@ -54,7 +54,7 @@ func openDatabase(e *env, flagURL, driver string) (*database, error) {
 		rawURL, name = settleenv.DatabaseURL(e.getenv)
 		from = "$" + name
 	}
-	var dialect dedupe.Dialect
+	var dialect sqldb.Dialect
 	if rawURL != "" {
 		if _, _, d, err := sqlurl.Parse(rawURL); err == nil {
 			dialect = d
@@ -62,20 +62,20 @@ func openDatabase(e *env, flagURL, driver string) (*database, error) {
 	}
 	switch driver {
 	case driverAuto:
-		if dialect != dedupe.Postgres {
+		if dialect != sqldb.Postgres {
 			driver = driverSQL
 		} else {
 			driver = driverPgx
 		}
 	case driverPgx:
-		if rawURL != "" && dialect != "" && dialect != dedupe.Postgres {
+		if rawURL != "" && dialect != "" && dialect != sqldb.Postgres {
 			return nil, &usageError{msg: fmt.Sprintf("-driver pgx works with postgres:// only, and %s is %s", from, dialect)}
 		}
 	case driverSQL:
 	default:
 		return nil, &usageError{msg: fmt.Sprintf("-driver: %q is not pgx, sql or auto", driver)}
 	}
-	if driver == driverSQL || dialect != dedupe.Postgres {
+	if driver == driverSQL || dialect != sqldb.Postgres {
 		// openDB resolves the URL again and reports a missing or bad one.
 		db, d, err := openDB(e, flagURL)
 		if err != nil {
@@ -105,5 +105,5 @@ func openDatabase(e *env, flagURL, driver string) (*database, error) {
 		}
 		return nil, fmt.Errorf("%s: cannot reach the postgres database at %s: %w", from, redact(rawURL), sqlurl.ScrubError(err, rawURL))
 	}
-	return &database{dialect: dedupe.Postgres, pool: pool}, nil
+	return &database{dialect: sqldb.Postgres, pool: pool}, nil
 }

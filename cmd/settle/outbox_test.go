@@ -16,10 +16,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // refusing refuses every publish to one topic.
@@ -60,7 +60,7 @@ func TestOutboxStatusAndRetry(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { _ = d.Close() })
-			return testenv.DB{DB: d, Dialect: dedupe.SQLite}, u
+			return testenv.DB{DB: d, Dialect: sqldb.SQLite}, u
 		}, nil},
 	} {
 		t.Run(c.name, func(t *testing.T) {

@@ -9,7 +9,7 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // pruneFloor is the shortest retention the prune commands accept without
@@ -79,9 +79,9 @@ func shortAge(d time.Duration) string {
 // quoteTable quotes a table name that the store or the outbox has already
 // validated (letters, digits and _, optionally schema.table), as dedupe
 // quotes it.
-func quoteTable(d dedupe.Dialect, table string) string {
+func quoteTable(d sqldb.Dialect, table string) string {
 	q := `"`
-	if d == dedupe.MySQL {
+	if d == sqldb.MySQL {
 		q = "`"
 	}
 	parts := strings.Split(table, ".")
@@ -93,8 +93,8 @@ func quoteTable(d dedupe.Dialect, table string) string {
 
 // placeholders turns $1, $2, ... into ? outside PostgreSQL. Each appears
 // once, in order.
-func placeholders(d dedupe.Dialect, q string) string {
-	if d == dedupe.Postgres {
+func placeholders(d sqldb.Dialect, q string) string {
+	if d == sqldb.Postgres {
 		return q
 	}
 	for i := 9; i >= 1; i-- {
@@ -139,7 +139,7 @@ func (d *database) query(ctx context.Context, q string, args []any, each func(sc
 func (d *database) prunableKeys(ctx context.Context, table string, before time.Time) (int64, [][3]string, error) {
 	t := quoteTable(d.dialect, table)
 	key := "key"
-	if d.dialect == dedupe.MySQL {
+	if d.dialect == sqldb.MySQL {
 		key = "`key`"
 	}
 	cutoff := before.UnixMicro()
@@ -200,10 +200,10 @@ func (d *database) outboxPrunePreview(e *env, topic string, olderThan time.Durat
 	var cond string
 	var age any
 	switch d.dialect {
-	case dedupe.Postgres:
+	case sqldb.Postgres:
 		cond = `"forwarded_at" < clock_timestamp() - make_interval(secs => $1)`
 		age = olderThan.Seconds()
-	case dedupe.MySQL:
+	case sqldb.MySQL:
 		cond = "forwarded_at < CURRENT_TIMESTAMP(6) - INTERVAL ? MICROSECOND"
 		age = olderThan.Microseconds()
 	default:
@@ -224,9 +224,9 @@ func (d *database) outboxPrunePreview(e *env, topic string, olderThan time.Durat
 	if n > 0 {
 		cols, order := `"uuid", "topic", "forwarded_at"::text`, `"forwarded_at"`
 		switch d.dialect {
-		case dedupe.MySQL:
+		case sqldb.MySQL:
 			cols, order = "uuid, topic, CAST(forwarded_at AS CHAR)", "forwarded_at"
-		case dedupe.SQLite:
+		case sqldb.SQLite:
 			cols = `"uuid", "topic", "forwarded_at"`
 		}
 		var sample [][3]string

@@ -16,6 +16,7 @@ import (
 	_ "modernc.org/sqlite" // registers the "sqlite" driver
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/sqldb"
 )
 
 type config struct {
@@ -55,11 +56,11 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 
 	// In a service these statements belong in your migrations: settle never
 	// creates tables by itself.
-	ddl, err := dedupe.Schema(dedupe.SQLite, dedupe.DefaultTable)
+	store, err := dedupe.NewSQLStore(sqldb.Std(db, sqldb.SQLite), dedupe.SQLConfig{})
 	if err != nil {
 		return err
 	}
-	ddl = append(ddl, "CREATE TABLE IF NOT EXISTS welcome_emails (user_id TEXT NOT NULL, sent_at TEXT NOT NULL)")
+	ddl := append(store.Schema(), "CREATE TABLE IF NOT EXISTS welcome_emails (user_id TEXT NOT NULL, sent_at TEXT NOT NULL)")
 	for _, stmt := range ddl {
 		if _, err := db.ExecContext(ctx, stmt); err != nil {
 			return fmt.Errorf("schema: %w", err)
@@ -90,10 +91,6 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 	// The only settle piece: claim the message's key (its UUID) before the
 	// handler runs, confirm it when the handler succeeds, release it when it
 	// fails so that a redelivery still does the work.
-	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dedupe.SQLite})
-	if err != nil {
-		return err
-	}
 	if err := store.Check(ctx); err != nil { // the claims table is there, as the store needs it
 		return err
 	}

@@ -30,6 +30,7 @@ import (
 	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // telemetry is the example's OpenTelemetry setup: traces go to an OTLP
@@ -181,12 +182,12 @@ type leftovers struct {
 // removeLeftovers drops the tables of earlier runs that started more than
 // minAge ago, and, when amqpURL is set, their queues. Younger ones may
 // belong to a run still going on.
-func removeLeftovers(ctx context.Context, db *sql.DB, d dedupe.Dialect, amqpURL string, now time.Time, minAge time.Duration) (leftovers, error) {
+func removeLeftovers(ctx context.Context, db *sql.DB, d sqldb.Dialect, amqpURL string, now time.Time, minAge time.Duration) (leftovers, error) {
 	var q string
 	switch d {
-	case dedupe.Postgres:
+	case sqldb.Postgres:
 		q = "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()"
-	case dedupe.MySQL:
+	case sqldb.MySQL:
 		q = "SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE()"
 	default:
 		q = "SELECT name FROM sqlite_master WHERE type = 'table'"
@@ -239,7 +240,7 @@ func removeLeftovers(ctx context.Context, db *sql.DB, d dedupe.Dialect, amqpURL 
 // schema holds the run's table names: fresh ones per run, dropped at the end.
 type schema struct {
 	db          *sql.DB
-	dialect     dedupe.Dialect
+	dialect     sqldb.Dialect
 	claims      string
 	orders      string
 	charges     string
@@ -247,7 +248,7 @@ type schema struct {
 	outboxTopic string
 }
 
-func newSchema(ctx context.Context, db *sql.DB, d dedupe.Dialect, runID string) (*schema, error) {
+func newSchema(ctx context.Context, db *sql.DB, d sqldb.Dialect, runID string) (*schema, error) {
 	t := tableNames(runID)
 	s := &schema{
 		db: db, dialect: d,
@@ -258,10 +259,11 @@ func newSchema(ctx context.Context, db *sql.DB, d dedupe.Dialect, runID string) 
 		outboxTopic: "orders_outbox_" + runID,
 	}
 	// A real service runs these in its migrations.
-	ddl, err := dedupe.Schema(d, s.claims)
+	claims, err := dedupe.NewSQLStore(sqldb.Std(db, d), dedupe.SQLConfig{Table: s.claims})
 	if err != nil {
 		return nil, err
 	}
+	ddl := claims.Schema()
 	ddl = append(ddl,
 		"CREATE TABLE "+s.orders+" (id VARCHAR(64) PRIMARY KEY, cents INTEGER NOT NULL)",
 		"CREATE TABLE "+s.charges+" (order_id VARCHAR(64) PRIMARY KEY, cents INTEGER NOT NULL)",
@@ -277,7 +279,7 @@ func newSchema(ctx context.Context, db *sql.DB, d dedupe.Dialect, runID string) 
 }
 
 func (s *schema) ph(n int) string {
-	if s.dialect == dedupe.Postgres {
+	if s.dialect == sqldb.Postgres {
 		return fmt.Sprintf("$%d", n)
 	}
 	return "?"
@@ -295,7 +297,7 @@ func (s *schema) dropOutbox(ob *outbox.Outbox) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	q := `"`
-	if s.dialect == dedupe.MySQL {
+	if s.dialect == sqldb.MySQL {
 		q = "`"
 	}
 	for _, t := range []string{ob.Table(), ob.Table() + "_relays"} {

@@ -12,10 +12,10 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // openDB opens the run's database. A postgres:// URL gets a pgxpool.Pool,
@@ -23,12 +23,12 @@ import (
 // handler, PgxTxPublisher, NewPgxRelay), and a *sql.DB over the same pool
 // for the example's own bookkeeping (schema, counts): one pool, not two.
 // Other URLs get database/sql alone, and pool is nil.
-func openDB(ctx context.Context, u string) (db *sql.DB, d dedupe.Dialect, pool *pgxpool.Pool, err error) {
+func openDB(ctx context.Context, u string) (db *sql.DB, d sqldb.Dialect, pool *pgxpool.Pool, err error) {
 	_, _, d, err = sqlurl.Parse(u)
 	if err != nil {
 		return nil, "", nil, err
 	}
-	if d != dedupe.Postgres {
+	if d != sqldb.Postgres {
 		db, d, err = sqlurl.Open(u)
 		return db, d, nil, err
 	}

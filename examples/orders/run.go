@@ -27,6 +27,7 @@ import (
 	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 type config struct {
@@ -184,9 +185,9 @@ func run(parent context.Context, cfg config) (err error) {
 	// On PostgreSQL settle runs on the pgx pool; elsewhere on database/sql.
 	var store dedupe.Store
 	if pool != nil {
-		store, err = dedupe.NewPgxStore(pool, dedupe.PgxConfig{Table: s.claims})
+		store, err = dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: s.claims})
 	} else {
-		store, err = dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: s.claims})
+		store, err = dedupe.NewSQLStore(sqldb.Std(db, dialect), dedupe.SQLConfig{Table: s.claims})
 	}
 	if err != nil {
 		return err

@@ -22,8 +22,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	_ "modernc.org/sqlite" // registers the "sqlite" driver
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 type config struct {
@@ -63,7 +63,7 @@ func run(ctx context.Context, cfg config, w io.Writer) error {
 
 	// The outbox: its tables live next to the application's. In a service,
 	// ob.Schema() goes into the migrations.
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.SQLite})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.SQLite})
 	if err != nil {
 		return err
 	}

@@ -18,10 +18,10 @@ import (
 	_ "github.com/jackc/pgx/v5/stdlib"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/otlptest"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 const guide = "../../docs/getting-started.md"
@@ -157,7 +157,7 @@ func TestGettingStartedService(t *testing.T) {
 	defer appDB.Close()
 	// An e-mail requested by an earlier run and not yet forwarded: the
 	// relay's first row, there before the program starts.
-	ob, err := outbox.New(outbox.Config{Dialect: dedupe.Postgres})
+	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres})
 	if err != nil {
 		t.Fatal(err)
 	}

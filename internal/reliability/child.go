@@ -26,6 +26,7 @@ import (
 	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // ChildEnv is the environment variable that turns a re-executed binary into
@@ -178,7 +179,7 @@ func amqpConfig(url string) (amqp.Config, error) {
 	return cfg, nil
 }
 
-func childSetup(spec childSpec) (*sql.DB, dedupe.Dialect, *status, *sleeper, watermill.LoggerAdapter, error) {
+func childSetup(spec childSpec) (*sql.DB, sqldb.Dialect, *status, *sleeper, watermill.LoggerAdapter, error) {
 	db, dialect, err := sqlurl.Open(spec.DB)
 	if err != nil {
 		return nil, "", nil, nil, nil, err
@@ -274,7 +275,7 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 		return err
 	}
 	defer sub.Close()
-	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Dialect: dialect, Table: spec.Claims})
+	store, err := dedupe.NewSQLStore(sqldb.Std(db, dialect), dedupe.SQLConfig{Table: spec.Claims})
 	if err != nil {
 		return err
 	}
@@ -337,11 +338,11 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 	// tx identifies the transaction of an effect row in batch mode (0 in
 	// the other modes), so that the driver can tell which batches committed.
 	insert := "INSERT INTO " + spec.Effects + " (msg_id, pid, tx) VALUES (?, ?, ?)"
-	if dialect == dedupe.Postgres {
+	if dialect == sqldb.Postgres {
 		insert = "INSERT INTO " + spec.Effects + " (msg_id, pid, tx) VALUES ($1, $2, $3)"
 	}
 	count := "SELECT COUNT(*) FROM " + spec.Effects + " WHERE msg_id = ?"
-	if dialect == dedupe.Postgres {
+	if dialect == sqldb.Postgres {
 		count = "SELECT COUNT(*) FROM " + spec.Effects + " WHERE msg_id = $1"
 	}
 	pid := os.Getpid()

@@ -17,7 +17,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/settle-go/settle/amqpmarshal"
-	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // faults injects each configured fault while a producer keeps placing
@@ -226,7 +226,7 @@ func (d *driver) holdZombie(ctx context.Context, pid int, msgID string) (zombie,
 		return z, err
 	}
 	q := "SELECT COUNT(*) FROM " + d.effects + " WHERE msg_id = ? AND pid <> ?"
-	if d.dialect == dedupe.Postgres {
+	if d.dialect == sqldb.Postgres {
 		q = "SELECT COUNT(*) FROM " + d.effects + " WHERE msg_id = $1 AND pid <> $2"
 	}
 	wctx, cancel := context.WithTimeout(ctx, d.cfg.RecoverTimeout)
@@ -257,7 +257,7 @@ func (d *driver) holdZombie(ctx context.Context, pid int, msgID string) (zombie,
 // its mark.
 func (d *driver) redeliver(ctx context.Context, msgID string) error {
 	q := "SELECT seq FROM " + d.placed + " WHERE msg_id = ?"
-	if d.dialect == dedupe.Postgres {
+	if d.dialect == sqldb.Postgres {
 		q = "SELECT seq FROM " + d.placed + " WHERE msg_id = $1"
 	}
 	var seq int
@@ -288,7 +288,7 @@ func handlerStatus(line string) (phase, msgID string) {
 // of the message another consumer had taken over.
 func (d *driver) countZombies(ctx context.Context) error {
 	q := "SELECT COUNT(*) FROM " + d.effects + " WHERE msg_id = ? AND pid = ?"
-	if d.dialect == dedupe.Postgres {
+	if d.dialect == sqldb.Postgres {
 		q = "SELECT COUNT(*) FROM " + d.effects + " WHERE msg_id = $1 AND pid = $2"
 	}
 	for _, z := range d.zombies {

@@ -31,6 +31,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // Modes of the consumers.
@@ -366,7 +367,7 @@ func Run(ctx context.Context, cfg Config) (Result, error) {
 type driver struct {
 	cfg     Config
 	db      *sql.DB
-	dialect dedupe.Dialect
+	dialect sqldb.Dialect
 	ob      *outbox.Outbox
 	rnd     *mrand.Rand
 	runID   string
@@ -402,7 +403,7 @@ func newDriver(ctx context.Context, cfg Config) (d *driver, err error) {
 	if d.dialect, err = dialectOf(cfg.DB); err != nil {
 		return nil, err
 	}
-	if d.dialect == dedupe.Postgres {
+	if d.dialect == sqldb.Postgres {
 		// Every connection of the run carries the run's name, so that the
 		// pgterminate fault kills the campaign's connections and nobody
 		// else's.
@@ -422,11 +423,11 @@ func newDriver(ctx context.Context, cfg Config) (d *driver, err error) {
 			_ = d.close(false)
 		}
 	}()
-	if d.dialect != dedupe.Postgres && d.dialect != dedupe.MySQL {
+	if d.dialect != sqldb.Postgres && d.dialect != sqldb.MySQL {
 		return nil, fmt.Errorf("reliability: the campaign needs PostgreSQL or MySQL/MariaDB, got %s", d.dialect)
 	}
 	for _, f := range cfg.Faults {
-		if (f == FaultPostgres || f == FaultPGTerminate) && d.dialect != dedupe.Postgres {
+		if (f == FaultPostgres || f == FaultPGTerminate) && d.dialect != sqldb.Postgres {
 			return nil, fmt.Errorf("reliability: fault %s needs PostgreSQL", f)
 		}
 	}
@@ -436,10 +437,11 @@ func newDriver(ctx context.Context, cfg Config) (d *driver, err error) {
 	if d.dir, err = os.MkdirTemp("", "settle-reliability-"); err != nil {
 		return nil, err
 	}
-	ddl, err := dedupe.Schema(d.dialect, d.claims)
+	claims, err := dedupe.NewSQLStore(sqldb.Std(d.db, d.dialect), dedupe.SQLConfig{Table: d.claims})
 	if err != nil {
 		return nil, err
 	}
+	ddl := claims.Schema()
 	ddl = append(ddl,
 		// No unique key: a second effect is counted, not refused.
 		// tx numbers the transactions of a batch consumer (0 otherwise).
@@ -463,7 +465,7 @@ func newDriver(ctx context.Context, cfg Config) (d *driver, err error) {
 	return d, nil
 }
 
-func dialectOf(u string) (dedupe.Dialect, error) {
+func dialectOf(u string) (sqldb.Dialect, error) {
 	_, _, dialect, err := sqlurl.Parse(u)
 	return dialect, err
 }
@@ -656,7 +658,7 @@ func (d *driver) placeOnce(ctx context.Context, n int) (err error) {
 		return err
 	}
 	q := "INSERT INTO " + d.placed + " (seq, msg_id) VALUES (?, ?)"
-	if d.dialect == dedupe.Postgres {
+	if d.dialect == sqldb.Postgres {
 		q = "INSERT INTO " + d.placed + " (seq, msg_id) VALUES ($1, $2)"
 	}
 	msgs := make([]*message.Message, n)

@@ -20,23 +20,23 @@ import (
 	_ "github.com/jackc/pgx/v5/stdlib" // registers "pgx"
 	_ "modernc.org/sqlite"             // registers "sqlite"
 
-	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // Open parses u, opens the matching driver and returns the handle with its
 // dialect. It does not connect; call PingContext to find out whether the
 // server is there. Connections to PostgreSQL and MySQL are dialled with
 // Dialer (TCP keepalive and user timeout).
-func Open(u string) (*sql.DB, dedupe.Dialect, error) {
+func Open(u string) (*sql.DB, sqldb.Dialect, error) {
 	driver, dsn, dialect, err := Parse(u)
 	if err != nil {
 		return nil, "", err
 	}
 	var db *sql.DB
 	switch dialect {
-	case dedupe.Postgres:
+	case sqldb.Postgres:
 		db, err = openPostgres(dsn) // with Dialer's keepalive and user timeout
-	case dedupe.MySQL:
+	case sqldb.MySQL:
 		db, err = openMySQL(dsn)
 	default:
 		db, err = sql.Open(driver, dsn)
@@ -44,7 +44,7 @@ func Open(u string) (*sql.DB, dedupe.Dialect, error) {
 	if err != nil {
 		return nil, "", fmt.Errorf("sqlurl: open %s: %w", dialect, ScrubError(err, u))
 	}
-	if dialect == dedupe.SQLite {
+	if dialect == sqldb.SQLite {
 		// One writer at a time is all SQLite allows; more connections only
 		// turn waiting into SQLITE_BUSY errors.
 		db.SetMaxOpenConns(4)
@@ -55,7 +55,7 @@ func Open(u string) (*sql.DB, dedupe.Dialect, error) {
 // Parse returns the driver name, driver DSN and dialect for u. Its errors
 // never show a password: they are built from Redact(u), and from what a
 // parser says of the redacted URL.
-func Parse(u string) (driver, dsn string, dialect dedupe.Dialect, err error) {
+func Parse(u string) (driver, dsn string, dialect sqldb.Dialect, err error) {
 	scheme, rest, ok := strings.Cut(u, "://")
 	if !ok {
 		return "", "", "", fmt.Errorf("sqlurl: %q is not a URL (want postgres://, mysql:// or sqlite://)", Redact(u))
@@ -67,7 +67,7 @@ func Parse(u string) (driver, dsn string, dialect dedupe.Dialect, err error) {
 		if _, err := parseURL(u); err != nil {
 			return "", "", "", err
 		}
-		return "pgx", u, dedupe.Postgres, nil
+		return "pgx", u, sqldb.Postgres, nil
 	case "mysql":
 		pu, err := parseURL(u)
 		if err != nil {
@@ -88,13 +88,13 @@ func Parse(u string) (driver, dsn string, dialect dedupe.Dialect, err error) {
 			}
 			cfg.Params[k] = v[0]
 		}
-		return "mysql", cfg.FormatDSN(), dedupe.MySQL, nil
+		return "mysql", cfg.FormatDSN(), sqldb.MySQL, nil
 	case "sqlite", "sqlite3", "file":
 		path := rest
 		if path == "" {
 			return "", "", "", fmt.Errorf("sqlurl: %q names no file", Redact(u))
 		}
-		return "sqlite", SQLiteDSN(path), dedupe.SQLite, nil
+		return "sqlite", SQLiteDSN(path), sqldb.SQLite, nil
 	}
 	return "", "", "", fmt.Errorf("sqlurl: unsupported scheme %q in %q (want postgres, mysql or sqlite)", scheme, Redact(u))
 }

@@ -5,7 +5,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/settle-go/settle/sqldb"
 )
 
 // PgxPool opens a pgx pool on SETTLE_POSTGRES_URL, checks that it answers
@@ -34,3 +37,6 @@ func PgxPool(t testing.TB) *pgxpool.Pool {
 	}
 	return pool
 }
+
+// Pgx is a pgx pool on SETTLE_POSTGRES_URL (see PgxPool) as a sqldb.Driver.
+func Pgx(t testing.TB) sqldb.Driver[pgx.Tx] { return sqldb.Pgx(PgxPool(t)) }

@@ -25,6 +25,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settleenv"
 	"github.com/settle-go/settle/internal/sqlurl"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // Environment variable names, the same as the examples' and the settle
@@ -60,7 +61,7 @@ func Require(t testing.TB, name string) string {
 // DB is an open database of one dialect.
 type DB struct {
 	*sql.DB
-	Dialect dedupe.Dialect
+	Dialect sqldb.Dialect
 }
 
 // Postgres opens SETTLE_POSTGRES_URL and checks that it answers.
@@ -138,23 +139,26 @@ func Name(t testing.TB, prefix string) string {
 	return name + suffix
 }
 
+// Driver is db as a sqldb.Driver of database/sql.
+func (db DB) Driver() sqldb.Driver[*sql.Tx] { return sqldb.Std(db.DB, db.Dialect) }
+
 // DedupeTable creates a claims table with a unique name in db and drops it
 // when the test ends.
 func DedupeTable(t testing.TB, db DB) string {
 	t.Helper()
 	table := Name(t, "dd")
-	stmts, err := dedupe.Schema(db.Dialect, table)
+	store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: table})
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, s := range stmts {
+	for _, s := range store.Schema() {
 		if _, err := db.ExecContext(t.Context(), s); err != nil {
 			t.Fatalf("create %s: %v", table, err)
 		}
 	}
 	t.Cleanup(func() {
 		q := `DROP TABLE IF EXISTS "` + table + `"`
-		if db.Dialect == dedupe.MySQL {
+		if db.Dialect == sqldb.MySQL {
 			q = "DROP TABLE IF EXISTS `" + table + "`"
 		}
 		_, _ = db.ExecContext(context.Background(), q)
