@@ -66,8 +66,8 @@ func checksTheOutboxTable[TTx any](t *testing.T, d db[TTx]) {
 	must(t, err)
 	p, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: claimsTable(t, d)})
 	must(t, err)
-	topic := testenv.Name(t, "nm")
-	ob, err := outbox.New(d.Driver, outbox.Config{Topic: topic})
+	name := testenv.Name(t, "nm")
+	ob, err := outbox.New(d.Driver, outbox.Config{Topic: "nm_" + name[len(name)-8:]})
 	must(t, err)
 	t.Cleanup(func() {
 		for _, tbl := range []string{ob.Table(), ob.Table() + "_relays"} {

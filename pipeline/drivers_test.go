@@ -169,3 +169,6 @@ func txHandlerOn[TTx any](t testing.TB, d sqldb.Driver[TTx], claims string, cfg 
 	must(t, err)
 	return h, store
 }
+
+// quote quotes a table name for db's dialect.
+func quote(db testenv.DB, s string) string { return stdOf(db).quote(s) }

@@ -194,7 +194,9 @@ func TestLongTxAtRepeatableReadBehindMiddleware(t *testing.T) {
 		name string
 		cfg  func(*pipeline.TxConfig[*sql.Tx])
 	}{
-		{"batch", func(c *pipeline.TxConfig[*sql.Tx]) { c.Batch = pipeline.BatchConfig{MaxSize: 4, MaxWait: 50 * time.Millisecond} }},
+		{"batch", func(c *pipeline.TxConfig[*sql.Tx]) {
+			c.Batch = pipeline.BatchConfig{MaxSize: 4, MaxWait: 50 * time.Millisecond}
+		}},
 		{"one-statement", func(c *pipeline.TxConfig[*sql.Tx]) { c.OneStatement = true }},
 	}
 	for _, mode := range modes {

@@ -21,6 +21,7 @@ import (
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // partitionedDB opens env's database through a proxy, on one connection:
@@ -62,7 +63,7 @@ func TestCallTimeoutDefersACutTransaction(t *testing.T) {
 			must(t, err)
 			t.Cleanup(func() { _, _ = d.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+effects) })
 			insert := "INSERT INTO " + effects + " (msg) VALUES (?)"
-			if d.Dialect == dedupe.Postgres {
+			if d.Dialect == sqldb.Postgres {
 				insert = "INSERT INTO " + effects + " (msg) VALUES ($1)"
 			}
 			proxy, u := partitionedDB(t, env)

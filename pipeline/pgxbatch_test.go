@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"slices"
 	"sort"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -21,7 +20,6 @@ import (
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
-	"github.com/settle-go/settle/poison"
 	"github.com/settle-go/settle/sqldb"
 )
 

@@ -11,7 +11,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/settle-go/settle/dedupe"
-	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
 )
 
