@@ -31,7 +31,7 @@ const obWait = 90 * time.Second
 type obEnv struct {
 	t         *testing.T
 	db        testenv.DB
-	ob        *outbox.Outbox
+	ob        *outbox.Outbox[*sql.Tx]
 	biz       string // business table, one row per transaction
 	url       string
 	queue     string // the destination topic of every outbox message
@@ -45,10 +45,10 @@ func newOBEnv(t *testing.T, db testenv.DB) *obEnv {
 	name := testenv.Name(t, "ob")
 	suffix := name[len(name)-8:]
 	topic := "obx_" + suffix
-	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: topic})
+	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: topic})
 	saMust(t, err)
 	e.ob = ob
-	saMust(t, ob.InitSchema(t.Context(), db.DB))
+	saMust(t, ob.InitSchema(t.Context()))
 	e.biz = "obbiz_" + suffix
 	t.Cleanup(func() {
 		for _, tbl := range []string{e.biz, obQuote(db, topic), obQuote(db, topic+"_relays")} {
@@ -165,7 +165,7 @@ func (e *obEnv) countRows(table string) int {
 
 func (e *obEnv) pending(ctx context.Context) int64 {
 	e.t.Helper()
-	st, err := e.ob.Status(ctx, e.db.DB)
+	st, err := e.ob.Status(ctx)
 	saMust(e.t, err)
 	return st.Pending
 }
@@ -182,7 +182,7 @@ type obRelay struct {
 // stop (also called at cleanup).
 func (e *obEnv) startRelay(ctx context.Context, out message.Publisher) *obRelay {
 	e.t.Helper()
-	r, err := e.ob.NewRelay(e.db.DB, out, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+	r, err := e.ob.NewRelay(out, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 	saMust(e.t, err)
 	rl := &obRelay{Relay: r, done: make(chan error, 1)}
 	go func() { rl.done <- r.Run(ctx) }()

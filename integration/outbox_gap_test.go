@@ -341,18 +341,36 @@ func isSQLiteBusy(err error) bool {
 }
 
 func settleGapSubject(t *testing.T, db testenv.DB, topic string, sink *gapSink) gapSubject {
-	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: topic})
+	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: topic})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+	if err := ob.InitSchema(t.Context()); err != nil {
 		t.Fatal(err)
 	}
+	// Each relay runs on an outbox of its own pool, as in a process of its
+	// own; a commit wakes them all, as Notify wakes the relays of its
+	// process.
+	var mu sync.Mutex
+	var relayObs []*outbox.Outbox[*sql.Tx]
 	return gapSubject{
 		publisher: ob.TxPublisher,
-		committed: ob.Notify,
+		committed: func() {
+			mu.Lock()
+			defer mu.Unlock()
+			for _, rob := range relayObs {
+				rob.Notify()
+			}
+		},
 		start: func(t *testing.T, rdb *sql.DB) func() {
-			r, err := ob.NewRelay(rdb, sink, outbox.RelayConfig{PollInterval: 200 * time.Millisecond, BatchSize: 20, RetryInterval: 50 * time.Millisecond})
+			rob, err := outbox.New(sqldb.Std(rdb, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: topic})
+			if err != nil {
+				t.Fatal(err)
+			}
+			mu.Lock()
+			relayObs = append(relayObs, rob)
+			mu.Unlock()
+			r, err := rob.NewRelay(sink, outbox.RelayConfig{PollInterval: 200 * time.Millisecond, BatchSize: 20, RetryInterval: 50 * time.Millisecond})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -20,6 +20,7 @@ import (
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // The crashing relay is this test binary run again with relayCrashEnv=1:
@@ -174,7 +175,7 @@ func relayCrashForward() error {
 		return err
 	}
 	defer db.Close()
-	ob, err := outbox.New(outbox.Config{Dialect: dialect, Topic: os.Getenv(relayCrashTopicEnv), Logger: logger})
+	ob, err := outbox.New(sqldb.Std(db, sqldb.Dialect(dialect)), outbox.Config{Topic: os.Getenv(relayCrashTopicEnv), Logger: logger})
 	if err != nil {
 		return err
 	}
@@ -190,7 +191,7 @@ func relayCrashForward() error {
 		return err
 	}
 	defer pub.Close()
-	relay, err := ob.NewRelay(db, relayCrashPublisher{pub}, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, Logger: logger})
+	relay, err := ob.NewRelay(relayCrashPublisher{pub}, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, Logger: logger})
 	if err != nil {
 		return err
 	}

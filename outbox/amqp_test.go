@@ -119,24 +119,6 @@ func (b *broker) take(q string, got map[string]int) {
 	}
 }
 
-// relayOn runs a relay of e's outbox into out, on database/sql or on a pgx
-// pool of the same PostgreSQL database, until the test ends.
-func relayOn(t *testing.T, e *env, usePgx bool, out message.Publisher, cfg outbox.RelayConfig) *outbox.Relay {
-	t.Helper()
-	if !usePgx {
-		return startRelay(t, e, out, cfg)
-	}
-	r, err := e.ob.NewPgxRelay(testenv.PgxPool(t), out, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return runUntilEnd(t, r, func(err error) {
-		if err != nil {
-			t.Error(err)
-		}
-	})
-}
-
 // publishTx writes msgs to topic through the outbox in one transaction.
 func (e *env) publishTx(t testing.TB, topic string, msgs ...*message.Message) {
 	t.Helper()
@@ -146,16 +128,12 @@ func (e *env) publishTx(t testing.TB, topic string, msgs ...*message.Message) {
 }
 
 func (e *env) tryPublishTx(t testing.TB, topic string, msgs ...*message.Message) error {
-	tx, err := e.db.BeginTx(t.Context(), nil)
+	tx, err := e.ob.begin(t.Context())
 	if err != nil {
 		return err
 	}
 	defer func() { _ = tx.Rollback() }()
-	pub, err := e.ob.TxPublisher(tx)
-	if err != nil {
-		return err
-	}
-	if err := pub.Publish(topic, msgs...); err != nil {
+	if err := tx.Pub.Publish(topic, msgs...); err != nil {
 		return err
 	}
 	if err := tx.Commit(); err != nil {
@@ -182,18 +160,8 @@ func failedCounter(t *testing.T, reader *sdkmetric.ManualReader) int64 {
 	return 0
 }
 
-type brokerCase struct {
-	name string
-	open func(testing.TB) testenv.DB
-	pgx  bool
-}
-
-var brokerCases = []brokerCase{
-	{"sqlite", testenv.SQLite, false},
-	{"postgres", testenv.Postgres, false},
-	{"postgres-pgx", testenv.Postgres, true},
-	{"mysql", testenv.MySQL, false},
-}
+// brokerCases are the drivers of the tests with RabbitMQ.
+var brokerCases = []drv{sqliteDrv, postgresDrv, pgxDrv, {name: "mysql", open: testenv.MySQL}}
 
 // A row the broker refuses for good holds no row behind it: a row to an
 // exchange of the wrong kind (the broker closes the channel at each
@@ -212,7 +180,7 @@ func TestRelayForwardsAroundRowsTheBrokerRefuses(t *testing.T) {
 	for _, c := range brokerCases {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
-			e := setup(t, c.open(t))
+			e := setup(t, c)
 			b := newBroker(t)
 			good, bad := b.topic("good"), b.refused()
 
@@ -249,7 +217,7 @@ func TestRelayForwardsAroundRowsTheBrokerRefuses(t *testing.T) {
 			reader := sdkmetric.NewManualReader()
 			mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 			t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
-			relayOn(t, e, c.pgx, b.pub, outbox.RelayConfig{
+			startRelay(t, e, b.pub, outbox.RelayConfig{
 				PollInterval: 20 * time.Millisecond, RetryInterval: retry, MaxRetryInterval: maxRetry,
 				MaxAttempts: maxAttempts, AckDeadline: 30 * time.Second, MeterProvider: mp,
 			})
@@ -267,7 +235,7 @@ func TestRelayForwardsAroundRowsTheBrokerRefuses(t *testing.T) {
 			for {
 				b.take(good, got)
 				var err error
-				if st, err = e.ob.Status(t.Context(), e.db.DB); err != nil {
+				if st, err = e.ob.Status(t.Context()); err != nil {
 					t.Fatal(err)
 				}
 				if len(got) >= len(want) && st.SetAside == int64(len(setAside)) && st.Pending == 0 {
@@ -296,11 +264,7 @@ func TestRelayForwardsAroundRowsTheBrokerRefuses(t *testing.T) {
 
 			var failed []outbox.FailedRow
 			var err error
-			if c.pgx {
-				failed, err = e.ob.PgxFailed(t.Context(), testenv.PgxPool(t), outbox.Selection{SetAsideOnly: true})
-			} else {
-				failed, err = e.ob.Failed(t.Context(), e.db.DB, outbox.Selection{SetAsideOnly: true})
-			}
+			failed, err = e.ob.Failed(t.Context(), outbox.Selection{SetAsideOnly: true})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -361,12 +325,12 @@ func TestRequeueForwardsRowsSetAside(t *testing.T) {
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
-		rows, err := e.ob.Failed(t.Context(), e.db.DB, outbox.Selection{})
+		rows, err := e.ob.Failed(t.Context(), outbox.Selection{})
 		if err != nil || len(rows) != 2 {
 			t.Fatalf("Failed = %+v, %v", rows, err)
 		}
 		broken.fix()
-		if n, err := e.ob.Requeue(t.Context(), e.db.DB, outbox.Selection{Offsets: []int64{rows[1].Offset}}); err != nil || n != 1 {
+		if n, err := e.ob.Requeue(t.Context(), outbox.Selection{Offsets: []int64{rows[1].Offset}}); err != nil || n != 1 {
 			t.Fatalf("Requeue of one row = %d, %v", n, err)
 		}
 		select {
@@ -382,10 +346,10 @@ func TestRequeueForwardsRowsSetAside(t *testing.T) {
 		if err != nil || st.SetAside != 1 {
 			t.Fatalf("after requeueing one of two: %+v, %v", st, err)
 		}
-		if n, err := e.ob.Requeue(t.Context(), e.db.DB, outbox.Selection{Topic: "orders.elsewhere"}); err != nil || n != 0 {
+		if n, err := e.ob.Requeue(t.Context(), outbox.Selection{Topic: "orders.elsewhere"}); err != nil || n != 0 {
 			t.Fatalf("Requeue of another topic = %d, %v; want 0", n, err)
 		}
-		if n, err := e.ob.Requeue(t.Context(), e.db.DB, outbox.Selection{}); err != nil || n != 1 {
+		if n, err := e.ob.Requeue(t.Context(), outbox.Selection{}); err != nil || n != 1 {
 			t.Fatalf("Requeue of all = %d, %v; want 1", n, err)
 		}
 		select {

@@ -9,7 +9,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 )
 
@@ -43,7 +42,7 @@ func TestBatchBytesBoundsABatch(t *testing.T) {
 			e.publishTx(t, "orders", message.NewMessage(fmt.Sprintf("row-%d", i), make([]byte, n)))
 		}
 		out := &sizes{Publisher: e.pubsub}
-		n, err := e.ob.Forward(t.Context(), e.db.DB, out, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, BatchBytes: bound})
+		n, err := e.ob.Forward(t.Context(), out, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, BatchBytes: bound})
 		if err != nil || n != int64(len(rowSizes)) {
 			t.Fatalf("Forward = %d, %v; want %d", n, err, len(rowSizes))
 		}
@@ -69,7 +68,7 @@ func TestBatchBytesBoundsABatch(t *testing.T) {
 // A relay's configuration is checked when it is built, naming the field.
 func TestRelayConfigIsValidated(t *testing.T) {
 	t.Parallel()
-	e := setup(t, testenv.SQLite(t))
+	e := setup(t, sqliteDrv)
 	for _, c := range []struct {
 		cfg  outbox.RelayConfig
 		want string
@@ -79,19 +78,19 @@ func TestRelayConfigIsValidated(t *testing.T) {
 		{outbox.RelayConfig{RetryInterval: time.Second, MaxRetryInterval: time.Millisecond}, "RelayConfig.MaxRetryInterval"},
 		{outbox.RelayConfig{BatchSize: outbox.MaxBatchSize + 1}, "RelayConfig.BatchSize"},
 	} {
-		if _, err := e.ob.NewRelay(e.db.DB, e.pubsub, c.cfg); err == nil || !strings.Contains(err.Error(), c.want) {
+		if _, err := e.ob.NewRelay(e.pubsub, c.cfg); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("NewRelay(%+v) = %v; want an error naming %s", c.cfg, err, c.want)
 		}
 	}
 	// A RetryInterval above the default cap raises the cap with it.
-	if _, err := e.ob.NewRelay(e.db.DB, e.pubsub, outbox.RelayConfig{RetryInterval: 2 * time.Minute}); err != nil {
+	if _, err := e.ob.NewRelay(e.pubsub, outbox.RelayConfig{RetryInterval: 2 * time.Minute}); err != nil {
 		t.Errorf("RetryInterval 2m: %v", err)
 	}
 	// Selections are bounded.
-	if _, err := e.ob.Failed(t.Context(), e.db.DB, outbox.Selection{Limit: -1}); err == nil {
+	if _, err := e.ob.Failed(t.Context(), outbox.Selection{Limit: -1}); err == nil {
 		t.Error("Failed with Limit -1: no error")
 	}
-	if _, err := e.ob.Requeue(t.Context(), e.db.DB, outbox.Selection{Offsets: make([]int64, outbox.MaxSelectionOffsets+1)}); err == nil {
+	if _, err := e.ob.Requeue(t.Context(), outbox.Selection{Offsets: make([]int64, outbox.MaxSelectionOffsets+1)}); err == nil {
 		t.Error("Requeue of too many offsets: no error")
 	}
 }

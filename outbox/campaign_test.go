@@ -81,14 +81,14 @@ func TestOutboxHostileInputCampaign(t *testing.T) {
 			seed := uint64(time.Now().UnixNano())
 			rng := rand.New(rand.NewPCG(seed, 24))
 			t.Logf("seed %d", seed)
-			e := setup(t, c.open(t))
+			e := setup(t, c)
 			b := newBroker(t)
 			good := []string{b.topic("c1"), b.topic("c2"), b.topic("c3")}
 			bad := b.refused()
 
 			const rows = 60
 			const maxAttempts = 3
-			r := relayOn(t, e, c.pgx, b.pub, outbox.RelayConfig{
+			r := startRelay(t, e, b.pub, outbox.RelayConfig{
 				PollInterval: 20 * time.Millisecond, RetryInterval: 20 * time.Millisecond, MaxRetryInterval: 100 * time.Millisecond,
 				MaxAttempts: maxAttempts, BatchBytes: 1 << 20, BatchSize: 16,
 			})
@@ -152,7 +152,7 @@ func TestOutboxHostileInputCampaign(t *testing.T) {
 			if len(got) != len(want) {
 				t.Errorf("seed %d: %d distinct messages on the queues, want %d", seed, len(got), len(want))
 			}
-			failed, err := e.ob.Failed(t.Context(), e.db.DB, outbox.Selection{Limit: 1000})
+			failed, err := e.ob.Failed(t.Context(), outbox.Selection{Limit: 1000})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -19,13 +20,13 @@ import (
 // mis-shaped table names it and says which command prints the DDL.
 func TestCheck(t *testing.T) {
 	t.Parallel()
-	for _, d := range testenv.Databases() {
-		t.Run(d.Name, func(t *testing.T) {
+	for _, d := range drivers() {
+		t.Run(d.name, func(t *testing.T) {
 			t.Parallel()
-			db := d.Open(t)
+			db := d.open(t)
 			name := testenv.Name(t, "chk")
 			topic := "chk_" + name[len(name)-8:]
-			ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: topic})
+			ob, err := outboxOn(t, d, db)(outbox.Config{Topic: topic})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -42,26 +43,30 @@ func TestCheck(t *testing.T) {
 			})
 			hint := "settle outbox schema -dialect " + string(db.Dialect) + " -topic " + topic
 
-			err = ob.Check(t.Context(), db.DB)
-			if !errors.Is(err, outbox.ErrSchema) || !strings.Contains(err.Error(), "table "+topic+" does not exist") ||
+			err = ob.Check(t.Context())
+			if !errors.Is(err, sqldb.ErrSchema) || !strings.Contains(err.Error(), "table "+topic+" does not exist") ||
 				!strings.Contains(err.Error(), "table "+topic+"_relays does not exist") || !strings.Contains(err.Error(), hint) {
 				t.Fatalf("Check before InitSchema = %v; want ErrSchema naming both tables and %q", err, hint)
 			}
+			var se *sqldb.SchemaError
+			if !errors.As(err, &se) || se.Table != topic || !slices.Equal(se.DDL, ob.Schema()) {
+				t.Fatalf("Check before InitSchema = %#v; want a *sqldb.SchemaError naming %s with the statements of Schema", err, topic)
+			}
 			// Status and Prune on the missing tables give the same hint.
-			if _, err := ob.Status(t.Context(), db.DB); !errors.Is(err, outbox.ErrSchema) {
+			if _, err := ob.Status(t.Context()); !errors.Is(err, sqldb.ErrSchema) {
 				t.Errorf("Status on missing tables = %v; want ErrSchema", err)
 			}
-			if _, err := ob.Prune(t.Context(), db.DB, 0); !errors.Is(err, outbox.ErrSchema) {
+			if _, err := ob.Prune(t.Context(), time.Now()); !errors.Is(err, sqldb.ErrSchema) {
 				t.Errorf("Prune on missing tables = %v; want ErrSchema", err)
 			}
 
-			if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+			if err := ob.InitSchema(t.Context()); err != nil {
 				t.Fatal(err)
 			}
-			if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+			if err := ob.InitSchema(t.Context()); err != nil {
 				t.Fatalf("InitSchema twice: %v", err)
 			}
-			if err := ob.Check(t.Context(), db.DB); err != nil {
+			if err := ob.Check(t.Context()); err != nil {
 				t.Fatalf("Check after InitSchema = %v", err)
 			}
 
@@ -73,8 +78,8 @@ func TestCheck(t *testing.T) {
 			if _, err := db.ExecContext(t.Context(), "CREATE TABLE "+q(topic)+" ("+q("offset")+" BIGINT PRIMARY KEY, uuid VARCHAR(36), payload TEXT, metadata TEXT, created_at TIMESTAMP)"); err != nil {
 				t.Fatal(err)
 			}
-			err = ob.Check(t.Context(), db.DB)
-			if !errors.Is(err, outbox.ErrSchema) || !strings.Contains(err.Error(), "lacks column(s) topic, forwarded_at") || !strings.Contains(err.Error(), hint) {
+			err = ob.Check(t.Context())
+			if !errors.Is(err, sqldb.ErrSchema) || !strings.Contains(err.Error(), "lacks column(s) topic, forwarded_at") || !strings.Contains(err.Error(), hint) {
 				t.Fatalf("Check of a mis-shaped table = %v; want the missing columns and %q", err, hint)
 			}
 		})
@@ -106,13 +111,13 @@ func oldOutboxDDL(d sqldb.Dialect, topic string) []string {
 // shape, keeping its pending rows, which a relay then forwards.
 func TestSchemaUpgradeFromTheTableWithoutFailures(t *testing.T) {
 	t.Parallel()
-	for _, d := range testenv.Databases()[:3] {
-		t.Run(d.Name, func(t *testing.T) {
+	for _, d := range brokerCases {
+		t.Run(d.name, func(t *testing.T) {
 			t.Parallel()
-			db := d.Open(t)
+			db := d.open(t)
 			name := testenv.Name(t, "upg")
 			topic := "upg_" + name[len(name)-8:]
-			ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: topic})
+			ob, err := outboxOn(t, d, db)(outbox.Config{Topic: topic})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -127,7 +132,7 @@ func TestSchemaUpgradeFromTheTableWithoutFailures(t *testing.T) {
 					_, _ = db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+q(tb))
 				}
 			})
-			stmts, _ := ob.Schema()
+			stmts := ob.Schema()
 			for _, s := range append(oldOutboxDDL(db.Dialect, topic), stmts[len(stmts)-1]) { // the relays' table is unchanged
 				if _, err := db.ExecContext(t.Context(), s); err != nil {
 					t.Fatalf("%s: %v", s, err)
@@ -141,18 +146,22 @@ func TestSchemaUpgradeFromTheTableWithoutFailures(t *testing.T) {
 				t.Fatal(err)
 			}
 
-			err = ob.Check(t.Context(), db.DB)
+			err = ob.Check(t.Context())
 			want := "table " + topic + " lacks column(s) attempts, last_error, next_attempt_at, set_aside_at"
-			if !errors.Is(err, outbox.ErrSchema) || !strings.Contains(err.Error(), want) ||
+			if !errors.Is(err, sqldb.ErrSchema) || !strings.Contains(err.Error(), want) ||
 				!strings.Contains(err.Error(), "settle outbox schema -upgrade -dialect "+string(db.Dialect)+" -topic "+topic) {
 				t.Fatalf("Check of the earlier table = %v; want %q and the upgrade command", err, want)
+			}
+			var se *sqldb.SchemaError
+			if !errors.As(err, &se) || se.Table != topic || !slices.Equal(se.DDL, ob.SchemaUpgrade()) {
+				t.Fatalf("Check of the earlier table = %#v; want a *sqldb.SchemaError naming %s with the upgrade statements", err, topic)
 			}
 			for _, s := range ob.SchemaUpgrade() {
 				if _, err := db.ExecContext(t.Context(), s); err != nil {
 					t.Fatalf("%s: %v", s, err)
 				}
 			}
-			if err := ob.Check(t.Context(), db.DB); err != nil {
+			if err := ob.Check(t.Context()); err != nil {
 				t.Fatalf("Check after the upgrade = %v", err)
 			}
 			ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
@@ -161,7 +170,7 @@ func TestSchemaUpgradeFromTheTableWithoutFailures(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if n, err := ob.Forward(t.Context(), db.DB, ps, outbox.RelayConfig{PollInterval: 10 * time.Millisecond}); err != nil || n != 1 {
+			if n, err := ob.Forward(t.Context(), ps, outbox.RelayConfig{PollInterval: 10 * time.Millisecond}); err != nil || n != 1 {
 				t.Fatalf("Forward after the upgrade = %d, %v; want the old row", n, err)
 			}
 			if m := <-got; m.UUID != "old-row" {

@@ -38,13 +38,13 @@ func TestDrainWaitsForTheBatchToCount(t *testing.T) {
 				url = testenv.Require(t, u.env)
 			}
 			db, slow := openLateCommit(t, url)
-			e := setup(t, db)
+			e := setup(t, drv{name: u.name, open: func(testing.TB) testenv.DB { return db }})
 			const orders = 3
 			for i := range orders {
 				e.placeOrder(t, t.Context(), "D-"+string(rune('1'+i)), true, message.NewMessage("drain-"+string(rune('1'+i)), []byte(`{}`)))
 			}
 			slow.Store(int64(300 * time.Millisecond))
-			r, err := e.ob.NewRelay(db.DB, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+			r, err := e.ob.NewRelay(e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 			if err != nil {
 				t.Fatal(err)
 			}

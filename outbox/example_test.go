@@ -10,6 +10,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "modernc.org/sqlite"
 
 	"github.com/settle-go/settle/outbox"
@@ -28,11 +30,11 @@ func Example() {
 	defer db.Close()
 	ctx := context.Background()
 
-	ob, err := outbox.New(outbox.Config{Dialect: sqldb.SQLite})
+	ob, err := outbox.New(sqldb.Std(db, sqldb.SQLite), outbox.Config{})
 	if err != nil {
 		panic(err)
 	}
-	if err := ob.InitSchema(ctx, db); err != nil { // normally in your migrations
+	if err := ob.InitSchema(ctx); err != nil { // normally in your migrations
 		panic(err)
 	}
 
@@ -52,7 +54,7 @@ func Example() {
 
 	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
 	defer broker.Close()
-	n, err := ob.Forward(ctx, db, broker, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+	n, err := ob.Forward(ctx, broker, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 	fmt.Println("forwarded:", n, err)
 
 	msgs, _ := broker.Subscribe(ctx, "orders.placed")
@@ -74,17 +76,18 @@ func ExampleOutbox_NewNotifier() {
 		panic(err)
 	}
 	defer db.Close()
-	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, NotifyAfterCommit: true})
+	ob, err := outbox.New(sqldb.Std(db, sqldb.Postgres), outbox.Config{NotifyAfterCommit: true})
 	if err != nil {
 		panic(err)
 	}
-	n, err := ob.NewNotifier(db)
+	n, err := ob.NewNotifier()
 	if err != nil {
 		panic(err)
 	}
+	ctx := context.Background()
+	go func() { _ = n.Run(ctx) }() // sends the NOTIFYs until Close
 	defer n.Close()
 
-	ctx := context.Background()
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		panic(err)
@@ -98,4 +101,34 @@ func ExampleOutbox_NewNotifier() {
 		panic(err)
 	}
 	ob.Notify() // wakes this process's relays now, and the others through n
+}
+
+// On pgx the outbox takes the pool through sqldb.Pgx, and TxPublisher takes
+// the application's pgx.Tx: the same methods, the same rows.
+func ExampleNew_pgx() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("SETTLE_POSTGRES_URL"))
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+	ob, err := outbox.New(sqldb.Pgx(pool), outbox.Config{})
+	if err != nil {
+		panic(err)
+	}
+	if err := ob.Check(ctx); err != nil { // the tables exist (see Schema)
+		panic(err)
+	}
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		// ... the business writes on tx ...
+		pub, err := ob.TxPublisher(tx)
+		if err != nil {
+			return err
+		}
+		return pub.Publish("orders.placed", message.NewMessage("A-17", []byte(`{"id":"A-17"}`)))
+	})
+	if err != nil {
+		panic(err)
+	}
+	ob.Notify() // committed: a relay of this process forwards at once
 }

@@ -2,16 +2,13 @@ package outbox
 
 import (
 	"context"
-	"database/sql"
-	"errors"
 	"fmt"
 	"math"
 	"strconv"
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
+	"github.com/settle-go/settle/internal/sqlkit"
 	"github.com/settle-go/settle/sqldb"
 )
 
@@ -72,17 +69,17 @@ func (s Selection) validate() error {
 
 // where returns the conditions of s after those given, and their arguments,
 // numbering PostgreSQL's placeholders from 1.
-func (o *Outbox) where(s Selection, setAsideOnly bool) (string, []any) {
+func (o *core) where(s Selection, setAsideOnly bool) (string, []any) {
 	var conds []string
 	var args []any
 	ph := func(v any) string {
 		args = append(args, v)
-		if o.cfg.Dialect == sqldb.Postgres {
+		if o.q.d == sqldb.Postgres {
 			return "$" + strconv.Itoa(len(args))
 		}
 		return "?"
 	}
-	id := func(n string) string { return quoteIdent(o.cfg.Dialect, n) }
+	id := func(n string) string { return sqlkit.Quote(o.q.d, n) }
 	conds = append(conds, id("forwarded_at")+" IS NULL")
 	if setAsideOnly {
 		conds = append(conds, id("set_aside_at")+" IS NOT NULL")
@@ -103,9 +100,9 @@ func (o *Outbox) where(s Selection, setAsideOnly bool) (string, []any) {
 }
 
 // epoch is the SQL of column c as seconds since 1970, 0 when NULL.
-func (o *Outbox) epoch(c string) string {
-	c = quoteIdent(o.cfg.Dialect, c)
-	switch o.cfg.Dialect {
+func (o *core) epoch(c string) string {
+	c = sqlkit.Quote(o.q.d, c)
+	switch o.q.d {
 	case sqldb.Postgres:
 		return "COALESCE(EXTRACT(EPOCH FROM " + c + ")::float8, 0)"
 	case sqldb.MySQL:
@@ -115,8 +112,8 @@ func (o *Outbox) epoch(c string) string {
 	}
 }
 
-func (o *Outbox) sizeExpr() string {
-	switch o.cfg.Dialect {
+func (o *core) sizeExpr() string {
+	switch o.q.d {
 	case sqldb.Postgres:
 		return `octet_length("payload") + octet_length("metadata")`
 	case sqldb.MySQL:
@@ -137,25 +134,11 @@ func fromEpoch(s float64) time.Time {
 // Failed lists the outbox's rows whose publish has failed and that are not
 // forwarded, oldest first: those waiting for their next attempt and those
 // set aside, or only the latter with SetAsideOnly. It reads only.
-func (o *Outbox) Failed(ctx context.Context, db *sql.DB, sel Selection) ([]FailedRow, error) {
-	if db == nil {
-		return nil, errors.New("outbox: Failed: db is nil")
-	}
-	return o.failed(ctx, sqlConn(db), sel)
+func (o *Outbox[TTx]) Failed(ctx context.Context, sel Selection) ([]FailedRow, error) {
+	return o.c.failed(ctx, sel)
 }
 
-// PgxFailed is Failed on a pgx pool.
-func (o *Outbox) PgxFailed(ctx context.Context, pool *pgxpool.Pool, sel Selection) ([]FailedRow, error) {
-	if pool == nil {
-		return nil, errors.New("outbox: PgxFailed: pool is nil")
-	}
-	if err := o.errPgxDialect("PgxFailed"); err != nil {
-		return nil, err
-	}
-	return o.failed(ctx, pgxConn(pool), sel)
-}
-
-func (o *Outbox) failed(ctx context.Context, db conn, sel Selection) ([]FailedRow, error) {
+func (o *core) failed(ctx context.Context, sel Selection) ([]FailedRow, error) {
 	if err := sel.validate(); err != nil {
 		return nil, err
 	}
@@ -163,31 +146,27 @@ func (o *Outbox) failed(ctx context.Context, db conn, sel Selection) ([]FailedRo
 	if limit == 0 {
 		limit = 100
 	}
-	id := func(n string) string { return quoteIdent(o.cfg.Dialect, n) }
+	id := func(n string) string { return sqlkit.Quote(o.q.d, n) }
 	where, args := o.where(sel, sel.SetAsideOnly)
 	q := "SELECT " + id("offset") + ", " + id("uuid") + ", " + id("topic") + ", " + o.sizeExpr() + ", " + id("attempts") + ", COALESCE(" + id("last_error") + ", ''), " +
 		o.epoch("created_at") + ", " + o.epoch("next_attempt_at") + ", " + o.epoch("set_aside_at") +
 		" FROM " + o.q.qTable + where + " ORDER BY " + id("offset") + " LIMIT " + strconv.Itoa(limit)
-	rs, err := db.QueryContext(ctx, q, args...)
-	if err != nil {
-		return nil, o.schemaHint(ctx, db, fmt.Errorf("outbox: failed rows: %w", err))
-	}
-	defer rs.Close()
 	var out []FailedRow
-	for rs.Next() {
+	err := o.db.DB().Query(ctx, q, args, func(scan func(...any) error) error {
 		var f FailedRow
 		var created, next, aside float64
-		if err := rs.Scan(&f.Offset, &f.UUID, &f.Topic, &f.Bytes, &f.Attempts, &f.LastError, &created, &next, &aside); err != nil {
-			return nil, fmt.Errorf("outbox: failed rows: %w", err)
+		if err := scan(&f.Offset, &f.UUID, &f.Topic, &f.Bytes, &f.Attempts, &f.LastError, &created, &next, &aside); err != nil {
+			return err
 		}
 		f.CreatedAt, f.NextAttemptAt, f.SetAsideAt = fromEpoch(created), fromEpoch(next), fromEpoch(aside)
 		if f.IsSetAside() {
 			f.NextAttemptAt = time.Time{}
 		}
 		out = append(out, f)
-	}
-	if err := rowsErr(rs); err != nil {
-		return nil, fmt.Errorf("outbox: failed rows: %w", err)
+		return nil
+	})
+	if err != nil {
+		return nil, o.schemaHint(ctx, fmt.Errorf("outbox: failed rows: %w", err))
 	}
 	return out, nil
 }
@@ -198,52 +177,34 @@ func (o *Outbox) failed(ctx context.Context, db conn, sel Selection) ([]FailedRo
 // relays it notifies; at their next poll elsewhere). It returns how many
 // rows it re-queued. Rows waiting for their next attempt are not touched.
 // The zero Selection re-queues every set-aside row.
-func (o *Outbox) Requeue(ctx context.Context, db *sql.DB, sel Selection) (int64, error) {
-	if db == nil {
-		return 0, errors.New("outbox: Requeue: db is nil")
-	}
-	return o.requeue(ctx, sqlConn(db), sel)
+func (o *Outbox[TTx]) Requeue(ctx context.Context, sel Selection) (int64, error) {
+	return o.c.requeue(ctx, sel)
 }
 
-// PgxRequeue is Requeue on a pgx pool.
-func (o *Outbox) PgxRequeue(ctx context.Context, pool *pgxpool.Pool, sel Selection) (int64, error) {
-	if pool == nil {
-		return 0, errors.New("outbox: PgxRequeue: pool is nil")
-	}
-	if err := o.errPgxDialect("PgxRequeue"); err != nil {
-		return 0, err
-	}
-	return o.requeue(ctx, pgxConn(pool), sel)
-}
-
-func (o *Outbox) requeue(ctx context.Context, db conn, sel Selection) (int64, error) {
+func (o *core) requeue(ctx context.Context, sel Selection) (int64, error) {
 	if err := sel.validate(); err != nil {
 		return 0, err
 	}
-	id := func(n string) string { return quoteIdent(o.cfg.Dialect, n) }
+	id := func(n string) string { return sqlkit.Quote(o.q.d, n) }
 	where, args := o.where(sel, true)
 	q := "UPDATE " + o.q.qTable + " SET " + id("set_aside_at") + " = NULL, " + id("next_attempt_at") + " = NULL, " + id("attempts") + " = 0" + where
-	tx, err := db.BeginTx(ctx, nil)
+	tx, err := o.db.begin(ctx, nil, "")
 	if err != nil {
 		return 0, fmt.Errorf("outbox: requeue: %w", err)
 	}
-	defer func() { _ = tx.Rollback() }()
-	res, err := tx.ExecContext(ctx, q, args...)
+	defer func() { _ = tx.rollback(context.WithoutCancel(ctx)) }()
+	n, err := tx.Exec(ctx, q, args...)
 	if err != nil {
-		return 0, o.schemaHint(ctx, db, fmt.Errorf("outbox: requeue: %w", err))
+		return 0, o.schemaHint(ctx, fmt.Errorf("outbox: requeue: %w", err))
 	}
-	n, err := res.RowsAffected()
-	if err != nil {
-		return 0, fmt.Errorf("outbox: requeue: %w", err)
-	}
-	if n > 0 && o.cfg.Dialect == sqldb.Postgres {
-		if _, err := tx.ExecContext(ctx, "SELECT pg_notify($1, '')", o.q.table); err != nil {
+	if n > 0 && o.q.d == sqldb.Postgres {
+		if _, err := tx.Exec(ctx, "SELECT pg_notify($1, '')", o.q.table); err != nil {
 			return 0, fmt.Errorf("outbox: requeue: notify: %w", err)
 		}
 	}
-	if err := tx.Commit(); err != nil {
+	if err := tx.commit(ctx); err != nil {
 		return 0, fmt.Errorf("outbox: requeue: %w", err)
 	}
-	o.Notify()
+	o.notify()
 	return n, nil
 }

@@ -6,7 +6,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 
-	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 )
 
@@ -20,13 +19,13 @@ func FuzzRelayRow(f *testing.F) {
 	f.Add(`null`)
 	f.Add("\xff\xfe")
 	f.Add(``)
-	e := setup(f, testenv.SQLite(f))
+	e := setup(f, sqliteDrv)
 	f.Fuzz(func(t *testing.T, metadata string) {
 		e.rawInsert(t, watermill.NewUUID(), "orders", []byte("x"), metadata)
-		if _, err := e.ob.Forward(t.Context(), e.db.DB, e.pubsub, outbox.RelayConfig{PollInterval: 2 * time.Millisecond, RetryInterval: 5 * time.Millisecond}); err != nil {
+		if _, err := e.ob.Forward(t.Context(), e.pubsub, outbox.RelayConfig{PollInterval: 2 * time.Millisecond, RetryInterval: 5 * time.Millisecond}); err != nil {
 			t.Fatalf("Forward with the metadata %q: %v", metadata, err)
 		}
-		st, err := e.ob.Status(t.Context(), e.db.DB)
+		st, err := e.ob.Status(t.Context())
 		if err != nil || st.Pending != 0 {
 			t.Fatalf("after Forward: %+v, %v; the metadata %q blocks the outbox", st, err, metadata)
 		}

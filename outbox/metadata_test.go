@@ -191,7 +191,7 @@ func TestMetadataRowsDecodeAsBefore(t *testing.T) {
 			byUUID[id] = r
 			e.rawInsert(t, id, "orders", []byte("payload"), r.metadata)
 		}
-		if _, err := e.ob.Forward(t.Context(), e.db.DB, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond}); err != nil {
+		if _, err := e.ob.Forward(t.Context(), e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond}); err != nil {
 			t.Fatal(err)
 		}
 		deadline := time.After(30 * time.Second)

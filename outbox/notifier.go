@@ -2,14 +2,13 @@ package outbox
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/settle-go/settle/sqldb"
 )
@@ -32,69 +31,73 @@ const notifyTimeout = 5 * time.Second
 // durable. A writer that dies between its commit and the NOTIFY leaves its
 // rows to the relays' fallback poll.
 //
-// A Notifier runs one goroutine from the time it is made until Close.
+// A Notifier starts no goroutine: it sends its NOTIFYs from Run, on the
+// caller's goroutine, and takes requests only while Run runs (requests made
+// before Run or after it returned are dropped: the relays find those rows at
+// their next poll). Run returns when its context ends or Close is called.
 type Notifier struct {
-	o       *Outbox
-	db      conn
+	o       *core
 	log     watermill.LoggerAdapter
 	kick    chan struct{}
 	closing chan struct{}
 	done    chan struct{}
+	started atomic.Bool
 	once    sync.Once
 }
 
-// NewNotifier returns a Notifier that sends its NOTIFYs on db. The outbox
-// must be PostgreSQL with Config.NotifyAfterCommit set (otherwise its
-// INSERT notifies already, or there is no NOTIFY). The Notifier does not
-// own db.
-func (o *Outbox) NewNotifier(db *sql.DB) (*Notifier, error) {
-	if db == nil {
-		return nil, errors.New("outbox: NewNotifier: db is nil")
+// NewNotifier returns a Notifier that sends its NOTIFYs on the outbox's
+// database. The outbox must be PostgreSQL with Config.NotifyAfterCommit set
+// (otherwise its INSERT notifies already, or there is no NOTIFY). It
+// touches no database and starts nothing until Run.
+func (o *Outbox[TTx]) NewNotifier() (*Notifier, error) {
+	if d := o.db.Dialect(); d != sqldb.Postgres {
+		return nil, fmt.Errorf("outbox: NewNotifier: NOTIFY is PostgreSQL's, and this outbox's database is %q; relays in other processes find rows at their PollInterval", string(d))
 	}
-	return o.newNotifier("NewNotifier", sqlConn(db))
-}
-
-// NewPgxNotifier is NewNotifier on a pgx pool.
-func (o *Outbox) NewPgxNotifier(pool *pgxpool.Pool) (*Notifier, error) {
-	if pool == nil {
-		return nil, errors.New("outbox: NewPgxNotifier: pool is nil")
+	if !o.c.cfg.NotifyAfterCommit {
+		return nil, errors.New("outbox: NewNotifier: Config.NotifyAfterCommit is false, so the outbox's INSERT notifies in the writer's transaction already")
 	}
-	return o.newNotifier("NewPgxNotifier", pgxConn(pool))
-}
-
-func (o *Outbox) newNotifier(fn string, db conn) (*Notifier, error) {
-	if o.cfg.Dialect != sqldb.Postgres {
-		return nil, fmt.Errorf("outbox: %s: NOTIFY is PostgreSQL's, and this outbox's Config.Dialect is %q; relays in other processes find rows at their PollInterval", fn, string(o.cfg.Dialect))
-	}
-	if !o.cfg.NotifyAfterCommit {
-		return nil, fmt.Errorf("outbox: %s: Config.NotifyAfterCommit is false, so the outbox's INSERT notifies in the writer's transaction already", fn)
-	}
-	n := &Notifier{
-		o: o, db: db, log: o.cfg.Logger,
+	return &Notifier{
+		o: o.c, log: o.c.cfg.Logger,
 		kick: make(chan struct{}, 1), closing: make(chan struct{}), done: make(chan struct{}),
-	}
-	o.mu.Lock()
-	o.notifiers[n] = struct{}{}
-	o.mu.Unlock()
-	go n.run()
-	return n, nil
+	}, nil
 }
 
-func (n *Notifier) run() {
+// Run sends the NOTIFYs that Outbox.Notify asks for until ctx ends or Close
+// is called, and returns nil then. A request made before that still gets its
+// NOTIFY. A Notifier runs once: a second Run returns an error.
+func (n *Notifier) Run(ctx context.Context) error {
+	if !n.started.CompareAndSwap(false, true) {
+		return errors.New("outbox: notifier: Run called twice")
+	}
 	defer close(n.done)
+	n.o.mu.Lock()
+	n.o.notifiers[n] = struct{}{}
+	n.o.mu.Unlock()
+	defer func() {
+		n.o.mu.Lock()
+		delete(n.o.notifiers, n)
+		n.o.mu.Unlock()
+	}()
 	for {
 		select {
 		case <-n.closing:
-			// A commit announced just before Close still gets its NOTIFY.
-			select {
-			case <-n.kick:
-				n.send()
-			default:
-			}
-			return
+			n.flush()
+			return nil
+		case <-ctx.Done():
+			n.flush()
+			return nil
 		case <-n.kick:
 			n.send()
 		}
+	}
+}
+
+// flush sends the NOTIFY of a commit announced just before the end.
+func (n *Notifier) flush() {
+	select {
+	case <-n.kick:
+		n.send()
+	default:
 	}
 }
 
@@ -105,24 +108,23 @@ func (n *Notifier) run() {
 func (n *Notifier) send() {
 	ctx, cancel := context.WithTimeout(context.Background(), notifyTimeout)
 	defer cancel()
-	_, err := n.db.ExecContext(ctx, `SELECT pg_notify($1, ''), set_config('synchronous_commit', 'off', true)`, n.o.q.table)
+	_, err := n.o.db.DB().Exec(ctx, `SELECT pg_notify($1, ''), set_config('synchronous_commit', 'off', true)`, n.o.q.table)
 	if err != nil {
 		n.log.Error("outbox: NOTIFY after commit failed; relays in other processes find the rows at their next poll", err,
 			watermill.LogFields{"topic": n.o.cfg.Topic})
 	}
 }
 
-// Close stops the Notifier. A request made before Close still gets its
-// NOTIFY (Close waits for it, at most 5 s); requests made after are
-// dropped. Close does not close the database; it never fails, the error is
-// for io.Closer.
+// Close stops Run and waits for it to return: a request made before Close
+// still gets its NOTIFY (at most 5 s); requests made after are dropped.
+// Close does not close the database; it never fails, the error is for
+// io.Closer.
 func (n *Notifier) Close() error {
 	n.once.Do(func() {
-		n.o.mu.Lock()
-		delete(n.o.notifiers, n)
-		n.o.mu.Unlock()
 		close(n.closing)
-		<-n.done
+		if n.started.Load() {
+			<-n.done
+		}
 	})
 	return nil
 }

@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"strings"
 	"sync"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"go.uber.org/goleak"
 
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
@@ -20,22 +22,16 @@ import (
 // for the writers and one for a relay, as two processes would have them,
 // so that the writers' Notify cannot wake the relay in-process. The relay
 // runs on a pool of its own, polls once an hour, and forwards to e.pubsub.
-func afterCommit(t *testing.T, e *env) (writer *outbox.Outbox, got <-chan *message.Message) {
+func afterCommit(t *testing.T, e *env) (writer *obx, got <-chan *message.Message) {
 	t.Helper()
-	cfg := outbox.Config{Dialect: sqldb.Postgres, Topic: e.ob.Topic(), NotifyAfterCommit: true}
-	writer, err := outbox.New(cfg)
+	cfg := outbox.Config{Topic: e.ob.Topic(), NotifyAfterCommit: true}
+	writer = e.another(t, cfg)
+	other := e.elsewhere(t, cfg)
+	got, err := e.pubsub.Subscribe(t.Context(), "orders.placed")
 	if err != nil {
 		t.Fatal(err)
 	}
-	other, err := outbox.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, err = e.pubsub.Subscribe(t.Context(), "orders.placed")
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := other.NewRelay(testenv.Postgres(t).DB, e.pubsub, outbox.RelayConfig{PollInterval: time.Hour})
+	r, err := other.NewRelay(e.pubsub, outbox.RelayConfig{PollInterval: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -90,7 +86,10 @@ func listenCount(t *testing.T, e *env) func() int {
 // once, when there is one.
 func TestNotifierWakesRelaysOfOtherProcesses(t *testing.T) {
 	t.Parallel()
-	e := setup(t, testenv.Postgres(t))
+	forEach(t, postgresDrivers(), testNotifierWakesRelaysOfOtherProcesses)
+}
+
+func testNotifierWakesRelaysOfOtherProcesses(t *testing.T, e *env) {
 	count := listenCount(t, e)
 	writer, got := afterCommit(t, e)
 
@@ -107,11 +106,7 @@ func TestNotifierWakesRelaysOfOtherProcesses(t *testing.T) {
 		t.Fatalf("%d notifications without a Notifier", n)
 	}
 
-	n, err := writer.NewNotifier(e.db.DB)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = n.Close() })
+	runNotifier(t, writer)
 	const writers, each = 4, 25
 	var wg sync.WaitGroup
 	for w := range writers {
@@ -148,16 +143,13 @@ func TestNotifierWakesRelaysOfOtherProcesses(t *testing.T) {
 // Notify calls that come faster than NOTIFYs can be sent share them.
 func TestNotifierCoalesces(t *testing.T) {
 	t.Parallel()
-	e := setup(t, testenv.Postgres(t))
+	forEach(t, postgresDrivers(), testNotifierCoalesces)
+}
+
+func testNotifierCoalesces(t *testing.T, e *env) {
 	count := listenCount(t, e)
-	writer, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: e.ob.Topic(), NotifyAfterCommit: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	n, err := writer.NewNotifier(e.db.DB)
-	if err != nil {
-		t.Fatal(err)
-	}
+	writer := e.another(t, outbox.Config{Topic: e.ob.Topic(), NotifyAfterCommit: true})
+	n := runNotifier(t, writer)
 	const calls = 2000
 	for range calls {
 		writer.Notify()
@@ -181,26 +173,112 @@ func TestNotifierCoalesces(t *testing.T) {
 	}
 }
 
+// runNotifier runs a Notifier of ob until the test ends.
+func runNotifier(t *testing.T, ob *obx) *outbox.Notifier {
+	t.Helper()
+	n, err := ob.NewNotifier()
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- n.Run(context.Background()) }()
+	t.Cleanup(func() {
+		_ = n.Close()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	return n
+}
+
+// A Notifier starts no goroutine until Run, and none outlives Run: Run
+// returns at Close or when its context ends, after the NOTIFY of a request
+// made before. Not parallel: goleak sees every goroutine of the process.
+func TestNotifierGoroutinesEndWithRun(t *testing.T) {
+	for _, d := range postgresDrivers() {
+		t.Run(d.name, func(t *testing.T) {
+			e := setup(t, d)
+			count := listenCount(t, e)
+			writer := e.another(t, outbox.Config{Topic: e.ob.Topic(), NotifyAfterCommit: true})
+			if _, err := writer.Status(t.Context()); err != nil { // the pool's first connection
+				t.Fatal(err)
+			}
+			before := goleak.IgnoreCurrent()
+			n, err := writer.NewNotifier()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := goleak.Find(before); err != nil {
+				t.Fatalf("NewNotifier started a goroutine: %v", err)
+			}
+			writer.Notify() // before Run: dropped, nobody listens yet
+			if err := n.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if err := n.Run(t.Context()); err != nil {
+				t.Fatalf("Run after Close = %v; want nil at once", err)
+			}
+			if c := count(); c != 0 {
+				t.Fatalf("%d notifications from a Notifier that never ran", c)
+			}
+
+			for _, stop := range []string{"Close", "ctx"} {
+				n, err := writer.NewNotifier()
+				if err != nil {
+					t.Fatal(err)
+				}
+				ctx, cancel := context.WithCancel(context.Background())
+				done := make(chan error, 1)
+				go func() { done <- n.Run(ctx) }()
+				deadline := time.Now().Add(5 * time.Second)
+				for c := count(); count() == c; {
+					writer.Notify()
+					if time.Now().After(deadline) {
+						t.Fatalf("%s: a running Notifier sent no NOTIFY", stop)
+					}
+					time.Sleep(10 * time.Millisecond)
+				}
+				if stop == "Close" {
+					_ = n.Close()
+				} else {
+					cancel()
+				}
+				if err := <-done; err != nil {
+					t.Fatal(err)
+				}
+				cancel()
+				_ = n.Close()
+				if err := n.Run(context.Background()); err == nil {
+					t.Fatalf("%s: a second Run succeeded", stop)
+				}
+				if err := goleak.Find(before); err != nil {
+					t.Fatalf("a goroutine outlived the Notifier's Run (ended by %s): %v", stop, err)
+				}
+			}
+		})
+	}
+}
+
 func TestNewNotifierRefuses(t *testing.T) {
 	t.Parallel()
-	db := testenv.SQLite(t)
+	sqlite := sqldb.Std(testenv.SQLite(t).DB, sqldb.SQLite)
+	mysql := sqldb.Std(&sql.DB{}, sqldb.MySQL)
+	postgres := sqldb.Std(&sql.DB{}, sqldb.Postgres)
 	for _, c := range []struct {
+		db   sqldb.Driver[*sql.Tx]
 		cfg  outbox.Config
 		want string
 	}{
-		{outbox.Config{Dialect: sqldb.SQLite, NotifyAfterCommit: true}, "NOTIFY is PostgreSQL's"},
-		{outbox.Config{Dialect: sqldb.MySQL, NotifyAfterCommit: true}, "NOTIFY is PostgreSQL's"},
-		{outbox.Config{Dialect: sqldb.Postgres}, "NotifyAfterCommit is false"},
+		{sqlite, outbox.Config{NotifyAfterCommit: true}, "NOTIFY is PostgreSQL's"},
+		{mysql, outbox.Config{NotifyAfterCommit: true}, "NOTIFY is PostgreSQL's"},
+		{postgres, outbox.Config{}, "NotifyAfterCommit is false"},
 	} {
-		ob, err := outbox.New(c.cfg)
+		ob, err := outbox.New(c.db, c.cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := ob.NewNotifier(db.DB); err == nil || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("%s: got %v, want an error containing %q", c.cfg.Dialect, err, c.want)
-		}
-		if _, err := ob.NewPgxNotifier(nil); err == nil {
-			t.Errorf("%s: NewPgxNotifier(nil) was accepted", c.cfg.Dialect)
+		if _, err := ob.NewNotifier(); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: got %v, want an error containing %q", c.db.Dialect(), err, c.want)
 		}
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/settle-go/settle/internal/otlptest"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // A message ID that is not valid UTF-8 (SQLite stores it as it is) must not
@@ -25,11 +26,11 @@ func TestOutboxSpansInvalidUTF8ReachOTLP(t *testing.T) {
 	recv := otlptest.New(t)
 	tp := recv.TracerProvider(t)
 	db := testenv.SQLite(t)
-	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, TracerProvider: tp})
+	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.SQLite), outbox.Config{TracerProvider: tp})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+	if err := ob.InitSchema(t.Context()); err != nil {
 		t.Fatal(err)
 	}
 	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 100}, watermill.NopLogger{})
@@ -62,7 +63,7 @@ func TestOutboxSpansInvalidUTF8ReachOTLP(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	r, err := ob.NewRelay(db.DB, pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+	r, err := ob.NewRelay(pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}

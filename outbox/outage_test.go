@@ -83,7 +83,7 @@ func TestOutageSetsNothingAsideAndCollateralIsNotCharged(t *testing.T) {
 		}
 		deadline := time.Now().Add(30 * time.Second)
 		for {
-			rows, err := e.ob.Failed(t.Context(), e.db.DB, outbox.Selection{})
+			rows, err := e.ob.Failed(t.Context(), outbox.Selection{})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -141,7 +141,7 @@ func TestOutageSetsNothingAsideAndCollateralIsNotCharged(t *testing.T) {
 			}
 		}
 		for {
-			rows, err := e.ob.Failed(t.Context(), e.db.DB, outbox.Selection{SetAsideOnly: true})
+			rows, err := e.ob.Failed(t.Context(), outbox.Selection{SetAsideOnly: true})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -205,7 +205,7 @@ func TestPublishPastAckDeadlineStepsAside(t *testing.T) {
 				t.Fatalf("the hanging row was not set aside: %+v", st)
 			}
 		}
-		rows, err := e.ob.Failed(t.Context(), e.db.DB, outbox.Selection{})
+		rows, err := e.ob.Failed(t.Context(), outbox.Selection{})
 		if err != nil || len(rows) != 1 || rows[0].UUID != "hang" || !strings.Contains(rows[0].LastError, "AckDeadline") {
 			t.Fatalf("Failed = %+v, %v; want the hanging row, its error naming AckDeadline", rows, err)
 		}

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"reflect"
 	"regexp"
 	"slices"
 	"strings"
@@ -12,37 +13,33 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/settle-go/settle/internal/sqlkit"
 	"github.com/settle-go/settle/internal/telemetry"
 	"github.com/settle-go/settle/sqldb"
 )
 
-// DefaultTopic names the outbox when Config.Topic is empty: its rows live in
+// defaultTopic names the outbox when Config.Topic is empty: its rows live in
 // the table "settle_outbox", its relays' heartbeats in "settle_outbox_relays",
 // and on PostgreSQL its commits are announced on the channel "settle_outbox".
-const DefaultTopic = "settle_outbox"
+const defaultTopic = "settle_outbox"
 
-// DefaultStuckAfter is Config.StuckAfter when unset.
-const DefaultStuckAfter = time.Minute
+// defaultStuckAfter is Config.StuckAfter when unset.
+const defaultStuckAfter = time.Minute
 
 // Config configures an Outbox.
 type Config struct {
-	// Dialect is the database's SQL flavour: sqldb.Postgres (pgx),
-	// sqldb.MySQL (MySQL >= 8.0 or MariaDB >= 10.6, for SKIP LOCKED) or
-	// sqldb.SQLite. Required.
-	Dialect sqldb.Dialect
 	// Topic names the outbox: its table, the table of its relays (Topic +
 	// "_relays") and its PostgreSQL notification channel. Defaults to
-	// DefaultTopic. 1-48 letters, digits, '_' or '-'.
+	// "settle_outbox". 1-48 letters, digits, '_' or '-'.
 	Topic string
 	// StuckAfter is the age past which Status calls a pending row old: old
 	// rows with a live relay mean the relay is stuck or passing them over.
-	// Defaults to DefaultStuckAfter (1m). Must be > 0.
+	// Defaults to 1m. Must be > 0.
 	StuckAfter time.Duration
 	// NotifyAfterCommit, on PostgreSQL, leaves pg_notify out of the
 	// INSERT. PostgreSQL serialises the commits of all transactions that
@@ -74,10 +71,10 @@ var topicRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,48}$`)
 
 func (c *Config) setDefaults() {
 	if c.Topic == "" {
-		c.Topic = DefaultTopic
+		c.Topic = defaultTopic
 	}
 	if c.StuckAfter == 0 {
-		c.StuckAfter = DefaultStuckAfter
+		c.StuckAfter = defaultStuckAfter
 	}
 	if c.Propagator == nil {
 		c.Propagator = telemetry.Propagator()
@@ -90,13 +87,8 @@ func (c *Config) setDefaults() {
 	}
 }
 
-// Validate reports the first invalid field.
-func (c Config) Validate() error {
-	switch c.Dialect {
-	case sqldb.Postgres, sqldb.MySQL, sqldb.SQLite:
-	default:
-		return fmt.Errorf("outbox: Config.Dialect must be postgres, mysql or sqlite, got %q", string(c.Dialect))
-	}
+// validate reports the first invalid field.
+func (c Config) validate() error {
 	if !topicRE.MatchString(c.Topic) {
 		return fmt.Errorf("outbox: Config.Topic %q must be 1-48 letters, digits, '_' or '-'", c.Topic)
 	}
@@ -112,40 +104,86 @@ func (c Config) Validate() error {
 // publisher and marks each one forwarded. Each row carries the destination
 // topic and the whole message (UUID of any length, metadata, payload).
 //
-// An Outbox holds no connections and needs no Close. It is safe for
-// concurrent use.
-type Outbox struct {
+// TTx is the transaction type of the database's driver: *sql.Tx for
+// sqldb.Std, pgx.Tx for sqldb.Pgx. Every method runs on that driver.
+//
+// An Outbox holds no connections of its own (it uses the driver's pool) and
+// needs no Close. It is safe for concurrent use.
+type Outbox[TTx any] struct {
+	db sqldb.Driver[TTx]
+	c  *core
+}
+
+// core is what the Outbox's relays, notifiers and publishers share, whatever
+// the driver's transaction type.
+type core struct {
 	cfg Config
 	q   statements
+	db  database
 
 	mu        sync.Mutex
 	wakers    map[chan struct{}]struct{} // relays of this process
 	notifiers map[*Notifier]struct{}
 }
 
-// New checks cfg and returns an Outbox. It touches no database.
-func New(cfg Config) (*Outbox, error) {
-	cfg.setDefaults()
-	if err := cfg.Validate(); err != nil {
-		return nil, err
-	}
-	return &Outbox{cfg: cfg, q: newStatements(cfg.Dialect, cfg.Topic), wakers: map[chan struct{}]struct{}{}, notifiers: map[*Notifier]struct{}{}}, nil
+// database is a sqldb.Driver with its transaction type left out, for the
+// relay and the notifier, which are not generic.
+type database interface {
+	Dialect() sqldb.Dialect
+	DB() sqldb.Executor
+	Listen(ctx context.Context, channel string, wake func()) error
+	MaxConns() int
+	begin(ctx context.Context, opts *sql.TxOptions, setup string) (txn, error)
 }
 
-// Config returns the outbox's configuration, defaults applied.
-func (o *Outbox) Config() Config { return o.cfg }
+// txn is a transaction of a database: statements run on its Executor.
+type txn struct {
+	sqldb.Executor
+	commit   func(context.Context) error
+	rollback func(context.Context) error
+}
+
+type erased[TTx any] struct{ sqldb.Driver[TTx] }
+
+func (e erased[TTx]) begin(ctx context.Context, opts *sql.TxOptions, setup string) (txn, error) {
+	tx, err := e.Begin(ctx, opts, setup)
+	if err != nil {
+		return txn{}, err
+	}
+	return txn{
+		Executor: e.Tx(tx),
+		commit:   func(ctx context.Context) error { return e.Commit(ctx, tx) },
+		rollback: func(ctx context.Context) error { return e.Rollback(ctx, tx) },
+	}, nil
+}
+
+// New checks cfg and returns the outbox of db. It touches no database.
+func New[TTx any](db sqldb.Driver[TTx], cfg Config) (*Outbox[TTx], error) {
+	if db == nil {
+		return nil, errors.New("outbox: New: db is nil")
+	}
+	if err := sqlkit.ValidDialect(db.Dialect()); err != nil {
+		return nil, fmt.Errorf("outbox: New: %w", err)
+	}
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	c := &core{cfg: cfg, q: newStatements(db.Dialect(), cfg.Topic), db: erased[TTx]{db}, wakers: map[chan struct{}]struct{}{}, notifiers: map[*Notifier]struct{}{}}
+	return &Outbox[TTx]{db: db, c: c}, nil
+}
 
 // Topic returns the outbox's name (Config.Topic).
-func (o *Outbox) Topic() string { return o.cfg.Topic }
+func (o *Outbox[TTx]) Topic() string { return o.c.cfg.Topic }
 
 // Table returns the name of the outbox table, unquoted.
-func (o *Outbox) Table() string { return o.q.table }
+func (o *Outbox[TTx]) Table() string { return o.c.q.table }
 
-// Schema returns the statements that create the outbox table, its index of
-// pending rows and the relays' table, for your migrations. Run them outside
-// any transaction of the application (InitSchema does this for you).
-// The error is always nil; it is kept for callers of earlier versions.
-func (o *Outbox) Schema() ([]string, error) { return slices.Clone(o.q.schema), nil }
+// Schema returns the statements that create the outbox table, its indexes
+// and the relays' table, in the driver's dialect, for your migrations. Run
+// them outside any transaction of the application (InitSchema does this for
+// you).
+func (o *Outbox[TTx]) Schema() []string { return slices.Clone(o.c.q.schema) }
 
 // SchemaUpgrade returns the statements that bring an outbox table created
 // by an earlier version of settle (without the columns attempts,
@@ -156,52 +194,37 @@ func (o *Outbox) Schema() ([]string, error) { return slices.Clone(o.q.schema), n
 // transaction, while no relay of an earlier version runs; Check says
 // whether they are needed. On PostgreSQL and SQLite they can run again
 // without harm; MySQL has no IF NOT EXISTS for columns.
-func (o *Outbox) SchemaUpgrade() []string { return slices.Clone(o.q.upgrade) }
+func (o *Outbox[TTx]) SchemaUpgrade() []string { return slices.Clone(o.c.q.upgrade) }
 
 // InitSchema creates the outbox's tables if they do not exist. Call it from
 // your migrations or at deploy time, never inside an application
 // transaction; settle never calls it by itself. The statements run one by
-// one (MySQL commits each CREATE by itself anyway).
-func (o *Outbox) InitSchema(ctx context.Context, db *sql.DB) error {
-	if db == nil {
-		return errors.New("outbox: InitSchema: db is nil")
-	}
-	return o.initSchema(ctx, sqlConn(db))
-}
-
-func (o *Outbox) initSchema(ctx context.Context, db conn) error {
-	for _, q := range o.q.schema {
-		if _, err := db.ExecContext(ctx, q); err != nil {
+// one, on the pool (MySQL commits each CREATE by itself anyway).
+func (o *Outbox[TTx]) InitSchema(ctx context.Context) error {
+	for _, q := range o.c.q.schema {
+		if _, err := o.db.DB().Exec(ctx, q); err != nil {
 			return fmt.Errorf("outbox: init schema: %w", err)
 		}
 	}
 	return nil
 }
 
-// ErrSchema is returned (wrapped) by Check when a table of the outbox is
-// missing or lacks columns. Its message says what to run.
-var ErrSchema = errors.New("outbox: schema")
-
 // Check reports whether the outbox's tables exist with the columns settle
-// needs. A missing or mis-shaped table is an error wrapping ErrSchema that
-// names the table and the missing columns and says how to create it: `settle
-// outbox schema -dialect <dialect> -topic <topic>` prints the statements (or
-// call InitSchema). Other errors are the database's. Check only reads.
-func (o *Outbox) Check(ctx context.Context, db *sql.DB) error {
-	if db == nil {
-		return errors.New("outbox: Check: db is nil")
-	}
-	return o.check(ctx, sqlConn(db))
-}
+// needs. A missing or mis-shaped table is a *sqldb.SchemaError (it wraps
+// sqldb.ErrSchema) that names the table and the missing columns, holds the
+// statements that create (or upgrade) it, and says which command prints
+// them: `settle outbox schema -dialect <dialect> -topic <topic>` (or call
+// InitSchema). Other errors are the database's. Check only reads.
+func (o *Outbox[TTx]) Check(ctx context.Context) error { return o.c.check(ctx) }
 
-func (o *Outbox) check(ctx context.Context, db conn) error {
+func (c *core) check(ctx context.Context) error {
 	var problems []string
 	upgrade := false
 	for _, t := range []struct {
 		name string
 		cols []string
-	}{{o.q.table, outboxColumns}, {o.q.relays, relayColumns}} {
-		have, err := o.columns(ctx, db, t.name)
+	}{{c.q.table, outboxColumns}, {c.q.relays, relayColumns}} {
+		have, err := c.columns(ctx, t.name)
 		if err != nil {
 			return fmt.Errorf("outbox: check %s: %w", t.name, err)
 		}
@@ -210,14 +233,14 @@ func (o *Outbox) check(ctx context.Context, db conn) error {
 			continue
 		}
 		var missing []string
-		for _, c := range t.cols {
-			if !have[c] {
-				missing = append(missing, c)
+		for _, col := range t.cols {
+			if !have[col] {
+				missing = append(missing, col)
 			}
 		}
 		switch {
 		case len(missing) == 0:
-		case t.name == o.q.table && !slices.ContainsFunc(missing, func(c string) bool { return !slices.Contains(failureColumns, c) }):
+		case t.name == c.q.table && !slices.ContainsFunc(missing, func(col string) bool { return !slices.Contains(failureColumns, col) }):
 			upgrade = true
 			problems = append(problems, fmt.Sprintf("table %s lacks column(s) %s, which the relay needs to retry and set aside rows one by one: it was created by an earlier version of settle", t.name, strings.Join(missing, ", ")))
 		default:
@@ -227,29 +250,34 @@ func (o *Outbox) check(ctx context.Context, db conn) error {
 	if len(problems) == 0 {
 		return nil
 	}
+	d := c.db.Dialect()
 	if upgrade && len(problems) == 1 {
-		return fmt.Errorf("%w: %s; add them with the statements of `settle outbox schema -upgrade -dialect %s -topic %s` (Outbox.SchemaUpgrade; docs/outbox.md, \"Upgrading\") in a migration",
-			ErrSchema, problems[0], o.cfg.Dialect, o.cfg.Topic)
+		return &sqldb.SchemaError{
+			Table:   c.q.table,
+			Problem: problems[0],
+			Fix:     fmt.Sprintf("add them with the statements of `settle outbox schema -upgrade -dialect %s -topic %s` (Outbox.SchemaUpgrade; docs/outbox.md, \"Upgrading\")", d, c.cfg.Topic),
+			DDL:     slices.Clone(c.q.upgrade),
+		}
 	}
-	return fmt.Errorf("%w: %s; run the statements of `settle outbox schema -dialect %s -topic %s` (or Outbox.InitSchema) in a migration",
-		ErrSchema, strings.Join(problems, "; "), o.cfg.Dialect, o.cfg.Topic)
+	return &sqldb.SchemaError{
+		Table:   c.q.table,
+		Problem: strings.Join(problems, "; "),
+		Fix:     fmt.Sprintf("create them with the statements of `settle outbox schema -dialect %s -topic %s` (or Outbox.InitSchema)", d, c.cfg.Topic),
+		DDL:     slices.Clone(c.q.schema),
+	}
 }
 
-func (o *Outbox) columns(ctx context.Context, db conn, table string) (map[string]bool, error) {
-	rows, err := db.QueryContext(ctx, o.q.columns, table)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
+func (c *core) columns(ctx context.Context, table string) (map[string]bool, error) {
 	have := map[string]bool{}
-	for rows.Next() {
-		var c string
-		if err := rows.Scan(&c); err != nil {
-			return nil, err
+	err := c.db.DB().Query(ctx, c.q.columns, []any{table}, func(scan func(...any) error) error {
+		var col string
+		if err := scan(&col); err != nil {
+			return err
 		}
-		have[strings.ToLower(c)] = true
-	}
-	return have, rowsErr(rows)
+		have[strings.ToLower(col)] = true
+		return nil
+	})
+	return have, err
 }
 
 // Notify tells the relays of this Outbox that a transaction that published
@@ -258,15 +286,18 @@ func (o *Outbox) columns(ctx context.Context, db conn, table string) (map[string
 // do). Relays running in this process are woken directly. Relays in other
 // processes: on PostgreSQL the commit itself woke them through
 // LISTEN/NOTIFY, unless Config.NotifyAfterCommit is set, in which case
-// Notify asks this Outbox's Notifiers to send the NOTIFY now; on MySQL and
-// SQLite they find the rows at their next poll. Notify never blocks.
-func (o *Outbox) Notify() {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	for w := range o.wakers {
+// Notify asks this Outbox's running Notifiers to send the NOTIFY now; on
+// MySQL and SQLite they find the rows at their next poll. Notify never
+// blocks.
+func (o *Outbox[TTx]) Notify() { o.c.notify() }
+
+func (c *core) notify() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for w := range c.wakers {
 		poke(w)
 	}
-	for n := range o.notifiers {
+	for n := range c.notifiers {
 		poke(n.kick) // a request already waiting absorbs this one
 	}
 }
@@ -280,40 +311,44 @@ func poke(ch chan struct{}) {
 	}
 }
 
-func (o *Outbox) addWaker(w chan struct{}) {
-	o.mu.Lock()
-	o.wakers[w] = struct{}{}
-	o.mu.Unlock()
+func (c *core) addWaker(w chan struct{}) {
+	c.mu.Lock()
+	c.wakers[w] = struct{}{}
+	c.mu.Unlock()
 }
 
-func (o *Outbox) removeWaker(w chan struct{}) {
-	o.mu.Lock()
-	delete(o.wakers, w)
-	o.mu.Unlock()
+func (c *core) removeWaker(w chan struct{}) {
+	c.mu.Lock()
+	delete(c.wakers, w)
+	c.mu.Unlock()
 }
 
-// Publisher returns a publisher that writes into the outbox on exec, which
-// is normally the caller's transaction: wsql.TxFromStdSQL(tx) for a *sql.Tx,
-// wsql.TxFromPgx(tx) for a pgx.Tx. Messages published through it are
-// forwarded only if that transaction commits. Use it for the transaction's
-// lifetime only; it needs no Close. After the commit, call Notify so that a
-// relay of this process forwards at once.
+// TxPublisher returns a publisher that writes into the outbox in tx, the
+// caller's transaction: messages published through it are forwarded only if
+// tx commits. Use it for the transaction's lifetime only; it needs no Close.
+// After the commit, call Notify so that a relay of this process forwards at
+// once.
 //
 // Publish writes the trace context of each message's context (msg.Context())
 // into its metadata with the configured propagator.
-func (o *Outbox) Publisher(exec wsql.ContextExecutor) (message.Publisher, error) {
-	if exec == nil {
-		return nil, errors.New("outbox: Publisher: exec is nil")
-	}
-	return &publisher{exec: exec, o: o}, nil
-}
-
-// TxPublisher is Publisher for a *sql.Tx.
-func (o *Outbox) TxPublisher(tx *sql.Tx) (message.Publisher, error) {
-	if tx == nil {
+func (o *Outbox[TTx]) TxPublisher(tx TTx) (message.Publisher, error) {
+	if isNil(tx) {
 		return nil, errors.New("outbox: TxPublisher: tx is nil")
 	}
-	return o.Publisher(wsql.TxFromStdSQL(tx))
+	return &publisher{exec: o.db.Tx(tx), o: o.c}, nil
+}
+
+// isNil reports whether v is a nil interface or pointer.
+func isNil(v any) bool {
+	if v == nil {
+		return true
+	}
+	rv := reflect.ValueOf(v)
+	switch rv.Kind() {
+	case reflect.Pointer, reflect.Interface, reflect.Map, reflect.Slice, reflect.Func, reflect.Chan:
+		return rv.IsNil()
+	}
+	return false
 }
 
 // maxPublishBatch bounds the messages of one INSERT: 4 bound parameters each,
@@ -321,8 +356,8 @@ func (o *Outbox) TxPublisher(tx *sql.Tx) (message.Publisher, error) {
 const maxPublishBatch = 1000
 
 type publisher struct {
-	exec wsql.ContextExecutor
-	o    *Outbox
+	exec sqldb.Executor
+	o    *core
 }
 
 func (p *publisher) Publish(topic string, msgs ...*message.Message) error {
@@ -359,11 +394,11 @@ func (p *publisher) insert(topic string, msgs []*message.Message) error {
 			}
 			args = append(args, m.UUID, topic, payload, md)
 		}
-		notify := p.o.cfg.Dialect == sqldb.Postgres && !p.o.cfg.NotifyAfterCommit
+		notify := p.o.q.d == sqldb.Postgres && !p.o.cfg.NotifyAfterCommit
 		if notify {
 			args = append(args, p.o.q.table)
 		}
-		if _, err := p.exec.ExecContext(ctx, p.o.q.insert(len(chunk), notify), args...); err != nil {
+		if _, err := p.exec.Exec(ctx, p.o.q.insert(len(chunk), notify), args...); err != nil {
 			return err
 		}
 	}

@@ -17,27 +17,179 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
 )
 
-type env struct {
-	db     testenv.DB
-	ob     *outbox.Outbox
-	pubsub *gochannel.GoChannel
-	table  string // the test's business table
+// The outbox's tests run on every driver of this table: database/sql on
+// SQLite, PostgreSQL and MySQL/MariaDB (with and without clientFoundRows),
+// and pgx on PostgreSQL. A test body sees the outbox through obx, which is
+// the same whatever the driver's transaction type.
+type drv struct {
+	name string
+	pgx  bool // the outbox runs on a pgx pool; db is a database/sql pool on the same PostgreSQL
+	// open opens the database/sql pool of the test's own statements.
+	open func(testing.TB) testenv.DB
 }
 
-func setup(t testing.TB, db testenv.DB) *env {
+func drivers() []drv {
+	var ds []drv
+	for _, d := range testenv.Databases() {
+		ds = append(ds, drv{name: d.Name, open: d.Open})
+	}
+	return append(ds, pgxDrv)
+}
+
+var (
+	sqliteDrv   = drv{name: "sqlite", open: testenv.SQLite}
+	postgresDrv = drv{name: "postgres", open: testenv.Postgres}
+	pgxDrv      = drv{name: "pgx", pgx: true, open: testenv.Postgres}
+)
+
+// postgresDrivers are the drivers on PostgreSQL: LISTEN/NOTIFY.
+func postgresDrivers() []drv { return []drv{postgresDrv, pgxDrv} }
+
+// api is what an Outbox does whatever its transaction type: every method
+// but TxPublisher, which obx.begin binds.
+type api interface {
+	Check(context.Context) error
+	Schema() []string
+	SchemaUpgrade() []string
+	InitSchema(context.Context) error
+	Status(context.Context) (outbox.Status, error)
+	Prune(context.Context, time.Time) (int64, error)
+	Failed(context.Context, outbox.Selection) ([]outbox.FailedRow, error)
+	Requeue(context.Context, outbox.Selection) (int64, error)
+	Forward(context.Context, message.Publisher, outbox.RelayConfig) (int64, error)
+	NewRelay(message.Publisher, outbox.RelayConfig) (*outbox.Relay, error)
+	NewNotifier() (*outbox.Notifier, error)
+	Notify()
+	Topic() string
+	Table() string
+}
+
+// obx is an outbox under test.
+type obx struct {
+	api
+	cfg outbox.Config // as given to New
+	// begin begins a transaction on the outbox's driver, with the outbox's
+	// TxPublisher bound to it.
+	begin func(ctx context.Context) (*ttx, error)
+}
+
+// ttx is a transaction of the driver under test.
+type ttx struct {
+	// Pub is the outbox's TxPublisher of the transaction.
+	Pub      message.Publisher
+	exec     func(ctx context.Context, q string, args ...any) error
+	commit   func() error
+	rollback func() error
+}
+
+func (x *ttx) Exec(ctx context.Context, q string, args ...any) error { return x.exec(ctx, q, args...) }
+func (x *ttx) Commit() error                                         { return x.commit() }
+func (x *ttx) Rollback() error                                       { return x.rollback() }
+
+func wrap[TTx any](d sqldb.Driver[TTx], ob *outbox.Outbox[TTx]) *obx {
+	return &obx{api: ob, begin: func(ctx context.Context) (*ttx, error) {
+		tx, err := d.Begin(ctx, nil, "")
+		if err != nil {
+			return nil, err
+		}
+		pub, err := ob.TxPublisher(tx)
+		if err != nil {
+			_ = d.Rollback(ctx, tx)
+			return nil, err
+		}
+		ex := d.Tx(tx)
+		return &ttx{
+			Pub: pub,
+			exec: func(ctx context.Context, q string, args ...any) error {
+				_, err := ex.Exec(ctx, q, args...)
+				return err
+			},
+			commit:   func() error { return d.Commit(context.Background(), tx) },
+			rollback: func() error { return d.Rollback(context.Background(), tx) },
+		}, nil
+	}}
+}
+
+// outboxOn returns a maker of outboxes on d: on db's pool, or for pgx on a
+// pgx pool of its own to db's PostgreSQL.
+func outboxOn(t testing.TB, d drv, db testenv.DB) func(outbox.Config) (*obx, error) {
+	if d.pgx {
+		pool := testenv.PgxPool(t)
+		drv := sqldb.Pgx(pool)
+		return func(cfg outbox.Config) (*obx, error) {
+			ob, err := outbox.New(drv, cfg)
+			if err != nil {
+				return nil, err
+			}
+			x := wrap(drv, ob)
+			x.cfg = cfg
+			return x, nil
+		}
+	}
+	drv := sqldb.Std(db.DB, sqldb.Dialect(db.Dialect))
+	return func(cfg outbox.Config) (*obx, error) {
+		ob, err := outbox.New(drv, cfg)
+		if err != nil {
+			return nil, err
+		}
+		x := wrap(drv, ob)
+		x.cfg = cfg
+		return x, nil
+	}
+}
+
+type env struct {
+	d  drv
+	db testenv.DB // the test's own statements
+	ob *obx
+	// newOutbox makes another outbox on the driver and pool of ob.
+	newOutbox func(outbox.Config) (*obx, error)
+	pubsub    *gochannel.GoChannel
+	table     string // the test's business table
+}
+
+// another returns an outbox of cfg on the driver of e, on the same pool.
+func (e *env) another(t testing.TB, cfg outbox.Config) *obx {
 	t.Helper()
-	name := testenv.Name(t, "ob")
-	topic := "ob_" + name[len(name)-8:]
-	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: topic, Propagator: propagation.TraceContext{}})
+	ob, err := e.newOutbox(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+	return ob
+}
+
+// elsewhere returns an outbox of cfg on the driver of e, on a pool of its
+// own (as in another process; on SQLite, one file, the same pool).
+func (e *env) elsewhere(t testing.TB, cfg outbox.Config) *obx {
+	t.Helper()
+	db := e.db
+	if db.Dialect != dedupe.SQLite {
+		db = e.d.open(t)
+	}
+	ob, err := outboxOn(t, e.d, db)(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ob
+}
+
+func setup(t testing.TB, d drv) *env {
+	t.Helper()
+	db := d.open(t)
+	name := testenv.Name(t, "ob")
+	topic := "ob_" + name[len(name)-8:]
+	mk := outboxOn(t, d, db)
+	ob, err := mk(outbox.Config{Topic: topic, Propagator: propagation.TraceContext{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.InitSchema(t.Context()); err != nil {
 		t.Fatal(err)
 	}
 	table := testenv.Name(t, "biz")
@@ -48,7 +200,7 @@ func setup(t testing.TB, db testenv.DB) *env {
 		ctx := context.Background()
 		_, _ = db.ExecContext(ctx, "DROP TABLE "+table)
 		q := func(s string) string {
-			if db.Dialect == sqldb.MySQL {
+			if db.Dialect == dedupe.MySQL {
 				return "`" + s + "`"
 			}
 			return `"` + s + `"`
@@ -58,33 +210,38 @@ func setup(t testing.TB, db testenv.DB) *env {
 	})
 	ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = ps.Close() })
-	return &env{db: db, ob: ob, pubsub: ps, table: table}
+	return &env{d: d, db: db, ob: ob, newOutbox: mk, pubsub: ps, table: table}
 }
 
 func (e *env) ph(n int) string {
-	if e.db.Dialect == sqldb.Postgres {
+	if e.db.Dialect == dedupe.Postgres {
 		return "$" + string(rune('0'+n))
 	}
 	return "?"
+}
+
+// begin begins a transaction of the driver under test with the outbox's
+// publisher bound to it.
+func (e *env) begin(t testing.TB, ctx context.Context) *ttx {
+	t.Helper()
+	tx, err := e.ob.begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback() })
+	return tx
 }
 
 // placeOrder writes a business row and an outbox message in one
 // transaction, and commits or rolls back.
 func (e *env) placeOrder(t *testing.T, ctx context.Context, id string, commit bool, msgs ...*message.Message) {
 	t.Helper()
-	tx, err := e.db.BeginTx(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tx := e.begin(t, ctx)
 	defer func() { _ = tx.Rollback() }()
-	if _, err := tx.ExecContext(ctx, "INSERT INTO "+e.table+" (id) VALUES ("+e.ph(1)+")", id); err != nil {
+	if err := tx.Exec(ctx, "INSERT INTO "+e.table+" (id) VALUES ("+e.ph(1)+")", id); err != nil {
 		t.Fatal(err)
 	}
-	pub, err := e.ob.TxPublisher(tx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := pub.Publish("orders.placed", msgs...); err != nil {
+	if err := tx.Pub.Publish("orders.placed", msgs...); err != nil {
 		t.Fatal(err)
 	}
 	if commit {
@@ -113,12 +270,19 @@ func (e *env) count(t *testing.T) int {
 	return n
 }
 
+// forEachDB runs fn on every driver.
 func forEachDB(t *testing.T, fn func(t *testing.T, e *env)) {
 	t.Helper()
-	for _, d := range testenv.Databases() {
-		t.Run(d.Name, func(t *testing.T) {
+	forEach(t, drivers(), fn)
+}
+
+// forEach runs fn on each of ds, in parallel.
+func forEach(t *testing.T, ds []drv, fn func(t *testing.T, e *env)) {
+	t.Helper()
+	for _, d := range ds {
+		t.Run(d.name, func(t *testing.T) {
 			t.Parallel()
-			fn(t, setup(t, d.Open(t)))
+			fn(t, setup(t, d))
 		})
 	}
 }
@@ -130,11 +294,11 @@ func TestRollbackLeavesNoMessage(t *testing.T) {
 		if n := e.count(t); n != 0 {
 			t.Fatalf("%d business rows after rollback", n)
 		}
-		st, err := e.ob.Status(t.Context(), e.db.DB)
+		st, err := e.ob.Status(t.Context())
 		if err != nil || st.Pending != 0 {
 			t.Fatalf("status after rollback = %+v, %v; want nothing pending", st, err)
 		}
-		n, err := e.ob.Forward(t.Context(), e.db.DB, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+		n, err := e.ob.Forward(t.Context(), e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 		if err != nil || n != 0 {
 			t.Fatalf("Forward = %d, %v; want 0 forwarded", n, err)
 		}
@@ -157,13 +321,12 @@ func TestCommitForwardsOnceWithTraceContext(t *testing.T) {
 		e.placeOrder(t, ctx, "A-2", true, msg, message.NewMessage(watermill.NewUUID(), []byte(`{"id":"A-2","line":2}`)))
 		span.End()
 
-		db := e.db.DB
-		st, err := e.ob.Status(t.Context(), db)
+		st, err := e.ob.Status(t.Context())
 		if err != nil || st.Pending != 2 {
 			t.Fatalf("status before forwarding = %+v, %v; want 2 pending", st, err)
 		}
 		mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
-		n, err := e.ob.Forward(t.Context(), db, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, MeterProvider: mp})
+		n, err := e.ob.Forward(t.Context(), e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, MeterProvider: mp})
 		if err != nil || n != 2 {
 			t.Fatalf("Forward = %d, %v; want 2", n, err)
 		}
@@ -185,7 +348,7 @@ func TestCommitForwardsOnceWithTraceContext(t *testing.T) {
 			t.Fatal("the same message arrived twice")
 		}
 		// A second run finds nothing: each row is forwarded once.
-		n, err = e.ob.Forward(t.Context(), db, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+		n, err = e.ob.Forward(t.Context(), e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 		if err != nil || n != 0 {
 			t.Fatalf("second Forward = %d, %v; want 0", n, err)
 		}
@@ -212,12 +375,11 @@ func (c propagationCarrier) Keys() []string {
 
 func TestRelayMetricsAndLag(t *testing.T) {
 	t.Parallel()
-	e := setup(t, testenv.SQLite(t))
+	e := setup(t, sqliteDrv)
 	e.placeOrder(t, t.Context(), "A-3", true, message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
-	db := e.db.DB
 	eventuallyLag := time.Now().Add(5 * time.Second)
 	for {
-		st, err := e.ob.Status(t.Context(), db)
+		st, err := e.ob.Status(t.Context())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -233,7 +395,7 @@ func TestRelayMetricsAndLag(t *testing.T) {
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
-	relay, err := e.ob.NewRelay(db, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, MeterProvider: mp})
+	relay, err := e.ob.NewRelay(e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, MeterProvider: mp})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -298,7 +460,7 @@ func sum(t *testing.T, rm metricdata.ResourceMetrics, name string) int64 {
 
 func TestForeignRowGoesToPoisonTopic(t *testing.T) {
 	t.Parallel()
-	e := setup(t, testenv.SQLite(t))
+	e := setup(t, sqliteDrv)
 	poisoned, err := e.pubsub.Subscribe(t.Context(), e.ob.Topic()+"_poison")
 	if err != nil {
 		t.Fatal(err)
@@ -310,7 +472,7 @@ func TestForeignRowGoesToPoisonTopic(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n, err := e.ob.Forward(t.Context(), e.db.DB, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+	n, err := e.ob.Forward(t.Context(), e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 	if err != nil || n != 1 {
 		t.Fatalf("Forward = %d, %v; want the one settle row forwarded", n, err)
 	}
@@ -328,21 +490,27 @@ func TestNewRefusesBadConfig(t *testing.T) {
 		cfg   outbox.Config
 		field string
 	}{
-		{outbox.Config{}, "Config.Dialect"},
-		{outbox.Config{Dialect: sqldb.SQLite, Topic: "has space"}, "Config.Topic"},
-		{outbox.Config{Dialect: sqldb.SQLite, Topic: `x"; DROP TABLE y`}, "Config.Topic"},
-		{outbox.Config{Dialect: sqldb.SQLite, StuckAfter: -time.Second}, "Config.StuckAfter"},
+		{outbox.Config{Topic: "has space"}, "Config.Topic"},
+		{outbox.Config{Topic: `x"; DROP TABLE y`}, "Config.Topic"},
+		{outbox.Config{StuckAfter: -time.Second}, "Config.StuckAfter"},
 	}
+	db := sqldb.Std(&sql.DB{}, sqldb.SQLite)
 	for _, c := range cases {
-		if _, err := outbox.New(c.cfg); err == nil || !strings.Contains(err.Error(), c.field) {
+		if _, err := outbox.New(db, c.cfg); err == nil || !strings.Contains(err.Error(), c.field) {
 			t.Errorf("New(%+v) = %v; want an error naming %s", c.cfg, err, c.field)
 		}
 	}
-	ob, err := outbox.New(outbox.Config{Dialect: sqldb.SQLite})
+	if _, err := outbox.New(sqldb.Std(&sql.DB{}, "oracle"), outbox.Config{}); err == nil || !strings.Contains(err.Error(), "oracle") {
+		t.Errorf("New on an unknown dialect = %v; want an error naming it", err)
+	}
+	if _, err := outbox.New[*sql.Tx](nil, outbox.Config{}); err == nil {
+		t.Error("New on a nil driver: no error")
+	}
+	ob, err := outbox.New(db, outbox.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := ob.NewRelay(&sql.DB{}, gochannel.NewGoChannel(gochannel.Config{}, nil), outbox.RelayConfig{PollInterval: -1}); err == nil || !strings.Contains(err.Error(), "RelayConfig.PollInterval") {
+	if _, err := ob.NewRelay(gochannel.NewGoChannel(gochannel.Config{}, nil), outbox.RelayConfig{PollInterval: -1}); err == nil || !strings.Contains(err.Error(), "RelayConfig.PollInterval") {
 		t.Errorf("NewRelay with a negative poll interval: %v", err)
 	}
 }

@@ -3,7 +3,6 @@ package outbox
 import (
 	"context"
 	"database/sql"
-	"errors"
 	"fmt"
 	"time"
 
@@ -13,31 +12,29 @@ import (
 // pruneBatch is how many rows one DELETE of Prune removes.
 const pruneBatch = 5000
 
-// Prune deletes outbox rows forwarded more than olderThan ago, in batches,
-// and returns how many it deleted. Without pruning the outbox table grows
-// for ever; rows not yet forwarded are never deleted, and the relay keeps no
-// position that a delete could disturb. Keep olderThan long enough to look
-// at what was forwarded when something goes wrong downstream.
-func (o *Outbox) Prune(ctx context.Context, db *sql.DB, olderThan time.Duration) (int64, error) {
-	if db == nil {
-		return 0, errors.New("outbox: Prune: db is nil")
-	}
-	return o.prune(ctx, sqlConn(db), olderThan)
+// Prune deletes the outbox rows forwarded before before, in batches, and
+// returns how many it deleted. Without pruning the outbox table grows for
+// ever; rows not yet forwarded (set aside ones included) are never deleted,
+// and the relay keeps no position that a delete could disturb. Keep before
+// far enough back to look at what was forwarded when something goes wrong
+// downstream. The cut-off is time.Since(before) back from the database's
+// clock, which stamped forwarded_at; a before in the future prunes every
+// forwarded row.
+func (o *Outbox[TTx]) Prune(ctx context.Context, before time.Time) (int64, error) {
+	return o.c.prune(ctx, before)
 }
 
-func (o *Outbox) prune(ctx context.Context, db conn, olderThan time.Duration) (int64, error) {
-	if olderThan < 0 {
-		return 0, fmt.Errorf("outbox: prune: olderThan must be >= 0, got %v", olderThan)
-	}
+func (c *core) prune(ctx context.Context, before time.Time) (int64, error) {
+	olderThan := max(time.Since(before), 0)
 	var age any = olderThan.Seconds()
-	if o.cfg.Dialect == sqldb.MySQL {
+	if c.q.d == sqldb.MySQL {
 		age = olderThan.Microseconds()
 	}
 	var total int64
 	for {
-		n, err := o.pruneBatch(ctx, db, age)
+		n, err := c.pruneBatch(ctx, age)
 		if err != nil {
-			return total, o.schemaHint(ctx, db, fmt.Errorf("outbox: prune: %w", err))
+			return total, c.schemaHint(ctx, fmt.Errorf("outbox: prune: %w", err))
 		}
 		total += n
 		if n < pruneBatch {
@@ -49,23 +46,19 @@ func (o *Outbox) prune(ctx context.Context, db conn, olderThan time.Duration) (i
 // pruneBatch deletes one batch in a transaction of its own, READ COMMITTED
 // outside SQLite: MySQL's default level would lock the gap where writers
 // insert new rows into the index of pending rows.
-func (o *Outbox) pruneBatch(ctx context.Context, db conn, age any) (int64, error) {
+func (c *core) pruneBatch(ctx context.Context, age any) (int64, error) {
 	var opts *sql.TxOptions
-	if o.cfg.Dialect != sqldb.SQLite {
+	if c.q.d != sqldb.SQLite {
 		opts = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
 	}
-	tx, err := db.BeginTx(ctx, opts)
+	tx, err := c.db.begin(ctx, opts, "")
 	if err != nil {
 		return 0, err
 	}
-	defer func() { _ = tx.Rollback() }()
-	res, err := tx.ExecContext(ctx, o.q.prune, age, pruneBatch)
+	defer func() { _ = tx.rollback(context.WithoutCancel(ctx)) }()
+	n, err := tx.Exec(ctx, c.q.prune, age, pruneBatch)
 	if err != nil {
 		return 0, err
 	}
-	n, err := res.RowsAffected()
-	if err != nil {
-		return 0, err
-	}
-	return n, tx.Commit()
+	return n, tx.commit(ctx)
 }

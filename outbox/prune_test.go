@@ -16,25 +16,24 @@ func TestPruneDeletesForwardedRowsOnly(t *testing.T) {
 	t.Parallel()
 	forEachDB(t, func(t *testing.T, e *env) {
 		ctx := t.Context()
-		db := e.db.DB
 		cfg := outbox.RelayConfig{PollInterval: 5 * time.Millisecond}
 		for i := range 5 {
 			e.placeOrder(t, ctx, "F-"+string(rune('0'+i)), true, message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
 		}
-		if n, err := e.ob.Forward(ctx, db, e.pubsub, cfg); err != nil || n != 5 {
+		if n, err := e.ob.Forward(ctx, e.pubsub, cfg); err != nil || n != 5 {
 			t.Fatalf("Forward = %d, %v", n, err)
 		}
 		e.placeOrder(t, ctx, "P-1", true, message.NewMessage("pending", []byte(`{}`)))
 
-		n, err := e.ob.Prune(ctx, db, time.Hour)
+		n, err := e.ob.Prune(ctx, time.Now().Add(-time.Hour))
 		if err != nil || n != 0 {
-			t.Fatalf("Prune(older than an hour) = %d, %v; want nothing that young deleted", n, err)
+			t.Fatalf("Prune(an hour ago) = %d, %v; want nothing that young deleted", n, err)
 		}
-		n, err = e.ob.Prune(ctx, db, 0)
+		n, err = e.ob.Prune(ctx, time.Now())
 		if err != nil || n != 5 {
-			t.Fatalf("Prune(0) = %d, %v; want the 5 forwarded rows", n, err)
+			t.Fatalf("Prune(now) = %d, %v; want the 5 forwarded rows", n, err)
 		}
-		if st, err := e.ob.Status(ctx, db); err != nil || st.Pending != 1 {
+		if st, err := e.ob.Status(ctx); err != nil || st.Pending != 1 {
 			t.Fatalf("status after prune = %+v, %v; want the pending row kept", st, err)
 		}
 		var rows int
@@ -45,7 +44,7 @@ func TestPruneDeletesForwardedRowsOnly(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if n, err := e.ob.Forward(ctx, db, e.pubsub, cfg); err != nil || n != 1 {
+		if n, err := e.ob.Forward(ctx, e.pubsub, cfg); err != nil || n != 1 {
 			t.Fatalf("Forward after prune = %d, %v; want the pending row", n, err)
 		}
 		for m := range got {
@@ -54,8 +53,13 @@ func TestPruneDeletesForwardedRowsOnly(t *testing.T) {
 				break
 			}
 		}
-		if _, err := e.ob.Prune(ctx, db, -time.Second); err == nil {
-			t.Fatal("Prune with a negative age succeeded")
+		// A cut-off in the future prunes every forwarded row, none pending.
+		e.placeOrder(t, ctx, "P-2", true, message.NewMessage("pending-2", []byte(`{}`)))
+		if n, err := e.ob.Prune(ctx, time.Now().Add(time.Hour)); err != nil || n != 1 {
+			t.Fatalf("Prune(an hour from now) = %d, %v; want the one forwarded row", n, err)
+		}
+		if st, err := e.ob.Status(ctx); err != nil || st.Pending != 1 {
+			t.Fatalf("status after prune = %+v, %v; want the pending row kept", st, err)
 		}
 	})
 }

@@ -18,7 +18,6 @@ import (
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
@@ -37,12 +36,9 @@ const MaxBatchSize = 1000
 
 // Defaults of RelayConfig.
 const (
-	// DefaultBatchBytes is RelayConfig.BatchBytes when unset: 16 MiB.
-	DefaultBatchBytes = 16 << 20
-	// DefaultMaxAttempts is RelayConfig.MaxAttempts when unset.
-	DefaultMaxAttempts = 10
-	// DefaultMaxRetryInterval is RelayConfig.MaxRetryInterval when unset.
-	DefaultMaxRetryInterval = time.Minute
+	defaultBatchBytes       = 16 << 20
+	defaultMaxAttempts      = 10
+	defaultMaxRetryInterval = time.Minute
 )
 
 // RelayConfig configures a Relay.
@@ -59,8 +55,7 @@ type RelayConfig struct {
 	// BatchBytes bounds the payload and metadata bytes of one batch: the
 	// relay claims rows in offset order while their total stays within it,
 	// and a row larger than BatchBytes is claimed alone. It bounds what a
-	// relay holds in memory at once. Defaults to DefaultBatchBytes (16
-	// MiB). Must be > 0.
+	// relay holds in memory at once. Defaults to 16 MiB. Must be > 0.
 	BatchBytes int64
 	// AckDeadline bounds one batch: claiming its rows, publishing them and
 	// committing their forwarded mark. A batch that overruns is rolled back
@@ -78,7 +73,7 @@ type RelayConfig struct {
 	// forwarded. Defaults to 1s. Must be > 0.
 	RetryInterval time.Duration
 	// MaxRetryInterval caps the delay before a failed row's next attempt.
-	// Defaults to DefaultMaxRetryInterval (1m). Must be >= RetryInterval.
+	// Defaults to 1m. Must be >= RetryInterval.
 	MaxRetryInterval time.Duration
 	// MaxAttempts is how many failed publishes of one row the relay
 	// allows before it sets the row aside: the row stays in the outbox
@@ -92,7 +87,7 @@ type RelayConfig struct {
 	// rows wait and sets none aside, and a row alone on a quiet outbox waits
 	// for the next row forwarded. A publish that fails right after another
 	// failure in one batch counts for no row (the broker may refuse
-	// everything, or be reconnecting). Defaults to DefaultMaxAttempts (10).
+	// everything, or be reconnecting). Defaults to 10.
 	// Must be >= 1.
 	MaxAttempts int
 	// HeartbeatInterval is how often the relay renews its row in the relays
@@ -116,7 +111,7 @@ type RelayConfig struct {
 	Logger watermill.LoggerAdapter
 }
 
-func (c *RelayConfig) setDefaults(o *Outbox) {
+func (c *RelayConfig) setDefaults(o *core) {
 	if c.PollInterval == 0 {
 		c.PollInterval = time.Second
 	}
@@ -125,21 +120,21 @@ func (c *RelayConfig) setDefaults(o *Outbox) {
 	}
 	if c.AckDeadline == 0 {
 		c.AckDeadline = 30 * time.Second
-		if o.cfg.Dialect == sqldb.SQLite {
+		if o.q.d == sqldb.SQLite {
 			c.AckDeadline = 5 * time.Second
 		}
 	}
 	if c.BatchBytes == 0 {
-		c.BatchBytes = DefaultBatchBytes
+		c.BatchBytes = defaultBatchBytes
 	}
 	if c.RetryInterval == 0 {
 		c.RetryInterval = time.Second
 	}
 	if c.MaxRetryInterval == 0 {
-		c.MaxRetryInterval = max(DefaultMaxRetryInterval, c.RetryInterval)
+		c.MaxRetryInterval = max(defaultMaxRetryInterval, c.RetryInterval)
 	}
 	if c.MaxAttempts == 0 {
-		c.MaxAttempts = DefaultMaxAttempts
+		c.MaxAttempts = defaultMaxAttempts
 	}
 	if c.HeartbeatInterval == 0 {
 		c.HeartbeatInterval = 10 * time.Second
@@ -158,8 +153,8 @@ func (c *RelayConfig) setDefaults(o *Outbox) {
 	}
 }
 
-// Validate reports the first invalid field.
-func (c RelayConfig) Validate() error {
+// validate reports the first invalid field.
+func (c RelayConfig) validate() error {
 	switch {
 	case c.PollInterval <= 0:
 		return fmt.Errorf("outbox: RelayConfig.PollInterval must be > 0, got %v", c.PollInterval)
@@ -199,11 +194,10 @@ func (c RelayConfig) Validate() error {
 // The relay wakes when a row is committed: on PostgreSQL through
 // LISTEN/NOTIFY (the outbox's INSERT queues a notification that the server
 // delivers only on commit; the relay holds one connection of the pool for
-// LISTEN, so db must allow at least two), in this process through
+// LISTEN, so the pool must allow at least two), in this process through
 // Outbox.Notify, and otherwise at its PollInterval.
 type Relay struct {
-	o   *Outbox
-	db  conn
+	o   *core
 	cfg RelayConfig
 	out message.Publisher // traced
 	id  string
@@ -227,8 +221,8 @@ type Relay struct {
 	health health // the loop's only
 }
 
-// ErrUnconfirmedPublisher is wrapped by the error NewRelay, NewPgxRelay,
-// Forward and PgxForward return for a watermill-amqp Publisher whose
+// ErrUnconfirmedPublisher is wrapped by the error NewRelay and Forward
+// return for a watermill-amqp Publisher whose
 // configuration has neither Publish.ConfirmDelivery nor
 // Publish.Transactional: it returns before RabbitMQ has stored a message, so
 // a row lost on the way would be marked forwarded, and gone.
@@ -238,9 +232,9 @@ var ErrUnconfirmedPublisher = errors.New("outbox: the relay's publisher does not
 // Publisher.
 var errReturnsUnseen = errors.New("watermill-amqp's Publisher does not listen for basic.return, and RabbitMQ confirms a message it routed nowhere")
 
-// NewRelay returns a relay from the outbox on db to out. It touches no
-// database until Run. The relay does not own db or out: closing the relay
-// leaves them open.
+// NewRelay returns a relay from the outbox to out, on the outbox's
+// database. It touches no database until Run. The relay does not own the
+// database or out: closing the relay leaves them open.
 //
 // A row is marked forwarded once out.Publish returns nil, so Publish must
 // return only when the broker has stored the message. On RabbitMQ use
@@ -252,30 +246,30 @@ var errReturnsUnseen = errors.New("watermill-amqp's Publisher does not listen fo
 // when the relay is built: it reports a row RabbitMQ routed nowhere as
 // published, and the row is marked forwarded. A publisher wrapped in another
 // type is not looked into.
-func (o *Outbox) NewRelay(db *sql.DB, out message.Publisher, cfg RelayConfig) (*Relay, error) {
-	if db == nil || out == nil {
-		return nil, errors.New("outbox: NewRelay: db and out are required")
+func (o *Outbox[TTx]) NewRelay(out message.Publisher, cfg RelayConfig) (*Relay, error) {
+	if out == nil {
+		return nil, errors.New("outbox: NewRelay: out is nil")
 	}
-	return o.newRelay("NewRelay", sqlConn(db), out, cfg)
+	return o.c.newRelay(out, cfg)
 }
 
-func (o *Outbox) newRelay(name string, db conn, out message.Publisher, cfg RelayConfig) (*Relay, error) {
+func (o *core) newRelay(out message.Publisher, cfg RelayConfig) (*Relay, error) {
 	if amqpcheck.Unconfirmed(out) {
-		return nil, fmt.Errorf("outbox: %s: out: %w", name, ErrUnconfirmedPublisher)
+		return nil, fmt.Errorf("outbox: NewRelay: out: %w", ErrUnconfirmedPublisher)
 	}
 	cfg.setDefaults(o)
-	if err := cfg.Validate(); err != nil {
+	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
 	if amqpcheck.WatermillAMQP(out) {
 		cfg.Logger.Error("outbox: relaying through watermill-amqp's Publisher: a row that RabbitMQ routes to no queue cannot be detected, "+
 			"and it would be marked forwarded; relay with amqpsub.NewPublisher", errReturnsUnseen,
-			watermill.LogFields{"table": o.Table()})
+			watermill.LogFields{"table": o.q.table})
 	}
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	r := &Relay{
-		o: o, db: db, cfg: cfg, out: o.traced(out), id: hex.EncodeToString(b[:]),
+		o: o, cfg: cfg, out: o.traced(out), id: hex.EncodeToString(b[:]),
 		wake: make(chan struct{}, 1), busy: make(chan struct{}, 1), running: make(chan struct{}),
 		closing: make(chan struct{}), done: make(chan struct{}),
 	}
@@ -343,8 +337,8 @@ func (r *Relay) Run(ctx context.Context) error {
 	})
 	r.o.addWaker(r.wake)
 	defer r.o.removeWaker(r.wake)
-	switch n := r.db.maxConns(); {
-	case r.o.cfg.Dialect != sqldb.Postgres:
+	switch n := r.o.db.MaxConns(); {
+	case r.o.q.d != sqldb.Postgres:
 	case n > 0 && n < 2:
 		r.cfg.Logger.Info("outbox: db allows one connection, which LISTEN would hold for good: the relay polls", nil)
 	default:
@@ -362,8 +356,8 @@ func (r *Relay) Run(ctx context.Context) error {
 func (r *Relay) Running() chan struct{} { return r.running }
 
 // Close stops the relay, waits (up to CloseTimeout) for the batch in
-// progress, and releases its metric callback. db and the output publisher
-// stay open.
+// progress, and releases its metric callback. The database and the output
+// publisher stay open.
 func (r *Relay) Close() error {
 	var err error
 	r.once.Do(func() {
@@ -389,7 +383,7 @@ func (r *Relay) Counts() (forwarded, failed int64) {
 
 // Status is the outbox's Status.
 func (r *Relay) Status(ctx context.Context) (Status, error) {
-	return r.o.status(ctx, r.db)
+	return r.o.status(ctx)
 }
 
 // Drain waits until no committed row is pending (forwarded by this relay or
@@ -464,7 +458,7 @@ func (r *Relay) loop(ctx context.Context) {
 				if ctx.Err() != nil {
 					return
 				}
-				err = r.o.schemaHint(context.WithoutCancel(ctx), r.db, err)
+				err = r.o.schemaHint(context.WithoutCancel(ctx), err)
 				r.cfg.Logger.Error("outbox: relay batch failed; retrying", err, watermill.LogFields{"retry_in": r.cfg.RetryInterval})
 				if !sleep(ctx, r.cfg.RetryInterval) {
 					return
@@ -515,7 +509,7 @@ func (r *Relay) ttl() time.Duration { return 3 * r.cfg.HeartbeatInterval }
 // beatArg is the heartbeat's time-to-live in the unit of the dialect's
 // statement: seconds, or microseconds on MySQL.
 func (r *Relay) beatArg() any {
-	if r.o.cfg.Dialect == sqldb.MySQL {
+	if r.o.q.d == sqldb.MySQL {
 		return r.ttl().Microseconds()
 	}
 	return r.ttl().Seconds()
@@ -534,12 +528,12 @@ func (r *Relay) probe(ctx context.Context, beat bool) (bool, error) {
 	if beat {
 		if r.o.q.probeBeat != "" {
 			q, args = r.o.q.probeBeat, []any{r.id, r.beatArg()}
-		} else if _, err := r.db.ExecContext(ctx, r.o.q.beat, r.id, r.beatArg()); err != nil {
+		} else if _, err := r.o.db.DB().Exec(ctx, r.o.q.beat, r.id, r.beatArg()); err != nil {
 			return false, fmt.Errorf("heartbeat: %w", err)
 		}
 	}
 	var pending bool
-	if err := queryRow(ctx, r.db, q, args, &pending); err != nil {
+	if err := r.o.db.DB().QueryRow(ctx, q, args, &pending); err != nil {
 		return false, err
 	}
 	return pending, nil
@@ -550,11 +544,11 @@ func (r *Relay) probe(ctx context.Context, beat bool) (bool, error) {
 func (r *Relay) register(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.AckDeadline) // as probe's heartbeat
 	defer cancel()
-	if _, err := r.db.ExecContext(ctx, r.o.q.beat, r.id, r.beatArg()); err != nil {
+	if _, err := r.o.db.DB().Exec(ctx, r.o.q.beat, r.id, r.beatArg()); err != nil {
 		r.cfg.Logger.Error("outbox: relay heartbeat failed", err, nil)
 		return
 	}
-	if _, err := r.db.ExecContext(ctx, r.o.q.sweep); err != nil {
+	if _, err := r.o.db.DB().Exec(ctx, r.o.q.sweep); err != nil {
 		r.cfg.Logger.Error("outbox: sweeping expired relays failed", err, nil)
 	}
 }
@@ -562,7 +556,7 @@ func (r *Relay) register(ctx context.Context) {
 func (r *Relay) unregister() {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if _, err := r.db.ExecContext(ctx, r.o.q.forget, r.id); err != nil {
+	if _, err := r.o.db.DB().Exec(ctx, r.o.q.forget, r.id); err != nil {
 		r.cfg.Logger.Info("outbox: relay could not remove its heartbeat", watermill.LogFields{"err": err.Error()})
 	}
 }
@@ -623,24 +617,23 @@ func (r *Relay) batch(ctx context.Context) (batchResult, error) {
 	txCtx, txCancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
 	defer txCancel()
 	var opts *sql.TxOptions
-	if r.o.cfg.Dialect != sqldb.SQLite {
+	if r.o.q.d != sqldb.SQLite {
 		// Row locks only: no gap locks on MySQL that would stall writers.
 		opts = &sql.TxOptions{Isolation: sql.LevelReadCommitted}
 	}
-	var res batchResult
-	tx, err := r.db.BeginTx(txCtx, opts)
-	if err != nil {
-		return res, fmt.Errorf("begin: %w", err)
-	}
-	defer func() { _ = tx.Rollback() }()
-	if r.o.cfg.Dialect == sqldb.Postgres {
+	setup := ""
+	if r.o.q.d == sqldb.Postgres {
 		// The marks need not wait for the WAL flush: a mark lost in a
 		// crash means the rows are published again, the duplicate the
 		// relay allows anyway. The next batch does not wait for the disk.
-		if _, err := tx.ExecContext(txCtx, "SET LOCAL synchronous_commit = off"); err != nil {
-			return res, fmt.Errorf("begin: %w", err)
-		}
+		setup = "SET LOCAL synchronous_commit = off"
 	}
+	var res batchResult
+	tx, err := r.o.db.begin(txCtx, opts, setup)
+	if err != nil {
+		return res, fmt.Errorf("begin: %w", err)
+	}
+	defer func() { _ = tx.rollback(txCtx) }()
 	if ctx.Err() != nil {
 		return res, ctx.Err()
 	}
@@ -650,20 +643,20 @@ func (r *Relay) batch(ctx context.Context) (batchResult, error) {
 	}
 	res.claimed = len(rows)
 	if len(rows) == 0 {
-		return res, tx.Commit()
+		return res, tx.commit(txCtx)
 	}
 	for _, rw := range rows {
 		res.bytes += rw.size
 	}
 	r.publish(ctx, rows, &res)
 	if res.overrun != nil {
-		_ = tx.Rollback()
+		_ = tx.rollback(txCtx)
 		return batchResult{}, r.recordOverrun(*res.overrun)
 	}
 	if err := r.settle(txCtx, tx, &res); err != nil {
 		return batchResult{}, err
 	}
-	if err := tx.Commit(); err != nil {
+	if err := tx.commit(txCtx); err != nil {
 		return batchResult{}, fmt.Errorf("commit: %w", err)
 	}
 	fwd := int64(len(res.published) - res.poisoned)
@@ -676,15 +669,15 @@ func (r *Relay) batch(ctx context.Context) (batchResult, error) {
 }
 
 // settle writes, in the batch's transaction, what became of each row.
-func (r *Relay) settle(ctx context.Context, tx wsql.Tx, res *batchResult) error {
+func (r *Relay) settle(ctx context.Context, tx txn, res *batchResult) error {
 	if r.o.q.claimMarks {
 		if len(res.released) > 0 {
-			if _, err := tx.ExecContext(ctx, r.o.q.mark(len(res.released), false), offsets(res.released)...); err != nil {
+			if _, err := tx.Exec(ctx, r.o.q.mark(len(res.released), false), offsets(res.released)...); err != nil {
 				return fmt.Errorf("unmark: %w", err)
 			}
 		}
 	} else if len(res.published) > 0 {
-		if _, err := tx.ExecContext(ctx, r.o.q.mark(len(res.published), true), offsets(res.published)...); err != nil {
+		if _, err := tx.Exec(ctx, r.o.q.mark(len(res.published), true), offsets(res.published)...); err != nil {
 			return fmt.Errorf("mark: %w", err)
 		}
 	}
@@ -699,7 +692,7 @@ func (r *Relay) settle(ctx context.Context, tx wsql.Tx, res *batchResult) error 
 		if aside {
 			res.failed[i].rw.age = -1 // marks it set aside for logFailures
 		}
-		if _, err := tx.ExecContext(ctx, r.o.q.fail, r.failArgs(errorText(f.err), delay, aside, f.rw.offset)...); err != nil {
+		if _, err := tx.Exec(ctx, r.o.q.fail, r.failArgs(errorText(f.err), delay, aside, f.rw.offset)...); err != nil {
 			return fmt.Errorf("record the failure of row %d: %w", f.rw.offset, err)
 		}
 	}
@@ -713,15 +706,15 @@ func (r *Relay) recordOverrun(f failure) error {
 	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.AckDeadline)
 	defer cancel()
 	res := batchResult{failed: []failure{f}}
-	tx, err := r.db.BeginTx(ctx, nil)
+	tx, err := r.o.db.begin(ctx, nil, "")
 	if err != nil {
 		return errors.Join(f.err, fmt.Errorf("record the failure: %w", err))
 	}
-	defer func() { _ = tx.Rollback() }()
+	defer func() { _ = tx.rollback(ctx) }()
 	if err := r.settle(ctx, tx, &res); err != nil {
 		return errors.Join(f.err, err)
 	}
-	if err := tx.Commit(); err != nil {
+	if err := tx.commit(ctx); err != nil {
 		return errors.Join(f.err, fmt.Errorf("record the failure: %w", err))
 	}
 	r.failed.Add(1)
@@ -735,7 +728,7 @@ func (r *Relay) failArgs(text string, delay time.Duration, aside bool, offset in
 	if aside {
 		a = 1
 	}
-	if r.o.cfg.Dialect == sqldb.MySQL {
+	if r.o.q.d == sqldb.MySQL {
 		return []any{text, a, delay.Microseconds(), a, offset}
 	}
 	return []any{text, delay.Seconds(), a, offset}
@@ -773,27 +766,23 @@ func offsets(rows []row) []any {
 	return out
 }
 
-func (r *Relay) claim(ctx context.Context, tx wsql.Tx) ([]row, error) {
-	if r.o.cfg.Dialect == sqldb.MySQL {
+func (r *Relay) claim(ctx context.Context, tx txn) ([]row, error) {
+	if r.o.q.d == sqldb.MySQL {
 		return r.claimMySQL(ctx, tx)
 	}
-	rs, err := tx.QueryContext(ctx, r.o.q.claim, r.cfg.BatchSize, r.cfg.BatchBytes)
-	if err != nil {
-		return nil, err
-	}
-	defer rs.Close()
 	var out []row
-	for rs.Next() {
+	err := tx.Query(ctx, r.o.q.claim, []any{r.cfg.BatchSize, r.cfg.BatchBytes}, func(scan func(...any) error) error {
 		var rw row
 		var age sql.NullFloat64
-		if err := rs.Scan(&rw.offset, &rw.uuid, &rw.topic, &rw.payload, &rw.metadata, &age, &rw.attempts); err != nil {
-			return nil, err
+		if err := scan(&rw.offset, &rw.uuid, &rw.topic, &rw.payload, &rw.metadata, &age, &rw.attempts); err != nil {
+			return err
 		}
 		rw.age = age.Float64
 		rw.size = int64(len(rw.payload) + len(rw.metadata))
 		out = append(out, rw)
-	}
-	if err := rowsErr(rs); err != nil {
+		return nil
+	})
+	if err != nil {
 		return nil, err
 	}
 	// RETURNING has no order: forward in offset order.
@@ -804,26 +793,22 @@ func (r *Relay) claim(ctx context.Context, tx wsql.Tx) ([]row, error) {
 // claimMySQL locks the next rows, reading only their sizes, and reads the
 // rows that fit the byte bound; the others stay locked until the batch
 // commits, and pending.
-func (r *Relay) claimMySQL(ctx context.Context, tx wsql.Tx) ([]row, error) {
-	rs, err := tx.QueryContext(ctx, r.o.q.claim, r.cfg.BatchSize)
-	if err != nil {
-		return nil, err
-	}
+func (r *Relay) claimMySQL(ctx context.Context, tx txn) ([]row, error) {
 	var heads []row
 	var total int64
-	for rs.Next() {
+	err := tx.Query(ctx, r.o.q.claim, []any{r.cfg.BatchSize}, func(scan func(...any) error) error {
 		var rw row
-		if err := rs.Scan(&rw.offset, &rw.size, &rw.attempts); err != nil {
-			_ = rs.Close()
-			return nil, err
+		if err := scan(&rw.offset, &rw.size, &rw.attempts); err != nil {
+			return err
 		}
 		if len(heads) > 0 && total+rw.size > r.cfg.BatchBytes {
-			continue // read to the end: the statement must finish
+			return nil // read to the end: the statement must finish
 		}
 		total += rw.size
 		heads = append(heads, rw)
-	}
-	if err := errors.Join(rowsErr(rs), rs.Close()); err != nil {
+		return nil
+	})
+	if err != nil {
 		return nil, err
 	}
 	if len(heads) == 0 {
@@ -834,25 +819,21 @@ func (r *Relay) claimMySQL(ctx context.Context, tx wsql.Tx) ([]row, error) {
 		byOffset[heads[i].offset] = &heads[i]
 	}
 	q := r.o.q.fetch + "(" + strings.TrimSuffix(strings.Repeat("?, ", len(heads)), ", ") + ")"
-	rs, err = tx.QueryContext(ctx, q, offsets(heads)...)
-	if err != nil {
-		return nil, err
-	}
-	defer rs.Close()
-	for rs.Next() {
+	err = tx.Query(ctx, q, offsets(heads), func(scan func(...any) error) error {
 		var rw row
 		var age sql.NullFloat64
-		if err := rs.Scan(&rw.offset, &rw.uuid, &rw.topic, &rw.payload, &rw.metadata, &age); err != nil {
-			return nil, err
+		if err := scan(&rw.offset, &rw.uuid, &rw.topic, &rw.payload, &rw.metadata, &age); err != nil {
+			return err
 		}
 		h := byOffset[rw.offset]
 		if h == nil {
-			continue
+			return nil
 		}
 		h.uuid, h.topic, h.payload, h.metadata, h.age = rw.uuid, rw.topic, rw.payload, rw.metadata, age.Float64
 		h.size = int64(len(rw.payload) + len(rw.metadata))
-	}
-	if err := rowsErr(rs); err != nil {
+		return nil
+	})
+	if err != nil {
 		return nil, err
 	}
 	return heads, nil
@@ -1079,16 +1060,16 @@ func errorText(err error) string {
 	return s
 }
 
-// listen holds one connection of db in LISTEN on the outbox's channel and
+// listen holds one connection of the pool in LISTEN on the outbox's channel and
 // wakes the relay on each notification, and once after each (re)connect
 // for the commits it may have missed.
 func (r *Relay) listen(ctx context.Context) {
 	for {
-		err := r.db.listen(ctx, r.o.q.qTable, r.signal)
+		err := r.o.db.Listen(ctx, r.o.q.qTable, r.signal)
 		if ctx.Err() != nil {
 			return
 		}
-		if errors.Is(err, errNoListen) {
+		if errors.Is(err, errors.ErrUnsupported) {
 			r.cfg.Logger.Info("outbox: "+err.Error(), nil)
 			return
 		}
@@ -1102,8 +1083,8 @@ func (r *Relay) listen(ctx context.Context) {
 // Forward forwards every committed row now and returns when the outbox is
 // drained: a relay on demand, for tests, tools and cron jobs. It returns the
 // number of rows it forwarded.
-func (o *Outbox) Forward(ctx context.Context, db *sql.DB, out message.Publisher, cfg RelayConfig) (int64, error) {
-	r, err := o.NewRelay(db, out, cfg)
+func (o *Outbox[TTx]) Forward(ctx context.Context, out message.Publisher, cfg RelayConfig) (int64, error) {
+	r, err := o.NewRelay(out, cfg)
 	if err != nil {
 		return 0, err
 	}

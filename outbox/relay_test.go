@@ -8,7 +8,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 )
 
@@ -31,7 +30,7 @@ func (p *failOnce) Publish(topic string, msgs ...*message.Message) error {
 // A settle row whose publish fails is retried, never set aside as foreign.
 func TestFailedPublishIsRetriedNotPoisoned(t *testing.T) {
 	t.Parallel()
-	e := setup(t, testenv.Postgres(t))
+	e := setup(t, postgresDrv)
 	poisoned, err := e.pubsub.Subscribe(t.Context(), e.ob.Topic()+"_poison")
 	if err != nil {
 		t.Fatal(err)
@@ -43,7 +42,7 @@ func TestFailedPublishIsRetriedNotPoisoned(t *testing.T) {
 	e.placeOrder(t, t.Context(), "A-9", true, message.NewMessage("retried", []byte(`{"id":"A-9"}`)))
 
 	out := &failOnce{Publisher: e.pubsub, topic: "orders.placed"}
-	r, err := e.ob.NewRelay(e.db.DB, out, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+	r, err := e.ob.NewRelay(out, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -100,7 +99,7 @@ func TestCloseMidBatchMarksWhatWasPublished(t *testing.T) {
 	forEachDB(t, func(t *testing.T, e *env) {
 		e.placeOrder(t, t.Context(), "C-1", true, message.NewMessage("published", []byte(`{}`)))
 		out := &slowBroker{Publisher: e.pubsub, started: make(chan struct{}, 1), release: make(chan struct{})}
-		r, err := e.ob.NewRelay(e.db.DB, out, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
+		r, err := e.ob.NewRelay(out, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -117,7 +116,7 @@ func TestCloseMidBatchMarksWhatWasPublished(t *testing.T) {
 		if err := <-done; err != nil {
 			t.Fatal(err)
 		}
-		st, err := e.ob.Status(t.Context(), e.db.DB)
+		st, err := e.ob.Status(t.Context())
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -9,7 +9,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 )
 
@@ -36,11 +35,11 @@ func (b *brokerDown) Publish(topic string, msgs ...*message.Message) error {
 // the row is forwarded once the broker is back.
 func TestRelayRetriesAFailedForwardAfterRetryInterval(t *testing.T) {
 	t.Parallel()
-	e := setup(t, testenv.SQLite(t))
+	e := setup(t, sqliteDrv)
 	e.placeOrder(t, t.Context(), "A-9", true, message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
 	out := &brokerDown{Publisher: e.pubsub, fails: 2}
 	const retry = 150 * time.Millisecond
-	n, err := e.ob.Forward(t.Context(), e.db.DB, out, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, RetryInterval: retry})
+	n, err := e.ob.Forward(t.Context(), out, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, RetryInterval: retry})
 	if err != nil || n != 1 {
 		t.Fatalf("Forward = %d, %v; want the row forwarded after the outage", n, err)
 	}

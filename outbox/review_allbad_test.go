@@ -56,7 +56,7 @@ func TestReviewEveryRowRefused(t *testing.T) {
 		}
 		// What settle outbox status -list shows: some rows with the
 		// broker's error.
-		rows, err := e.ob.Failed(t.Context(), e.db.DB, outbox.Selection{})
+		rows, err := e.ob.Failed(t.Context(), outbox.Selection{})
 		if err != nil {
 			t.Fatal(err)
 		}

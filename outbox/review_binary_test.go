@@ -136,36 +136,12 @@ func TestReviewOutboxKeepsBinaryMetadata(t *testing.T) {
 			}
 			return col
 		}, sent, cases)
-		if _, err := e.ob.Forward(t.Context(), e.db.DB, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond}); err != nil {
+		if _, err := e.ob.Forward(t.Context(), e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond}); err != nil {
 			t.Fatal(err)
 		}
 		checkForwardedMetadata(t, got, sent, cases, func() string {
-			st, err := e.ob.Status(t.Context(), e.db.DB)
+			st, err := e.ob.Status(t.Context())
 			return fmt.Sprintf("status %+v, %v", st, err)
 		})
-	})
-}
-
-// The same through pgx: PgxTxPublisher writes, the pgx relay forwards.
-func TestReviewPgxOutboxKeepsBinaryMetadata(t *testing.T) {
-	t.Parallel()
-	e := pgxSetup(t, outbox.Config{})
-	got, err := e.pubsub.Subscribe(t.Context(), "orders.placed")
-	if err != nil {
-		t.Fatal(err)
-	}
-	sent, cases := newMetadataMessages()
-	e.placeOrder(t, t.Context(), "B-1", true, sent...)
-	checkMetadataColumns(t, func(uuid string) string {
-		var col string
-		if err := e.pool.QueryRow(t.Context(), `SELECT metadata FROM "`+e.ob.Table()+`" WHERE uuid = $1`, uuid).Scan(&col); err != nil {
-			t.Fatal(err)
-		}
-		return col
-	}, sent, cases)
-	e.startPgxRelay(t, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
-	checkForwardedMetadata(t, got, sent, cases, func() string {
-		st, err := e.ob.PgxStatus(t.Context(), e.pool)
-		return fmt.Sprintf("status %+v, %v", st, err)
 	})
 }

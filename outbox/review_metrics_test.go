@@ -56,7 +56,7 @@ func TestReviewRefusedRowMetricsAndAttempts(t *testing.T) {
 		good := 0
 		deadline := time.Now().Add(60 * time.Second)
 		for {
-			rows, err := e.ob.Failed(t.Context(), e.db.DB, outbox.Selection{SetAsideOnly: true})
+			rows, err := e.ob.Failed(t.Context(), outbox.Selection{SetAsideOnly: true})
 			if err != nil {
 				t.Fatal(err)
 			}

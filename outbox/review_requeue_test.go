@@ -12,7 +12,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 )
 
@@ -45,21 +44,19 @@ func (b *healingBroker) Close() error { return nil }
 // the broker exactly once, and nothing is left pending or set aside.
 func TestReviewRequeueRacesTwoRelays(t *testing.T) {
 	t.Parallel()
-	for _, d := range testenv.Databases() {
-		t.Run(d.Name, func(t *testing.T) {
+	for _, d := range drivers() {
+		t.Run(d.name, func(t *testing.T) {
 			t.Parallel()
-			e := setup(t, d.Open(t))
-			other := e.db
-			if e.db.Dialect != "sqlite" {
-				other = d.Open(t)
-			}
+			e := setup(t, d)
+			// The second relay on a pool of its own (SQLite: one file, one pool).
+			other := e.elsewhere(t, outbox.Config{Topic: e.ob.Topic()})
 			b := &healingBroker{got: map[string]int{}}
 			cfg := outbox.RelayConfig{PollInterval: 10 * time.Millisecond, BatchSize: 5, RetryInterval: 5 * time.Millisecond,
 				MaxRetryInterval: 20 * time.Millisecond, MaxAttempts: 2, HeartbeatInterval: time.Second}
 			ctx, cancel := context.WithCancel(t.Context())
 			var wg sync.WaitGroup
-			for _, db := range []*testenv.DB{&e.db, &other} {
-				r, err := e.ob.NewRelay(db.DB, b, cfg)
+			for _, ob := range []*obx{e.ob, other} {
+				r, err := ob.NewRelay(b, cfg)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -80,7 +77,7 @@ func TestReviewRequeueRacesTwoRelays(t *testing.T) {
 				want[m.UUID] = true
 				e.publishTx(t, topic, m)
 				if i%3 == 0 {
-					if _, err := e.ob.Requeue(t.Context(), e.db.DB, outbox.Selection{}); err != nil {
+					if _, err := e.ob.Requeue(t.Context(), outbox.Selection{}); err != nil {
 						t.Fatal(err)
 					}
 				}
@@ -89,10 +86,10 @@ func TestReviewRequeueRacesTwoRelays(t *testing.T) {
 			b.healed.Store(true)
 			deadline := time.Now().Add(60 * time.Second)
 			for {
-				if _, err := e.ob.Requeue(t.Context(), e.db.DB, outbox.Selection{}); err != nil {
+				if _, err := e.ob.Requeue(t.Context(), outbox.Selection{}); err != nil {
 					t.Fatal(err)
 				}
-				st, err := e.ob.Status(t.Context(), e.db.DB)
+				st, err := e.ob.Status(t.Context())
 				if err != nil {
 					t.Fatal(err)
 				}

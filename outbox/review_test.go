@@ -11,7 +11,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 )
 
@@ -57,14 +56,12 @@ func (b *reviewBroker) counts() map[string]int {
 // Prune with no retention leave them), and nothing is pending at the end.
 func TestReviewConcurrentRelaysWithRefusedRows(t *testing.T) {
 	t.Parallel()
-	for _, d := range testenv.Databases() {
-		t.Run(d.Name, func(t *testing.T) {
+	for _, d := range drivers() {
+		t.Run(d.name, func(t *testing.T) {
 			t.Parallel()
-			e := setup(t, d.Open(t))
-			other := e.db
-			if e.db.Dialect != "sqlite" {
-				other = d.Open(t) // the second relay's own pool (SQLite: one file, one pool)
-			}
+			e := setup(t, d)
+			// The second relay on a pool of its own (SQLite: one file, one pool).
+			other := e.elsewhere(t, outbox.Config{Topic: e.ob.Topic()})
 			broker := &reviewBroker{got: map[string]int{}, refused: "review.refused"}
 			cfg := outbox.RelayConfig{
 				PollInterval: 20 * time.Millisecond, BatchSize: 7,
@@ -72,8 +69,8 @@ func TestReviewConcurrentRelaysWithRefusedRows(t *testing.T) {
 				HeartbeatInterval: time.Second,
 			}
 			var relays []*outbox.Relay
-			for _, db := range []*testenv.DB{&e.db, &other} {
-				r, err := e.ob.NewRelay(db.DB, broker, cfg)
+			for _, ob := range []*obx{e.ob, other} {
+				r, err := ob.NewRelay(broker, cfg)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -97,14 +94,8 @@ func TestReviewConcurrentRelaysWithRefusedRows(t *testing.T) {
 			e.rawInsert(t, watermill.NewUUID(), "review.good", []byte("foreign"), "not json")
 			const txs, perTx = 30, 4
 			for i := range txs {
-				tx, err := e.db.BeginTx(t.Context(), nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				pub, err := e.ob.TxPublisher(tx)
-				if err != nil {
-					t.Fatal(err)
-				}
+				tx := e.begin(t, t.Context())
+				pub := tx.Pub
 				for j := range perTx {
 					m := message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprintf("%d.%d", i, j)))
 					topic := "review.good"
@@ -125,14 +116,8 @@ func TestReviewConcurrentRelaysWithRefusedRows(t *testing.T) {
 			// A trickle of good rows keeps the broker's health in view: a
 			// row is set aside only while the broker takes others.
 			trickle := func() {
-				tx, err := e.db.BeginTx(t.Context(), nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				pub, err := e.ob.TxPublisher(tx)
-				if err != nil {
-					t.Fatal(err)
-				}
+				tx := e.begin(t, t.Context())
+				pub := tx.Pub
 				m := message.NewMessage(watermill.NewUUID(), []byte("trickle"))
 				good[m.UUID] = true
 				if err := pub.Publish("review.good", m); err != nil {
@@ -149,7 +134,7 @@ func TestReviewConcurrentRelaysWithRefusedRows(t *testing.T) {
 					trickle()
 				}
 				var err error
-				st, err = e.ob.Status(t.Context(), e.db.DB)
+				st, err = e.ob.Status(t.Context())
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -181,10 +166,10 @@ func TestReviewConcurrentRelaysWithRefusedRows(t *testing.T) {
 					t.Errorf("refused row %s counted as forwarded", id)
 				}
 			}
-			if _, err := e.ob.Prune(t.Context(), e.db.DB, 0); err != nil {
+			if _, err := e.ob.Prune(t.Context(), time.Now()); err != nil {
 				t.Fatal(err)
 			}
-			rows, err := e.ob.Failed(t.Context(), e.db.DB, outbox.Selection{SetAsideOnly: true})
+			rows, err := e.ob.Failed(t.Context(), outbox.Selection{SetAsideOnly: true})
 			if err != nil {
 				t.Fatal(err)
 			}

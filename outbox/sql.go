@@ -4,6 +4,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/settle-go/settle/internal/sqlkit"
 	"github.com/settle-go/settle/sqldb"
 )
 
@@ -86,16 +87,9 @@ func claimWindow(inner, bytes string) string {
 		FROM (` + inner + `) AS "l") AS "s" WHERE "n" = 1 OR "total" <= ` + bytes
 }
 
-func quoteIdent(d sqldb.Dialect, name string) string {
-	if d == sqldb.MySQL {
-		return "`" + name + "`"
-	}
-	return `"` + name + `"`
-}
-
 func newStatements(d sqldb.Dialect, topic string) statements {
 	s := statements{d: d, table: topic, relays: topic + "_relays"}
-	q := func(n string) string { return quoteIdent(d, n) }
+	q := func(n string) string { return sqlkit.Quote(d, n) }
 	s.qTable, s.qRelays, s.qPending = q(s.table), q(s.relays), q(topic+"_pending")
 	s.qReady, s.qAside = q(topic+"_ready"), q(topic+"_set_aside")
 	t, r := s.qTable, s.qRelays
@@ -306,8 +300,8 @@ func (s statements) insert(n int, notify bool) string {
 // mark returns the statement that sets forwarded_at of n rows (value
 // "now") or clears it (value "null"). Args: the rows' offsets.
 func (s statements) mark(n int, forwarded bool) string {
-	col := quoteIdent(s.d, "forwarded_at")
-	off := quoteIdent(s.d, "offset")
+	col := sqlkit.Quote(s.d, "forwarded_at")
+	off := sqlkit.Quote(s.d, "offset")
 	val := "NULL"
 	if forwarded {
 		switch s.d {

@@ -112,25 +112,21 @@ func (s Status) Explain() string {
 // alive, and a verdict: old rows pending with no relay, with a stuck relay,
 // refused by the broker, or passed over by a relay that forwards newer
 // rows; or rows set aside. It reads only; uncommitted rows are not counted.
-func (o *Outbox) Status(ctx context.Context, db *sql.DB) (Status, error) {
-	if db == nil {
-		return Status{}, errors.New("outbox: Status: db is nil")
-	}
-	return o.status(ctx, sqlConn(db))
-}
+func (o *Outbox[TTx]) Status(ctx context.Context) (Status, error) { return o.c.status(ctx) }
 
-func (o *Outbox) status(ctx context.Context, db conn) (Status, error) {
+func (o *core) status(ctx context.Context) (Status, error) {
+	db := o.db.DB()
 	st := Status{StuckAfter: o.cfg.StuckAfter, State: StateOK}
 	var lag float64
-	if err := queryRow(ctx, db, o.q.status, nil, &st.Pending, &st.OldestOffset, &lag, &st.Retrying); err != nil {
-		return Status{}, o.schemaHint(ctx, db, fmt.Errorf("outbox: status: %w", err))
+	if err := db.QueryRow(ctx, o.q.status, nil, &st.Pending, &st.OldestOffset, &lag, &st.Retrying); err != nil {
+		return Status{}, o.schemaHint(ctx, fmt.Errorf("outbox: status: %w", err))
 	}
-	if err := queryRow(ctx, db, o.q.aside, nil, &st.SetAside); err != nil {
-		return Status{}, o.schemaHint(ctx, db, fmt.Errorf("outbox: status: set aside: %w", err))
+	if err := db.QueryRow(ctx, o.q.aside, nil, &st.SetAside); err != nil {
+		return Status{}, o.schemaHint(ctx, fmt.Errorf("outbox: status: set aside: %w", err))
 	}
 	// Relays are counted whatever the backlog: "0 alive" must mean it.
-	if err := queryRow(ctx, db, o.q.live, nil, &st.LiveRelays); err != nil {
-		return Status{}, o.schemaHint(ctx, db, fmt.Errorf("outbox: status: relays: %w", err))
+	if err := db.QueryRow(ctx, o.q.live, nil, &st.LiveRelays); err != nil {
+		return Status{}, o.schemaHint(ctx, fmt.Errorf("outbox: status: relays: %w", err))
 	}
 	if st.SetAside > 0 {
 		st.State = StateSetAside
@@ -146,14 +142,14 @@ func (o *Outbox) status(ctx context.Context, db conn) (Status, error) {
 		return st, nil
 	}
 	args := []any{st.OldestOffset}
-	if o.cfg.Dialect != sqldb.Postgres {
+	if o.q.d != sqldb.Postgres {
 		args = append(args, st.OldestOffset)
 	}
-	if err := queryRow(ctx, db, o.q.statusPass, args, &st.ForwardedSince); err != nil {
+	if err := db.QueryRow(ctx, o.q.statusPass, args, &st.ForwardedSince); err != nil {
 		return Status{}, fmt.Errorf("outbox: status: %w", err)
 	}
 	var waiting int
-	switch err := queryRow(ctx, db, o.q.statusHead, []any{st.OldestOffset}, &st.OldestAttempts, &st.OldestError, &waiting); {
+	switch err := db.QueryRow(ctx, o.q.statusHead, []any{st.OldestOffset}, &st.OldestAttempts, &st.OldestError, &waiting); {
 	case errors.Is(err, sql.ErrNoRows): // forwarded meanwhile
 	case err != nil:
 		return Status{}, fmt.Errorf("outbox: status: %w", err)
@@ -174,8 +170,8 @@ func (o *Outbox) status(ctx context.Context, db conn) (Status, error) {
 // schemaHint returns err, joined with Check's error when the tables are
 // missing or mis-shaped, so the caller learns what to run instead of a
 // driver's "no such table".
-func (o *Outbox) schemaHint(ctx context.Context, db conn, err error) error {
-	if cerr := o.check(ctx, db); errors.Is(cerr, ErrSchema) {
+func (o *core) schemaHint(ctx context.Context, err error) error {
+	if cerr := o.check(ctx); errors.Is(cerr, sqldb.ErrSchema) {
 		return cerr
 	}
 	return err

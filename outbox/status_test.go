@@ -10,9 +10,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/outbox"
-	"github.com/settle-go/settle/sqldb"
 )
 
 // refuse is a broker that refuses every publish.
@@ -24,7 +23,7 @@ func (refuse) Close() error                              { return nil }
 // startRelay runs a relay until the test ends.
 func startRelay(t *testing.T, e *env, out message.Publisher, cfg outbox.RelayConfig) *outbox.Relay {
 	t.Helper()
-	r, err := e.ob.NewRelay(e.db.DB, out, cfg)
+	r, err := e.ob.NewRelay(out, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -49,11 +48,11 @@ func runUntilEnd(t *testing.T, r *outbox.Relay, closed func(error)) *outbox.Rela
 	return r
 }
 
-func waitState(t *testing.T, ob *outbox.Outbox, e *env, want outbox.State) outbox.Status {
+func waitState(t *testing.T, ob *obx, e *env, want outbox.State) outbox.Status {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		st, err := ob.Status(t.Context(), e.db.DB)
+		st, err := ob.Status(t.Context())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -72,10 +71,7 @@ func waitState(t *testing.T, ob *outbox.Outbox, e *env, want outbox.State) outbo
 func TestStatusSaysWhyRowsAreOld(t *testing.T) {
 	t.Parallel()
 	forEachDB(t, func(t *testing.T, e *env) {
-		ob, err := outbox.New(outbox.Config{Dialect: e.db.Dialect, Topic: e.ob.Topic(), StuckAfter: 300 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
+		ob := e.another(t, outbox.Config{Topic: e.ob.Topic(), StuckAfter: 300 * time.Millisecond})
 		if st := waitState(t, ob, e, outbox.StateOK); st.Pending != 0 || st.Explain() != "nothing pending" {
 			t.Fatalf("empty outbox: %+v %s", st, st.Explain())
 		}
@@ -88,7 +84,7 @@ func TestStatusSaysWhyRowsAreOld(t *testing.T) {
 		// A live relay whose broker refuses everything: stuck.
 		stopRefusing := make(chan struct{})
 		func() {
-			r, err := e.ob.NewRelay(e.db.DB, refuse{}, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, RetryInterval: 50 * time.Millisecond})
+			r, err := e.ob.NewRelay(refuse{}, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, RetryInterval: 50 * time.Millisecond})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -109,7 +105,7 @@ func TestStatusSaysWhyRowsAreOld(t *testing.T) {
 		// Its heartbeat is gone with it.
 		waitState(t, ob, e, outbox.StateNoRelay)
 
-		if e.db.Dialect == sqldb.SQLite {
+		if e.db.Dialect == dedupe.SQLite {
 			return // one writer: no transaction can hold a row while a relay works
 		}
 		// A transaction holds the old row's lock (as a hung relay batch
@@ -154,25 +150,23 @@ func TestLateCommitIsForwardedOnCommit(t *testing.T) {
 	t.Parallel()
 	// Not on SQLite: one writer, so a later transaction cannot commit
 	// before an earlier one.
-	for _, d := range testenv.Databases() {
-		if d.Name == "sqlite" {
+	for _, d := range drivers() {
+		if d.name == "sqlite" {
 			continue
 		}
-		t.Run(d.Name, func(t *testing.T) {
+		t.Run(d.name, func(t *testing.T) {
 			t.Parallel()
-			testLateCommit(t, setup(t, d.Open(t)))
+			testLateCommit(t, setup(t, d))
 		})
 	}
-	t.Run("postgres_disable_notify", func(t *testing.T) {
-		t.Parallel()
-		e := setup(t, testenv.Postgres(t))
-		ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: e.ob.Topic(), NotifyAfterCommit: true})
-		if err != nil {
-			t.Fatal(err)
-		}
-		e.ob = ob
-		testLateCommit(t, e)
-	})
+	for _, d := range postgresDrivers() {
+		t.Run(d.name+"_disable_notify", func(t *testing.T) {
+			t.Parallel()
+			e := setup(t, d)
+			e.ob = e.another(t, outbox.Config{Topic: e.ob.Topic(), NotifyAfterCommit: true})
+			testLateCommit(t, e)
+		})
+	}
 }
 
 func testLateCommit(t *testing.T, e *env) {
@@ -183,7 +177,7 @@ func testLateCommit(t *testing.T, e *env) {
 		}
 		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: time.Hour})
 		notify := func() {
-			if e.db.Dialect != sqldb.Postgres || e.ob.Config().NotifyAfterCommit {
+			if e.db.Dialect != dedupe.Postgres || e.ob.cfg.NotifyAfterCommit {
 				e.ob.Notify()
 			}
 		}
@@ -200,16 +194,8 @@ func testLateCommit(t *testing.T, e *env) {
 			}
 		}
 		// The early transaction writes first (the lower offset) and stays open.
-		early, err := e.db.BeginTx(t.Context(), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer func() { _ = early.Rollback() }()
-		pub, err := e.ob.TxPublisher(early)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := pub.Publish("orders.placed", message.NewMessage("early", []byte(`{}`))); err != nil {
+		early := e.begin(t, t.Context())
+		if err := early.Pub.Publish("orders.placed", message.NewMessage("early", []byte(`{}`))); err != nil {
 			t.Fatal(err)
 		}
 		e.placeOrder(t, t.Context(), "L-1", true, message.NewMessage("late", []byte(`{}`)))
@@ -229,7 +215,7 @@ func testLateCommit(t *testing.T, e *env) {
 func TestRelayHeartbeat(t *testing.T) {
 	t.Parallel()
 	forEachDB(t, func(t *testing.T, e *env) {
-		r, err := e.ob.NewRelay(e.db.DB, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, HeartbeatInterval: 150 * time.Millisecond})
+		r, err := e.ob.NewRelay(e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, HeartbeatInterval: 150 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -255,8 +241,8 @@ func TestRelayHeartbeat(t *testing.T) {
 				t.Fatalf("%d relay rows while the relay runs, want 1", n)
 			}
 			var alive int64
-			q := "SELECT COUNT(*) FROM " + quoteTable(e, e.ob.Table()+"_relays") + " WHERE expires_at > " + map[sqldb.Dialect]string{
-				sqldb.Postgres: "clock_timestamp()", sqldb.MySQL: "CURRENT_TIMESTAMP(6)", sqldb.SQLite: "strftime('%Y-%m-%d %H:%M:%f', 'now')",
+			q := "SELECT COUNT(*) FROM " + quoteTable(e, e.ob.Table()+"_relays") + " WHERE expires_at > " + map[dedupe.Dialect]string{
+				dedupe.Postgres: "clock_timestamp()", dedupe.MySQL: "CURRENT_TIMESTAMP(6)", dedupe.SQLite: "strftime('%Y-%m-%d %H:%M:%f', 'now')",
 			}[e.db.Dialect]
 			if err := e.db.QueryRowContext(t.Context(), q).Scan(&alive); err != nil {
 				t.Fatal(err)
@@ -283,7 +269,7 @@ func TestStatusCountsLiveRelaysAlways(t *testing.T) {
 	t.Parallel()
 	forEachDB(t, func(t *testing.T, e *env) {
 		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, HeartbeatInterval: 200 * time.Millisecond})
-		st, err := e.ob.Status(t.Context(), e.db.DB)
+		st, err := e.ob.Status(t.Context())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -293,7 +279,7 @@ func TestStatusCountsLiveRelaysAlways(t *testing.T) {
 
 		// Another outbox whose only relay fails every batch, without a
 		// pause long enough for its poll tick.
-		e = setup(t, e.db)
+		e = setup(t, e.d)
 		ob := e.ob
 		for i := range 20 {
 			e.placeOrder(t, t.Context(), fmt.Sprintf("L-%d", i), true, message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
@@ -301,7 +287,7 @@ func TestStatusCountsLiveRelaysAlways(t *testing.T) {
 		startRelay(t, e, refuse{}, outbox.RelayConfig{PollInterval: time.Second, RetryInterval: 5 * time.Millisecond, MaxRetryInterval: 5 * time.Millisecond, HeartbeatInterval: 200 * time.Millisecond})
 		deadline := time.Now().Add(2 * time.Second) // > 3 heartbeats
 		for time.Now().Before(deadline) {
-			st, err := ob.Status(t.Context(), e.db.DB)
+			st, err := ob.Status(t.Context())
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -26,13 +26,13 @@ import (
 // messagingSystem is messaging.system on the outbox's own spans.
 const messagingSystem = "settle_outbox"
 
-func (o *Outbox) tracer() trace.Tracer {
+func (o *core) tracer() trace.Tracer {
 	return o.cfg.TracerProvider.Tracer(ScopeName, trace.WithSchemaURL(semconv.SchemaURL))
 }
 
 // startCreate starts the span of writing msg into the outbox and writes its
 // context into msg's metadata.
-func (o *Outbox) startCreate(topic string, msg *message.Message) trace.Span {
+func (o *core) startCreate(topic string, msg *message.Message) trace.Span {
 	ctx, span := o.tracer().Start(msg.Context(), "create "+telemetry.ID(topic),
 		trace.WithSpanKind(trace.SpanKindProducer),
 		trace.WithAttributes(handlerOf(msg.Context())...),
@@ -61,13 +61,13 @@ func handlerOf(ctx context.Context) []attribute.KeyValue {
 
 // traced wraps the relay's output publisher: each forwarded message is sent
 // inside a span whose parent is the context in its metadata.
-func (o *Outbox) traced(out message.Publisher) message.Publisher {
+func (o *core) traced(out message.Publisher) message.Publisher {
 	return &tracedPublisher{Publisher: out, o: o}
 }
 
 type tracedPublisher struct {
 	message.Publisher
-	o *Outbox
+	o *core
 }
 
 func (p *tracedPublisher) Publish(topic string, msgs ...*message.Message) error {

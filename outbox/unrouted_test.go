@@ -89,8 +89,7 @@ func amqpsubPublisher(t *testing.T) *amqpsub.Publisher {
 // cannot see a row routed to no queue.
 func TestRelayRefusesAPublisherThatDoesNotConfirm(t *testing.T) {
 	t.Parallel()
-	e := setup(t, testenv.Postgres(t))
-	pool := testenv.PgxPool(t)
+	e := setup(t, postgresDrv)
 	e.publishTx(t, testenv.Name(t, "refused"), message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
 
 	unconfirmed := watermillPublisher(t, func(*amqp.Config) {})
@@ -99,17 +98,10 @@ func TestRelayRefusesAPublisherThatDoesNotConfirm(t *testing.T) {
 		run  func(message.Publisher, outbox.RelayConfig) error
 	}{
 		{"NewRelay", func(out message.Publisher, cfg outbox.RelayConfig) error {
-			return closed(e.ob.NewRelay(e.db.DB, out, cfg))
-		}},
-		{"NewPgxRelay", func(out message.Publisher, cfg outbox.RelayConfig) error {
-			return closed(e.ob.NewPgxRelay(pool, out, cfg))
+			return closed(e.ob.NewRelay(out, cfg))
 		}},
 		{"Forward", func(out message.Publisher, cfg outbox.RelayConfig) error {
-			_, err := e.ob.Forward(t.Context(), e.db.DB, out, cfg)
-			return err
-		}},
-		{"PgxForward", func(out message.Publisher, cfg outbox.RelayConfig) error {
-			_, err := e.ob.PgxForward(t.Context(), pool, out, cfg)
+			_, err := e.ob.Forward(t.Context(), out, cfg)
 			return err
 		}},
 	}
@@ -119,7 +111,7 @@ func TestRelayRefusesAPublisherThatDoesNotConfirm(t *testing.T) {
 			t.Errorf("%s on watermill-amqp without ConfirmDelivery = %v; want ErrUnconfirmedPublisher naming Publish.ConfirmDelivery", c.name, err)
 		}
 	}
-	if st, err := e.ob.Status(t.Context(), e.db.DB); err != nil || st.Pending != 1 {
+	if st, err := e.ob.Status(t.Context()); err != nil || st.Pending != 1 {
 		t.Fatalf("after the refusals: status %+v, %v; want the row still pending", st, err)
 	}
 
@@ -160,7 +152,6 @@ type unroutedCase struct {
 	t        *testing.T
 	e        *env
 	b        *broker
-	pgx      bool
 	relay    *outbox.Relay
 	good     string
 	unrouted string // no queue until declare
@@ -170,9 +161,9 @@ type unroutedCase struct {
 	metrics  *sdkmetric.ManualReader
 }
 
-func startUnrouted(t *testing.T, c brokerCase, out func(*testing.T) message.Publisher, log watermill.LoggerAdapter) *unroutedCase {
+func startUnrouted(t *testing.T, c drv, out func(*testing.T) message.Publisher, log watermill.LoggerAdapter) *unroutedCase {
 	t.Helper()
-	u := &unroutedCase{t: t, e: setup(t, c.open(t)), b: newBroker(t), pgx: c.pgx, want: map[string]bool{}, got: map[string]int{}, metrics: sdkmetric.NewManualReader()}
+	u := &unroutedCase{t: t, e: setup(t, c), b: newBroker(t), want: map[string]bool{}, got: map[string]int{}, metrics: sdkmetric.NewManualReader()}
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(u.metrics))
 	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
 	u.good = testenv.Name(t, "good")
@@ -190,7 +181,7 @@ func startUnrouted(t *testing.T, c brokerCase, out func(*testing.T) message.Publ
 		u.want[m.UUID] = true
 		u.e.publishTx(t, u.good, m)
 	}
-	u.relay = relayOn(t, u.e, c.pgx, out(t), outbox.RelayConfig{
+	u.relay = startRelay(t, u.e, out(t), outbox.RelayConfig{
 		PollInterval: 20 * time.Millisecond, RetryInterval: 50 * time.Millisecond, MaxRetryInterval: 300 * time.Millisecond,
 		MaxAttempts: 3, AckDeadline: 30 * time.Second, Logger: log, MeterProvider: mp,
 	})
@@ -209,7 +200,7 @@ func (u *unroutedCase) waitFor(what string, done func(outbox.Status) bool) outbo
 	deadline := time.Now().Add(90 * time.Second)
 	for {
 		u.b.take(u.good, u.got)
-		st, err := u.e.ob.Status(u.t.Context(), u.e.db.DB)
+		st, err := u.e.ob.Status(u.t.Context())
 		if err != nil {
 			u.t.Fatal(err)
 		}
@@ -241,11 +232,7 @@ func (u *unroutedCase) failed() []outbox.FailedRow {
 	u.t.Helper()
 	var rows []outbox.FailedRow
 	var err error
-	if u.pgx {
-		rows, err = u.e.ob.PgxFailed(u.t.Context(), testenv.PgxPool(u.t), outbox.Selection{})
-	} else {
-		rows, err = u.e.ob.Failed(u.t.Context(), u.e.db.DB, outbox.Selection{})
-	}
+	rows, err = u.e.ob.Failed(u.t.Context(), outbox.Selection{})
 	if err != nil {
 		u.t.Fatal(err)
 	}
@@ -289,11 +276,7 @@ func TestRelaySetsAsideRowsRoutedToNoQueue(t *testing.T) {
 			}
 			var n int64
 			var err error
-			if u.pgx {
-				n, err = u.e.ob.PgxRequeue(t.Context(), testenv.PgxPool(t), outbox.Selection{Offsets: []int64{rows[0].Offset}})
-			} else {
-				n, err = u.e.ob.Requeue(t.Context(), u.e.db.DB, outbox.Selection{Offsets: []int64{rows[0].Offset}})
-			}
+			n, err = u.e.ob.Requeue(t.Context(), outbox.Selection{Offsets: []int64{rows[0].Offset}})
 			if err != nil || n != 1 {
 				t.Fatalf("Requeue = %d, %v; want 1", n, err)
 			}
@@ -328,7 +311,7 @@ func TestRelaySetsAsideRowsRoutedToNoQueue(t *testing.T) {
 func TestWatermillAMQPRelayMarksRowsRoutedToNoQueueForwarded(t *testing.T) {
 	t.Parallel()
 	log := &errorLog{}
-	u := startUnrouted(t, brokerCase{"postgres", testenv.Postgres, false}, func(t *testing.T) message.Publisher {
+	u := startUnrouted(t, postgresDrv, func(t *testing.T) message.Publisher {
 		return watermillPublisher(t, func(c *amqp.Config) { c.Publish.ConfirmDelivery = true })
 	}, log)
 	if n := log.matching("amqpsub.NewPublisher"); n != 1 {

@@ -296,42 +296,48 @@ func (b *bench) lagSubjects(ctx context.Context) ([]lagSubject, func(), error) {
 		{"settle, NOTIFY after commit (Notifier)", true, true},
 		{"settle, writers in the relay's process (Notify)", true, false},
 	} {
-		cfg := outbox.Config{Dialect: sqldb.Postgres, Topic: b.topic("lag_settle"), NotifyAfterCommit: way.after}
-		writer, err := outbox.New(cfg)
+		cfg := outbox.Config{Topic: b.topic("lag_settle"), NotifyAfterCommit: way.after}
+		writer, err := outbox.New(sqldb.Std(b.db, sqldb.Postgres), cfg)
 		if err != nil {
 			return nil, cleanup, err
 		}
 		b.tables = append(b.tables, writer.Table(), writer.Table()+"_relays")
-		if err := writer.InitSchema(ctx, b.db); err != nil {
+		if err := writer.InitSchema(ctx); err != nil {
 			return nil, cleanup, err
 		}
-		relaying := writer
-		if way.separate {
-			if relaying, err = outbox.New(cfg); err != nil {
-				return nil, cleanup, err
-			}
-		}
+		// The relay's outbox is on the counted pool start opens; without
+		// separate, the writers' commits Notify it, as in its process.
+		var relaying atomic.Pointer[outbox.Outbox[*sql.Tx]]
 		subjects = append(subjects, lagSubject{
 			name: way.name,
 			commit: func(ctx context.Context, i int) (time.Time, error) {
 				t, err := b.publishTx(ctx, path{inTx: b.sqlTx(writer.TxPublisher)}, "lag", i)
 				if err == nil {
 					writer.Notify()
+					if r := relaying.Load(); r != nil && !way.separate {
+						r.Notify()
+					}
 				}
 				return t, err
 			},
 			start: func(ctx context.Context, ctr *counter, rec *recorder) (func() error, error) {
 				var n *outbox.Notifier
 				if way.after && way.separate {
-					if n, err = writer.NewNotifier(b.db); err != nil {
+					if n, err = writer.NewNotifier(); err != nil {
 						return nil, err
 					}
+					go func() { _ = n.Run(context.WithoutCancel(ctx)) }()
 				}
 				db, err := b.countedDB(ctr)
 				if err != nil {
 					return nil, errors.Join(err, closeNotifier(n))
 				}
-				r, err := relaying.NewRelay(db, rec, outbox.RelayConfig{Logger: b.logger})
+				rob, err := outbox.New(sqldb.Std(db, sqldb.Postgres), cfg)
+				if err != nil {
+					return nil, errors.Join(err, db.Close(), closeNotifier(n))
+				}
+				relaying.Store(rob)
+				r, err := rob.NewRelay(rec, outbox.RelayConfig{Logger: b.logger})
 				if err != nil {
 					return nil, errors.Join(err, db.Close(), closeNotifier(n))
 				}
@@ -340,28 +346,34 @@ func (b *bench) lagSubjects(ctx context.Context) ([]lagSubject, func(), error) {
 		})
 	}
 
-	// The same on pgx: PgxTxPublisher on the producers' pgx.Tx, NewPgxRelay
-	// on a pool of its own whose statements ctr counts.
+	// The same on pgx: TxPublisher on the producers' pgx.Tx, the relay on
+	// an outbox of a pool of its own whose statements ctr counts.
 	ptopic := b.topic("lag_settle_pgx")
-	pob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: ptopic})
+	pcfg := outbox.Config{Topic: ptopic}
+	pob, err := outbox.New(sqldb.Pgx(b.pool), pcfg)
 	if err != nil {
 		return nil, cleanup, err
 	}
 	b.tables = append(b.tables, pob.Table(), pob.Table()+"_relays")
-	if err := pob.PgxInitSchema(ctx, b.pool); err != nil {
+	if err := pob.InitSchema(ctx); err != nil {
 		return nil, cleanup, err
 	}
 	subjects = append(subjects, lagSubject{
 		name: "settle pgx, NOTIFY in the INSERT (default)",
 		commit: func(ctx context.Context, i int) (time.Time, error) {
-			return b.publishTx(ctx, path{inTx: pgxTx(b.pool, pob.PgxTxPublisher)}, "lag", i)
+			return b.publishTx(ctx, path{inTx: pgxTx(b.pool, pob.TxPublisher)}, "lag", i)
 		},
 		start: func(ctx context.Context, ctr *counter, rec *recorder) (func() error, error) {
 			pool, err := b.countedPool(ctx, ctr)
 			if err != nil {
 				return nil, err
 			}
-			r, err := pob.NewPgxRelay(pool, rec, outbox.RelayConfig{Logger: b.logger})
+			rob, err := outbox.New(sqldb.Pgx(pool), pcfg)
+			if err != nil {
+				pool.Close()
+				return nil, err
+			}
+			r, err := rob.NewRelay(rec, outbox.RelayConfig{Logger: b.logger})
 			if err != nil {
 				pool.Close()
 				return nil, err

@@ -608,19 +608,19 @@ func (b *bench) barePath(topic string) path {
 }
 
 func (b *bench) settlePath(ctx context.Context, topic string) (path, error) {
-	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: topic})
+	ob, err := outbox.New(sqldb.Std(b.db, sqldb.Postgres), outbox.Config{Topic: topic})
 	if err != nil {
 		return path{}, err
 	}
 	b.tables = append(b.tables, ob.Table(), ob.Table()+"_relays")
-	if err := ob.InitSchema(ctx, b.db); err != nil {
+	if err := ob.InitSchema(ctx); err != nil {
 		return path{}, err
 	}
 	return path{
 		name: "settle",
 		inTx: b.sqlTx(ob.TxPublisher),
 		start: func(ctx context.Context, out message.Publisher) (func() error, error) {
-			r, err := ob.NewRelay(b.db, out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
+			r, err := ob.NewRelay(out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
 			if err != nil {
 				return nil, err
 			}
@@ -629,22 +629,22 @@ func (b *bench) settlePath(ctx context.Context, topic string) (path, error) {
 	}, nil
 }
 
-// settlePgxPath is settle's outbox on pgx: PgxTxPublisher on the
-// producers' pgx.Tx, NewPgxRelay on the pool.
+// settlePgxPath is settle's outbox on pgx: TxPublisher on the producers'
+// pgx.Tx, the relay on the pool.
 func (b *bench) settlePgxPath(ctx context.Context, topic string) (path, error) {
-	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: topic})
+	ob, err := outbox.New(sqldb.Pgx(b.pool), outbox.Config{Topic: topic})
 	if err != nil {
 		return path{}, err
 	}
 	b.tables = append(b.tables, ob.Table(), ob.Table()+"_relays")
-	if err := ob.PgxInitSchema(ctx, b.pool); err != nil {
+	if err := ob.InitSchema(ctx); err != nil {
 		return path{}, err
 	}
 	return path{
 		name: "settle pgx",
-		inTx: pgxTx(b.pool, ob.PgxTxPublisher),
+		inTx: pgxTx(b.pool, ob.TxPublisher),
 		start: func(ctx context.Context, out message.Publisher) (func() error, error) {
-			r, err := ob.NewPgxRelay(b.pool, out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
+			r, err := ob.NewRelay(out, outbox.RelayConfig{PollInterval: b.o.poll, Logger: b.logger})
 			if err != nil {
 				return nil, err
 			}

@@ -112,7 +112,7 @@ func runOutboxSchema(e *env, args []string) error {
 	const name = "outbox schema"
 	fs := newFlagSet(name)
 	dialect := fs.String("dialect", "", "postgres, mysql or sqlite (required)")
-	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
+	topic := fs.String("topic", defaultOutboxTopic, "the outbox topic (outbox.Config.Topic)")
 	upgrade := fs.Bool("upgrade", false, "print the statements that upgrade an outbox table of an earlier settle version (see docs/outbox.md, Upgrading)")
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
@@ -124,18 +124,15 @@ func runOutboxSchema(e *env, args []string) error {
 	case *dialect == "":
 		return usagef(fs, name, "-dialect is required (postgres, mysql or sqlite)")
 	}
-	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Dialect(*dialect), Topic: *topic})
+	// New touches no database: a driver without one says the dialect.
+	ob, err := outbox.New(sqldb.Std(nil, sqldb.Dialect(*dialect)), outbox.Config{Topic: *topic})
 	if err != nil {
 		return usagef(fs, name, "%v", err)
 	}
 	if *upgrade {
 		return writeSQL(e.stdout, fmt.Sprintf("settle outbox %s (%s): upgrade from a table without per-row failures", *topic, *dialect), ob.SchemaUpgrade())
 	}
-	stmts, err := ob.Schema()
-	if err != nil {
-		return err
-	}
-	return writeSQL(e.stdout, fmt.Sprintf("settle outbox %s (%s)", *topic, *dialect), stmts)
+	return writeSQL(e.stdout, fmt.Sprintf("settle outbox %s (%s)", *topic, *dialect), ob.Schema())
 }
 
 // errOutboxUnhealthy is the error of `outbox status` when old rows are
@@ -146,8 +143,8 @@ func runOutboxStatus(e *env, args []string) (err error) {
 	const name = "outbox status"
 	fs := newFlagSet(name)
 	dbURL, driver := dbFlag(fs), driverFlag(fs)
-	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
-	stuckAfter := fs.Duration("stuck-after", outbox.DefaultStuckAfter, "a pending row older than this is old: with a live relay, the relay is stuck or passes it over")
+	topic := fs.String("topic", defaultOutboxTopic, "the outbox topic (outbox.Config.Topic)")
+	stuckAfter := fs.Duration("stuck-after", time.Minute, "a pending row older than this is old: with a live relay, the relay is stuck or passes it over")
 	asJSON := fs.Bool("json", false, "write JSON")
 	list := fs.Int("list", 10, "list up to this many rows that failed (retrying or set aside), oldest first; 0 lists none")
 	pos, err := parse(e, fs, name, args)
@@ -170,12 +167,7 @@ func runOutboxStatus(e *env, args []string) (err error) {
 	if err := d.checkOutbox(e.ctx, ob); err != nil {
 		return err
 	}
-	var st outbox.Status
-	if d.pool != nil {
-		st, err = ob.PgxStatus(e.ctx, d.pool)
-	} else {
-		st, err = ob.Status(e.ctx, d.db)
-	}
+	st, err := ob.Status(e.ctx)
 	if err != nil {
 		return err
 	}
@@ -221,7 +213,7 @@ func runOutboxPrune(e *env, args []string) (err error) {
 	const name = "outbox prune"
 	fs := newFlagSet(name)
 	dbURL, driver := dbFlag(fs), driverFlag(fs)
-	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
+	topic := fs.String("topic", defaultOutboxTopic, "the outbox topic (outbox.Config.Topic)")
 	olderThan := ageFlag(fs, "older-than", "remove rows forwarded longer ago than this, e.g. 7d or 36h (required; at least "+shortAge(pruneFloor)+" without -force)")
 	var pf pruneFlags
 	pf.register(fs)
@@ -249,12 +241,7 @@ func runOutboxPrune(e *env, args []string) (err error) {
 	if err := d.outboxPrunePreview(e, *topic, *olderThan, pf.yes); err != nil || !pf.yes {
 		return err
 	}
-	var n int64
-	if d.pool != nil {
-		n, err = ob.PgxPrune(e.ctx, d.pool, *olderThan)
-	} else {
-		n, err = ob.Prune(e.ctx, d.db, *olderThan)
-	}
+	n, err := ob.Prune(e.ctx, time.Now().Add(-*olderThan))
 	if err != nil {
 		return fmt.Errorf("prune outbox %s (%d rows removed before the error): %w", *topic, n, err)
 	}
@@ -269,25 +256,31 @@ func dbFlag(fs *flag.FlagSet) *string {
 
 // openOutbox opens the database at dbURL through driver and the outbox of
 // topic on it. The caller closes the database.
-func openOutbox(e *env, dbURL, driver, topic string, stuckAfter time.Duration) (*database, *outbox.Outbox, error) {
+func openOutbox(e *env, dbURL, driver, topic string, stuckAfter time.Duration) (*database, outboxOps, error) {
 	d, err := openDatabase(e, dbURL, driver)
 	if err != nil {
 		return nil, nil, err
 	}
-	ob, err := outbox.New(outbox.Config{Dialect: d.dialect, Topic: topic, StuckAfter: stuckAfter})
+	cfg := outbox.Config{Topic: topic, StuckAfter: stuckAfter}
+	var ob outboxOps
+	if d.pool != nil {
+		ob, err = outbox.New(sqldb.Pgx(d.pool), cfg)
+	} else {
+		ob, err = outbox.New(sqldb.Std(d.db, sqldb.Dialect(d.dialect)), cfg)
+	}
 	if err != nil {
 		return nil, nil, errors.Join(fmt.Errorf("-topic: %w", err), d.Close())
 	}
 	return d, ob, nil
 }
 
-// checkOutbox checks the outbox's tables through the database's driver.
-func (d *database) checkOutbox(ctx context.Context, ob *outbox.Outbox) error {
-	if d.pool != nil {
-		return ob.PgxCheck(ctx, d.pool)
-	}
-	return ob.Check(ctx, d.db)
+// checkOutbox checks the outbox's tables.
+func (d *database) checkOutbox(ctx context.Context, ob outboxOps) error {
+	return ob.Check(ctx)
 }
+
+// defaultOutboxTopic is outbox.Config.Topic's default.
+const defaultOutboxTopic = "settle_outbox"
 
 // writeSQL writes statements for migration tools: a comment header, then
 // each statement with its indentation tidied, ending with ';', separated by

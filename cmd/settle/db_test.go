@@ -5,13 +5,14 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
-	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -198,11 +199,11 @@ func testOutboxStatus(t *testing.T, driver string) {
 	var b [4]byte
 	_, _ = rand.Read(b[:])
 	topic := "cli_status_" + hex.EncodeToString(b[:])
-	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: topic})
+	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Postgres), outbox.Config{Topic: topic})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+	if err := ob.InitSchema(t.Context()); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
@@ -284,7 +285,7 @@ func testOutboxStatus(t *testing.T, driver string) {
 		t.Errorf("prune of a missing outbox:\n%v", r)
 	}
 	// Forward the two rows, then prune them.
-	n, err := ob.Forward(t.Context(), db.DB, gochannel.NewGoChannel(gochannel.Config{}, nil), outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
+	n, err := ob.Forward(t.Context(), gochannel.NewGoChannel(gochannel.Config{}, nil), outbox.RelayConfig{PollInterval: 5 * time.Millisecond})
 	if err != nil || n != 2 {
 		t.Fatalf("Forward = %d, %v", n, err)
 	}
@@ -404,11 +405,11 @@ func TestOutboxPrune(t *testing.T) {
 			var b [4]byte
 			_, _ = rand.Read(b[:])
 			topic := "cli_prune_" + hex.EncodeToString(b[:])
-			ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: topic})
+			ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: topic})
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+			if err := ob.InitSchema(t.Context()); err != nil {
 				t.Fatal(err)
 			}
 			q := func(s string) string {
@@ -441,7 +442,7 @@ func TestOutboxPrune(t *testing.T) {
 			// Three rows forwarded, two of them two days ago; one pending.
 			ch := gochannel.NewGoChannel(gochannel.Config{}, nil)
 			defer ch.Close()
-			if n, err := ob.Forward(t.Context(), db.DB, ch, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, BatchSize: 3}); err != nil || n < 3 {
+			if n, err := ob.Forward(t.Context(), ch, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, BatchSize: 3}); err != nil || n < 3 {
 				t.Fatalf("Forward = %d, %v", n, err)
 			}
 			back := map[sqldb.Dialect]string{

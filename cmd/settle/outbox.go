@@ -17,19 +17,25 @@ import (
 // The outbox's rows that failed: listed by `outbox status`, put back by
 // `outbox retry`.
 
-// outboxFailed lists failed rows through the database's driver.
-func (d *database) outboxFailed(ctx context.Context, ob *outbox.Outbox, sel outbox.Selection) ([]outbox.FailedRow, error) {
-	if d.pool != nil {
-		return ob.PgxFailed(ctx, d.pool, sel)
-	}
-	return ob.Failed(ctx, d.db, sel)
+// outboxOps is what the commands do with an outbox, whatever the driver
+// under it (*outbox.Outbox[*sql.Tx] or *outbox.Outbox[pgx.Tx]).
+type outboxOps interface {
+	Check(ctx context.Context) error
+	Schema() []string
+	SchemaUpgrade() []string
+	Status(ctx context.Context) (outbox.Status, error)
+	Prune(ctx context.Context, before time.Time) (int64, error)
+	Failed(ctx context.Context, sel outbox.Selection) ([]outbox.FailedRow, error)
+	Requeue(ctx context.Context, sel outbox.Selection) (int64, error)
 }
 
-func (d *database) outboxRequeue(ctx context.Context, ob *outbox.Outbox, sel outbox.Selection) (int64, error) {
-	if d.pool != nil {
-		return ob.PgxRequeue(ctx, d.pool, sel)
-	}
-	return ob.Requeue(ctx, d.db, sel)
+// outboxFailed lists failed rows.
+func (d *database) outboxFailed(ctx context.Context, ob outboxOps, sel outbox.Selection) ([]outbox.FailedRow, error) {
+	return ob.Failed(ctx, sel)
+}
+
+func (d *database) outboxRequeue(ctx context.Context, ob outboxOps, sel outbox.Selection) (int64, error) {
+	return ob.Requeue(ctx, sel)
 }
 
 // failedRowJSON is a failed row in -json output.
@@ -129,7 +135,7 @@ func runOutboxRetry(e *env, args []string) (err error) {
 	const name = "outbox retry"
 	fs := newFlagSet(name)
 	dbURL, driver := dbFlag(fs), driverFlag(fs)
-	topic := fs.String("topic", outbox.DefaultTopic, "the outbox topic (outbox.Config.Topic)")
+	topic := fs.String("topic", defaultOutboxTopic, "the outbox topic (outbox.Config.Topic)")
 	var offsets offsetList
 	fs.Var(&offsets, "offset", "re-queue the set-aside row with this offset (repeatable, or comma-separated)")
 	dest := fs.String("dest", "", "re-queue the set-aside rows to this destination topic")

@@ -69,11 +69,11 @@ func TestOutboxStatusAndRetry(t *testing.T) {
 			var b [4]byte
 			_, _ = rand.Read(b[:])
 			topic := "cli_retry_" + hex.EncodeToString(b[:])
-			ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: topic})
+			ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: topic})
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+			if err := ob.InitSchema(t.Context()); err != nil {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() {
@@ -105,7 +105,7 @@ func TestOutboxStatusAndRetry(t *testing.T) {
 
 			ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 			t.Cleanup(func() { _ = ps.Close() })
-			r, err := ob.NewRelay(db.DB, refusing{Publisher: ps, topic: "refused"}, outbox.RelayConfig{
+			r, err := ob.NewRelay(refusing{Publisher: ps, topic: "refused"}, outbox.RelayConfig{
 				PollInterval: 10 * time.Millisecond, RetryInterval: 10 * time.Millisecond, MaxRetryInterval: 20 * time.Millisecond, MaxAttempts: 2,
 			})
 			if err != nil {
@@ -134,7 +134,7 @@ func TestOutboxStatusAndRetry(t *testing.T) {
 			deadline := time.Now().Add(30 * time.Second)
 			for {
 				publish("fine") // the broker takes these
-				st, err := ob.Status(t.Context(), db.DB)
+				st, err := ob.Status(t.Context())
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -183,7 +183,7 @@ func TestOutboxStatusAndRetry(t *testing.T) {
 			if !strings.Contains(res.stdout, "dry run: 2 set-aside row(s)") {
 				t.Fatalf("retry -all:\n%v", res)
 			}
-			if s, _ := ob.Status(t.Context(), db.DB); s.SetAside != 2 {
+			if s, _ := ob.Status(t.Context()); s.SetAside != 2 {
 				t.Fatalf("a dry run re-queued rows: %+v", s)
 			}
 			res = mustRun(t, exitOK, cmd("outbox", "retry", "-dest", "elsewhere", "-yes")...)
@@ -195,7 +195,7 @@ func TestOutboxStatusAndRetry(t *testing.T) {
 			if !strings.Contains(res.stdout, "re-queued 1 row(s)") {
 				t.Fatalf("retry -offset %s -yes:\n%v", off, res)
 			}
-			rows, err := ob.Failed(t.Context(), db.DB, outbox.Selection{SetAsideOnly: true})
+			rows, err := ob.Failed(t.Context(), outbox.Selection{SetAsideOnly: true})
 			if err != nil || len(rows) != 1 || rows[0].Offset != st.Failed[0].Offset {
 				t.Fatalf("after re-queueing one: %+v, %v", rows, err)
 			}

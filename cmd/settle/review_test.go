@@ -10,6 +10,7 @@ import (
 
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // review: the -queue name is the operator's input, but it is also a name
@@ -84,11 +85,11 @@ func TestReviewOutboxRetryDryRunMatchesYes(t *testing.T) {
 	t.Parallel()
 	db, u := testenv.Postgres(t), testenv.Require(t, testenv.PostgresURLEnv)
 	topic := "cli_rv_" + testenv.Name(t, "r")[len(testenv.Name(t, "r"))-8:]
-	ob, err := outbox.New(outbox.Config{Dialect: db.Dialect, Topic: topic})
+	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: topic})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ob.InitSchema(t.Context(), db.DB); err != nil {
+	if err := ob.InitSchema(t.Context()); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {

@@ -29,7 +29,6 @@ import (
 	"github.com/settle-go/settle/amqpmarshal"
 	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/dedupe"
-	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
 )
 
@@ -293,14 +292,14 @@ func (s *schema) drop() {
 	}
 }
 
-func (s *schema) dropOutbox(ob *outbox.Outbox) {
+func (s *schema) dropOutbox(table string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	q := `"`
 	if s.dialect == sqldb.MySQL {
 		q = "`"
 	}
-	for _, t := range []string{ob.Table(), ob.Table() + "_relays"} {
+	for _, t := range []string{table, table + "_relays"} {
 		_, _ = s.db.ExecContext(ctx, "DROP TABLE IF EXISTS "+q+t+q)
 	}
 }

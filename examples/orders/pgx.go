@@ -70,7 +70,7 @@ func chargePgx(s *schema, topic string) pipeline.PgxTxFunc {
 
 // placeOrderPgx is placeOrder in a pgx transaction: the order row and its
 // "placed" event in the outbox (PgxTxPublisher) commit together.
-func placeOrderPgx(ctx context.Context, tracer trace.Tracer, pool *pgxpool.Pool, ob *outbox.Outbox, s *schema, topic string, o orderPlaced) (*message.Message, error) {
+func placeOrderPgx(ctx context.Context, tracer trace.Tracer, pool *pgxpool.Pool, ob *outbox.Outbox[pgx.Tx], s *schema, topic string, o orderPlaced) (*message.Message, error) {
 	ctx, span := tracer.Start(ctx, "place order", trace.WithAttributes(attribute.String("order.id", o.OrderID)))
 	defer span.End()
 	tx, err := pool.Begin(ctx)
@@ -86,7 +86,7 @@ func placeOrderPgx(ctx context.Context, tracer trace.Tracer, pool *pgxpool.Pool,
 		return nil, err
 	}
 	msg.SetContext(ctx)
-	pub, err := ob.PgxTxPublisher(tx)
+	pub, err := ob.TxPublisher(tx)
 	if err != nil {
 		return nil, err
 	}

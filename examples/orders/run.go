@@ -16,6 +16,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -192,21 +193,34 @@ func run(parent context.Context, cfg config) (err error) {
 	if err != nil {
 		return err
 	}
-	ob, err := outbox.New(outbox.Config{Dialect: dialect, Topic: s.outboxTopic, Propagator: propagation.TraceContext{}, TracerProvider: tel.tp})
+	obCfg := outbox.Config{Topic: s.outboxTopic, Propagator: propagation.TraceContext{}, TracerProvider: tel.tp}
+	// One outbox, on the driver the example runs on; ob is what does not
+	// depend on the driver's transaction type.
+	var (
+		obPgx *outbox.Outbox[pgx.Tx]
+		obSQL *outbox.Outbox[*sql.Tx]
+		ob    interface {
+			InitSchema(context.Context) error
+			Table() string
+			NewRelay(message.Publisher, outbox.RelayConfig) (*outbox.Relay, error)
+		}
+	)
+	if pool != nil {
+		obPgx, err = outbox.New(sqldb.Pgx(pool), obCfg)
+		ob = obPgx
+	} else {
+		obSQL, err = outbox.New(sqldb.Std(db, sqldb.Dialect(dialect)), obCfg)
+		ob = obSQL
+	}
 	if err != nil {
 		return err
 	}
-	if pool != nil {
-		err = ob.PgxInitSchema(ctx, pool)
-	} else {
-		err = ob.InitSchema(ctx, db)
-	}
-	if err != nil {
+	if err := ob.InitSchema(ctx); err != nil {
 		return err
 	}
 	defer func() {
 		if !keep {
-			s.dropOutbox(ob)
+			s.dropOutbox(ob.Table())
 		}
 	}()
 
@@ -240,9 +254,9 @@ func run(parent context.Context, cfg config) (err error) {
 	// charge: once per order, in one transaction with the charge row and the
 	// "charged" event in the outbox.
 	if pool != nil {
-		_, err = p.HandlePgxTx("charge", topics.placed, br.sub, nil, pipeline.PgxTxConfig{DB: pool, Outbox: ob}, chargePgx(s, topics.charged))
+		_, err = p.HandlePgxTx("charge", topics.placed, br.sub, nil, pipeline.PgxTxConfig{DB: pool, Outbox: obPgx}, chargePgx(s, topics.charged))
 	} else {
-		_, err = p.HandleTx("charge", topics.placed, br.sub, nil, pipeline.TxConfig{DB: db, Outbox: ob},
+		_, err = p.HandleTx("charge", topics.placed, br.sub, nil, pipeline.TxConfig{DB: db, Outbox: obSQL},
 			pipeline.TypedTx(nil, func(ctx context.Context, tx *sql.Tx, m pipeline.Message[orderPlaced], out message.Publisher) error {
 				if _, err := tx.ExecContext(ctx, "INSERT INTO "+s.charges+" (order_id, cents) VALUES ("+s.ph(1)+", "+s.ph(2)+")", m.Body.OrderID, m.Body.Cents); err != nil {
 					return err
@@ -277,12 +291,7 @@ func run(parent context.Context, cfg config) (err error) {
 	}
 
 	relayCfg := outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MeterProvider: tel.mp}
-	var relay *outbox.Relay
-	if pool != nil {
-		relay, err = ob.NewPgxRelay(pool, br.pub, relayCfg)
-	} else {
-		relay, err = ob.NewRelay(db, br.pub, relayCfg)
-	}
+	relay, err := ob.NewRelay(br.pub, relayCfg)
 	if err != nil {
 		return err
 	}
@@ -349,9 +358,9 @@ func run(parent context.Context, cfg config) (err error) {
 		}
 		var msg *message.Message
 		if pool != nil {
-			msg, err = placeOrderPgx(ctx, tracer, pool, ob, s, topics.placed, o)
+			msg, err = placeOrderPgx(ctx, tracer, pool, obPgx, s, topics.placed, o)
 		} else {
-			msg, err = placeOrder(ctx, tracer, db, ob, s, topics.placed, o)
+			msg, err = placeOrder(ctx, tracer, db, obSQL, s, topics.placed, o)
 		}
 		if err != nil {
 			if ctx.Err() != nil {
@@ -455,7 +464,7 @@ func (s *schema) counts(ctx context.Context) (charges, emails int, err error) {
 	return charges, emails, nil
 }
 
-func placeOrder(ctx context.Context, tracer trace.Tracer, db *sql.DB, ob *outbox.Outbox, s *schema, topic string, o orderPlaced) (*message.Message, error) {
+func placeOrder(ctx context.Context, tracer trace.Tracer, db *sql.DB, ob *outbox.Outbox[*sql.Tx], s *schema, topic string, o orderPlaced) (*message.Message, error) {
 	ctx, span := tracer.Start(ctx, "place order", trace.WithAttributes(attribute.String("order.id", o.OrderID)))
 	defer span.End()
 	tx, err := db.BeginTx(ctx, nil)

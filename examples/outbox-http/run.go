@@ -63,11 +63,11 @@ func run(ctx context.Context, cfg config, w io.Writer) error {
 
 	// The outbox: its tables live next to the application's. In a service,
 	// ob.Schema() goes into the migrations.
-	ob, err := outbox.New(outbox.Config{Dialect: sqldb.SQLite})
+	ob, err := outbox.New(sqldb.Std(db, sqldb.SQLite), outbox.Config{})
 	if err != nil {
 		return err
 	}
-	if err := ob.InitSchema(ctx, db); err != nil {
+	if err := ob.InitSchema(ctx); err != nil {
 		return err
 	}
 	for _, stmt := range []string{
@@ -102,7 +102,7 @@ func run(ctx context.Context, cfg config, w io.Writer) error {
 	})
 
 	// The relay: committed outbox rows to the broker.
-	relay, err := ob.NewRelay(db, broker, outbox.RelayConfig{})
+	relay, err := ob.NewRelay(broker, outbox.RelayConfig{})
 	if err != nil {
 		return err
 	}
@@ -184,7 +184,7 @@ func run(ctx context.Context, cfg config, w io.Writer) error {
 
 // placeOrderHandler writes the order, publishes its event and reserves the
 // stock in one transaction.
-func placeOrderHandler(db *sql.DB, ob *outbox.Outbox) http.Handler {
+func placeOrderHandler(db *sql.DB, ob *outbox.Outbox[*sql.Tx]) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		var o order
 		if err := json.NewDecoder(r.Body).Decode(&o); err != nil || o.ID == "" || o.SKU == "" || o.Qty <= 0 {
@@ -205,7 +205,7 @@ func placeOrderHandler(db *sql.DB, ob *outbox.Outbox) http.Handler {
 
 // placeOrder commits the order row, the outbox row of its event and the
 // stock reservation together, or none of them.
-func placeOrder(ctx context.Context, db *sql.DB, ob *outbox.Outbox, o order) error {
+func placeOrder(ctx context.Context, db *sql.DB, ob *outbox.Outbox[*sql.Tx], o order) error {
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		return err

@@ -157,7 +157,7 @@ func TestGettingStartedService(t *testing.T) {
 	defer appDB.Close()
 	// An e-mail requested by an earlier run and not yet forwarded: the
 	// relay's first row, there before the program starts.
-	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres})
+	ob, err := outbox.New(sqldb.Std(appDB, sqldb.Postgres), outbox.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -308,7 +308,7 @@ func TestGettingStartedService(t *testing.T) {
 	// none pending, none set aside, no publish of a row failed.
 	var st outbox.Status
 	for deadline := time.Now().Add(60 * time.Second); ; {
-		if st, err = ob.Status(t.Context(), appDB); err != nil {
+		if st, err = ob.Status(t.Context()); err != nil {
 			t.Fatal(err)
 		}
 		if st.Pending == 0 && st.SetAside == 0 || time.Now().After(deadline) {
@@ -396,13 +396,9 @@ func unroutedWarnings(log string) []string {
 
 // seedOutbox creates the outbox's tables, as the program will, and commits
 // msg to topic in the outbox.
-func seedOutbox(t *testing.T, db *sql.DB, ob *outbox.Outbox, topic string, msg *message.Message) {
+func seedOutbox(t *testing.T, db *sql.DB, ob *outbox.Outbox[*sql.Tx], topic string, msg *message.Message) {
 	t.Helper()
-	stmts, err := ob.Schema()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, s := range stmts {
+	for _, s := range ob.Schema() {
 		if _, err := db.ExecContext(t.Context(), s); err != nil {
 			t.Fatal(err)
 		}

@@ -212,11 +212,11 @@ func runRelay(ctx context.Context, spec childSpec) error {
 		return err
 	}
 	defer pub.Close()
-	ob, err := outbox.New(outbox.Config{Dialect: dialect, Topic: spec.OutboxTopic, Logger: logger})
+	ob, err := outbox.New(sqldb.Std(db, sqldb.Dialect(dialect)), outbox.Config{Topic: spec.OutboxTopic, Logger: logger})
 	if err != nil {
 		return err
 	}
-	relay, err := ob.NewRelay(db, &phasePublisher{Publisher: pub, st: st, sl: sl, ctx: ctx},
+	relay, err := ob.NewRelay(&phasePublisher{Publisher: pub, st: st, sl: sl, ctx: ctx},
 		outbox.RelayConfig{PollInterval: 10 * time.Millisecond, AckDeadline: 5 * time.Second, CloseTimeout: 5 * time.Second, Logger: logger})
 	if err != nil {
 		return err

@@ -368,7 +368,7 @@ type driver struct {
 	cfg     Config
 	db      *sql.DB
 	dialect sqldb.Dialect
-	ob      *outbox.Outbox
+	ob      *outbox.Outbox[*sql.Tx]
 	rnd     *mrand.Rand
 	runID   string
 	dir     string
@@ -453,10 +453,10 @@ func newDriver(ctx context.Context, cfg Config) (d *driver, err error) {
 			return nil, fmt.Errorf("reliability: schema: %w", err)
 		}
 	}
-	if d.ob, err = outbox.New(outbox.Config{Dialect: d.dialect, Topic: d.outboxTopic}); err != nil {
+	if d.ob, err = outbox.New(sqldb.Std(d.db, sqldb.Dialect(d.dialect)), outbox.Config{Topic: d.outboxTopic}); err != nil {
 		return nil, err
 	}
-	if err := d.ob.InitSchema(ctx, d.db); err != nil {
+	if err := d.ob.InitSchema(ctx); err != nil {
 		return nil, err
 	}
 	if err := d.declareQueues(); err != nil {
@@ -701,7 +701,7 @@ func (d *driver) drain(ctx context.Context) error {
 		effects, m, err := d.progress(ctx, -1)
 		var st outbox.Status
 		if err == nil {
-			st, err = d.ob.Status(ctx, d.db)
+			st, err = d.ob.Status(ctx)
 		}
 		var depth []int
 		if err == nil {
