@@ -17,7 +17,6 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
@@ -169,7 +168,7 @@ func (e *env) another(t testing.TB, cfg outbox.Config) *obx {
 func (e *env) elsewhere(t testing.TB, cfg outbox.Config) *obx {
 	t.Helper()
 	db := e.db
-	if db.Dialect != dedupe.SQLite {
+	if db.Dialect != sqldb.SQLite {
 		db = e.d.open(t)
 	}
 	ob, err := outboxOn(t, e.d, db)(cfg)
@@ -200,7 +199,7 @@ func setup(t testing.TB, d drv) *env {
 		ctx := context.Background()
 		_, _ = db.ExecContext(ctx, "DROP TABLE "+table)
 		q := func(s string) string {
-			if db.Dialect == dedupe.MySQL {
+			if db.Dialect == sqldb.MySQL {
 				return "`" + s + "`"
 			}
 			return `"` + s + `"`
@@ -214,7 +213,7 @@ func setup(t testing.TB, d drv) *env {
 }
 
 func (e *env) ph(n int) string {
-	if e.db.Dialect == dedupe.Postgres {
+	if e.db.Dialect == sqldb.Postgres {
 		return "$" + string(rune('0'+n))
 	}
 	return "?"

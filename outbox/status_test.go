@@ -10,8 +10,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // refuse is a broker that refuses every publish.
@@ -105,7 +105,7 @@ func TestStatusSaysWhyRowsAreOld(t *testing.T) {
 		// Its heartbeat is gone with it.
 		waitState(t, ob, e, outbox.StateNoRelay)
 
-		if e.db.Dialect == dedupe.SQLite {
+		if e.db.Dialect == sqldb.SQLite {
 			return // one writer: no transaction can hold a row while a relay works
 		}
 		// A transaction holds the old row's lock (as a hung relay batch
@@ -177,7 +177,7 @@ func testLateCommit(t *testing.T, e *env) {
 		}
 		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: time.Hour})
 		notify := func() {
-			if e.db.Dialect != dedupe.Postgres || e.ob.cfg.NotifyAfterCommit {
+			if e.db.Dialect != sqldb.Postgres || e.ob.cfg.NotifyAfterCommit {
 				e.ob.Notify()
 			}
 		}
@@ -241,8 +241,8 @@ func TestRelayHeartbeat(t *testing.T) {
 				t.Fatalf("%d relay rows while the relay runs, want 1", n)
 			}
 			var alive int64
-			q := "SELECT COUNT(*) FROM " + quoteTable(e, e.ob.Table()+"_relays") + " WHERE expires_at > " + map[dedupe.Dialect]string{
-				dedupe.Postgres: "clock_timestamp()", dedupe.MySQL: "CURRENT_TIMESTAMP(6)", dedupe.SQLite: "strftime('%Y-%m-%d %H:%M:%f', 'now')",
+			q := "SELECT COUNT(*) FROM " + quoteTable(e, e.ob.Table()+"_relays") + " WHERE expires_at > " + map[sqldb.Dialect]string{
+				sqldb.Postgres: "clock_timestamp()", sqldb.MySQL: "CURRENT_TIMESTAMP(6)", sqldb.SQLite: "strftime('%Y-%m-%d %H:%M:%f', 'now')",
 			}[e.db.Dialect]
 			if err := e.db.QueryRowContext(t.Context(), q).Scan(&alive); err != nil {
 				t.Fatal(err)
