@@ -19,8 +19,8 @@ import (
 )
 
 // openDB opens the run's database. A postgres:// URL gets a pgxpool.Pool,
-// which settle uses directly (the pgx path: PgxStore, pgx transactional
-// handler, PgxTxPublisher, NewPgxRelay), and a *sql.DB over the same pool
+// which settle uses directly, through sqldb.Pgx (the store, the outbox and
+// the transactional handler on pgx.Tx), and a *sql.DB over the same pool
 // for the example's own bookkeeping (schema, counts): one pool, not two.
 // Other URLs get database/sql alone, and pool is nil.
 func openDB(ctx context.Context, u string) (db *sql.DB, d sqldb.Dialect, pool *pgxpool.Pool, err error) {
@@ -55,8 +55,8 @@ func chargedEvent(ctx context.Context, o orderPlaced) (*message.Message, error) 
 
 // chargePgx is the charge handler on pgx: the charge row and the "charged"
 // event commit in the handler's pgx.Tx, with the dedupe confirmation.
-func chargePgx(s *schema, topic string) pipeline.PgxTxFunc {
-	return pipeline.TypedPgxTx(nil, func(ctx context.Context, tx pgx.Tx, m pipeline.Message[orderPlaced], out message.Publisher) error {
+func chargePgx(s *schema, topic string) pipeline.TxFunc[pgx.Tx] {
+	return pipeline.TypedTx(nil, func(ctx context.Context, tx pgx.Tx, m pipeline.Message[orderPlaced], out message.Publisher) error {
 		if _, err := tx.Exec(ctx, "INSERT INTO "+s.charges+" (order_id, cents) VALUES ($1, $2)", m.Body.OrderID, m.Body.Cents); err != nil {
 			return err
 		}
@@ -69,7 +69,7 @@ func chargePgx(s *schema, topic string) pipeline.PgxTxFunc {
 }
 
 // placeOrderPgx is placeOrder in a pgx transaction: the order row and its
-// "placed" event in the outbox (PgxTxPublisher) commit together.
+// "placed" event in the outbox (TxPublisher on the pgx.Tx) commit together.
 func placeOrderPgx(ctx context.Context, tracer trace.Tracer, pool *pgxpool.Pool, ob *outbox.Outbox[pgx.Tx], s *schema, topic string, o orderPlaced) (*message.Message, error) {
 	ctx, span := tracer.Start(ctx, "place order", trace.WithAttributes(attribute.String("order.id", o.OrderID)))
 	defer span.End()
