@@ -17,7 +17,7 @@ import (
 // flight share one transaction (BatchConfig.MaxSize g), whose keys are
 // claimed confirmed in one statement and whose effects are inserted in one
 // statement; one commit for the batch. settle's batch handler on pgx
-// (NewPgxBatchTxHandler) and on database/sql (NewBatchTxHandler) beside
+// and on database/sql (NewBatchTxHandler, on sqldb.Pgx and sqldb.Std) beside
 // the raw pgx floor: the same two statements in a transaction, batched by
 // the smallest batcher that does the same gathering.
 const pgxTxBatch = "tx-batch"
