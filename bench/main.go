@@ -19,7 +19,7 @@
 //     ./dedupe and reads its output).
 //   - txcost: PostgreSQL transactional dedupe, one statement vs the default
 //     mode vs a raw BEGIN; INSERT; COMMIT.
-//   - pgx: PostgreSQL through pgx directly (dedupe.PgxStore, the pgx
+//   - pgx: PostgreSQL through pgx directly (dedupe.SQLStore on sqldb.Pgx, the pgx
 //     transactional handler) beside database/sql and the raw pgx floor:
 //     claim+confirm, duplicate claims, one-statement and default
 //     transactional handlers, at 1/4/16 goroutines; batch handlers (group

@@ -20,7 +20,7 @@ import (
 	"github.com/settle-go/settle/sqldb"
 )
 
-// Section pgx: settle on pgx directly (dedupe.PgxStore, pipeline's pgx
+// Section pgx: settle on pgx directly (dedupe.SQLStore on sqldb.Pgx, pipeline's pgx
 // transactional handler) beside the same work through database/sql and the
 // raw pgx floor, the same statements sent with pgx by hand.
 const targetPgx = 0.9

@@ -189,7 +189,8 @@ func (s *SQLStore[TTx]) WithTx(tx TTx) *SQLStore[TTx] {
 
 // Schema returns the statements that create the claims table and its index,
 // in the store's dialect, for your migrations. Each statement is idempotent
-// (IF NOT EXISTS).
+// (IF NOT EXISTS). It makes no connection: a tool that only prints the DDL
+// can build the store on sqldb.Std(nil, dialect).
 func (s *SQLStore[TTx]) Schema() []string { return schemaOf(s.dialect, s.table) }
 
 // exec, queryRow and query run a statement on the store's executor. On
