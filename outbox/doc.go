@@ -9,11 +9,17 @@
 // It wakes on commit (PostgreSQL LISTEN/NOTIFY, [Outbox.Notify] in this
 // process) and polls only as a fallback. The NOTIFY is queued by the
 // writer's INSERT, or, with [Config.NotifyAfterCommit], sent after the
-// commit by a [Notifier], which leaves the writers' commits unserialised. Every function takes the
-// application's *sql.DB; on PostgreSQL, an application on pgx uses its
-// pgx.Tx and *pgxpool.Pool instead ([Outbox.PgxTxPublisher],
-// [Outbox.NewPgxRelay] and the other Pgx functions), with the same
-// statements underneath.
+// commit by a [Notifier], which leaves the writers' commits unserialised.
+//
+// An outbox is made on the database it lives in, through package sqldb:
+//
+//	ob, err := outbox.New(sqldb.Std(db, sqldb.Postgres), outbox.Config{}) // *Outbox[*sql.Tx]
+//	ob, err := outbox.New(sqldb.Pgx(pool), outbox.Config{})               // *Outbox[pgx.Tx]
+//
+// Every method then runs on that database, with one set of statements per
+// dialect whatever the driver, and [Outbox.TxPublisher] takes the driver's
+// transaction (*sql.Tx or pgx.Tx). The [Relay] and the [Notifier] start
+// their goroutines only in Run, and those end when Run returns.
 //
 // A row the broker refuses (a destination refused for good, a message
 // larger than it takes) holds no other row: the relay counts the failure

@@ -32,9 +32,10 @@ const notifyTimeout = 5 * time.Second
 // rows to the relays' fallback poll.
 //
 // A Notifier starts no goroutine: it sends its NOTIFYs from Run, on the
-// caller's goroutine, and takes requests only while Run runs (requests made
-// before Run or after it returned are dropped: the relays find those rows at
-// their next poll). Run returns when its context ends or Close is called.
+// caller's goroutine, until Run's context ends or Close is called. Requests
+// made between NewNotifier and Run wait for Run; those made after Run
+// returned, or after Close, are dropped (the relays find those rows at
+// their next poll). Close a Notifier that is never Run.
 type Notifier struct {
 	o       *core
 	log     watermill.LoggerAdapter
@@ -56,28 +57,33 @@ func (o *Outbox[TTx]) NewNotifier() (*Notifier, error) {
 	if !o.c.cfg.NotifyAfterCommit {
 		return nil, errors.New("outbox: NewNotifier: Config.NotifyAfterCommit is false, so the outbox's INSERT notifies in the writer's transaction already")
 	}
-	return &Notifier{
+	n := &Notifier{
 		o: o.c, log: o.c.cfg.Logger,
 		kick: make(chan struct{}, 1), closing: make(chan struct{}), done: make(chan struct{}),
-	}, nil
+	}
+	o.c.mu.Lock()
+	o.c.notifiers[n] = struct{}{}
+	o.c.mu.Unlock()
+	return n, nil
+}
+
+// forget stops the Notifier's requests.
+func (n *Notifier) forget() {
+	n.o.mu.Lock()
+	delete(n.o.notifiers, n)
+	n.o.mu.Unlock()
 }
 
 // Run sends the NOTIFYs that Outbox.Notify asks for until ctx ends or Close
 // is called, and returns nil then. A request made before that still gets its
-// NOTIFY. A Notifier runs once: a second Run returns an error.
+// NOTIFY, even when Close came before Run started. A Notifier runs once: a
+// second Run returns an error; Run after Close returns at once.
 func (n *Notifier) Run(ctx context.Context) error {
 	if !n.started.CompareAndSwap(false, true) {
 		return errors.New("outbox: notifier: Run called twice")
 	}
 	defer close(n.done)
-	n.o.mu.Lock()
-	n.o.notifiers[n] = struct{}{}
-	n.o.mu.Unlock()
-	defer func() {
-		n.o.mu.Lock()
-		delete(n.o.notifiers, n)
-		n.o.mu.Unlock()
-	}()
+	defer n.forget()
 	for {
 		select {
 		case <-n.closing:
@@ -116,11 +122,13 @@ func (n *Notifier) send() {
 }
 
 // Close stops Run and waits for it to return: a request made before Close
-// still gets its NOTIFY (at most 5 s); requests made after are dropped.
+// to a running Notifier still gets its NOTIFY (at most 5 s); requests made
+// after are dropped.
 // Close does not close the database; it never fails, the error is for
 // io.Closer.
 func (n *Notifier) Close() error {
 	n.once.Do(func() {
+		n.forget()
 		close(n.closing)
 		if n.started.Load() {
 			<-n.done

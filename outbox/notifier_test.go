@@ -192,8 +192,8 @@ func runNotifier(t *testing.T, ob *obx) *outbox.Notifier {
 }
 
 // A Notifier starts no goroutine until Run, and none outlives Run: Run
-// returns at Close or when its context ends, after the NOTIFY of a request
-// made before. Not parallel: goleak sees every goroutine of the process.
+// returns at Close or when its context ends. A request made before Run
+// waits for it. Not parallel: goleak sees every goroutine of the process.
 func TestNotifierGoroutinesEndWithRun(t *testing.T) {
 	for _, d := range postgresDrivers() {
 		t.Run(d.name, func(t *testing.T) {
@@ -204,39 +204,23 @@ func TestNotifierGoroutinesEndWithRun(t *testing.T) {
 				t.Fatal(err)
 			}
 			before := goleak.IgnoreCurrent()
-			n, err := writer.NewNotifier()
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := goleak.Find(before); err != nil {
-				t.Fatalf("NewNotifier started a goroutine: %v", err)
-			}
-			writer.Notify() // before Run: dropped, nobody listens yet
-			if err := n.Close(); err != nil {
-				t.Fatal(err)
-			}
-			if err := n.Run(t.Context()); err != nil {
-				t.Fatalf("Run after Close = %v; want nil at once", err)
-			}
-			if c := count(); c != 0 {
-				t.Fatalf("%d notifications from a Notifier that never ran", c)
-			}
-
 			for _, stop := range []string{"Close", "ctx"} {
 				n, err := writer.NewNotifier()
 				if err != nil {
 					t.Fatal(err)
 				}
+				if err := goleak.Find(before); err != nil {
+					t.Fatalf("NewNotifier started a goroutine: %v", err)
+				}
+				sent := count()
+				writer.Notify() // before Run: waits for it
 				ctx, cancel := context.WithCancel(context.Background())
 				done := make(chan error, 1)
 				go func() { done <- n.Run(ctx) }()
-				deadline := time.Now().Add(5 * time.Second)
-				for c := count(); count() == c; {
-					writer.Notify()
+				for deadline := time.Now().Add(5 * time.Second); count() == sent; time.Sleep(10 * time.Millisecond) {
 					if time.Now().After(deadline) {
-						t.Fatalf("%s: a running Notifier sent no NOTIFY", stop)
+						t.Fatalf("%s: the request made before Run got no NOTIFY", stop)
 					}
-					time.Sleep(10 * time.Millisecond)
 				}
 				if stop == "Close" {
 					_ = n.Close()
@@ -254,6 +238,22 @@ func TestNotifierGoroutinesEndWithRun(t *testing.T) {
 				if err := goleak.Find(before); err != nil {
 					t.Fatalf("a goroutine outlived the Notifier's Run (ended by %s): %v", stop, err)
 				}
+			}
+			// Closed before it ran: Run returns at once.
+			n, err := writer.NewNotifier()
+			if err != nil {
+				t.Fatal(err)
+			}
+			_ = n.Close()
+			ran := make(chan error, 1)
+			go func() { ran <- n.Run(t.Context()) }()
+			select {
+			case err := <-ran:
+				if err != nil {
+					t.Fatal(err)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatal("Run after Close did not return")
 			}
 		})
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/settle-go/settle/sqldb"
@@ -27,8 +28,13 @@ func (o *Outbox[TTx]) Prune(ctx context.Context, before time.Time) (int64, error
 func (c *core) prune(ctx context.Context, before time.Time) (int64, error) {
 	olderThan := max(time.Since(before), 0)
 	var age any = olderThan.Seconds()
-	if c.q.d == sqldb.MySQL {
+	switch c.q.d {
+	case sqldb.MySQL:
 		age = olderThan.Microseconds()
+	case sqldb.SQLite:
+		// Text in the statement's modifier: SQLite would print a small
+		// REAL in exponent form ("1e-05 seconds"), which it does not read.
+		age = strconv.FormatFloat(olderThan.Seconds(), 'f', 6, 64)
 	}
 	var total int64
 	for {

@@ -16,8 +16,8 @@
 //     broker. "bare" is watermill-sql's publisher on wsql.TxFromStdSQL(tx)
 //     wrapped by forwarder.NewPublisher, forwarded by forwarder.NewForwarder
 //     on a watermill-sql subscriber; "settle" is Outbox.TxPublisher(tx) and
-//     Outbox.NewRelay on database/sql; "settle pgx" is Outbox.PgxTxPublisher
-//     on a pgx.Tx and Outbox.NewPgxRelay on a pgxpool.Pool. All poll with
+//     Outbox.NewRelay on database/sql (sqldb.Std); "settle pgx" is the same
+//     on a pgx.Tx and a pgxpool.Pool (sqldb.Pgx). All poll with
 //     -poll and read 100 rows per query (the watermill-sql PostgreSQL
 //     default).
 //   - paced: the same at a fixed -rate for -paced, to read the lag of an
