@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -450,3 +451,43 @@ func (competing) Subscribe(context.Context, string) (<-chan *message.Message, er
 	return nil, errors.New("not subscribed in this test")
 }
 func (competing) Close() error { return nil }
+
+// ConfirmTx of a pgx.Tx works with the pgx store in the middleware, and
+// refuses a store of another driver, naming both types.
+func TestConfirmTxOfPgxStores(t *testing.T) {
+	t.Parallel()
+	db, pool := testenv.Postgres(t), testenv.PgxPool(t)
+	table := testenv.DedupeTable(t, db)
+	pgxStore, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: table})
+	must(t, err)
+	lite := testenv.SQLite(t)
+	liteStore, err := dedupe.NewSQLStore(lite.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, lite)})
+	must(t, err)
+	run := func(store dedupe.Store, id string) error {
+		dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store})
+		must(t, err)
+		h := dd(func(msg *message.Message) ([]*message.Message, error) {
+			tx, err := pool.Begin(msg.Context())
+			if err != nil {
+				return nil, err
+			}
+			defer func() { _ = tx.Rollback(context.Background()) }()
+			if err := dedupe.ConfirmTx(msg.Context(), tx); err != nil {
+				return nil, err
+			}
+			return nil, tx.Commit(msg.Context())
+		})
+		_, err = h(message.NewMessage(id, nil))
+		return err
+	}
+	must(t, run(pgxStore, "s-1"))
+	if c, err := pgxStore.Claim(t.Context(), "s-1", time.Minute); err != nil || c.Result != dedupe.Duplicate {
+		t.Fatalf("after ConfirmTx with the pgx store: %+v, %v; want duplicate", c, err)
+	}
+	if err := run(liteStore, "l-1"); err == nil || !strings.Contains(err.Error(), "*dedupe.SQLStore[*sql.Tx]") {
+		t.Fatalf("ConfirmTx of a pgx.Tx with a database/sql store: %v", err)
+	}
+	if c, err := liteStore.Claim(t.Context(), "l-1", time.Minute); err != nil || c.Result != dedupe.Acquired {
+		t.Fatalf("the refused confirmation released the SQLite claim: %+v, %v; want acquired", c, err)
+	}
+}
