@@ -1,6 +1,8 @@
 // Package settle is the shared vocabulary of settle's packages: the outcomes a
-// delivery can settle with, the metadata keys settle writes on messages, and
-// the Settlement record of one delivery.
+// delivery can settle with, the metadata keys settle writes on messages, the
+// Settlement record of one delivery, IsPermanent, and the OpenTelemetry
+// options (Option) that the tracing middleware, the pipeline and the outbox
+// all take.
 //
 // settle makes Watermill pipelines on at-least-once brokers produce effects
 // that happen once. The work is done by its sub-packages, each usable on its
@@ -11,7 +13,8 @@
 //   - poison: the errors no retry can fix;
 //   - middleware: bounded retry, poison and dead-letter parking, and tracing;
 //   - outbox: the transactional outbox and settle's own relay;
-//   - pipeline: the whole stack assembled in the right order.
+//   - pipeline: the whole stack assembled in the right order;
+//   - sqlitepubsub: watermill-sql's own Publisher and Subscriber on SQLite.
 //
 // The outbox is not Watermill's SQL forwarder. That forwarder relays from an
 // offset bookmark, and under concurrent MariaDB writers it moved past rows
@@ -21,8 +24,9 @@
 // with FOR UPDATE SKIP LOCKED, and wakes on commit (PostgreSQL
 // LISTEN/NOTIFY, or in process), polling only as a fallback. Of
 // watermill-sql, settle keeps the executor types that let one set of
-// statements run on database/sql and on pgx, and the SQLite schema and
-// offsets adapters that let watermill-sql itself run on SQLite.
+// statements run on database/sql and on pgx; package sqlitepubsub adds the
+// SQLite schema and offsets adapters that let watermill-sql itself run on
+// SQLite.
 //
 // See docs/settlement.md for the outcomes and the order of the middleware,
 // and docs/outbox.md for the relay.

@@ -2,10 +2,14 @@ package settle_test
 
 import (
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/propagation"
+	tracenoop "go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/telemetry"
 )
 
 func TestAttempt(t *testing.T) {
@@ -21,12 +25,24 @@ func TestAttempt(t *testing.T) {
 	}
 }
 
-func TestMetadataCarrier(t *testing.T) {
+// The options are nil-safe: a nil provider or propagator, an empty system
+// and a wait <= 0 leave the default, and a nil Option is skipped.
+func TestOptionsNilSafe(t *testing.T) {
 	t.Parallel()
-	md := message.Metadata{}
-	c := settle.MetadataCarrier(md)
-	c.Set("traceparent", "00-abc")
-	if md.Get("traceparent") != "00-abc" || c.Get("traceparent") != "00-abc" || len(c.Keys()) != 1 {
-		t.Fatalf("carrier did not write through to the metadata: %v", md)
+	c := telemetry.Resolve([]settle.Option{
+		settle.WithTracerProvider(nil), settle.WithMeterProvider(nil), settle.WithPropagators(nil),
+		settle.WithMessagingSystem(""), settle.WithSettleWait(-time.Second), nil,
+	})
+	if c.TracerProvider == nil || c.MeterProvider == nil || c.Propagator == nil {
+		t.Fatalf("a nil option left no default: %+v", c)
+	}
+	if c.System != "" || c.SettleWait != 0 || c.Link {
+		t.Fatalf("an empty option set something: %+v", c)
+	}
+	tp := tracenoop.NewTracerProvider()
+	c = telemetry.Resolve([]settle.Option{settle.WithTracerProvider(tp), settle.WithPropagators(propagation.TraceContext{}),
+		settle.WithMessagingSystem("rabbitmq"), settle.WithSettleWait(time.Second), settle.WithLinkToProducer()})
+	if c.TracerProvider != tp || c.Propagator != (propagation.TraceContext{}) || c.System != "rabbitmq" || c.SettleWait != time.Second || !c.Link {
+		t.Fatalf("options not applied: %+v", c)
 	}
 }

@@ -17,8 +17,8 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/amqpmarshal"
-	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -365,7 +365,7 @@ func (b *amqpBench) settle(ctx context.Context, c, n int, one bool, prof string)
 		Publisher:   pub,
 		Store:       store,
 		Concurrency: c,
-		Tracing:     []middleware.Option{middleware.WithTracerProvider(tp), middleware.WithMeterProvider(mp)},
+		Tracing:     []settle.Option{settle.WithTracerProvider(tp), settle.WithMeterProvider(mp)},
 	})
 	if err != nil {
 		return 0, err

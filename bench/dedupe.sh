@@ -25,4 +25,4 @@ go test ./dedupe/ -run '^$' -bench 'ClaimConfirm' -benchtime "$BENCHTIME" -count
 echo
 echo "median of $COUNT runs, -benchtime $BENCHTIME (raw output: $OUT)"
 echo
-go run ./bench/ratio < "$OUT"
+go -C bench run ./ratio < "$OUT"

@@ -3,12 +3,19 @@
 // statements, raw RabbitMQ consume, raw PostgreSQL transactions) in one run,
 // prints the figures and their ratios, and can regenerate docs/benchmarks.md.
 //
-//	go run ./bench                        # everything, about 10 minutes
-//	go run ./bench -quick                 # smaller runs, about 2 minutes
-//	go run ./bench -only stack,txcost     # some sections
-//	go run ./bench -write docs/benchmarks.md
-//	go run ./bench -only stack -profile DIR  # CPU and alloc profiles into DIR
-//	go run ./bench -render -write docs/benchmarks.md # the document from bench/results.json
+// The harness is a module of its own (bench/go.mod, which replaces settle by
+// the directory above it), so that its dependencies, River among them, stay
+// out of the library's go.mod. It runs from its directory:
+//
+//	cd bench
+//	go run .                        # everything, about 10 minutes
+//	go run . -quick                 # smaller runs, about 2 minutes
+//	go run . -only stack,txcost     # some sections
+//	go run . -write ../docs/benchmarks.md
+//	go run . -only stack -profile DIR  # CPU and alloc profiles into DIR
+//	go run . -render -write ../docs/benchmarks.md # the document from results.json
+//
+// (or, from the repository's root, go -C bench run . ...).
 //
 // Sections (-only takes a comma-separated list):
 //
@@ -16,7 +23,7 @@
 //     store), tracing off and on.
 //   - stores: dedupe stores vs their raw-SQL floor on PostgreSQL, MariaDB and
 //     SQLite at 1/4/16 goroutines (runs `go test -bench ClaimConfirm` of
-//     ./dedupe and reads its output).
+//     settle's ./dedupe, in the directory above, and reads its output).
 //   - txcost: PostgreSQL transactional dedupe, one statement vs the default
 //     mode vs a raw BEGIN; INSERT; COMMIT.
 //   - pgx: PostgreSQL through pgx directly (dedupe.SQLStore on sqldb.Pgx, the pgx
@@ -31,7 +38,7 @@
 //     raw BEGIN; INSERT; COMMIT vs settle's transactional handler with one
 //     commit per message vs with group commit (TxConfig.Batch), throughput
 //     and publish-to-commit latency, with an exactly-once check.
-//   - outbox: runs bench/outbox (a separate command) and includes its table.
+//   - outbox: runs ./outbox (a separate command) and includes its table.
 //   - growth: per-message cost as the message count and the dedupe table
 //     grow, and the cost of Prune on a million confirmed keys.
 //   - attempts: the retry middleware's memory of failing messages, full at
@@ -42,7 +49,7 @@
 // SETTLE_AMQP_URL, defaulting to the local services on 127.0.0.1.
 //
 // With -write, the results of the sections run are merged into a JSON file
-// beside the harness (bench/results.json, -results) and the whole document is
+// beside the harness (results.json, -results) and the whole document is
 // regenerated from it, so a run of one section keeps the others' figures.
 package main
 
@@ -77,8 +84,16 @@ type options struct {
 	maxLoad  float64
 }
 
+// settleDir is settle's module, relative to the harness's: the directory
+// bench/go.mod replaces github.com/settle-go/settle by. The stores section
+// runs settle's own dedupe benchmarks there.
+const settleDir = ".."
+
 func main() {
 	o, err := parseFlags(os.Args[1:])
+	if err == nil {
+		err = checkDir()
+	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(2)
@@ -89,6 +104,16 @@ func main() {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
+}
+
+// checkDir makes sure the harness runs in its own directory, which its
+// relative paths (results.json, ./outbox, settleDir) are taken from.
+func checkDir() error {
+	b, err := os.ReadFile("go.mod")
+	if err == nil && slices.Contains(strings.Split(string(b), "\n"), "module github.com/settle-go/settle/bench") {
+		return nil
+	}
+	return errors.New("run the harness from its directory: cd bench && go run . (or go -C bench run . from the repository's root)")
 }
 
 func env(name, def string) string {
@@ -105,8 +130,8 @@ func parseFlags(args []string) (options, error) {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.BoolVar(&o.quick, "quick", false, "smaller runs (about 2 minutes in all)")
 	fs.StringVar(&only, "only", "", "comma-separated sections to run: "+strings.Join(sections, ","))
-	fs.StringVar(&o.write, "write", "", "regenerate this markdown file (docs/benchmarks.md) from the results")
-	fs.StringVar(&o.results, "results", "bench/results.json", "JSON file the results are merged into with -write")
+	fs.StringVar(&o.write, "write", "", "regenerate this markdown file (../docs/benchmarks.md) from the results")
+	fs.StringVar(&o.results, "results", "results.json", "JSON file the results are merged into with -write")
 	fs.BoolVar(&render, "render", false, "run nothing: regenerate the -write file from the -results file")
 	fs.StringVar(&o.profile, "profile", "", "write CPU and alloc profiles of settle's runs into this directory")
 	fs.IntVar(&o.runs, "runs", 0, "runs per cell, the median is reported (default 3, 1 with -quick)")

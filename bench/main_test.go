@@ -1,6 +1,8 @@
 package main
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -77,5 +79,25 @@ func TestRenderDocWithoutResults(t *testing.T) {
 		if !strings.Contains(doc, s) {
 			t.Errorf("document lacks %q", s)
 		}
+	}
+}
+
+func TestCheckDir(t *testing.T) {
+	// Not parallel: t.Chdir changes the process's directory.
+	if err := checkDir(); err != nil {
+		t.Fatalf("in the harness's own directory: %v", err)
+	}
+	// settleDir is settle's module, where the stores section runs settle's
+	// dedupe benchmarks.
+	b, err := os.ReadFile(filepath.Join(settleDir, "go.mod"))
+	if err != nil || !strings.HasPrefix(string(b), "module github.com/settle-go/settle\n") {
+		t.Fatalf("%s/go.mod is not settle's (err %v)", settleDir, err)
+	}
+	if _, err := os.Stat(filepath.Join(settleDir, "dedupe", "bench_test.go")); err != nil {
+		t.Fatalf("the stores section's benchmarks: %v", err)
+	}
+	t.Chdir(settleDir)
+	if err := checkDir(); err == nil {
+		t.Fatal("checkDir accepted settle's root directory")
 	}
 }

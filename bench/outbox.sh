@@ -16,7 +16,8 @@
 # printed at the end). Takes about 7 minutes with the defaults.
 set -euo pipefail
 
-cd "$(dirname "$0")/.."
+# The harness's own module (bench/go.mod).
+cd "$(dirname "$0")"
 
 export SETTLE_POSTGRES_URL="${SETTLE_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test?sslmode=disable}"
 export SETTLE_AMQP_URL="${SETTLE_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/}"
@@ -28,7 +29,7 @@ RATE="${RATE:-1000}"
 PACED="${PACED:-5s}"
 OUT="${OUT:-$(mktemp -t settle-outbox-bench.XXXXXX)}"
 
-go build -o "$OUT.bin" ./bench/outbox
+go build -o "$OUT.bin" ./outbox
 trap 'rm -f "$OUT.bin"' EXIT
 common=(-n "$N" -runs "$RUNS" -rate "$RATE" -paced "$PACED")
 

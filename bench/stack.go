@@ -24,8 +24,8 @@ import (
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
-	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/pipeline"
 )
 
@@ -142,7 +142,7 @@ func stackRun(ctx context.Context, mode string, n int, store dedupe.Store, prof 
 			tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(discardExporter{}))
 			mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
 			defer func() { _ = tp.Shutdown(context.Background()); _ = mp.Shutdown(context.Background()) }()
-			cfg.Tracing = []middleware.Option{middleware.WithTracerProvider(tp), middleware.WithMeterProvider(mp)}
+			cfg.Tracing = []settle.Option{settle.WithTracerProvider(tp), settle.WithMeterProvider(mp)}
 		}
 		p, err := pipeline.New(router, cfg)
 		if err != nil {

@@ -11,7 +11,8 @@ import (
 	"strings"
 )
 
-// StoresResults: section stores, from `go test -bench ClaimConfirm ./dedupe`.
+// StoresResults: section stores, from `go test -bench ClaimConfirm ./dedupe`
+// run in settle's module.
 type StoresResults struct {
 	Benchtime string     `json:"benchtime"`
 	Count     int        `json:"count"`
@@ -33,6 +34,7 @@ func runStores(ctx context.Context, o options, log io.Writer) (*StoresResults, e
 	}
 	cmd := exec.CommandContext(ctx, "go", "test", "./dedupe/", "-run", "^$", "-bench", "ClaimConfirm",
 		"-benchtime", res.Benchtime, "-count", strconv.Itoa(res.Count), "-timeout", "20m")
+	cmd.Dir = settleDir // the benchmarks are settle's own tests
 	cmd.Env = append(os.Environ(),
 		"SETTLE_POSTGRES_URL="+o.pgURL, "SETTLE_MYSQL_URL="+o.mysqlURL, "SETTLE_REQUIRE_INTEGRATION=1")
 	cmd.Stderr = log

@@ -118,6 +118,10 @@ type queries struct {
 	// cutoff and now. Args: cutoff, limit (SQLite: cutoff, min(cutoff, now),
 	// limit).
 	prune string
+	// pruneWhere is prune's filter, with the arguments of prune but the
+	// limit: what a prune deletes (the settle command's dry run counts it,
+	// see prunesel.go).
+	pruneWhere string
 
 	// claimReturning and claimDoneReturning are claim and claimDone with
 	// the row as the statement left it (readBack's columns) returned, for a
@@ -173,6 +177,7 @@ RETURNING attempts`
 		pruneCond := `updated_at < $1 AND (state <> 1 OR expires_at < LEAST($1, ` + now + `))`
 		q.prune = `DELETE FROM ` + t + ` WHERE key IN (SELECT key FROM ` + t + ` WHERE ` + pruneCond +
 			` LIMIT $2 FOR UPDATE SKIP LOCKED) AND ` + pruneCond
+		q.pruneWhere = pruneCond
 	case sqldb.SQLite:
 		q.insert = `INSERT INTO ` + t + ` (key, state, token, attempts, expires_at, updated_at, first_at)
 VALUES (?1, 1, ?2, 1, ?3, ?4, ?4) ON CONFLICT (key) DO NOTHING RETURNING attempts, first_at`
@@ -194,6 +199,7 @@ RETURNING attempts`
 		pruneCond := `updated_at < ?1 AND (state <> 1 OR expires_at < ?2)`
 		q.prune = `DELETE FROM ` + t + ` WHERE rowid IN (SELECT rowid FROM ` + t + ` WHERE ` + pruneCond +
 			` LIMIT ?3) AND ` + pruneCond
+		q.pruneWhere = pruneCond
 	case sqldb.MySQL:
 		// MySQL has no conditional ON DUPLICATE KEY UPDATE, so every column is
 		// set to itself unless the row may be taken over. Assignments run left
@@ -233,7 +239,8 @@ RETURNING attempts`
 		// A single DELETE with its filter and LIMIT: InnoDB evaluates the
 		// filter on the latest row version under the row lock, so a claim
 		// taken while the prune runs is never deleted.
-		q.prune = "DELETE FROM " + t + " WHERE updated_at < ? AND (state <> 1 OR expires_at < LEAST(?, " + now + ")) LIMIT ?"
+		q.pruneWhere = "updated_at < ? AND (state <> 1 OR expires_at < LEAST(?, " + now + "))"
+		q.prune = "DELETE FROM " + t + " WHERE " + q.pruneWhere + " LIMIT ?"
 	}
 	return q
 }

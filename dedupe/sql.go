@@ -456,17 +456,7 @@ func (s *SQLStore[TTx]) Release(ctx context.Context, c Claim) error {
 // Each statement re-checks its filter on the row it deletes, under the row's
 // lock, so a key claimed or confirmed while the prune runs is kept.
 func (s *SQLStore[TTx]) Prune(ctx context.Context, before time.Time) (int64, error) {
-	cutoff := micros(before)
-	var args []any
-	switch s.dialect {
-	case sqldb.Postgres:
-		args = []any{cutoff, s.batch}
-	case sqldb.MySQL:
-		args = []any{cutoff, cutoff, s.batch}
-	default:
-		// A claim that has not expired yet is live whatever the cutoff says.
-		args = []any{cutoff, min(cutoff, micros(s.now())), s.batch}
-	}
+	args := append(s.pruneArgs(before), s.batch)
 	var total int64
 	for deadlocks := 0; ; {
 		n, err := s.exec(ctx, s.q.prune, args...)

@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
@@ -191,7 +192,7 @@ func TestAttemptsFailedPoisonParkIsNotAnAttempt(t *testing.T) {
 	park.fail.Store(4)
 	stop := e.run(pipeline.Config{
 		Retry: atRetry(3, 1), NackDelay: 20 * time.Millisecond,
-		Tracing: []middleware.Option{middleware.WithTracerProvider(tp), middleware.WithPropagators(propagation.TraceContext{})},
+		Tracing: []settle.Option{settle.WithTracerProvider(tp), settle.WithPropagators(propagation.TraceContext{})},
 	}, park, func(int64, *message.Message) error {
 		return poison.Permanent(errors.New("order has no customer"))
 	})
@@ -220,7 +221,7 @@ func TestAttemptsFailedPoisonParkIsNotAnAttempt(t *testing.T) {
 	for _, s := range rec.Ended() {
 		if s.Name() == "process "+e.src {
 			for _, a := range s.Attributes() {
-				if a.Key == middleware.OutcomeKey {
+				if a.Key == attribute.Key("settle.outcome") {
 					outcomes[a.Value.AsString()]++
 				}
 			}

@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/poison"
@@ -37,7 +38,7 @@ func TestInvalidUTF8MessageKeepsItsBatchInJaeger(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp, sdktrace.WithBatchTimeout(time.Hour)),
 		sdktrace.WithResource(resource.NewSchemaless(attribute.String("service.name", service))))
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	tracing, err := middleware.NewTracing(middleware.WithTracerProvider(tp), middleware.WithMessagingSystem("gochannel"))
+	tracing, err := middleware.NewTracing(settle.WithTracerProvider(tp), settle.WithMessagingSystem("gochannel"))
 	if err != nil {
 		t.Fatal(err)
 	}

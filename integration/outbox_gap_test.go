@@ -24,6 +24,7 @@ import (
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
+	"github.com/settle-go/settle/sqlitepubsub"
 )
 
 // The gap test's knobs. SETTLE_GAP_MESSAGES scales the run (the issue's
@@ -405,7 +406,12 @@ func watermillGapSubject(t *testing.T, db testenv.DB, topic string, sink *gapSin
 	case sqldb.MySQL:
 		schema, offsets = wsql.DefaultMySQLSchema{}, wsql.DefaultMySQLOffsetsAdapter{}
 	default:
-		schema, offsets = outbox.SQLiteSchema{SubscribeBatchSize: 10}, outbox.SQLiteOffsetsAdapter{}
+		cfg := sqlitepubsub.Config{SubscribeBatchSize: 10}
+		var err error
+		if schema, err = sqlitepubsub.Schema(cfg); err != nil {
+			t.Fatal(err)
+		}
+		offsets = sqlitepubsub.Offsets(cfg)
 	}
 	init := func(qs []wsql.Query, err error) {
 		if err != nil {

@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/settle-go/settle"
@@ -236,7 +237,7 @@ func TestDeferredAndRetryAreCountedApart(t *testing.T) {
 	eventually(t, 5*time.Second, "settle spans", func() bool { return len(byName(tr.rec.Ended(), "ack "+topic)) == 1 })
 	outcomes := map[string]int{}
 	for _, p := range byName(tr.rec.Ended(), "process "+topic) {
-		outcomes[attr(p, middleware.OutcomeKey).AsString()]++
+		outcomes[attr(p, attribute.Key("settle.outcome")).AsString()]++
 	}
 	// Run 1 fails (retry); run 2 fails, its dead-letter copy fails twice
 	// (deferred, deferred), and the third delivery parks it.
@@ -257,7 +258,7 @@ func TestDeferredAndRetryAreCountedApart(t *testing.T) {
 			for _, dp := range d.DataPoints {
 				switch m.Name {
 				case "settle.settlements":
-					o, _ := dp.Attributes.Value(middleware.OutcomeKey)
+					o, _ := dp.Attributes.Value(attribute.Key("settle.outcome"))
 					got[o.AsString()] += dp.Value
 				case "settle.retries":
 					retries += dp.Value

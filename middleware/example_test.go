@@ -58,7 +58,7 @@ func ExampleNewRetry() {
 func ExampleNewTracing() {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	tracing, err := middleware.NewTracing(middleware.WithTracerProvider(tp), middleware.WithMessagingSystem("gochannel"))
+	tracing, err := middleware.NewTracing(settle.WithTracerProvider(tp), settle.WithMessagingSystem("gochannel"))
 	if err != nil {
 		panic(err)
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/otlptest"
 	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/poison"
@@ -26,7 +27,7 @@ func TestTracingInvalidUTF8ReachesOTLP(t *testing.T) {
 	t.Parallel()
 	recv := otlptest.New(t)
 	tp := recv.TracerProvider(t)
-	mw, err := middleware.NewTracing(middleware.WithTracerProvider(tp), middleware.WithMessagingSystem("gochannel"))
+	mw, err := middleware.NewTracing(settle.WithTracerProvider(tp), settle.WithMessagingSystem("gochannel"))
 	must(t, err)
 
 	long := strings.Repeat("x", 5000)
@@ -127,7 +128,7 @@ func TestTracingInvalidUTF8ReachesOTLP(t *testing.T) {
 	if poisoned == nil || dead == nil {
 		t.Fatalf("the process spans of the bad messages were not received cleaned (poisoned %v, dead-lettered %v)", poisoned != nil, dead != nil)
 	}
-	if o, _ := otlptest.Attr(poisoned, string(middleware.OutcomeKey)); o != "poisoned" {
+	if o, _ := otlptest.Attr(poisoned, "settle.outcome"); o != "poisoned" {
 		t.Errorf("poisoned message's outcome %q", o)
 	}
 	if d := poisoned.GetStatus().GetMessage(); !strings.HasPrefix(d, "permanent: cannot charge customer \uFFFD(\uFFFD xxx") {

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
@@ -21,106 +20,26 @@ import (
 	"github.com/settle-go/settle/internal/telemetry"
 )
 
-// ScopeName is the instrumentation scope of settle's settlement spans and
-// metrics.
-const ScopeName = "github.com/settle-go/settle/middleware"
-
-// Version is the instrumentation version reported with the scope.
-const Version = "0.1.0"
-
 // Attribute keys settle adds to the messaging semantic conventions (semconv
-// v1.43.0).
+// v1.43.0). docs/tracing.md lists them.
 const (
-	OutcomeKey  = attribute.Key("settle.outcome")
-	AttemptKey  = attribute.Key("settle.attempt")
-	HandlerKey  = attribute.Key("settle.handler")
-	RetriesKey  = attribute.Key("settle.retries")
-	ParkedToKey = attribute.Key("settle.parked_to")
+	outcomeKey  = attribute.Key("settle.outcome")
+	attemptKey  = attribute.Key("settle.attempt")
+	handlerKey  = attribute.Key("settle.handler")
+	retriesKey  = attribute.Key("settle.retries")
+	parkedToKey = attribute.Key("settle.parked_to")
 )
 
-// Option configures NewTracing, in the shape of otelhttp's options.
-type Option interface{ apply(*tracingConfig) }
-
-type optionFunc func(*tracingConfig)
-
-func (f optionFunc) apply(c *tracingConfig) { f(c) }
-
-type tracingConfig struct {
-	tp         trace.TracerProvider
-	mp         metric.MeterProvider
-	prop       propagation.TextMapPropagator
-	system     string
-	link       bool
-	settleWait time.Duration
-}
-
-// WithTracerProvider sets the tracer provider. Nil means the global one.
-func WithTracerProvider(tp trace.TracerProvider) Option {
-	return optionFunc(func(c *tracingConfig) {
-		if tp != nil {
-			c.tp = tp
-		}
-	})
-}
-
-// WithMeterProvider sets the meter provider. Nil means the global one.
-func WithMeterProvider(mp metric.MeterProvider) Option {
-	return optionFunc(func(c *tracingConfig) {
-		if mp != nil {
-			c.mp = mp
-		}
-	})
-}
-
-// WithPropagators sets how trace context is read from and written to
-// message metadata. Nil means the global propagator once the application
-// has set one (otel.SetTextMapPropagator), and W3C Trace Context and
-// Baggage while it is OTel's no-op default, so that a program that sets
-// none still gets one trace from producer to consumer.
-func WithPropagators(p propagation.TextMapPropagator) Option {
-	return optionFunc(func(c *tracingConfig) {
-		if p != nil {
-			c.prop = p
-		}
-	})
-}
-
-// WithMessagingSystem sets messaging.system ("rabbitmq", "gochannel", ...).
-// Defaults to "watermill".
-func WithMessagingSystem(system string) Option {
-	return optionFunc(func(c *tracingConfig) {
-		if system != "" {
-			c.system = system
-		}
-	})
-}
-
-// WithLinkToProducer makes the producer's context (read from the message's
-// metadata) a link of the process span, which then starts a new trace. By
-// default it is the parent, so that the producer, the outbox relay, the
-// consumer's processing and its settlement form one trace in Jaeger: the
-// conventions allow the parent for single-message processing, and prefer
-// links for batches, which Watermill routers do not have.
-func WithLinkToProducer() Option {
-	return optionFunc(func(c *tracingConfig) { c.link = true })
-}
-
-// WithSettleWait bounds how long a settle span waits for the router to ack
-// or nack; after it (and at most 10ms later) the span ends with an error.
-// Defaults to 30s.
-func WithSettleWait(d time.Duration) Option {
-	return optionFunc(func(c *tracingConfig) {
-		if d > 0 {
-			c.settleWait = d
-		}
-	})
-}
+// Defaults of the options NewTracing reads.
+const (
+	defaultSystem     = "watermill"
+	defaultSettleWait = 30 * time.Second
+)
 
 type tracing struct {
-	cfg      tracingConfig
+	cfg      telemetry.Config
 	mattrs   sync.Map // metricKey -> *measurement, built once per outcome and handler
 	names    sync.Map // deliveryKey -> *spanNames, built once per handler and topic
-	settler  *settler
 	consumer trace.SpanStartOption
 	client   trace.SpanStartOption
 	tracer   trace.Tracer
@@ -141,8 +60,8 @@ type tracing struct {
 //     settle.outcome, settle.attempt), whose parent is the producer's
 //     context read from the message's metadata;
 //   - a client span "ack <topic>" or "nack <topic>" (operation type settle)
-//     under it, that ends when the router has really acked or nacked the
-//     message, not when the middleware returned;
+//     under it, named for what the router does with the message (see
+//     below for when it ends);
 //   - a producer span "create <topic>" under it for each message the handler
 //     returns, whose context is written into that message's metadata, so
 //     the consumers of the handler's output continue the same trace (see
@@ -163,35 +82,37 @@ type tracing struct {
 // Metrics: settle.settlements (by outcome and handler), settle.handler.duration
 // (seconds) and settle.retries (in-process retries).
 //
-// Watermill tells that a message was acked or nacked only through channels
-// closed after the middleware chain has returned, so the settle spans need a
-// goroutine to wait on them: one per tracing middleware waits for all the
-// deliveries in flight (up to 32; more get a goroutine each). It runs while
-// any delivery waits and stops about 10–20ms after the last one settled.
-func NewTracing(opts ...Option) (message.HandlerMiddleware, error) {
-	cfg := tracingConfig{system: "watermill", settleWait: 30 * time.Second}
-	for _, o := range opts {
-		o.apply(&cfg)
+// The settle span reports the router's settlement. When the chain returns
+// an error (the router nacks) or no messages for the router to publish (it
+// acks), nothing is left for the router to decide, and the span ends before
+// the middleware returns, on the delivery's own goroutine: router.Close
+// waits for it, so every such span has ended when Close returns, and a
+// tracer provider shut down right after exports it. Only when the router
+// still has to publish messages the chain returned does the span wait for
+// the router's ack or nack (Watermill tells of them only by closing
+// channels), on a goroutine of that delivery that ends with it or after the
+// settle wait; such a span can end just after Close returns. A middleware
+// inside this one that publishes the output itself (dedupe.Config.Publisher,
+// as pipeline does) leaves the router nothing to publish.
+// A middleware outside this one that changes what the chain returns is not
+// seen: the settle span names what the chain returned.
+func NewTracing(opts ...settle.Option) (message.HandlerMiddleware, error) {
+	cfg := telemetry.Resolve(opts)
+	if cfg.System == "" {
+		cfg.System = defaultSystem
 	}
-	if cfg.tp == nil {
-		cfg.tp = otel.GetTracerProvider()
-	}
-	if cfg.mp == nil {
-		cfg.mp = otel.GetMeterProvider()
-	}
-	if cfg.prop == nil {
-		cfg.prop = telemetry.Propagator()
+	if cfg.SettleWait == 0 {
+		cfg.SettleWait = defaultSettleWait
 	}
 	t := &tracing{
 		cfg:      cfg,
-		tracer:   cfg.tp.Tracer(ScopeName, trace.WithInstrumentationVersion(Version), trace.WithSchemaURL(semconv.SchemaURL)),
-		systemKV: semconv.MessagingSystemKey.String(cfg.system),
+		tracer:   cfg.TracerProvider.Tracer(telemetry.MiddlewareScope, trace.WithInstrumentationVersion(telemetry.Version), trace.WithSchemaURL(semconv.SchemaURL)),
+		systemKV: semconv.MessagingSystemKey.String(cfg.System),
 		consumer: trace.WithSpanKind(trace.SpanKindConsumer),
 		client:   trace.WithSpanKind(trace.SpanKindClient),
 		producer: trace.WithSpanKind(trace.SpanKindProducer),
-		settler:  newSettler(cfg.settleWait),
 	}
-	meter := cfg.mp.Meter(ScopeName, metric.WithInstrumentationVersion(Version), metric.WithSchemaURL(semconv.SchemaURL))
+	meter := cfg.MeterProvider.Meter(telemetry.MiddlewareScope, metric.WithInstrumentationVersion(telemetry.Version), metric.WithSchemaURL(semconv.SchemaURL))
 	var err error
 	if t.settled, err = meter.Int64Counter("settle.settlements", metric.WithDescription("Deliveries settled, by outcome and handler."), metric.WithUnit("{delivery}")); err != nil {
 		return nil, err
@@ -211,7 +132,7 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 		d := t.spanNames(message.HandlerNameFromCtx(orig), message.SubscribeTopicFromCtx(orig))
 		start := time.Now()
 
-		producer := trace.SpanContextFromContext(t.cfg.prop.Extract(orig, settle.MetadataCarrier(msg.Metadata)))
+		producer := trace.SpanContextFromContext(t.cfg.Propagator.Extract(orig, propagation.MapCarrier(msg.Metadata)))
 		attrs := make([]attribute.KeyValue, 0, len(d.ids)+4)
 		attrs = append(attrs, d.ids...)
 		attrs = append(attrs,
@@ -224,14 +145,14 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 		opts = append(opts, t.consumer, trace.WithAttributes(attrs...))
 		parent := orig
 		if producer.IsValid() {
-			if t.cfg.link {
+			if t.cfg.Link {
 				opts = append(opts, trace.WithLinks(trace.Link{SpanContext: producer}), trace.WithNewRoot())
 			} else {
 				parent = trace.ContextWithRemoteSpanContext(orig, producer)
 			}
 		}
 		pctx, span := t.tracer.Start(parent, d.process, opts...)
-		ctx, rec := settlement.New(pctx, t.cfg.prop)
+		ctx, rec := settlement.New(pctx, t.cfg.Propagator)
 		rec.SpanAttributes = d.ids
 		var out *output
 		if pub := message.PublishTopicFromCtx(orig); pub != "" {
@@ -249,7 +170,7 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 			defer func() {
 				if p := recover(); p != nil {
 					err = &PanicError{Value: p}
-					t.finish(msg, pctx, span, rec, d, start, err)
+					t.finish(msg, pctx, span, rec, d, start, err, 0, false)
 					msg.SetContext(orig)
 					panic(p)
 				}
@@ -261,7 +182,7 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 			// middleware returns: give each message its create span now.
 			out.trace(produced)
 		}
-		t.finish(msg, pctx, span, rec, d, start, err)
+		t.finish(msg, pctx, span, rec, d, start, err, len(produced), out != nil)
 		msg.SetContext(orig)
 		return produced, err
 	}
@@ -293,7 +214,7 @@ func (t *tracing) spanNames(handler, topic string) *spanNames {
 	// Names come from the router's configuration, not from messages, but
 	// they end up in every span and metric: clean them once here.
 	handler, topic = telemetry.ID(handler), telemetry.ID(topic)
-	ids := []attribute.KeyValue{t.systemKV, HandlerKey.String(handler)}
+	ids := []attribute.KeyValue{t.systemKV, handlerKey.String(handler)}
 	d := &spanNames{
 		handler: handler, topic: topic,
 		process: spanName("process", topic), ack: spanName("ack", topic), nack: spanName("nack", topic),
@@ -354,7 +275,7 @@ func (o *output) trace(msgs []*message.Message) {
 				semconv.MessagingOperationTypeCreate,
 				semconv.MessagingOperationName("create"),
 			))
-		o.t.cfg.prop.Inject(ctx, settle.MetadataCarrier(m.Metadata))
+		o.t.cfg.Propagator.Inject(ctx, propagation.MapCarrier(m.Metadata))
 		if !trace.SpanContextFromContext(m.Context()).IsValid() {
 			// A publisher that traces by the message's context (settle's
 			// outbox) continues from the create span too.
@@ -384,9 +305,11 @@ func TraceProduced(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
-// finish decides the outcome, ends the process span and starts the settle
-// span that ends on the router's ack or nack. pctx carries the process span.
-func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.Span, rec *settlement.Record, d *spanNames, start time.Time, err error) {
+// finish decides the outcome, ends the process span and makes the settle
+// span. pctx carries the process span. produced is the number of messages
+// the chain returned for the router to publish; publishes says that the
+// router handler has a publisher.
+func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.Span, rec *settlement.Record, d *spanNames, start time.Time, err error, produced int, publishes bool) {
 	o, retries, parkedTo, reason := rec.Snapshot()
 	outcome := settle.Outcome(o)
 	switch {
@@ -396,12 +319,12 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 		outcome = settle.Retry
 	}
 	attrs := make([]attribute.KeyValue, 0, 4)
-	attrs = append(attrs, OutcomeKey.String(string(outcome)), RetriesKey.Int(retries))
+	attrs = append(attrs, outcomeKey.String(string(outcome)), retriesKey.Int(retries))
 	if n, aerr := strconv.Atoi(msg.Metadata.Get(settle.MetaAttempt)); aerr == nil {
-		attrs = append(attrs, AttemptKey.Int(n))
+		attrs = append(attrs, attemptKey.Int(n))
 	}
 	if parkedTo != "" {
-		attrs = append(attrs, ParkedToKey.String(telemetry.ID(parkedTo)))
+		attrs = append(attrs, parkedToKey.String(telemetry.ID(parkedTo)))
 	}
 	span.SetAttributes(attrs...)
 	switch outcome {
@@ -442,10 +365,22 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 		telemetry.MessageID(msg.UUID),
 		semconv.MessagingOperationTypeSettle,
 		opName,
-		OutcomeKey.String(string(outcome)),
+		outcomeKey.String(string(outcome)),
 	)
 	_, settleSpan := t.tracer.Start(pctx, name, t.client, trace.WithAttributes(sattrs...))
-	t.settler.add(msg, settleSpan, op)
+	if err == nil && produced > 0 && publishes {
+		// The router publishes the handler's output after this middleware
+		// returns, then acks, or nacks when publishing failed: only its
+		// settlement tells which.
+		go settling{msg: msg, span: settleSpan, decided: op}.await(t.cfg.SettleWait)
+		return
+	}
+	// Nothing is left for the router to decide: it nacks an error and acks
+	// a success at once (and nacks a success with output but no publisher).
+	// The span ends here, on the delivery's own goroutine, which
+	// router.Close waits for: so it has ended when Close returns, and a
+	// tracer provider shut down right after still exports it.
+	settling{msg: msg, span: settleSpan, decided: op}.endNow(err == nil && produced == 0)
 }
 
 type metricKey struct {
@@ -468,9 +403,9 @@ func (t *tracing) measurement(o settle.Outcome, handler string) *measurement {
 	if v, ok := t.mattrs.Load(k); ok {
 		return v.(*measurement)
 	}
-	kvs := []attribute.KeyValue{HandlerKey.String(handler)}
+	kvs := []attribute.KeyValue{handlerKey.String(handler)}
 	if o != "" {
-		kvs = append(kvs, OutcomeKey.String(string(o)))
+		kvs = append(kvs, outcomeKey.String(string(o)))
 	}
 	opt := metric.WithAttributeSet(attribute.NewSet(kvs...))
 	v, _ := t.mattrs.LoadOrStore(k, &measurement{add: []metric.AddOption{opt}, record: []metric.RecordOption{opt}})

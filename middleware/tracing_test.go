@@ -3,8 +3,6 @@ package middleware_test
 import (
 	"context"
 	"errors"
-	"fmt"
-	"math/rand/v2"
 	"sort"
 	"sync/atomic"
 	"testing"
@@ -35,16 +33,16 @@ type traced struct {
 	mw     message.HandlerMiddleware
 }
 
-func newTraced(t *testing.T, opts ...middleware.Option) *traced {
+func newTraced(t *testing.T, opts ...settle.Option) *traced {
 	t.Helper()
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()); _ = mp.Shutdown(context.Background()) })
-	opts = append([]middleware.Option{
-		middleware.WithTracerProvider(tp), middleware.WithMeterProvider(mp),
-		middleware.WithPropagators(propagation.TraceContext{}), middleware.WithMessagingSystem("gochannel"),
+	opts = append([]settle.Option{
+		settle.WithTracerProvider(tp), settle.WithMeterProvider(mp),
+		settle.WithPropagators(propagation.TraceContext{}), settle.WithMessagingSystem("gochannel"),
 	}, opts...)
 	mw, err := middleware.NewTracing(opts...)
 	must(t, err)
@@ -104,7 +102,7 @@ func TestTracingOutcomes(t *testing.T) {
 			var last sdktrace.ReadOnlySpan
 			eventually(t, 5*time.Second, "the process span of the last delivery", func() bool {
 				for _, sp := range byName(tr.rec.Ended(), "process "+topic) {
-					if attr(sp, middleware.OutcomeKey).AsString() == string(c.outcome) {
+					if attr(sp, attribute.Key("settle.outcome")).AsString() == string(c.outcome) {
 						last = sp
 						return true
 					}
@@ -114,7 +112,7 @@ func TestTracingOutcomes(t *testing.T) {
 			if last.SpanKind() != trace.SpanKindConsumer {
 				t.Fatalf("process span kind %v", last.SpanKind())
 			}
-			if got := attr(last, middleware.OutcomeKey).AsString(); got != string(c.outcome) {
+			if got := attr(last, attribute.Key("settle.outcome")).AsString(); got != string(c.outcome) {
 				t.Fatalf("outcome %q, want %q", got, c.outcome)
 			}
 			for k, want := range map[attribute.Key]string{
@@ -149,7 +147,7 @@ func TestTracingOutcomes(t *testing.T) {
 				eventually(t, 5*time.Second, "the parked copy", func() bool { _, d, p := s.snapshot(); return len(d)+len(p) == 1 })
 				_, dead, pois := s.snapshot()
 				copies := append(dead, pois...)
-				sc := trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(), settle.MetadataCarrier(copies[0].Metadata)))
+				sc := trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(), propagation.MapCarrier(copies[0].Metadata)))
 				if sc.TraceID() != last.SpanContext().TraceID() || sc.SpanID() != sends[0].SpanContext().SpanID() {
 					t.Fatalf("the parked copy carries trace %s span %s; want the send span of trace %s", sc.TraceID(), sc.SpanID(), last.SpanContext().TraceID())
 				}
@@ -173,8 +171,8 @@ func TestTracingRetryAndDuplicate(t *testing.T) {
 	sort.Slice(procs, func(i, j int) bool { return procs[i].StartTime().Before(procs[j].StartTime()) })
 	var outcomes []string
 	for _, p := range procs {
-		outcomes = append(outcomes, attr(p, middleware.OutcomeKey).AsString())
-		if o := attr(p, middleware.OutcomeKey).AsString(); o == "retry" && p.Status().Code != codes.Error {
+		outcomes = append(outcomes, attr(p, attribute.Key("settle.outcome")).AsString())
+		if o := attr(p, attribute.Key("settle.outcome")).AsString(); o == "retry" && p.Status().Code != codes.Error {
 			t.Errorf("a retry's process span has status %v", p.Status())
 		} else if o == "duplicate" && p.Status().Code == codes.Error {
 			t.Errorf("a duplicate is not an error: %v", p.Status())
@@ -196,7 +194,7 @@ func TestTracingRetryAndDuplicate(t *testing.T) {
 		for _, m := range sm.Metrics {
 			if d, ok := m.Data.(metricdata.Sum[int64]); ok && m.Name == "settle.settlements" {
 				for _, dp := range d.DataPoints {
-					o, _ := dp.Attributes.Value(middleware.OutcomeKey)
+					o, _ := dp.Attributes.Value(attribute.Key("settle.outcome"))
 					got[o.AsString()] += dp.Value
 				}
 			}
@@ -207,27 +205,129 @@ func TestTracingRetryAndDuplicate(t *testing.T) {
 	}
 }
 
-// The settle span reports the router's settlement, so it ends only when the
-// message is really acked, after the middleware chain has returned.
-func TestSettleSpanEndsOnTheRealAck(t *testing.T) {
+// A delivery that leaves the router nothing to publish ends its settle span
+// before the middleware returns, on its own goroutine, named for what the
+// router then does: ack a success, nack an error, nack a success with output
+// but no publisher (Watermill's ErrOutputInNoPublisherHandler).
+func TestSettleSpanEndsBeforeTheMiddlewareReturns(t *testing.T) {
 	t.Parallel()
-	tr := newTraced(t)
-	h := tr.mw(func(*message.Message) ([]*message.Message, error) { return nil, nil })
-	msg := message.NewMessage("m-1", nil)
-	if _, err := h(msg); err != nil {
-		t.Fatal(err)
+	errFail := errors.New("fail")
+	for _, c := range []struct {
+		name           string
+		out            []*message.Message
+		err            error
+		want, decision string
+	}{
+		{"success", nil, nil, "ack", ""},
+		{"error", nil, errFail, "nack", ""},
+		{"output without a publisher", []*message.Message{message.NewMessage("out", nil)}, nil, "ack", "nack"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			tr := newTraced(t)
+			h := tr.mw(func(*message.Message) ([]*message.Message, error) { return c.out, c.err })
+			_, _ = h(message.NewMessage("m-1", nil))
+			got := tr.rec.Ended()
+			if len(got) != 2 || got[0].Name() != "process" || got[1].Name() != c.want {
+				t.Fatalf("when the middleware returned, %d spans had ended; want process, then %s", len(got), c.want)
+			}
+			if d := attr(got[1], "settle.router_decision").AsString(); d != c.decision {
+				t.Errorf("settle.router_decision %q, want %q", d, c.decision)
+			}
+			if c.decision == "nack" && got[1].Status().Code != codes.Error {
+				t.Errorf("a success the router nacks: settle span status %v, want an error", got[1].Status())
+			}
+		})
 	}
-	if got := tr.rec.Ended(); len(got) != 1 || got[0].Name() != "process" {
-		t.Fatalf("before the ack, ended spans = %d; want only the process span", len(got))
+}
+
+// gatedPublisher is a router's publisher that publishes nothing: each
+// Publish waits for a release, which says whether it fails.
+type gatedPublisher struct {
+	entered chan string // the UUID of the first message of each Publish
+	release chan error
+}
+
+func (p *gatedPublisher) Publish(_ string, msgs ...*message.Message) error {
+	p.entered <- msgs[0].UUID
+	return <-p.release
+}
+
+func (p *gatedPublisher) Close() error { return nil }
+
+// When the router publishes a delivery's output after the chain returned,
+// the settle span waits for the router's settlement: it ends only once the
+// router has published and acked, and when publishing fails and the router
+// nacks instead, it says so in settle.router_decision, with error status.
+// One never settled within the settle wait ends with an error, once.
+func TestSettleSpanWaitsForTheRoutersPublish(t *testing.T) {
+	t.Parallel()
+	tr := newTraced(t, settle.WithSettleWait(200*time.Millisecond))
+	logger := watermill.NopLogger{}
+	ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
+	pub := &gatedPublisher{entered: make(chan string), release: make(chan error)}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
+	must(t, err)
+	router.AddHandler("h", "in", ps, "out", pub, func(msg *message.Message) ([]*message.Message, error) {
+		return []*message.Message{message.NewMessage("out-of-"+msg.UUID, nil)}, nil
+	}).AddMiddleware(tr.mw)
+	done := make(chan error, 1)
+	go func() { done <- router.Run(context.Background()) }()
+	<-router.Running()
+	t.Cleanup(func() {
+		must(t, router.Close())
+		must(t, <-done)
+		must(t, ps.Close())
+	})
+	settleSpans := func() []sdktrace.ReadOnlySpan {
+		var out []sdktrace.ReadOnlySpan
+		for _, s := range tr.rec.Ended() {
+			if attr(s, "messaging.operation.type").AsString() == "settle" {
+				out = append(out, s)
+			}
+		}
+		return out
 	}
-	time.Sleep(20 * time.Millisecond) // give a wrongly eager settle span the chance to end
-	if len(tr.rec.Ended()) != 1 {
-		t.Fatal("the settle span ended before the message was acked")
+	step := func(n int, release error, wait time.Duration) sdktrace.ReadOnlySpan {
+		t.Helper()
+		select {
+		case <-pub.entered:
+		case <-time.After(5 * time.Second):
+			t.Fatal("the router did not publish the output")
+		}
+		time.Sleep(wait) // give a wrongly eager settle span the chance to end
+		if got := len(settleSpans()); got != n-1 && wait < 200*time.Millisecond {
+			t.Fatalf("%d settle spans ended while the router was publishing, want %d", got, n-1)
+		}
+		pub.release <- release
+		eventually(t, 5*time.Second, "the settle span", func() bool { return len(settleSpans()) >= n })
+		return settleSpans()[n-1]
 	}
-	msg.Ack()
-	spans := tr.spans(t, 2)
-	if spans[1].Name() != "ack" || spans[1].EndTime().Before(spans[0].EndTime()) {
-		t.Fatalf("after the ack: %q ending %v; want the ack span ending after the process span", spans[1].Name(), spans[1].EndTime())
+
+	must(t, ps.Publish("in", message.NewMessage("m-1", nil)))
+	// Publishing fails: the router nacks what the middleware settled as ack.
+	s := step(1, errors.New("broker down"), 30*time.Millisecond)
+	if s.Name() != "ack in" || attr(s, "settle.router_decision").AsString() != "nack" || s.Status().Code != codes.Error {
+		t.Errorf("after a failed publish: %q, router decision %q, status %v; want ack in, nack, error", s.Name(), attr(s, "settle.router_decision").AsString(), s.Status())
+	}
+	// The redelivery's output is published: the router acks as decided.
+	s = step(2, nil, 30*time.Millisecond)
+	if s.Name() != "ack in" || attr(s, "settle.router_decision").AsString() != "" || s.Status().Code == codes.Error {
+		t.Errorf("after a publish: %q, router decision %q, status %v; want ack in as decided", s.Name(), attr(s, "settle.router_decision").AsString(), s.Status())
+	}
+	// A publish that outlasts the settle wait.
+	must(t, ps.Publish("in", message.NewMessage("m-2", nil)))
+	start := time.Now()
+	s = step(3, nil, 300*time.Millisecond)
+	if took := s.EndTime().Sub(start); took < 200*time.Millisecond {
+		t.Errorf("the settle span ended after %v, before the settle wait", took)
+	}
+	if s.Status().Code != codes.Error || s.Status().Description != "not acked or nacked within 200ms" {
+		t.Errorf("settle span status %v; want an error saying it was not settled within 200ms", s.Status())
+	}
+	time.Sleep(30 * time.Millisecond)
+	if n := len(settleSpans()); n != 3 {
+		t.Errorf("%d settle spans after the late ack, want 3", n)
 	}
 }
 
@@ -239,7 +339,7 @@ func TestProducerContextIsParentOrLink(t *testing.T) {
 	producer.End()
 	newMsg := func() *message.Message {
 		m := message.NewMessage(watermill.NewUUID(), nil)
-		propagation.TraceContext{}.Inject(ctx, settle.MetadataCarrier(m.Metadata))
+		propagation.TraceContext{}.Inject(ctx, propagation.MapCarrier(m.Metadata))
 		return m
 	}
 	run := func(tr *traced) sdktrace.ReadOnlySpan {
@@ -255,7 +355,7 @@ func TestProducerContextIsParentOrLink(t *testing.T) {
 	if parent.Parent().SpanID() != producer.SpanContext().SpanID() || parent.SpanContext().TraceID() != producer.SpanContext().TraceID() {
 		t.Fatalf("default: the process span's parent is %v, want the producer span", parent.Parent().SpanID())
 	}
-	linked := run(newTraced(t, middleware.WithLinkToProducer()))
+	linked := run(newTraced(t, settle.WithLinkToProducer()))
 	if linked.Parent().IsValid() || len(linked.Links()) != 1 || linked.Links()[0].SpanContext.SpanID() != producer.SpanContext().SpanID() {
 		t.Fatalf("with a link: parent %v, links %v; want a new root linked to the producer", linked.Parent(), linked.Links())
 	}
@@ -278,7 +378,7 @@ func TestTracingDeferred(t *testing.T) {
 	s.publish(message.NewMessage(uuid, nil), message.NewMessage(uuid, nil))
 	eventually(t, 5*time.Second, "a deferred delivery", func() bool {
 		for _, sp := range byName(tr.rec.Ended(), "process "+topic) {
-			if attr(sp, middleware.OutcomeKey).AsString() == "deferred" {
+			if attr(sp, attribute.Key("settle.outcome")).AsString() == "deferred" {
 				return true
 			}
 		}
@@ -287,7 +387,7 @@ func TestTracingDeferred(t *testing.T) {
 	close(release)
 	s.waitAcked(2)
 	for _, sp := range byName(tr.rec.Ended(), "process "+topic) {
-		if attr(sp, middleware.OutcomeKey).AsString() == "deferred" && sp.Status().Code == codes.Error {
+		if attr(sp, attribute.Key("settle.outcome")).AsString() == "deferred" && sp.Status().Code == codes.Error {
 			t.Fatalf("a deferral has error status: %v", sp.Status())
 		}
 	}
@@ -302,7 +402,7 @@ func checkIdentified(t *testing.T, spans []sdktrace.ReadOnlySpan, system string)
 		if got := attr(s, "messaging.system").AsString(); got != system {
 			t.Errorf("span %q: messaging.system = %q, want %q", s.Name(), got, system)
 		}
-		for _, k := range []attribute.Key{"messaging.destination.name", "messaging.message.id", middleware.HandlerKey} {
+		for _, k := range []attribute.Key{"messaging.destination.name", "messaging.message.id", attribute.Key("settle.handler")} {
 			if attr(s, k).AsString() == "" {
 				t.Errorf("span %q has no %s", s.Name(), k)
 			}
@@ -383,8 +483,8 @@ func TestProducedMessagesContinueTheTrace(t *testing.T) {
 					procMid.SpanContext().TraceID(), procMid.Parent().SpanID(), procIn.SpanContext().TraceID(), create.SpanContext().SpanID())
 			}
 			checkIdentified(t, spans, "gochannel")
-			if attr(procMid, middleware.HandlerKey).AsString() != "mid" || attr(create, middleware.HandlerKey).AsString() != "in" {
-				t.Errorf("settle.handler: process mid %q, create %q", attr(procMid, middleware.HandlerKey).AsString(), attr(create, middleware.HandlerKey).AsString())
+			if attr(procMid, attribute.Key("settle.handler")).AsString() != "mid" || attr(create, attribute.Key("settle.handler")).AsString() != "in" {
+				t.Errorf("settle.handler: process mid %q, create %q", attr(procMid, attribute.Key("settle.handler")).AsString(), attr(create, attribute.Key("settle.handler")).AsString())
 			}
 		})
 	}
@@ -401,97 +501,5 @@ func TestTraceProducedAloneDoesNothing(t *testing.T) {
 	must(t, err)
 	if len(out) != 1 || len(out[0].Metadata) != 0 {
 		t.Fatalf("output %v with metadata %v; want it untouched", out, out[0].Metadata)
-	}
-}
-
-// Many deliveries wait for their settlement at once (more than one watcher
-// goroutine follows): each settle span ends on its own message's ack or nack,
-// never before, and reports a router decision that differs from the
-// middleware's.
-func TestSettleSpansOfManyDeliveriesEndOnTheirOwnSettlement(t *testing.T) {
-	t.Parallel()
-	tr := newTraced(t)
-	errFail := errors.New("fail")
-	h := tr.mw(func(msg *message.Message) ([]*message.Message, error) {
-		if msg.Metadata.Get("fail") != "" {
-			return nil, errFail
-		}
-		return nil, nil
-	})
-	const n = 80
-	msgs := make([]*message.Message, n)
-	for i := range msgs {
-		msgs[i] = message.NewMessage(fmt.Sprintf("m-%02d", i), nil)
-		if i%3 == 1 {
-			msgs[i].Metadata.Set("fail", "1")
-		}
-		_, _ = h(msgs[i])
-	}
-	settleSpans := func() map[string]sdktrace.ReadOnlySpan {
-		out := map[string]sdktrace.ReadOnlySpan{}
-		for _, s := range tr.rec.Ended() {
-			if op := attr(s, "messaging.operation.type").AsString(); op == "settle" {
-				out[attr(s, "messaging.message.id").AsString()] = s
-			}
-		}
-		return out
-	}
-	time.Sleep(30 * time.Millisecond) // give a wrongly eager settle span the chance to end
-	if got := len(settleSpans()); got != 0 {
-		t.Fatalf("%d settle spans ended before any message was settled", got)
-	}
-	order := rand.New(rand.NewPCG(1, 2)).Perm(n)
-	for k, i := range order {
-		msg := msgs[i]
-		routerNacks := i%5 == 0 // against the middleware's decision for some
-		if (msg.Metadata.Get("fail") != "") != routerNacks {
-			msg.Nack()
-		} else {
-			msg.Ack()
-		}
-		eventually(t, 5*time.Second, "the settle span of "+msg.UUID, func() bool { _, ok := settleSpans()[msg.UUID]; return ok })
-		spans := settleSpans()
-		if len(spans) != k+1 {
-			t.Fatalf("after %d settlements, %d settle spans ended", k+1, len(spans))
-		}
-		s := spans[msg.UUID]
-		decided := "ack"
-		if msg.Metadata.Get("fail") != "" {
-			decided = "nack"
-		}
-		if s.Name() != decided || attr(s, "messaging.operation.name").AsString() != decided {
-			t.Errorf("%s: settle span %q, want %q", msg.UUID, s.Name(), decided)
-		}
-		got := attr(s, "settle.router_decision").AsString()
-		switch {
-		case !routerNacks && got != "":
-			t.Errorf("%s: settle.router_decision %q on a message settled as decided", msg.UUID, got)
-		case routerNacks && got != map[string]string{"ack": "nack", "nack": "ack"}[decided]:
-			t.Errorf("%s: settle.router_decision %q; the router did the opposite of %q", msg.UUID, got, decided)
-		}
-	}
-}
-
-// A message that is never acked or nacked ends its settle span with an
-// error after the settle wait, once.
-func TestSettleSpanEndsAfterTheSettleWait(t *testing.T) {
-	t.Parallel()
-	tr := newTraced(t, middleware.WithSettleWait(40*time.Millisecond))
-	h := tr.mw(func(*message.Message) ([]*message.Message, error) { return nil, nil })
-	msg := message.NewMessage("never-acked", nil)
-	start := time.Now()
-	_, _ = h(msg)
-	spans := tr.spans(t, 2)
-	if took := time.Since(start); took < 40*time.Millisecond {
-		t.Fatalf("the settle span ended after %v, before the settle wait", took)
-	}
-	s := spans[1]
-	if s.Name() != "ack" || s.Status().Code != codes.Error || s.Status().Description != "not acked or nacked within 40ms" {
-		t.Fatalf("settle span %q status %v; want ack with an error saying it was not settled within 40ms", s.Name(), s.Status())
-	}
-	msg.Ack()
-	time.Sleep(30 * time.Millisecond)
-	if n := len(tr.rec.Ended()); n != 2 {
-		t.Fatalf("%d spans ended after the late ack, want 2", n)
 	}
 }

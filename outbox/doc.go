@@ -54,6 +54,6 @@
 //     not report it: watermill-amqp's Publisher marks it forwarded, and a
 //     publisher wrapped in a type of your own is not looked into.
 //
-// [SQLiteSchema] and [SQLiteOffsetsAdapter] are a separate piece: they let
-// watermill-sql publish to and subscribe from SQLite (modernc.org/sqlite).
+// The outbox does not use watermill-sql's Publisher or Subscriber; to run
+// those on SQLite, see package sqlitepubsub.
 package outbox

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/otlptest"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
@@ -26,7 +27,7 @@ func TestOutboxSpansInvalidUTF8ReachOTLP(t *testing.T) {
 	recv := otlptest.New(t)
 	tp := recv.TracerProvider(t)
 	db := testenv.SQLite(t)
-	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.SQLite), outbox.Config{TracerProvider: tp})
+	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.SQLite), outbox.Config{Tracing: []settle.Option{settle.WithTracerProvider(tp)}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,10 +14,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/sqlkit"
 	"github.com/settle-go/settle/internal/telemetry"
 	"github.com/settle-go/settle/sqldb"
@@ -54,15 +53,20 @@ type Config struct {
 	// wakes every relay without any call after it. Ignored on MySQL and
 	// SQLite, which have no NOTIFY.
 	NotifyAfterCommit bool
-	// Propagator writes the trace context of the publishing code into each
-	// message's metadata, so that the trace continues after the relay.
-	// Defaults to OTel's global propagator once the application has set
-	// one, and to W3C Trace Context and Baggage while it is OTel's no-op.
-	Propagator propagation.TextMapPropagator
-	// TracerProvider makes the outbox's spans: "create <topic>" when a
-	// message is written, "send <topic>" when the relay publishes it.
-	// Defaults to otel.GetTracerProvider() at the time of New.
-	TracerProvider trace.TracerProvider
+	// Tracing configures the outbox's spans, "create <topic>" when a
+	// message is written and "send <topic>" when the relay publishes it:
+	// the same options as middleware.NewTracing. It reads
+	// settle.WithTracerProvider (defaults to otel.GetTracerProvider() at
+	// the time of New) and settle.WithPropagators, which writes the trace
+	// context of the publishing code into each message's metadata so that
+	// the trace continues after the relay (defaults to OTel's global
+	// propagator once the application has set one, and to W3C Trace
+	// Context and Baggage while it is OTel's no-op). It ignores
+	// settle.WithMeterProvider (the relay's metrics take
+	// RelayConfig.MeterProvider), settle.WithMessagingSystem (the outbox's
+	// spans say messaging.system "settle_outbox"), settle.WithLinkToProducer
+	// and settle.WithSettleWait.
+	Tracing []settle.Option
 	// Logger defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 }
@@ -75,12 +79,6 @@ func (c *Config) setDefaults() {
 	}
 	if c.StuckAfter == 0 {
 		c.StuckAfter = defaultStuckAfter
-	}
-	if c.Propagator == nil {
-		c.Propagator = telemetry.Propagator()
-	}
-	if c.TracerProvider == nil {
-		c.TracerProvider = otel.GetTracerProvider()
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
@@ -118,6 +116,7 @@ type Outbox[TTx any] struct {
 // the driver's transaction type.
 type core struct {
 	cfg Config
+	tel telemetry.Config // from cfg.Tracing
 	q   statements
 	db  database
 
@@ -169,7 +168,7 @@ func New[TTx any](db sqldb.Driver[TTx], cfg Config) (*Outbox[TTx], error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	c := &core{cfg: cfg, q: newStatements(db.Dialect(), cfg.Topic), db: erased[TTx]{db}, wakers: map[chan struct{}]struct{}{}, notifiers: map[*Notifier]struct{}{}}
+	c := &core{cfg: cfg, tel: telemetry.Resolve(cfg.Tracing), q: newStatements(db.Dialect(), cfg.Topic), db: erased[TTx]{db}, wakers: map[chan struct{}]struct{}{}, notifiers: map[*Notifier]struct{}{}}
 	return &Outbox[TTx]{db: db, c: c}, nil
 }
 

@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
@@ -184,7 +185,7 @@ func setup(t testing.TB, d drv) *env {
 	name := testenv.Name(t, "ob")
 	topic := "ob_" + name[len(name)-8:]
 	mk := outboxOn(t, d, db)
-	ob, err := mk(outbox.Config{Topic: topic, Propagator: propagation.TraceContext{}})
+	ob, err := mk(outbox.Config{Topic: topic, Tracing: []settle.Option{settle.WithPropagators(propagation.TraceContext{})}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -26,16 +26,7 @@ func (o *Outbox[TTx]) Prune(ctx context.Context, before time.Time) (int64, error
 }
 
 func (c *core) prune(ctx context.Context, before time.Time) (int64, error) {
-	olderThan := max(time.Since(before), 0)
-	var age any = olderThan.Seconds()
-	switch c.q.d {
-	case sqldb.MySQL:
-		age = olderThan.Microseconds()
-	case sqldb.SQLite:
-		// Text in the statement's modifier: SQLite would print a small
-		// REAL in exponent form ("1e-05 seconds"), which it does not read.
-		age = strconv.FormatFloat(olderThan.Seconds(), 'f', 6, 64)
-	}
+	age := c.pruneAge(before)
 	var total int64
 	for {
 		n, err := c.pruneBatch(ctx, age)
@@ -47,6 +38,22 @@ func (c *core) prune(ctx context.Context, before time.Time) (int64, error) {
 			return total, nil
 		}
 	}
+}
+
+// pruneAge is the argument of the prune's filter (q.pruneWhere) for the
+// cut-off before: how long ago it was, in seconds (MySQL: microseconds;
+// SQLite: seconds as text).
+func (c *core) pruneAge(before time.Time) any {
+	olderThan := max(time.Since(before), 0)
+	switch c.q.d {
+	case sqldb.MySQL:
+		return olderThan.Microseconds()
+	case sqldb.SQLite:
+		// Text in the statement's modifier: SQLite would print a small
+		// REAL in exponent form ("1e-05 seconds"), which it does not read.
+		return strconv.FormatFloat(olderThan.Seconds(), 'f', 6, 64)
+	}
+	return olderThan.Seconds()
 }
 
 // pruneBatch deletes one batch in a transaction of its own, READ COMMITTED

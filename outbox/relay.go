@@ -24,12 +24,9 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/settle-go/settle/internal/amqpcheck"
+	"github.com/settle-go/settle/internal/telemetry"
 	"github.com/settle-go/settle/sqldb"
 )
-
-// ScopeName is the OpenTelemetry instrumentation scope of the outbox's
-// metrics and spans.
-const ScopeName = "github.com/settle-go/settle/outbox"
 
 // MaxBatchSize is the largest RelayConfig.BatchSize.
 const MaxBatchSize = 1000
@@ -280,7 +277,7 @@ func (o *core) newRelay(out message.Publisher, cfg RelayConfig) (*Relay, error) 
 }
 
 func (r *Relay) instruments() error {
-	meter := r.cfg.MeterProvider.Meter(ScopeName)
+	meter := r.cfg.MeterProvider.Meter(telemetry.OutboxScope)
 	var err error
 	attrs := attribute.NewSet(attribute.String("settle.outbox.topic", r.o.cfg.Topic))
 	r.attrs = metric.WithAttributeSet(attrs)

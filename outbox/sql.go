@@ -57,6 +57,10 @@ type statements struct {
 	forget     string // Args: relay id.
 	sweep      string // deletes relay rows expired for an hour.
 	prune      string // Args: seconds, limit.
+	// pruneWhere is prune's filter, with its arguments but the limit: what
+	// a prune deletes (the settle command's dry run counts it, see
+	// prunesel.go).
+	pruneWhere string
 	columns    string // Args: table name. One row per column name.
 }
 
@@ -151,8 +155,9 @@ FROM ` + t + ` WHERE "forwarded_at" IS NULL AND "set_aside_at" IS NULL`
 ON CONFLICT ("relay_id") DO UPDATE SET "expires_at" = EXCLUDED."expires_at"`
 		s.forget = `DELETE FROM ` + r + ` WHERE "relay_id" = $1`
 		s.sweep = `DELETE FROM ` + r + ` WHERE "expires_at" < clock_timestamp() - INTERVAL '1 hour'`
+		s.pruneWhere = `"forwarded_at" < clock_timestamp() - make_interval(secs => $1)`
 		s.prune = `DELETE FROM ` + t + ` WHERE "offset" IN (
-	SELECT "offset" FROM ` + t + ` WHERE "forwarded_at" < clock_timestamp() - make_interval(secs => $1) LIMIT $2 FOR UPDATE SKIP LOCKED)`
+	SELECT "offset" FROM ` + t + ` WHERE ` + s.pruneWhere + ` LIMIT $2 FOR UPDATE SKIP LOCKED)`
 		s.columns = `SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = $1`
 	case sqldb.MySQL:
 		s.schema = []string{
@@ -202,7 +207,8 @@ ON CONFLICT ("relay_id") DO UPDATE SET "expires_at" = EXCLUDED."expires_at"`
 			"ON DUPLICATE KEY UPDATE expires_at = VALUES(expires_at)"
 		s.forget = "DELETE FROM " + r + " WHERE relay_id = ?"
 		s.sweep = "DELETE FROM " + r + " WHERE expires_at < CURRENT_TIMESTAMP(6) - INTERVAL 1 HOUR"
-		s.prune = "DELETE FROM " + t + " WHERE forwarded_at < CURRENT_TIMESTAMP(6) - INTERVAL ? MICROSECOND ORDER BY forwarded_at LIMIT ?"
+		s.pruneWhere = "forwarded_at < CURRENT_TIMESTAMP(6) - INTERVAL ? MICROSECOND"
+		s.prune = "DELETE FROM " + t + " WHERE " + s.pruneWhere + " ORDER BY forwarded_at LIMIT ?"
 		s.columns = "SELECT column_name FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = ?"
 	default:
 		now := `strftime('%Y-%m-%d %H:%M:%f', 'now')`
@@ -259,8 +265,9 @@ FROM ` + t + ` WHERE "forwarded_at" IS NULL AND "set_aside_at" IS NULL`
 ON CONFLICT ("relay_id") DO UPDATE SET "expires_at" = excluded."expires_at"`
 		s.forget = `DELETE FROM ` + r + ` WHERE "relay_id" = ?`
 		s.sweep = `DELETE FROM ` + r + ` WHERE "expires_at" < strftime('%Y-%m-%d %H:%M:%f', 'now', '-1 hours')`
+		s.pruneWhere = `"forwarded_at" < strftime('%Y-%m-%d %H:%M:%f', 'now', '-' || ? || ' seconds')`
 		s.prune = `DELETE FROM ` + t + ` WHERE "offset" IN (
-	SELECT "offset" FROM ` + t + ` WHERE "forwarded_at" < strftime('%Y-%m-%d %H:%M:%f', 'now', '-' || ? || ' seconds') LIMIT ?)`
+	SELECT "offset" FROM ` + t + ` WHERE ` + s.pruneWhere + ` LIMIT ?)`
 		s.columns = `SELECT name FROM pragma_table_info(?)`
 	}
 	return s

@@ -5,10 +5,10 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/internal/telemetry"
 )
@@ -27,7 +27,7 @@ import (
 const messagingSystem = "settle_outbox"
 
 func (o *core) tracer() trace.Tracer {
-	return o.cfg.TracerProvider.Tracer(ScopeName, trace.WithSchemaURL(semconv.SchemaURL))
+	return o.tel.TracerProvider.Tracer(telemetry.OutboxScope, trace.WithSchemaURL(semconv.SchemaURL))
 }
 
 // startCreate starts the span of writing msg into the outbox and writes its
@@ -44,7 +44,7 @@ func (o *core) startCreate(topic string, msg *message.Message) trace.Span {
 			telemetry.MessageID(msg.UUID),
 			attribute.String("settle.outbox.topic", o.cfg.Topic),
 		))
-	o.cfg.Propagator.Inject(ctx, settle.MetadataCarrier(msg.Metadata))
+	o.tel.Propagator.Inject(ctx, propagation.MapCarrier(msg.Metadata))
 	return span
 }
 
@@ -73,7 +73,7 @@ type tracedPublisher struct {
 func (p *tracedPublisher) Publish(topic string, msgs ...*message.Message) error {
 	spans := make([]trace.Span, len(msgs))
 	for i, m := range msgs {
-		parent := p.o.cfg.Propagator.Extract(context.Background(), settle.MetadataCarrier(m.Metadata))
+		parent := p.o.tel.Propagator.Extract(context.Background(), propagation.MapCarrier(m.Metadata))
 		ctx, span := p.o.tracer().Start(parent, "send "+telemetry.ID(topic),
 			trace.WithSpanKind(trace.SpanKindProducer),
 			trace.WithAttributes(
@@ -84,7 +84,7 @@ func (p *tracedPublisher) Publish(topic string, msgs ...*message.Message) error 
 				telemetry.MessageID(m.UUID),
 				attribute.String("settle.outbox.topic", p.o.cfg.Topic),
 			))
-		p.o.cfg.Propagator.Inject(ctx, settle.MetadataCarrier(m.Metadata))
+		p.o.tel.Propagator.Inject(ctx, propagation.MapCarrier(m.Metadata))
 		spans[i] = span
 	}
 	err := p.Publisher.Publish(topic, msgs...)

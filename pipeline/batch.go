@@ -655,7 +655,7 @@ func (c settled) Value(key any) any { return c.values.Value(key) }
 
 // detachProduced is the innermost middleware of a producing handler: the
 // messages the handler returns are published after it has returned (by the
-// dedupe middleware, or by the router when there is no store), so each one's
+// dedupe middleware, or by publishOutput when there is no store), so each one's
 // context becomes context.WithoutCancel of the context the handler gave it:
 // its values (the trace context) stay, its cancellation does not. A handler
 // that derived a context, gave it to its output and deferred the cancel

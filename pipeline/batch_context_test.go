@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
@@ -234,7 +235,7 @@ func batchOutboxKeepsTheHandlersTrace[TTx any](t *testing.T, d db[TTx]) {
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 	name := testenv.Name(t, "tr")
 	ob, err := outbox.New(d.Driver, outbox.Config{Topic: "tr_" + name[len(name)-8:],
-		Propagator: propagation.TraceContext{}, TracerProvider: tp})
+		Tracing: []settle.Option{settle.WithTracerProvider(tp), settle.WithPropagators(propagation.TraceContext{})}})
 	must(t, err)
 	must(t, ob.InitSchema(t.Context()))
 	t.Cleanup(func() {

@@ -16,13 +16,13 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/pipeline"
-	"github.com/settle-go/settle/poison"
 	"github.com/settle-go/settle/sqldb"
 )
 
@@ -369,7 +369,7 @@ func typedBatchHandlerPoisonsOneMessage[TTx any](t *testing.T, d db[TTx]) {
 	errs := b.deliver(msgs...)
 	for i, err := range errs {
 		if i == 2 {
-			if !poison.IsPermanent(err) {
+			if !settle.IsPermanent(err) {
 				t.Fatalf("tb-2: %v, want a permanent decode error", err)
 			}
 			continue

@@ -13,8 +13,8 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
-	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/pipeline"
 )
 
@@ -55,7 +55,7 @@ func BenchmarkStack(b *testing.B) {
 					tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(discardExporter{}))
 					mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
 					defer func() { _ = tp.Shutdown(context.Background()); _ = mp.Shutdown(context.Background()) }()
-					cfg.Tracing = []middleware.Option{middleware.WithTracerProvider(tp), middleware.WithMeterProvider(mp)}
+					cfg.Tracing = []settle.Option{settle.WithTracerProvider(tp), settle.WithMeterProvider(mp)}
 				}
 				p, err := pipeline.New(router, cfg)
 				if err != nil {

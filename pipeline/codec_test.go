@@ -6,6 +6,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/poison"
 )
@@ -25,7 +26,7 @@ func TestJSONIsLenientByDefault(t *testing.T) {
 	if err != nil || m.Body.ID != 7 || m.Body.Email != "a@example.com" {
 		t.Fatalf("default codec: %+v, %v; want the known fields decoded", m.Body, err)
 	}
-	if _, err := pipeline.Decode[orderV1](pipeline.JSON{Strict: true}, message.NewMessage("m", v2)); !poison.IsPermanent(err) {
+	if _, err := pipeline.Decode[orderV1](pipeline.JSON{Strict: true}, message.NewMessage("m", v2)); !settle.IsPermanent(err) {
 		t.Fatalf("strict codec: err = %v; want a permanent decode error", err)
 	}
 	for _, bad := range []string{`{"id": "seven"}`, `[1]`, `{"id": 1} {"id": 2}`, `{`} {

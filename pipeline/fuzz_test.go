@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/poison"
 )
@@ -27,7 +28,7 @@ func FuzzDecode(f *testing.F) {
 		m, err := pipeline.Decode[order](nil, message.NewMessage("m", payload))
 		if err != nil {
 			var de *poison.DecodeError
-			if !errors.As(err, &de) || !poison.IsPermanent(err) || !errors.Is(err, poison.ErrDecode) {
+			if !errors.As(err, &de) || !settle.IsPermanent(err) || !errors.Is(err, poison.ErrDecode) {
 				t.Fatalf("decode error %v is not a permanent *poison.DecodeError", err)
 			}
 			return

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/amqpcheck"
 	"github.com/settle-go/settle/internal/settlement"
@@ -91,8 +92,10 @@ type Config struct {
 	// attempts, 2 in-process retries, backoff from 100ms, 1s before a failed
 	// message is nacked). See middleware.RetryConfig.
 	Retry middleware.RetryConfig
-	// Tracing options (tracer, meter, propagators, messaging system).
-	Tracing []middleware.Option
+	// Tracing is given to middleware.NewTracing: settle.WithTracerProvider,
+	// settle.WithMeterProvider, settle.WithPropagators, ... (the same
+	// options as outbox.Config.Tracing).
+	Tracing []settle.Option
 	// DisableTracing leaves the tracing middleware out.
 	DisableTracing bool
 	// Concurrency is how many deliveries of each handler run at once. A
@@ -290,6 +293,13 @@ func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, sto
 			return nil, err
 		}
 		mws = append(mws, dd)
+	} else if publishTopic != "" {
+		// Without a store the output is published here too, not by the
+		// router after the chain has returned: so a failed publish is a
+		// failed run, as with a store, and the tracing middleware ends the
+		// delivery's settle span before the chain returns, which
+		// router.Close waits for (see middleware.NewTracing).
+		mws = append(mws, publishOutput(p.cfg.Publisher, publishTopic))
 	}
 	if p.tracing != nil && publishTopic != "" {
 		// The dedupe middleware publishes the output itself: its messages
@@ -321,6 +331,22 @@ func checkNow(check func(context.Context) error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	return check(ctx)
+}
+
+// publishOutput publishes the messages the handler returns to topic and
+// returns none to the router.
+func publishOutput(pub message.Publisher, topic string) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if err == nil && len(out) > 0 {
+				if perr := pub.Publish(topic, out...); perr != nil {
+					err = fmt.Errorf("pipeline: publish the handler's output to %q: %w", topic, perr)
+				}
+			}
+			return nil, err
+		}
+	}
 }
 
 // storeCounts tells the retry middleware inside it that a dedupe store
@@ -385,8 +411,9 @@ func (p *Pipeline) Handle(name, topic string, sub message.Subscriber, h message.
 }
 
 // HandleProducing adds a handler whose returned messages are published to
-// publishTopic with cfg.Publisher. With dedupe on, they are published before
-// the key is confirmed, so a failed publish is retried, never lost.
+// publishTopic with cfg.Publisher, inside the stack (with dedupe on, before
+// the key is confirmed): a failed publish is a failed run, retried, never
+// lost. The router publishes nothing itself.
 func (p *Pipeline) HandleProducing(name, topic string, sub message.Subscriber, publishTopic string, h message.HandlerFunc) (Handlers, error) {
 	if publishTopic == "" {
 		return nil, errors.New("pipeline: HandleProducing: publishTopic is required")

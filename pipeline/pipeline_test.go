@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"go.opentelemetry.io/otel/attribute"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
@@ -55,7 +56,7 @@ func newHarnessWith(t *testing.T, store dedupe.Store, change func(*pipeline.Conf
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	cfg := pipeline.Config{
 		Publisher: ps, Store: store, Retry: fastRetry(),
-		Tracing: []middleware.Option{middleware.WithTracerProvider(tp)},
+		Tracing: []settle.Option{settle.WithTracerProvider(tp)},
 	}
 	if change != nil {
 		change(&cfg)
@@ -172,7 +173,7 @@ func TestPipelineSettlesEachOutcome(t *testing.T) {
 	for _, s := range h.spans.Ended() {
 		if s.Name() == "process orders" {
 			for _, kv := range s.Attributes() {
-				if kv.Key == middleware.OutcomeKey {
+				if kv.Key == attribute.Key("settle.outcome") {
 					outcomes[kv.Value.AsString()]++
 				}
 			}

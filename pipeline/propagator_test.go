@@ -12,9 +12,9 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
-	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
 )
@@ -33,7 +33,7 @@ func TestDefaultPropagatorKeepsOneTrace(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 
-	ob, err := outbox.New(std(db), outbox.Config{TracerProvider: tp}) // no Propagator
+	ob, err := outbox.New(std(db), outbox.Config{Tracing: []settle.Option{settle.WithTracerProvider(tp)}}) // no WithPropagators
 	must(t, err)
 	must(t, ob.InitSchema(t.Context()))
 	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
@@ -41,7 +41,7 @@ func TestDefaultPropagatorKeepsOneTrace(t *testing.T) {
 	must(t, err)
 	p, err := pipeline.New(router, pipeline.Config{
 		Publisher: ps, Store: dedupe.NewMemoryStore(), Retry: fastRetry(),
-		Tracing: []middleware.Option{middleware.WithTracerProvider(tp)}, // no WithPropagators
+		Tracing: []settle.Option{settle.WithTracerProvider(tp)}, // no WithPropagators
 	})
 	must(t, err)
 	_, err = p.Handle("email", "orders.placed", ps, func(*message.Message) error { return nil })

@@ -13,9 +13,9 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
-	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
 )
@@ -33,7 +33,7 @@ func TestProducedMessagesContinueTheTrace(t *testing.T) {
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 	p, err := pipeline.New(router, pipeline.Config{
 		Publisher: ps, Store: dedupe.NewMemoryStore(), Retry: fastRetry(),
-		Tracing: []middleware.Option{middleware.WithTracerProvider(tp), middleware.WithPropagators(propagation.TraceContext{})},
+		Tracing: []settle.Option{settle.WithTracerProvider(tp), settle.WithPropagators(propagation.TraceContext{})},
 	})
 	must(t, err)
 	_, err = p.HandleProducing("ship", "orders", ps, "shipments", func(msg *message.Message) ([]*message.Message, error) {
@@ -78,14 +78,14 @@ func TestTxOutboxMessagesContinueTheTrace(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	ob, err := outbox.New(std(db), outbox.Config{Topic: e.ob.Topic(), TracerProvider: tp, Propagator: propagation.TraceContext{}})
+	ob, err := outbox.New(std(db), outbox.Config{Topic: e.ob.Topic(), Tracing: []settle.Option{settle.WithTracerProvider(tp), settle.WithPropagators(propagation.TraceContext{})}})
 	must(t, err)
 	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
 	must(t, err)
 	p, err := pipeline.New(router, pipeline.Config{
 		Publisher: ps, Store: e.store, Retry: fastRetry(),
-		Tracing: []middleware.Option{middleware.WithTracerProvider(tp), middleware.WithPropagators(propagation.TraceContext{})},
+		Tracing: []settle.Option{settle.WithTracerProvider(tp), settle.WithPropagators(propagation.TraceContext{})},
 	})
 	must(t, err)
 	_, err = pipeline.HandleTx(p, "charge", "payments", ps, pipeline.TxConfig[*sql.Tx]{DB: std(db), Outbox: ob},

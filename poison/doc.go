@@ -12,5 +12,6 @@
 // parked without running the handler.
 //
 // Any error type can opt in without importing this package by having a
-// Permanent() bool method that returns true.
+// Permanent() bool method that returns true. settle.IsPermanent reports
+// whether an error, or one it wraps, is permanent.
 package poison

@@ -3,8 +3,6 @@ package poison
 import (
 	"errors"
 	"fmt"
-
-	"github.com/settle-go/settle"
 )
 
 // ErrDecode is wrapped by every *DecodeError.
@@ -59,8 +57,3 @@ func (e *DecodeError) Unwrap() []error { return []error{ErrDecode, e.Err} }
 
 // Permanent reports true.
 func (e *DecodeError) Permanent() bool { return true }
-
-// IsPermanent reports whether err, or any error it wraps, reports itself
-// permanent through a Permanent() bool method that returns true. It is
-// settle.IsPermanent, which the retry and poison parking middlewares use.
-func IsPermanent(err error) bool { return settle.IsPermanent(err) }

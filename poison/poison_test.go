@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/poison"
 )
@@ -36,7 +37,7 @@ func TestIsPermanent(t *testing.T) {
 		{"busy is not permanent", dedupe.ErrBusy, false},
 	}
 	for _, c := range cases {
-		if got := poison.IsPermanent(c.err); got != c.want {
+		if got := settle.IsPermanent(c.err); got != c.want {
 			t.Errorf("%s: IsPermanent(%v) = %v, want %v", c.name, c.err, got, c.want)
 		}
 	}

@@ -2,9 +2,11 @@
 // publish and beside Watermill's bare forwarder over watermill-sql, in one
 // run, on a real PostgreSQL and a real broker (GoChannel or RabbitMQ).
 //
-//	go run ./bench/outbox                        # GoChannel, local PostgreSQL
-//	go run ./bench/outbox -broker gochannel,amqp # both brokers
-//	go run ./bench/outbox -n 20000 -poll 20ms -rate 1000 -runs 3
+// From the harness's directory (bench, a module of its own):
+//
+//	go run ./outbox                        # GoChannel, local PostgreSQL
+//	go run ./outbox -broker gochannel,amqp # both brokers
+//	go run ./outbox -n 20000 -poll 20ms -rate 1000 -runs 3
 //
 // Scenarios, each on its own outbox tables and broker topic (dropped at the
 // end):

@@ -3,13 +3,13 @@
 // processes (this binary re-executed), kills a random one with SIGKILL at
 // random points for -cycles cycles, optionally stops and restarts the
 // services, lets everything drain and counts the effects of every logical
-// message:
+// message. From the harness's directory (bench, a module of its own):
 //
-//	go run ./bench/reliability -db postgres://... -amqp amqp://... -cycles 200 -mode tx
-//	go run ./bench/reliability -db mysql://... -amqp amqp://... -cycles 200
-//	go run ./bench/reliability -db postgres://... -amqp amqp://... -mode plain -cycles 200
-//	go run ./bench/reliability -db postgres://... -amqp amqp://... -mode batch -cycles 200 -fail-rate 0.02
-//	go run ./bench/reliability -db postgres://... -amqp amqp://... -cycles 0 -fault rabbitmq,postgres,pgterminate
+//	go run ./reliability -db postgres://... -amqp amqp://... -cycles 200 -mode tx
+//	go run ./reliability -db mysql://... -amqp amqp://... -cycles 200
+//	go run ./reliability -db postgres://... -amqp amqp://... -mode plain -cycles 200
+//	go run ./reliability -db postgres://... -amqp amqp://... -mode batch -cycles 200 -fail-rate 0.02
+//	go run ./reliability -db postgres://... -amqp amqp://... -cycles 0 -fault rabbitmq,postgres,pgterminate
 //
 // The exit code is 1 when anything was lost, dead-lettered or left behind,
 // when the drain did not finish in -drain-timeout, when a process gave up by

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"database/sql"
 	"flag"
 	"os"
 	"slices"
@@ -160,26 +161,58 @@ func TestHelpHidesEnvironmentURL(t *testing.T) {
 func TestSchemaStatements(t *testing.T) {
 	t.Parallel()
 	for _, d := range []sqldb.Dialect{sqldb.Postgres, sqldb.MySQL, sqldb.SQLite} {
+		sdb := sql.OpenDB(noConnector{})
+		t.Cleanup(func() { _ = sdb.Close() })
+		db := sqldb.Std(sdb, d)
 		t.Run("dedupe "+string(d), func(t *testing.T) {
 			t.Parallel()
-			store, err := dedupe.NewSQLStore(sqldb.Std(nil, d), dedupe.SQLConfig{Table: "app_claims"})
+			store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Table: "app_claims"})
 			if err != nil {
 				t.Fatal(err)
 			}
-			want := store.Schema()
 			r := mustRun(t, exitOK, "dedupe", "schema", "-dialect", string(d), "-table", "app_claims")
-			checkSQL(t, r.stdout, len(want), "app_claims")
+			checkSQL(t, r.stdout, len(store.Schema()), "app_claims")
 		})
 		t.Run("outbox "+string(d), func(t *testing.T) {
 			t.Parallel()
-			ob, err := outbox.New(sqldb.Std(nil, sqldb.Dialect(d)), outbox.Config{Topic: "orders_out"})
+			ob, err := outbox.New(db, outbox.Config{Topic: "orders_out"})
 			if err != nil {
 				t.Fatal(err)
 			}
-			want := ob.Schema()
 			r := mustRun(t, exitOK, "outbox", "schema", "-dialect", string(d), "-topic", "orders_out")
-			checkSQL(t, r.stdout, len(want), "orders_out_relays")
+			checkSQL(t, r.stdout, len(ob.Schema()), "orders_out_relays")
+			r = mustRun(t, exitOK, "outbox", "schema", "-dialect", string(d), "-topic", "orders_out", "-upgrade")
+			if got, want := strings.Count(r.stdout, ";\n"), len(ob.SchemaUpgrade()); got != want {
+				t.Errorf("-upgrade prints %d statements, want %d:\n%s", got, want, r.stdout)
+			}
 		})
+	}
+}
+
+// The command's default table and topic are the library's: a store and an
+// outbox configured without them print the same statements.
+func TestFlagDefaultsAreTheLibrarys(t *testing.T) {
+	t.Parallel()
+	sdb := sql.OpenDB(noConnector{})
+	defer sdb.Close()
+	db := sqldb.Std(sdb, sqldb.Postgres)
+	lib, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cli, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{Table: defaultDedupeTable})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(lib.Schema(), cli.Schema()) {
+		t.Errorf("-table defaults to %s, not the library's default:\n%q", defaultDedupeTable, lib.Schema())
+	}
+	ob, err := outbox.New(db, outbox.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ob.Topic() != defaultOutboxTopic {
+		t.Errorf("-topic defaults to %s, the library to %s", defaultOutboxTopic, ob.Topic())
 	}
 }
 

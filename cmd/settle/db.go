@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -19,7 +18,7 @@ func runDedupePrune(e *env, args []string) (err error) {
 	const name = "dedupe prune"
 	fs := newFlagSet(name)
 	dbURL, driver := dbFlag(fs), driverFlag(fs)
-	table := fs.String("table", "settle_dedupe", "the dedupe table")
+	table := fs.String("table", defaultDedupeTable, "the dedupe table")
 	olderThan := ageFlag(fs, "older-than", "remove confirmed and released keys last touched longer ago than this, e.g. 7d or 36h (required; at least "+shortAge(pruneFloor)+" without -force)")
 	var pf pruneFlags
 	pf.register(fs)
@@ -41,15 +40,7 @@ func runDedupePrune(e *env, args []string) (err error) {
 		return err
 	}
 	defer func() { err = errors.Join(err, d.Close()) }()
-	var store interface {
-		Check(ctx context.Context) error
-		Prune(ctx context.Context, before time.Time) (int64, error)
-	}
-	if d.pool != nil {
-		store, err = dedupe.NewSQLStore(sqldb.Pgx(d.pool), dedupe.SQLConfig{Table: *table})
-	} else {
-		store, err = dedupe.NewSQLStore(sqldb.Std(d.db, d.dialect), dedupe.SQLConfig{Table: *table})
-	}
+	store, err := d.newStore(dedupe.SQLConfig{Table: *table})
 	if err != nil {
 		return fmt.Errorf("-table: %w", err)
 	}
@@ -58,7 +49,7 @@ func runDedupePrune(e *env, args []string) (err error) {
 	}
 	cutoff := time.Now().Add(-*olderThan)
 	at := cutoff.UTC().Format(time.RFC3339)
-	n, sample, err := d.prunableKeys(e.ctx, *table, cutoff)
+	n, sample, err := d.prunableKeys(e.ctx, store, cutoff)
 	if err != nil {
 		return fmt.Errorf("count the keys to prune in %s: %w", *table, err)
 	}
@@ -88,7 +79,7 @@ func runDedupeSchema(e *env, args []string) error {
 	const name = "dedupe schema"
 	fs := newFlagSet(name)
 	dialect := fs.String("dialect", "", "postgres, mysql or sqlite (required)")
-	table := fs.String("table", "settle_dedupe", "the dedupe table, optionally schema-qualified")
+	table := fs.String("table", defaultDedupeTable, "the dedupe table, optionally schema-qualified")
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
@@ -99,10 +90,14 @@ func runDedupeSchema(e *env, args []string) error {
 	case *dialect == "":
 		return usagef(fs, name, "-dialect is required (postgres, mysql or sqlite)")
 	}
-	// The DDL needs no connection: the store is built on no database.
-	store, err := dedupe.NewSQLStore(sqldb.Std(nil, sqldb.Dialect(*dialect)), dedupe.SQLConfig{Table: *table})
-	if err != nil {
+	if err := checkDialect(*dialect); err != nil {
 		return usagef(fs, name, "%v", err)
+	}
+	d := schemaDatabase(*dialect)
+	defer d.Close()
+	store, err := d.newStore(dedupe.SQLConfig{Table: *table})
+	if err != nil {
+		return usagef(fs, name, "-table: %v", err)
 	}
 	stmts := store.Schema()
 	return writeSQL(e.stdout, fmt.Sprintf("settle dedupe table %s (%s)", *table, *dialect), stmts)
@@ -124,10 +119,14 @@ func runOutboxSchema(e *env, args []string) error {
 	case *dialect == "":
 		return usagef(fs, name, "-dialect is required (postgres, mysql or sqlite)")
 	}
-	// New touches no database: a driver without one says the dialect.
-	ob, err := outbox.New(sqldb.Std(nil, sqldb.Dialect(*dialect)), outbox.Config{Topic: *topic})
-	if err != nil {
+	if err := checkDialect(*dialect); err != nil {
 		return usagef(fs, name, "%v", err)
+	}
+	d := schemaDatabase(*dialect)
+	defer d.Close()
+	ob, err := d.newOutbox(outbox.Config{Topic: *topic})
+	if err != nil {
+		return usagef(fs, name, "-topic: %v", err)
 	}
 	if *upgrade {
 		return writeSQL(e.stdout, fmt.Sprintf("settle outbox %s (%s): upgrade from a table without per-row failures", *topic, *dialect), ob.SchemaUpgrade())
@@ -144,7 +143,7 @@ func runOutboxStatus(e *env, args []string) (err error) {
 	fs := newFlagSet(name)
 	dbURL, driver := dbFlag(fs), driverFlag(fs)
 	topic := fs.String("topic", defaultOutboxTopic, "the outbox topic (outbox.Config.Topic)")
-	stuckAfter := fs.Duration("stuck-after", time.Minute, "a pending row older than this is old: with a live relay, the relay is stuck or passes it over")
+	stuckAfter := fs.Duration("stuck-after", defaultStuckAfter, "a pending row older than this is old: with a live relay, the relay is stuck or passes it over")
 	asJSON := fs.Bool("json", false, "write JSON")
 	list := fs.Int("list", 10, "list up to this many rows that failed (retrying or set aside), oldest first; 0 lists none")
 	pos, err := parse(e, fs, name, args)
@@ -164,7 +163,7 @@ func runOutboxStatus(e *env, args []string) (err error) {
 		return err
 	}
 	defer func() { err = errors.Join(err, d.Close()) }()
-	if err := d.checkOutbox(e.ctx, ob); err != nil {
+	if err := ob.Check(e.ctx); err != nil {
 		return err
 	}
 	st, err := ob.Status(e.ctx)
@@ -173,7 +172,7 @@ func runOutboxStatus(e *env, args []string) (err error) {
 	}
 	var failed []outbox.FailedRow
 	if *list > 0 && st.Retrying+st.SetAside > 0 {
-		if failed, err = d.outboxFailed(e.ctx, ob, outbox.Selection{Limit: *list}); err != nil {
+		if failed, err = ob.Failed(e.ctx, outbox.Selection{Limit: *list}); err != nil {
 			return err
 		}
 	}
@@ -235,19 +234,29 @@ func runOutboxPrune(e *env, args []string) (err error) {
 		return err
 	}
 	defer func() { err = errors.Join(err, d.Close()) }()
-	if err := d.checkOutbox(e.ctx, ob); err != nil {
+	if err := ob.Check(e.ctx); err != nil {
 		return err
 	}
-	if err := d.outboxPrunePreview(e, *topic, *olderThan, pf.yes); err != nil || !pf.yes {
+	before := time.Now().Add(-*olderThan)
+	if err := d.outboxPrunePreview(e, ob, *topic, *olderThan, before, pf.yes); err != nil || !pf.yes {
 		return err
 	}
-	n, err := ob.Prune(e.ctx, time.Now().Add(-*olderThan))
+	n, err := ob.Prune(e.ctx, before)
 	if err != nil {
 		return fmt.Errorf("prune outbox %s (%d rows removed before the error): %w", *topic, n, err)
 	}
 	fmt.Fprintf(e.stdout, "pruned %d rows from outbox %s (forwarded more than %s ago)\n", n, *topic, *olderThan)
 	return nil
 }
+
+// The defaults of -table, -topic and -stuck-after: those of
+// dedupe.SQLConfig.Table, outbox.Config.Topic (TestFlagDefaultsAreTheLibrarys)
+// and outbox.Config.StuckAfter, passed to the library explicitly.
+const (
+	defaultDedupeTable = "settle_dedupe"
+	defaultOutboxTopic = "settle_outbox"
+	defaultStuckAfter  = time.Minute
+)
 
 // dbFlag defines the -db flag of the commands that work on a database.
 func dbFlag(fs *flag.FlagSet) *string {
@@ -256,31 +265,26 @@ func dbFlag(fs *flag.FlagSet) *string {
 
 // openOutbox opens the database at dbURL through driver and the outbox of
 // topic on it. The caller closes the database.
-func openOutbox(e *env, dbURL, driver, topic string, stuckAfter time.Duration) (*database, outboxOps, error) {
+func openOutbox(e *env, dbURL, driver, topic string, stuckAfter time.Duration) (*database, outboxStore, error) {
 	d, err := openDatabase(e, dbURL, driver)
 	if err != nil {
 		return nil, nil, err
 	}
-	cfg := outbox.Config{Topic: topic, StuckAfter: stuckAfter}
-	var ob outboxOps
-	if d.pool != nil {
-		ob, err = outbox.New(sqldb.Pgx(d.pool), cfg)
-	} else {
-		ob, err = outbox.New(sqldb.Std(d.db, sqldb.Dialect(d.dialect)), cfg)
-	}
+	ob, err := d.newOutbox(outbox.Config{Topic: topic, StuckAfter: stuckAfter})
 	if err != nil {
 		return nil, nil, errors.Join(fmt.Errorf("-topic: %w", err), d.Close())
 	}
 	return d, ob, nil
 }
 
-// checkOutbox checks the outbox's tables.
-func (d *database) checkOutbox(ctx context.Context, ob outboxOps) error {
-	return ob.Check(ctx)
+// checkDialect checks a -dialect value.
+func checkDialect(d string) error {
+	switch sqldb.Dialect(d) {
+	case sqldb.Postgres, sqldb.MySQL, sqldb.SQLite:
+		return nil
+	}
+	return fmt.Errorf("-dialect: unknown dialect %q (want postgres, mysql or sqlite)", d)
 }
-
-// defaultOutboxTopic is outbox.Config.Topic's default.
-const defaultOutboxTopic = "settle_outbox"
 
 // writeSQL writes statements for migration tools: a comment header, then
 // each statement with its indentation tidied, ending with ';', separated by

@@ -5,14 +5,13 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -199,7 +198,7 @@ func testOutboxStatus(t *testing.T, driver string) {
 	var b [4]byte
 	_, _ = rand.Read(b[:])
 	topic := "cli_status_" + hex.EncodeToString(b[:])
-	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Postgres), outbox.Config{Topic: topic})
+	ob, err := outbox.New(db.Driver(), outbox.Config{Topic: topic})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -346,18 +345,10 @@ func TestDatabaseDriver(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s -driver %s: %v", redact(tc.url), tc.driver, err)
 		}
-		if (d.pool != nil) != tc.pgx {
-			t.Errorf("%s -driver %s: on a pgx pool = %v, want %v", redact(tc.url), tc.driver, d.pool != nil, tc.pgx)
+		if got, want := d.driver, map[bool]string{true: driverPgx, false: driverSQL}[tc.pgx]; got != want {
+			t.Errorf("%s -driver %s: on %s, want %s", redact(tc.url), tc.driver, got, want)
 		}
-		// The one handle answers: on pgx there is no database/sql pool.
-		if d.pool != nil {
-			if d.db != nil {
-				t.Errorf("%s -driver %s: a database/sql handle beside the pgx pool", redact(tc.url), tc.driver)
-			}
-			if err := d.pool.Ping(t.Context()); err != nil {
-				t.Error(err)
-			}
-		} else if err := d.db.PingContext(t.Context()); err != nil {
+		if err := d.pool.Alive(t.Context()); err != nil {
 			t.Errorf("%s -driver %s: %v", redact(tc.url), tc.driver, err)
 		}
 		if err := d.Close(); err != nil {
@@ -405,7 +396,7 @@ func TestOutboxPrune(t *testing.T) {
 			var b [4]byte
 			_, _ = rand.Read(b[:])
 			topic := "cli_prune_" + hex.EncodeToString(b[:])
-			ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: topic})
+			ob, err := outbox.New(db.Driver(), outbox.Config{Topic: topic})
 			if err != nil {
 				t.Fatal(err)
 			}

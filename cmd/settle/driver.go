@@ -3,22 +3,27 @@ package main
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
+	"errors"
 	"flag"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settleenv"
 	"github.com/settle-go/settle/internal/sqlurl"
+	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
 )
 
 // The values of -driver.
 const (
 	driverAuto = "auto" // pgx for postgres://, database/sql otherwise
-	driverPgx  = "pgx"  // a pgxpool.Pool and settle's Pgx functions; PostgreSQL only
-	driverSQL  = "sql"  // database/sql (pgx's stdlib driver for PostgreSQL)
+	driverPgx  = "pgx"  // sqldb.Pgx on a pgxpool.Pool; PostgreSQL only
+	driverSQL  = "sql"  // sqldb.Std on database/sql (pgx's stdlib driver for PostgreSQL)
 )
 
 // driverFlag defines the -driver flag of the commands that work on a
@@ -27,25 +32,69 @@ func driverFlag(fs *flag.FlagSet) *string {
 	return fs.String("driver", driverAuto, "how to reach the database: pgx (a pgxpool.Pool; postgres:// only), sql (database/sql), or auto: pgx for postgres://, sql otherwise")
 }
 
-// database is what the database commands run on: database/sql, or a
-// pgxpool.Pool for PostgreSQL.
+// dedupeStore is what the commands use of a dedupe.SQLStore, whatever its
+// driver's transaction type.
+type dedupeStore interface {
+	Check(ctx context.Context) error
+	Prune(ctx context.Context, before time.Time) (int64, error)
+	Schema() []string
+}
+
+// outboxStore is what the commands use of an outbox.Outbox, whatever its
+// driver's transaction type.
+type outboxStore interface {
+	Check(ctx context.Context) error
+	Schema() []string
+	SchemaUpgrade() []string
+	Status(ctx context.Context) (outbox.Status, error)
+	Prune(ctx context.Context, before time.Time) (int64, error)
+	Failed(ctx context.Context, sel outbox.Selection) ([]outbox.FailedRow, error)
+	Requeue(ctx context.Context, sel outbox.Selection) (int64, error)
+}
+
+// database is the database a command works on: one sqldb.Driver, of the
+// driver -driver chose, and the dedupe store and outbox built on it. The
+// driver is named in openDatabase (and schemaDatabase) only: no command
+// knows which one it runs on.
 type database struct {
 	dialect sqldb.Dialect
-	// db is the database/sql handle; nil on pgx.
-	db *sql.DB
-	// pool is the pgx pool; nil on database/sql.
-	pool *pgxpool.Pool
+	// driver is driverPgx or driverSQL.
+	driver string
+	// pool runs statements on the database, outside any transaction.
+	pool      sqldb.Executor
+	newStore  func(dedupe.SQLConfig) (dedupeStore, error)
+	newOutbox func(outbox.Config) (outboxStore, error)
+	close     func() error
 }
 
-func (d *database) Close() error {
-	if d.pool != nil {
-		d.pool.Close()
-		return nil
+// on is the database of db, reached through driver (driverPgx or
+// driverSQL) and closed by closeDB.
+func on[TTx any](db sqldb.Driver[TTx], driver string, closeDB func() error) *database {
+	return &database{
+		dialect: db.Dialect(),
+		driver:  driver,
+		pool:    db.DB(),
+		newStore: func(cfg dedupe.SQLConfig) (dedupeStore, error) {
+			s, err := dedupe.NewSQLStore(db, cfg)
+			if err != nil {
+				return nil, err
+			}
+			return s, nil
+		},
+		newOutbox: func(cfg outbox.Config) (outboxStore, error) {
+			o, err := outbox.New(db, cfg)
+			if err != nil {
+				return nil, err
+			}
+			return o, nil
+		},
+		close: closeDB,
 	}
-	return d.db.Close()
 }
 
-// openDatabase opens and pings the database at rawURL (or the one the
+func (d *database) Close() error { return d.close() }
+
+// openDatabase opens and pings the database at flagURL (or the one the
 // environment names) through driver (a -driver value). The caller closes it.
 func openDatabase(e *env, flagURL, driver string) (*database, error) {
 	rawURL, from := flagURL, "-db"
@@ -81,7 +130,7 @@ func openDatabase(e *env, flagURL, driver string) (*database, error) {
 		if err != nil {
 			return nil, err
 		}
-		return &database{dialect: d, db: db}, nil
+		return on(sqldb.Std(db, d), driverSQL, db.Close), nil
 	}
 	if _, _, _, err := sqlurl.Parse(rawURL); err != nil {
 		return nil, &usageError{msg: fmt.Sprintf("%s: %s", from, strings.TrimPrefix(err.Error(), "sqlurl: "))}
@@ -105,5 +154,25 @@ func openDatabase(e *env, flagURL, driver string) (*database, error) {
 		}
 		return nil, fmt.Errorf("%s: cannot reach the postgres database at %s: %w", from, redact(rawURL), sqlurl.ScrubError(err, rawURL))
 	}
-	return &database{dialect: sqldb.Postgres, pool: pool}, nil
+	return on(sqldb.Pgx(pool), driverPgx, func() error { pool.Close(); return nil }), nil
 }
+
+// schemaDatabase is a database of dialect that is never connected to, for
+// the statements of `dedupe schema` and `outbox schema`: they come from the
+// same store and outbox as every other command's, and need no server.
+func schemaDatabase(dialect string) *database {
+	db := sql.OpenDB(noConnector{})
+	return on(sqldb.Std(db, sqldb.Dialect(dialect)), driverSQL, db.Close)
+}
+
+// noConnector is the connector of schemaDatabase: it refuses to connect.
+type noConnector struct{}
+
+var errNoConnection = errors.New("settle: the schema commands do not connect to a database")
+
+func (noConnector) Connect(context.Context) (driver.Conn, error) { return nil, errNoConnection }
+func (noConnector) Driver() driver.Driver                        { return noDriver{} }
+
+type noDriver struct{}
+
+func (noDriver) Open(string) (driver.Conn, error) { return nil, errNoConnection }

@@ -14,17 +14,19 @@
 //	settle trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag K=V]) [-svg FILE]
 //
 // -db defaults to $SETTLE_POSTGRES_URL, else $SETTLE_MYSQL_URL, and -amqp to
-// $SETTLE_AMQP_URL, the variables the tests and examples read. On a
-// postgres:// URL the database commands run on a pgxpool.Pool and settle's
-// Pgx functions; -driver sql runs them on database/sql instead, the only
-// driver of mysql:// and sqlite://.
+// $SETTLE_AMQP_URL, the variables the tests and examples read. The
+// database commands run on one sqldb.Driver, with the store and the outbox
+// a service builds on it: on a postgres:// URL, sqldb.Pgx on a
+// pgxpool.Pool; -driver sql runs them on sqldb.Std over database/sql
+// instead, the only driver of mysql:// and sqlite://.
 //
 // Every command that changes or deletes something is a dry run unless -yes
 // is given: it prints what it would do (how many rows or messages, and some
-// of them). The prune commands refuse a retention below 24 hours unless
-// -force is given. Listing and showing never remove a message from a queue,
-// and refuse to read a queue that counts deliveries (a quorum queue, whose
-// delivery limit would drop messages read too often) unless -force is given.
+// of them; a prune selects them with the library's own filter). The prune
+// commands refuse a retention below 24 hours unless -force is given.
+// Listing and showing never remove a message from a queue, and refuse to
+// read a queue that counts deliveries (a quorum queue, whose delivery limit
+// would drop messages read too often) unless -force is given.
 // replay removes a message from the dead-letter queue only after the broker
 // has confirmed its republished copy, and refuses a selection that goes to
 // several destinations unless -to, -allow-topics or -any-destination says

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -16,27 +15,6 @@ import (
 
 // The outbox's rows that failed: listed by `outbox status`, put back by
 // `outbox retry`.
-
-// outboxOps is what the commands do with an outbox, whatever the driver
-// under it (*outbox.Outbox[*sql.Tx] or *outbox.Outbox[pgx.Tx]).
-type outboxOps interface {
-	Check(ctx context.Context) error
-	Schema() []string
-	SchemaUpgrade() []string
-	Status(ctx context.Context) (outbox.Status, error)
-	Prune(ctx context.Context, before time.Time) (int64, error)
-	Failed(ctx context.Context, sel outbox.Selection) ([]outbox.FailedRow, error)
-	Requeue(ctx context.Context, sel outbox.Selection) (int64, error)
-}
-
-// outboxFailed lists failed rows.
-func (d *database) outboxFailed(ctx context.Context, ob outboxOps, sel outbox.Selection) ([]outbox.FailedRow, error) {
-	return ob.Failed(ctx, sel)
-}
-
-func (d *database) outboxRequeue(ctx context.Context, ob outboxOps, sel outbox.Selection) (int64, error) {
-	return ob.Requeue(ctx, sel)
-}
 
 // failedRowJSON is a failed row in -json output.
 type failedRowJSON struct {
@@ -159,11 +137,11 @@ func runOutboxRetry(e *env, args []string) (err error) {
 		return err
 	}
 	defer func() { err = errors.Join(err, d.Close()) }()
-	if err := d.checkOutbox(e.ctx, ob); err != nil {
+	if err := ob.Check(e.ctx); err != nil {
 		return err
 	}
 	sel := outbox.Selection{Offsets: offsets, Topic: *dest, SetAsideOnly: true, Limit: 10000}
-	rows, err := d.outboxFailed(e.ctx, ob, sel)
+	rows, err := ob.Failed(e.ctx, sel)
 	if err != nil {
 		return err
 	}
@@ -178,7 +156,7 @@ func runOutboxRetry(e *env, args []string) (err error) {
 			for j, r := range chunk {
 				offs[j] = r.Offset
 			}
-			n, err := d.outboxRequeue(e.ctx, ob, outbox.Selection{Offsets: offs, Topic: *dest})
+			n, err := ob.Requeue(e.ctx, outbox.Selection{Offsets: offs, Topic: *dest})
 			requeued += n
 			if err != nil {
 				return fmt.Errorf("re-queue (%d row(s) re-queued before the error): %w", requeued, err)

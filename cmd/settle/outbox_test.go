@@ -69,7 +69,7 @@ func TestOutboxStatusAndRetry(t *testing.T) {
 			var b [4]byte
 			_, _ = rand.Read(b[:])
 			topic := "cli_retry_" + hex.EncodeToString(b[:])
-			ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: topic})
+			ob, err := outbox.New(db.Driver(), outbox.Config{Topic: topic})
 			if err != nil {
 				t.Fatal(err)
 			}

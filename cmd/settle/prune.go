@@ -5,10 +5,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
 
+	"github.com/settle-go/settle/internal/prunesel"
 	"github.com/settle-go/settle/sqldb"
 )
 
@@ -76,94 +78,63 @@ func shortAge(d time.Duration) string {
 	return s
 }
 
-// quoteTable quotes a table name that the store or the outbox has already
-// validated (letters, digits and _, optionally schema.table), as dedupe
-// quotes it.
-func quoteTable(d sqldb.Dialect, table string) string {
-	q := `"`
-	if d == sqldb.MySQL {
-		q = "`"
+// pruneSelection is the selection of a prune of the library (prunesel.Dedupe or
+// prunesel.Outbox) of lib, a store or an outbox, for the cutoff before.
+func pruneSelection(of func(any, time.Time) (prunesel.Selection, bool), lib any, before time.Time) (prunesel.Selection, error) {
+	if of == nil {
+		return prunesel.Selection{}, fmt.Errorf("the library does not say what its prune deletes")
 	}
-	parts := strings.Split(table, ".")
-	for i, p := range parts {
-		parts[i] = q + p + q
+	sel, ok := of(lib, before)
+	if !ok {
+		return prunesel.Selection{}, fmt.Errorf("the library does not say what the prune of a %T deletes", lib)
 	}
-	return strings.Join(parts, ".")
+	return sel, nil
 }
 
-// placeholders turns $1, $2, ... into ? outside PostgreSQL. Each appears
-// once, in order.
-func placeholders(d sqldb.Dialect, q string) string {
-	if d == sqldb.Postgres {
-		return q
-	}
-	for i := 9; i >= 1; i-- {
-		q = strings.ReplaceAll(q, fmt.Sprintf("$%d", i), "?")
-	}
-	return q
+// countSelection returns how many rows sel holds.
+func (d *database) countSelection(ctx context.Context, sel prunesel.Selection) (int64, error) {
+	var n int64
+	err := d.pool.QueryRow(ctx, `SELECT COUNT(*) FROM `+sel.Table+` WHERE `+sel.Where, sel.Args, &n)
+	return n, err
 }
 
-// query runs q on the database's driver and calls each for every row.
-func (d *database) query(ctx context.Context, q string, args []any, each func(scan func(dest ...any) error) error) error {
-	if d.pool != nil {
-		rows, err := d.pool.Query(ctx, q, args...)
-		if err != nil {
-			return err
-		}
-		defer rows.Close()
-		for rows.Next() {
-			if err := each(rows.Scan); err != nil {
-				return err
-			}
-		}
-		return rows.Err()
-	}
-	rows, err := d.db.QueryContext(ctx, q, args...)
+// sampleSelection reads columns (a select list) of the first pruneSample
+// rows of sel in the order of orderBy and calls each for every row.
+func (d *database) sampleSelection(ctx context.Context, sel prunesel.Selection, columns, orderBy string, each func(scan func(dest ...any) error) error) error {
+	q := `SELECT ` + columns + ` FROM ` + sel.Table + ` WHERE ` + sel.Where + ` ORDER BY ` + orderBy + ` LIMIT ` + strconv.Itoa(pruneSample)
+	return d.pool.Query(ctx, q, sel.Args, each)
+}
+
+// prunableKeys counts the keys of the dedupe table of store that
+// store.Prune(before) would delete (confirmed or released keys last
+// touched before the cutoff, and claims that expired before it) and
+// returns the oldest few. The rows are those of the store's own prune
+// filter (prunesel): the prune deletes what this counts, but for keys
+// that writers touch in between.
+func (d *database) prunableKeys(ctx context.Context, store dedupeStore, before time.Time) (int64, [][3]string, error) {
+	sel, err := pruneSelection(prunesel.Dedupe, store, before)
 	if err != nil {
-		return err
+		return 0, nil, err
 	}
-	defer rows.Close()
-	for rows.Next() {
-		if err := each(rows.Scan); err != nil {
-			return err
-		}
+	n, err := d.countSelection(ctx, sel)
+	if err != nil || n == 0 {
+		return n, nil, err
 	}
-	return rows.Err()
-}
-
-// prunableKeys counts the keys of a dedupe table that Prune(before) would
-// delete (confirmed or released keys last touched before the cutoff, and
-// claims that expired before it) and returns the oldest few. It reads the
-// filter of dedupe's prune statement, with this machine's clock for the
-// claims' expiry; the prune itself decides with the database's.
-func (d *database) prunableKeys(ctx context.Context, table string, before time.Time) (int64, [][3]string, error) {
-	t := quoteTable(d.dialect, table)
 	key := "key"
 	if d.dialect == sqldb.MySQL {
 		key = "`key`"
 	}
-	cutoff := before.UnixMicro()
-	expired := min(cutoff, time.Now().UnixMicro())
-	cond := ` WHERE updated_at < $1 AND (state <> 1 OR expires_at < $2)`
-	var n int64
-	err := d.query(ctx, placeholders(d.dialect, `SELECT COUNT(*) FROM `+t+cond), []any{cutoff, expired}, func(scan func(...any) error) error {
-		return scan(&n)
-	})
-	if err != nil || n == 0 {
-		return n, nil, err
-	}
 	var sample [][3]string
-	err = d.query(ctx, placeholders(d.dialect, `SELECT `+key+`, state, updated_at FROM `+t+cond+fmt.Sprintf(` ORDER BY updated_at LIMIT %d`, pruneSample)),
-		[]any{cutoff, expired}, func(scan func(...any) error) error {
-			var k []byte
-			var state int
-			var updated int64
-			if err := scan(&k, &state, &updated); err != nil {
-				return err
-			}
-			sample = append(sample, [3]string{safeLine(string(k)), stateName(state), time.UnixMicro(updated).UTC().Format(time.RFC3339)})
-			return nil
-		})
+	err = d.sampleSelection(ctx, sel, key+`, state, updated_at`, `updated_at`, func(scan func(...any) error) error {
+		var k []byte
+		var state int
+		var updated int64
+		if err := scan(&k, &state, &updated); err != nil {
+			return err
+		}
+		sample = append(sample, [3]string{safeLine(string(k)), stateName(state), time.UnixMicro(updated).UTC().Format(time.RFC3339)})
+		return nil
+	})
 	return n, sample, err
 }
 
@@ -190,28 +161,16 @@ func writeSample(w io.Writer, header []string, rows [][3]string) error {
 }
 
 // outboxPrunePreview prints how many forwarded rows of the outbox topic
-// Outbox.Prune(olderThan) would delete and the oldest few, then, unless
-// act, that nothing was deleted. It reads the filter of the outbox's prune
-// statement (rows whose forwarded_at is older than olderThan by the
-// database's clock); rows not forwarded are never counted, as they are
+// ob.Prune(before) would delete and the oldest few, then, unless act,
+// that nothing was deleted. The rows are those of the outbox's own prune
+// filter (prunesel): rows not forwarded are never counted, as they are
 // never deleted.
-func (d *database) outboxPrunePreview(e *env, topic string, olderThan time.Duration, act bool) error {
-	t := quoteTable(d.dialect, topic)
-	var cond string
-	var age any
-	switch d.dialect {
-	case sqldb.Postgres:
-		cond = `"forwarded_at" < clock_timestamp() - make_interval(secs => $1)`
-		age = olderThan.Seconds()
-	case sqldb.MySQL:
-		cond = "forwarded_at < CURRENT_TIMESTAMP(6) - INTERVAL ? MICROSECOND"
-		age = olderThan.Microseconds()
-	default:
-		cond = `"forwarded_at" < strftime('%Y-%m-%d %H:%M:%f', 'now', '-' || ? || ' seconds')`
-		age = olderThan.Seconds()
+func (d *database) outboxPrunePreview(e *env, ob outboxStore, topic string, olderThan time.Duration, before time.Time, act bool) error {
+	sel, err := pruneSelection(prunesel.Outbox, ob, before)
+	if err != nil {
+		return err
 	}
-	var n int64
-	err := d.query(e.ctx, `SELECT COUNT(*) FROM `+t+` WHERE `+cond, []any{age}, func(scan func(...any) error) error { return scan(&n) })
+	n, err := d.countSelection(e.ctx, sel)
 	if err != nil {
 		return fmt.Errorf("count the rows to prune in outbox %s: %w", topic, err)
 	}
@@ -230,15 +189,14 @@ func (d *database) outboxPrunePreview(e *env, topic string, olderThan time.Durat
 			cols = `"uuid", "topic", "forwarded_at"`
 		}
 		var sample [][3]string
-		err := d.query(e.ctx, `SELECT `+cols+` FROM `+t+` WHERE `+cond+` ORDER BY `+order+fmt.Sprintf(` LIMIT %d`, pruneSample),
-			[]any{age}, func(scan func(...any) error) error {
-				var id, to, at string
-				if err := scan(&id, &to, &at); err != nil {
-					return err
-				}
-				sample = append(sample, [3]string{safeLine(id), safeLine(to), safeLine(at)})
-				return nil
-			})
+		err := d.sampleSelection(e.ctx, sel, cols, order, func(scan func(...any) error) error {
+			var id, to, at string
+			if err := scan(&id, &to, &at); err != nil {
+				return err
+			}
+			sample = append(sample, [3]string{safeLine(id), safeLine(to), safeLine(at)})
+			return nil
+		})
 		if err != nil {
 			return fmt.Errorf("read the rows to prune in outbox %s: %w", topic, err)
 		}

@@ -10,7 +10,6 @@ import (
 
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
-	"github.com/settle-go/settle/sqldb"
 )
 
 // review: the -queue name is the operator's input, but it is also a name
@@ -85,7 +84,7 @@ func TestReviewOutboxRetryDryRunMatchesYes(t *testing.T) {
 	t.Parallel()
 	db, u := testenv.Postgres(t), testenv.Require(t, testenv.PostgresURLEnv)
 	topic := "cli_rv_" + testenv.Name(t, "r")[len(testenv.Name(t, "r"))-8:]
-	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: topic})
+	ob, err := outbox.New(db.Driver(), outbox.Config{Topic: topic})
 	if err != nil {
 		t.Fatal(err)
 	}

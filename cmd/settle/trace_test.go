@@ -23,9 +23,9 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
-	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/poison"
 )
@@ -137,8 +137,8 @@ func TestTraceCommandShowsADeliveryFromJaeger(t *testing.T) {
 	}
 	p, err := pipeline.New(router, pipeline.Config{
 		Publisher: ps, Store: dedupe.NewMemoryStore(),
-		Tracing: []middleware.Option{middleware.WithTracerProvider(tp), middleware.WithPropagators(propagation.TraceContext{}),
-			middleware.WithMessagingSystem("gochannel")},
+		Tracing: []settle.Option{settle.WithTracerProvider(tp), settle.WithPropagators(propagation.TraceContext{}),
+			settle.WithMessagingSystem("gochannel")},
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -193,7 +193,7 @@ func run(parent context.Context, cfg config) (err error) {
 	if err != nil {
 		return err
 	}
-	obCfg := outbox.Config{Topic: s.outboxTopic, Propagator: propagation.TraceContext{}, TracerProvider: tel.tp}
+	obCfg := outbox.Config{Topic: s.outboxTopic, Tracing: []settle.Option{settle.WithPropagators(propagation.TraceContext{}), settle.WithTracerProvider(tel.tp)}}
 	// One outbox, on the driver the example runs on; ob is what does not
 	// depend on the driver's transaction type.
 	var (
@@ -240,9 +240,9 @@ func run(parent context.Context, cfg config) (err error) {
 			InitialInterval:  20 * time.Millisecond,
 			RedeliveryDelay:  100 * time.Millisecond,
 		},
-		Tracing: []middleware.Option{
-			middleware.WithTracerProvider(tel.tp), middleware.WithMeterProvider(tel.mp),
-			middleware.WithPropagators(propagation.TraceContext{}), middleware.WithMessagingSystem(br.system),
+		Tracing: []settle.Option{
+			settle.WithTracerProvider(tel.tp), settle.WithMeterProvider(tel.mp),
+			settle.WithPropagators(propagation.TraceContext{}), settle.WithMessagingSystem(br.system),
 		},
 	})
 	if err != nil {
@@ -554,8 +554,8 @@ func readOutcomes(ctx context.Context, r *sdkmetric.ManualReader) (outcomeCounts
 				continue
 			}
 			for _, dp := range sum.DataPoints {
-				h, _ := dp.Attributes.Value(middleware.HandlerKey)
-				o, _ := dp.Attributes.Value(middleware.OutcomeKey)
+				h, _ := dp.Attributes.Value("settle.handler")
+				o, _ := dp.Attributes.Value("settle.outcome")
 				if c[h.AsString()] == nil {
 					c[h.AsString()] = map[settle.Outcome]int64{}
 				}

@@ -21,6 +21,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 
@@ -436,9 +437,6 @@ func (p *parker) declare() error {
 	return nil
 }
 
-// ScopeName is the instrumentation scope of the spans of parked copies.
-const ScopeName = "github.com/settle-go/settle/middleware"
-
 // publish sends the copy inside a producer span that is a child of the
 // delivery's span (if the delivery is traced) and writes that span's context
 // into the copy, so the copy's trace leads back to the failed delivery.
@@ -452,7 +450,7 @@ func publish(ctx context.Context, pub message.Publisher, topic string, cp *messa
 	if s != nil {
 		ids = s.SpanAttributes
 	}
-	ctx, span := parent.TracerProvider().Tracer(ScopeName).Start(ctx, "send "+topic,
+	ctx, span := parent.TracerProvider().Tracer(telemetry.MiddlewareScope).Start(ctx, "send "+topic,
 		trace.WithSpanKind(trace.SpanKindProducer),
 		trace.WithAttributes(ids...),
 		trace.WithAttributes(
@@ -464,7 +462,7 @@ func publish(ctx context.Context, pub message.Publisher, topic string, cp *messa
 		))
 	defer span.End()
 	if s != nil && s.Propagator != nil {
-		s.Propagator.Inject(ctx, settle.MetadataCarrier(cp.Metadata))
+		s.Propagator.Inject(ctx, propagation.MapCarrier(cp.Metadata))
 	}
 	cp.SetContext(ctx)
 	err := pub.Publish(topic, cp)

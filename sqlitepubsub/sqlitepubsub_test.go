@@ -1,12 +1,10 @@
-package outbox_test
+package sqlitepubsub_test
 
 import (
 	"bytes"
-	"context"
 	"database/sql"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -19,28 +17,28 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
 
-	"github.com/settle-go/settle/internal/sqlurl"
-	"github.com/settle-go/settle/internal/testenv"
-	"github.com/settle-go/settle/outbox"
+	_ "modernc.org/sqlite" // registers "sqlite"
+
+	"github.com/settle-go/settle/sqlitepubsub"
 )
 
-// ackDeadline is below the busy timeout of internal/sqlurl.SQLiteDSN (10s),
-// as SQLiteSchema's doc asks: a subscriber whose consumer does not take a
-// message gives up SQLite's write lock after it, so waiting writers get in.
+// ackDeadline is below the busy timeout of openSQLite's DSN (10s), as the
+// package doc asks: a subscriber whose consumer does not take a message
+// gives up SQLite's write lock after it, so waiting writers get in.
 var ackDeadline = time.Second
 
-// newSQLitePubSub returns a watermill-sql publisher and subscriber on db with
+// newPubSub returns a watermill-sql publisher and subscriber on db with
 // the SQLite adapters, polling every 10ms.
-func newSQLitePubSub(t *testing.T, db *sql.DB, group string) (*wsql.Publisher, *wsql.Subscriber) {
+func newPubSub(t *testing.T, db *sql.DB, group string) (*wsql.Publisher, *wsql.Subscriber) {
 	t.Helper()
-	return newSQLitePubSubPolling(t, db, group, 10*time.Millisecond)
+	return newPubSubPolling(t, db, group, 10*time.Millisecond)
 }
 
-func newSQLitePubSubPolling(t *testing.T, db *sql.DB, group string, poll time.Duration) (*wsql.Publisher, *wsql.Subscriber) {
+func newPubSubPolling(t *testing.T, db *sql.DB, group string, poll time.Duration) (*wsql.Publisher, *wsql.Subscriber) {
 	t.Helper()
 	beginner := wsql.BeginnerFromStdSQL(db)
 	pub, err := wsql.NewPublisher(beginner, wsql.PublisherConfig{
-		SchemaAdapter:        outbox.SQLiteSchema{},
+		SchemaAdapter:        newSchema(t, sqlitepubsub.Config{}),
 		AutoInitializeSchema: true,
 	}, watermill.NopLogger{})
 	if err != nil {
@@ -52,8 +50,8 @@ func newSQLitePubSubPolling(t *testing.T, db *sql.DB, group string, poll time.Du
 		AckDeadline:      &ackDeadline,
 		ResendInterval:   5 * time.Millisecond,
 		RetryInterval:    10 * time.Millisecond,
-		SchemaAdapter:    outbox.SQLiteSchema{},
-		OffsetsAdapter:   outbox.SQLiteOffsetsAdapter{},
+		SchemaAdapter:    newSchema(t, sqlitepubsub.Config{}),
+		OffsetsAdapter:   sqlitepubsub.Offsets(sqlitepubsub.Config{}),
 		InitializeSchema: false,
 	}, watermill.NopLogger{})
 	if err != nil {
@@ -75,14 +73,14 @@ func newSQLitePubSubPolling(t *testing.T, db *sql.DB, group string, poll time.Du
 // be at least that long for the publisher to be sure to see it.
 const suitePollInterval = 100 * time.Millisecond
 
-// TestSQLitePubSub runs Watermill's own Pub/Sub conformance suite on a SQLite
+// TestPubSub runs Watermill's own Pub/Sub conformance suite on a SQLite
 // file through watermill-sql and the SQLite adapters.
-func TestSQLitePubSub(t *testing.T) {
+func TestPubSub(t *testing.T) {
 	t.Parallel()
 	// Each test of the suite gets its own SQLite file, shared by every
 	// publisher and subscriber it creates: a subscriber holds the file's
 	// write lock while its consumer has not taken a message, so one test's
-	// idle subscriber would stall the others' writers (see SQLiteSchema).
+	// idle subscriber would stall the others' writers (see the package doc).
 	var (
 		mu  sync.Mutex
 		dbs = map[*testing.T]*sql.DB{}
@@ -93,7 +91,7 @@ func TestSQLitePubSub(t *testing.T) {
 		if db, ok := dbs[t]; ok {
 			return db
 		}
-		db := testenv.SQLite(t).DB
+		db := openSQLite(t, true)
 		dbs[t] = db
 		t.Cleanup(func() {
 			mu.Lock()
@@ -110,19 +108,21 @@ func TestSQLitePubSub(t *testing.T) {
 	}
 	tests.TestPubSub(t, features,
 		func(t *testing.T) (message.Publisher, message.Subscriber) {
-			return newSQLitePubSubPolling(t, dbOf(t), "test", suitePollInterval)
+			return newPubSubPolling(t, dbOf(t), "test", suitePollInterval)
 		},
 		func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
-			return newSQLitePubSubPolling(t, dbOf(t), group, suitePollInterval)
+			return newPubSubPolling(t, dbOf(t), group, suitePollInterval)
 		},
 	)
 }
 
-// openSQLite opens a new SQLite file with settle's DSN, or with the same DSN
-// less _txlock=immediate when immediate is false (deferred transactions).
+// openSQLite opens a new SQLite file with the DSN the package doc asks for
+// (and synchronous=NORMAL, which only makes commits cheaper), or with the
+// same DSN less _txlock=immediate when immediate is false (deferred
+// transactions).
 func openSQLite(t *testing.T, immediate bool) *sql.DB {
 	t.Helper()
-	dsn := sqlurl.SQLiteDSN(filepath.Join(t.TempDir(), "outbox.db"))
+	dsn := "file:" + filepath.Join(t.TempDir(), "pubsub.db") + "?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_pragma=synchronous(NORMAL)&_txlock=immediate"
 	if !immediate {
 		deferred := strings.Replace(dsn, "&_txlock=immediate", "", 1)
 		if deferred == dsn {
@@ -209,17 +209,17 @@ func waitAcked(t *testing.T, db *sql.DB, table, group string, want int64) {
 	}
 }
 
-// TestSQLiteTxPublisher publishes through a watermill-sql publisher bound to
+// TestTxPublisher publishes through a watermill-sql publisher bound to
 // a *sql.Tx: the subscriber gets the message only after Commit, and never a
 // message whose transaction rolled back.
-func TestSQLiteTxPublisher(t *testing.T) {
+func TestTxPublisher(t *testing.T) {
 	t.Parallel()
 	for _, mode := range txModes {
 		t.Run(mode.name, func(t *testing.T) {
 			t.Parallel()
 			db := openSQLite(t, mode.immediate)
 			topic := "orders"
-			dbPub, sub := newSQLitePubSub(t, db, "")
+			dbPub, sub := newPubSub(t, db, "")
 			initTopic(t, sub, topic)
 			msgs, err := sub.Subscribe(t.Context(), topic)
 			if err != nil {
@@ -233,7 +233,7 @@ func TestSQLiteTxPublisher(t *testing.T) {
 					t.Fatal(err)
 				}
 				t.Cleanup(func() { _ = tx.Rollback() })
-				pub, err := wsql.NewPublisher(wsql.TxFromStdSQL(tx), wsql.PublisherConfig{SchemaAdapter: outbox.SQLiteSchema{}}, nil)
+				pub, err := wsql.NewPublisher(wsql.TxFromStdSQL(tx), wsql.PublisherConfig{SchemaAdapter: newSchema(t, sqlitepubsub.Config{})}, nil)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -265,17 +265,17 @@ func TestSQLiteTxPublisher(t *testing.T) {
 				t.Fatalf("got payload %q, want after", got.Payload)
 			}
 			expectNone(t, msgs, 100*time.Millisecond)
-			if n := countRows(t, db, outbox.SQLiteSchema{}.MessagesTable(topic)); n != 2 {
+			if n := countRows(t, db, messagesTable(topic)); n != 2 {
 				t.Fatalf("messages table has %d rows, want 2", n)
 			}
 		})
 	}
 }
 
-// TestSQLiteConsumerGroupsExactlyOnce runs three subscribers in one consumer
+// TestConsumerGroupsExactlyOnce runs three subscribers in one consumer
 // group and one in another while two publishers write: each group gets every
 // message exactly once, with BEGIN IMMEDIATE and with deferred transactions.
-func TestSQLiteConsumerGroupsExactlyOnce(t *testing.T) {
+func TestConsumerGroupsExactlyOnce(t *testing.T) {
 	t.Parallel()
 	for _, mode := range txModes {
 		t.Run(mode.name, func(t *testing.T) {
@@ -292,7 +292,7 @@ func TestSQLiteConsumerGroupsExactlyOnce(t *testing.T) {
 			// Cleanups run last-in first-out: the subscribers registered
 			// below close first, ending the collectors this waits for.
 			t.Cleanup(wg.Wait)
-			pub, first := newSQLitePubSub(t, db, "shared")
+			pub, first := newPubSub(t, db, "shared")
 			initTopic(t, first, topic)
 
 			subscribe := func(sub *wsql.Subscriber, group string) {
@@ -314,10 +314,10 @@ func TestSQLiteConsumerGroupsExactlyOnce(t *testing.T) {
 			}
 			subscribe(first, "shared")
 			for range 2 {
-				_, sub := newSQLitePubSub(t, db, "shared")
+				_, sub := newPubSub(t, db, "shared")
 				subscribe(sub, "shared")
 			}
-			_, other := newSQLitePubSub(t, db, "other")
+			_, other := newPubSub(t, db, "other")
 			subscribe(other, "other")
 
 			var pubWG sync.WaitGroup
@@ -370,25 +370,25 @@ func TestSQLiteConsumerGroupsExactlyOnce(t *testing.T) {
 			}
 
 			var maxOffset int64
-			if err := db.QueryRowContext(t.Context(), `SELECT max("offset") FROM `+outbox.SQLiteSchema{}.MessagesTable(topic)).Scan(&maxOffset); err != nil {
+			if err := db.QueryRowContext(t.Context(), `SELECT max("offset") FROM `+messagesTable(topic)).Scan(&maxOffset); err != nil {
 				t.Fatal(err)
 			}
 			if maxOffset != 2*perPublisher {
 				t.Errorf("max offset %d, want %d", maxOffset, 2*perPublisher)
 			}
-			offsets := outbox.SQLiteOffsetsAdapter{}.MessagesOffsetsTable(topic)
+			offsets := offsetsTable(topic)
 			waitAcked(t, db, offsets, "shared", maxOffset)
 			waitAcked(t, db, offsets, "other", maxOffset)
 		})
 	}
 }
 
-// TestSQLiteSubscribeIsolationLevel checks that modernc.org/sqlite begins a
+// TestSubscribeIsolationLevel checks that modernc.org/sqlite begins a
 // transaction at the level the subscriber asks for.
-func TestSQLiteSubscribeIsolationLevel(t *testing.T) {
+func TestSubscribeIsolationLevel(t *testing.T) {
 	t.Parallel()
 	db := openSQLite(t, true)
-	level := outbox.SQLiteSchema{}.SubscribeIsolationLevel()
+	level := newSchema(t, sqlitepubsub.Config{}).SubscribeIsolationLevel()
 	if level != sql.LevelSerializable {
 		t.Fatalf("SubscribeIsolationLevel() = %v, want %v", level, sql.LevelSerializable)
 	}
@@ -404,14 +404,17 @@ func TestSQLiteSubscribeIsolationLevel(t *testing.T) {
 	}
 }
 
-// TestSQLiteMessageRoundTrip checks what survives the table: UUIDs longer
+// TestMessageRoundTrip checks what survives the table: UUIDs longer
 // than watermill-sql's 36-character columns, binary and empty payloads,
 // metadata, and custom table names.
-func TestSQLiteMessageRoundTrip(t *testing.T) {
+func TestMessageRoundTrip(t *testing.T) {
 	t.Parallel()
 	db := openSQLite(t, true)
-	schema := outbox.SQLiteSchema{GenerateMessagesTableName: func(topic string) string { return `"my_outbox_` + topic + `"` }}
-	offsets := outbox.SQLiteOffsetsAdapter{GenerateMessagesOffsetsTableName: func(topic string) string { return `"my_offsets_` + topic + `"` }}
+	cfg := sqlitepubsub.Config{
+		GenerateMessagesTableName:        func(topic string) string { return `"my_messages_` + topic + `"` },
+		GenerateMessagesOffsetsTableName: func(topic string) string { return `"my_offsets_` + topic + `"` },
+	}
+	schema, offsets := newSchema(t, cfg), sqlitepubsub.Offsets(cfg)
 	beginner := wsql.BeginnerFromStdSQL(db)
 	pub, err := wsql.NewPublisher(beginner, wsql.PublisherConfig{SchemaAdapter: schema}, nil)
 	if err != nil {
@@ -437,7 +440,7 @@ func TestSQLiteMessageRoundTrip(t *testing.T) {
 	if err := pub.Publish(topic); err != nil {
 		t.Fatalf("publishing no messages: %v", err)
 	}
-	if n := countRows(t, db, `"my_outbox_round.trip"`); n != 2 {
+	if n := countRows(t, db, `"my_messages_round.trip"`); n != 2 {
 		t.Fatalf("custom table has %d rows, want 2", n)
 	}
 
@@ -462,12 +465,12 @@ func TestSQLiteMessageRoundTrip(t *testing.T) {
 	waitAcked(t, db, `"my_offsets_round.trip"`, "", 2)
 }
 
-// TestSQLiteAdapterErrors checks the errors the adapters return when called
+// TestAdapterErrors checks the errors the adapters return when called
 // directly with bad input.
-func TestSQLiteAdapterErrors(t *testing.T) {
+func TestAdapterErrors(t *testing.T) {
 	t.Parallel()
-	schema := outbox.SQLiteSchema{}
-	offsets := outbox.SQLiteOffsetsAdapter{}
+	schema := newSchema(t, sqlitepubsub.Config{})
+	offsets := sqlitepubsub.Offsets(sqlitepubsub.Config{})
 	for _, topic := range []string{"", "has space", `x"; DROP TABLE y; --`, "semi;colon", "quote'"} {
 		t.Run(fmt.Sprintf("topic %q", topic), func(t *testing.T) {
 			t.Parallel()
@@ -515,63 +518,56 @@ func TestSQLiteAdapterErrors(t *testing.T) {
 
 	t.Run("negative batch size", func(t *testing.T) {
 		t.Parallel()
-		bad := outbox.SQLiteSchema{SubscribeBatchSize: -1}
-		if err := bad.Validate(); !errors.Is(err, outbox.ErrInvalidBatchSize) {
-			t.Errorf("Validate: err = %v, want ErrInvalidBatchSize", err)
-		}
-		if _, err := bad.SelectQuery(wsql.SelectQueryParams{Topic: "t", OffsetsAdapter: offsets}); !errors.Is(err, outbox.ErrInvalidBatchSize) {
-			t.Errorf("SelectQuery: err = %v, want ErrInvalidBatchSize", err)
-		}
-		if err := (outbox.SQLiteSchema{}).Validate(); err != nil {
-			t.Errorf("zero value: Validate() = %v", err)
+		if s, err := sqlitepubsub.Schema(sqlitepubsub.Config{SubscribeBatchSize: -1}); err == nil || !strings.Contains(err.Error(), "SubscribeBatchSize") {
+			t.Errorf("Schema(SubscribeBatchSize: -1) = %v, %v; want an error naming SubscribeBatchSize", s, err)
 		}
 	})
 
 	t.Run("publish batch too large", func(t *testing.T) {
 		t.Parallel()
-		msgs := make(message.Messages, outbox.SQLiteMaxPublishBatch+1)
+		msgs := make(message.Messages, sqlitepubsub.MaxPublishBatch+1)
 		for i := range msgs {
 			msgs[i] = message.NewMessage(strconv.Itoa(i), nil)
 		}
-		if _, err := schema.InsertQuery(wsql.InsertQueryParams{Topic: "t", Msgs: msgs}); !errors.Is(err, outbox.ErrPublishBatchTooLarge) {
+		if _, err := schema.InsertQuery(wsql.InsertQueryParams{Topic: "t", Msgs: msgs}); !errors.Is(err, sqlitepubsub.ErrPublishBatchTooLarge) {
 			t.Errorf("err = %v, want ErrPublishBatchTooLarge", err)
 		}
-		q, err := schema.InsertQuery(wsql.InsertQueryParams{Topic: "t", Msgs: msgs[:outbox.SQLiteMaxPublishBatch]})
+		q, err := schema.InsertQuery(wsql.InsertQueryParams{Topic: "t", Msgs: msgs[:sqlitepubsub.MaxPublishBatch]})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if len(q.Args) != 3*outbox.SQLiteMaxPublishBatch {
-			t.Errorf("%d args, want %d", len(q.Args), 3*outbox.SQLiteMaxPublishBatch)
+		if len(q.Args) != 3*sqlitepubsub.MaxPublishBatch {
+			t.Errorf("%d args, want %d", len(q.Args), 3*sqlitepubsub.MaxPublishBatch)
 		}
 	})
 }
 
-// TestSQLiteMaxPublishBatch publishes the largest batch in one statement.
-func TestSQLiteMaxPublishBatch(t *testing.T) {
+// TestMaxPublishBatch publishes the largest batch in one statement.
+func TestMaxPublishBatch(t *testing.T) {
 	t.Parallel()
 	db := openSQLite(t, true)
-	pub, sub := newSQLitePubSub(t, db, "")
+	pub, sub := newPubSub(t, db, "")
 	initTopic(t, sub, "big")
-	msgs := make(message.Messages, outbox.SQLiteMaxPublishBatch)
+	msgs := make(message.Messages, sqlitepubsub.MaxPublishBatch)
 	for i := range msgs {
 		msgs[i] = message.NewMessage(strconv.Itoa(i), nil)
 	}
 	if err := pub.Publish("big", msgs...); err != nil {
 		t.Fatal(err)
 	}
-	if n := countRows(t, db, outbox.SQLiteSchema{}.MessagesTable("big")); n != len(msgs) {
+	if n := countRows(t, db, messagesTable("big")); n != len(msgs) {
 		t.Fatalf("%d rows, want %d", n, len(msgs))
 	}
 }
 
-// TestSQLiteOffsetsSurvivePruning deletes every consumed row, as an outbox
-// that prunes forwarded messages does: offsets are never reused, so the next
+// TestOffsetsSurvivePruning deletes every consumed row, as an application
+// that prunes delivered messages does: offsets are never reused, so the next
 // message is still delivered.
-func TestSQLiteOffsetsSurvivePruning(t *testing.T) {
+func TestOffsetsSurvivePruning(t *testing.T) {
 	t.Parallel()
 	db := openSQLite(t, true)
 	const topic = "pruned"
-	pub, sub := newSQLitePubSub(t, db, "")
+	pub, sub := newPubSub(t, db, "")
 	initTopic(t, sub, topic)
 	msgs, err := sub.Subscribe(t.Context(), topic)
 	if err != nil {
@@ -584,8 +580,8 @@ func TestSQLiteOffsetsSurvivePruning(t *testing.T) {
 	}
 	receive(t, msgs)
 	receive(t, msgs)
-	table := outbox.SQLiteSchema{}.MessagesTable(topic)
-	waitAcked(t, db, outbox.SQLiteOffsetsAdapter{}.MessagesOffsetsTable(topic), "", 2)
+	table := messagesTable(topic)
+	waitAcked(t, db, offsetsTable(topic), "", 2)
 	if _, err := db.ExecContext(t.Context(), `DELETE FROM `+table); err != nil {
 		t.Fatal(err)
 	}
@@ -597,67 +593,17 @@ func TestSQLiteOffsetsSurvivePruning(t *testing.T) {
 	}
 }
 
-// ExampleSQLiteSchema writes an order and its event in one transaction on a
-// SQLite file, and reads the event back with a watermill-sql subscriber.
-func ExampleSQLiteSchema() {
-	dir, err := os.MkdirTemp("", "outbox-example")
+// newSchema is sqlitepubsub.Schema(cfg), failing the test on an error.
+func newSchema(t testing.TB, cfg sqlitepubsub.Config) wsql.SchemaAdapter {
+	t.Helper()
+	s, err := sqlitepubsub.Schema(cfg)
 	if err != nil {
-		panic(err)
+		t.Fatal(err)
 	}
-	defer func() { _ = os.RemoveAll(dir) }()
-	// modernc.org/sqlite, with WAL, a busy timeout and BEGIN IMMEDIATE.
-	db, err := sql.Open("sqlite", "file:"+filepath.Join(dir, "app.db")+
-		"?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_txlock=immediate")
-	if err != nil {
-		panic(err)
-	}
-	defer func() { _ = db.Close() }()
-
-	schema, offsets := outbox.SQLiteSchema{}, outbox.SQLiteOffsetsAdapter{}
-	ackDeadline := 5 * time.Second // below the busy timeout
-	sub, err := wsql.NewSubscriber(wsql.BeginnerFromStdSQL(db), wsql.SubscriberConfig{
-		PollInterval:   10 * time.Millisecond,
-		AckDeadline:    &ackDeadline,
-		SchemaAdapter:  schema,
-		OffsetsAdapter: offsets,
-	}, nil)
-	if err != nil {
-		panic(err)
-	}
-	defer func() { _ = sub.Close() }()
-	// Schema as code: create the tables once, before anything runs.
-	if err := sub.SubscribeInitialize("orders"); err != nil {
-		panic(err)
-	}
-	if _, err := db.Exec(`CREATE TABLE orders (id TEXT PRIMARY KEY)`); err != nil {
-		panic(err)
-	}
-
-	// The order and its event commit together, or neither does.
-	tx, err := db.Begin()
-	if err != nil {
-		panic(err)
-	}
-	if _, err := tx.Exec(`INSERT INTO orders (id) VALUES ('A-1')`); err != nil {
-		panic(err)
-	}
-	pub, err := wsql.NewPublisher(wsql.TxFromStdSQL(tx), wsql.PublisherConfig{SchemaAdapter: schema}, nil)
-	if err != nil {
-		panic(err)
-	}
-	if err := pub.Publish("orders", message.NewMessage(watermill.NewUUID(), []byte(`{"order":"A-1"}`))); err != nil {
-		panic(err)
-	}
-	if err := tx.Commit(); err != nil {
-		panic(err)
-	}
-
-	msgs, err := sub.Subscribe(context.Background(), "orders")
-	if err != nil {
-		panic(err)
-	}
-	msg := <-msgs
-	msg.Ack()
-	fmt.Println(string(msg.Payload))
-	// Output: {"order":"A-1"}
+	return s
 }
+
+// messagesTable and offsetsTable are the default table names of topic, as
+// the package doc gives them.
+func messagesTable(topic string) string { return `"watermill_` + topic + `"` }
+func offsetsTable(topic string) string  { return `"watermill_offsets_` + topic + `"` }
