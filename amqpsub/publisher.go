@@ -11,9 +11,9 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 )
 
-// DefaultPublishChannels is how many AMQP channels a Publisher publishes on
+// defaultPublishChannels is how many AMQP channels a Publisher publishes on
 // at once when Config.AMQP.Publish.ChannelPoolSize is not set.
-const DefaultPublishChannels = 16
+const defaultPublishChannels = 16
 
 // ErrUnroutable is wrapped by the error Publish returns for a message that
 // the broker returned (basic.return) because no queue is bound to its
@@ -44,7 +44,7 @@ type PublisherConfig struct {
 	// broker's confirmation, whatever Publish.Mandatory and
 	// Publish.ConfirmDelivery say. Publish.ChannelPoolSize bounds the AMQP
 	// channels publishing at once, each carrying one message at a time
-	// (DefaultPublishChannels when 0; must be >= 0); a Publish beyond them
+	// (16 when 0; must be >= 0); a Publish beyond them
 	// waits for one. Publish.Transactional and Publish.Immediate are refused:
 	// a channel in confirm mode cannot be transactional, and RabbitMQ does
 	// not implement immediate.
@@ -53,15 +53,15 @@ type PublisherConfig struct {
 
 func (c *PublisherConfig) setDefaults() {
 	if c.AMQP.Publish.ChannelPoolSize == 0 {
-		c.AMQP.Publish.ChannelPoolSize = DefaultPublishChannels
+		c.AMQP.Publish.ChannelPoolSize = defaultPublishChannels
 	}
 	if c.AMQP.TopologyBuilder == nil {
 		c.AMQP.TopologyBuilder = &amqp.DefaultTopologyBuilder{}
 	}
 }
 
-// Validate reports the first invalid field.
-func (c PublisherConfig) Validate() error {
+// validate reports the first invalid field.
+func (c PublisherConfig) validate() error {
 	switch p := c.AMQP.Publish; {
 	case p.ChannelPoolSize < 0:
 		return fmt.Errorf("amqpsub: PublisherConfig.AMQP.Publish.ChannelPoolSize must be >= 0, got %d", p.ChannelPoolSize)
@@ -124,7 +124,7 @@ func NewPublisher(cfg PublisherConfig, logger watermill.LoggerAdapter) (*Publish
 		logger = watermill.NopLogger{}
 	}
 	cfg.setDefaults()
-	if err := cfg.Validate(); err != nil {
+	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
 	conn, err := dialConn(cfg.AMQP.Connection, logger)

@@ -14,8 +14,8 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 )
 
-// DefaultInFlight is Config.InFlight when it is not set.
-const DefaultInFlight = 16
+// defaultInFlight is Config.InFlight when it is not set.
+const defaultInFlight = 16
 
 // Config configures a Subscriber.
 type Config struct {
@@ -33,7 +33,7 @@ type Config struct {
 	AMQP amqp.Config
 	// InFlight is how many deliveries of one subscription are handed to
 	// the router at once, before any of them is acked. Defaults to
-	// DefaultInFlight; at most 65535, the largest prefetch AMQP can set.
+	// 16; at most 65535, the largest prefetch AMQP can set.
 	InFlight int
 }
 
@@ -71,7 +71,7 @@ func NewSubscriber(cfg Config, logger watermill.LoggerAdapter) (*Subscriber, err
 		return nil, errors.New("amqpsub: Config.AMQP.Connection.AmqpConfig.Recovery is not supported; the subscriber reconnects by itself (Connection.Reconnect)")
 	}
 	if cfg.InFlight == 0 {
-		cfg.InFlight = DefaultInFlight
+		cfg.InFlight = defaultInFlight
 	}
 	if cfg.AMQP.Consume.Qos.PrefetchCount < cfg.InFlight {
 		cfg.AMQP.Consume.Qos.PrefetchCount = min(4*cfg.InFlight, math.MaxUint16)

@@ -14,3 +14,10 @@ func ReturningKnown[TTx any](s *SQLStore[TTx]) (known, returning bool) {
 // InlineArgs is inlineArgs, for the benchmark's floor, which sends its
 // statements on MySQL as the store does.
 var InlineArgs = inlineArgs
+
+// MemoryLen is the number of keys s holds, in any state.
+func MemoryLen(s *MemoryStore) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.keys)
+}

@@ -34,7 +34,7 @@ func NewMemoryStore() *MemoryStore {
 
 // Claim implements Store.
 func (s *MemoryStore) Claim(ctx context.Context, key string, ttl time.Duration) (Claim, error) {
-	if err := ValidateKey(key); err != nil {
+	if err := validateKey(key); err != nil {
 		return Claim{}, err
 	}
 	if err := checkTTL(ttl); err != nil {
@@ -149,10 +149,3 @@ func (s *MemoryStore) Prune(ctx context.Context, before time.Time) (int64, error
 // inProcess marks the store as one whose calls never wait on I/O: the
 // middleware settles claims without a timeout context of its own.
 func (*MemoryStore) inProcess() {}
-
-// Len returns the number of keys held, in any state.
-func (s *MemoryStore) Len() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.keys)
-}

@@ -33,7 +33,7 @@ func storeCases() []storeCase {
 	return []storeCase{
 		{"memory", func(t *testing.T) (dedupe.Store, func() int) {
 			s := dedupe.NewMemoryStore()
-			return s, s.Len
+			return s, func() int { return dedupe.MemoryLen(s) }
 		}},
 		{"sqlite", func(t *testing.T) (dedupe.Store, func() int) {
 			db := testenv.SQLite(t)

@@ -125,8 +125,8 @@ func (c *ParkConfig) setDefaults() {
 	}
 }
 
-// Validate reports the first invalid field.
-func (c ParkConfig) Validate() error {
+// validate reports the first invalid field.
+func (c ParkConfig) validate() error {
 	switch {
 	case c.Publisher == nil:
 		return errors.New("middleware: ParkConfig.Publisher is required")
@@ -165,7 +165,7 @@ var errReturnsUnseen = errors.New("watermill-amqp's Publisher does not listen fo
 
 func (c ParkConfig) park(name string, match func(*message.Message, *settlement.Record, error) (park.Info, bool)) (message.HandlerMiddleware, error) {
 	c.setDefaults()
-	if err := c.Validate(); err != nil {
+	if err := c.validate(); err != nil {
 		return nil, err
 	}
 	if amqpcheck.WatermillAMQP(c.Publisher) {

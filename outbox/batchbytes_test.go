@@ -76,7 +76,7 @@ func TestRelayConfigIsValidated(t *testing.T) {
 		{outbox.RelayConfig{BatchBytes: -1}, "RelayConfig.BatchBytes"},
 		{outbox.RelayConfig{MaxAttempts: -1}, "RelayConfig.MaxAttempts"},
 		{outbox.RelayConfig{RetryInterval: time.Second, MaxRetryInterval: time.Millisecond}, "RelayConfig.MaxRetryInterval"},
-		{outbox.RelayConfig{BatchSize: outbox.MaxBatchSize + 1}, "RelayConfig.BatchSize"},
+		{outbox.RelayConfig{BatchSize: 1001}, "RelayConfig.BatchSize"},
 	} {
 		if _, err := e.ob.NewRelay(e.pubsub, c.cfg); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("NewRelay(%+v) = %v; want an error naming %s", c.cfg, err, c.want)

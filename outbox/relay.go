@@ -28,8 +28,8 @@ import (
 	"github.com/settle-go/settle/sqldb"
 )
 
-// MaxBatchSize is the largest RelayConfig.BatchSize.
-const MaxBatchSize = 1000
+// maxBatchSize is the largest RelayConfig.BatchSize.
+const maxBatchSize = 1000
 
 // Defaults of RelayConfig.
 const (
@@ -47,7 +47,7 @@ type RelayConfig struct {
 	// be > 0.
 	PollInterval time.Duration
 	// BatchSize is the most rows one relay transaction claims and
-	// forwards. Defaults to 100. Must be 1-MaxBatchSize.
+	// forwards. Defaults to 100. Must be 1-1000.
 	BatchSize int
 	// BatchBytes bounds the payload and metadata bytes of one batch: the
 	// relay claims rows in offset order while their total stays within it,
@@ -155,8 +155,8 @@ func (c RelayConfig) validate() error {
 	switch {
 	case c.PollInterval <= 0:
 		return fmt.Errorf("outbox: RelayConfig.PollInterval must be > 0, got %v", c.PollInterval)
-	case c.BatchSize < 1 || c.BatchSize > MaxBatchSize:
-		return fmt.Errorf("outbox: RelayConfig.BatchSize must be 1-%d, got %d", MaxBatchSize, c.BatchSize)
+	case c.BatchSize < 1 || c.BatchSize > maxBatchSize:
+		return fmt.Errorf("outbox: RelayConfig.BatchSize must be 1-%d, got %d", maxBatchSize, c.BatchSize)
 	case c.AckDeadline <= 0:
 		return fmt.Errorf("outbox: RelayConfig.AckDeadline must be > 0, got %v", c.AckDeadline)
 	case c.BatchBytes <= 0:
