@@ -2,7 +2,6 @@ package pipeline
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"runtime/debug"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settlement"
+	"github.com/settle-go/settle/middleware"
 )
 
 // BatchConfig turns on group commit for a transactional handler: deliveries
@@ -76,8 +76,8 @@ type BatchConfig struct {
 	MaxWait time.Duration
 }
 
-// DefaultBatchWait is BatchConfig.MaxWait when it is not set.
-const DefaultBatchWait = 2 * time.Millisecond
+// defaultBatchWait is BatchConfig.MaxWait when it is not set.
+const defaultBatchWait = 2 * time.Millisecond
 
 func (c BatchConfig) enabled() bool { return c.MaxSize > 1 }
 
@@ -122,7 +122,7 @@ func (j *job) answer(err error) {
 func newBatcher(f txFlow) *batcher {
 	wait := f.batch.MaxWait
 	if wait == 0 {
-		wait = DefaultBatchWait
+		wait = defaultBatchWait
 	}
 	return &batcher{f: f, wait: wait}
 }
@@ -214,7 +214,7 @@ func (b *batcher) run(jobs []*job, pre txn) {
 		// each their message's error) must not leave the deliveries of
 		// the batch waiting for an answer that never comes.
 		if p := recover(); p != nil {
-			err := &HandlerPanic{Value: p, Stack: debug.Stack()}
+			err := &middleware.PanicError{Value: p, Stack: debug.Stack()}
 			for _, j := range jobs {
 				if !j.sent {
 					j.answer(err)
@@ -645,7 +645,7 @@ func detachProduced(h message.HandlerFunc) message.HandlerFunc {
 func (b *batcher) keyOf(j *job) (key string, err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			err = &HandlerPanic{Value: p, Stack: debug.Stack()}
+			err = &middleware.PanicError{Value: p, Stack: debug.Stack()}
 		}
 	}()
 	return dedupe.MessageKey(j.msg, b.f.key, b.f.scope)
@@ -656,7 +656,7 @@ func (b *batcher) keyOf(j *job) (key string, err error) {
 func (b *batcher) call(j *job, tx txn) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			err = &HandlerPanic{Value: p, Stack: debug.Stack()}
+			err = &middleware.PanicError{Value: p, Stack: debug.Stack()}
 		}
 	}()
 	return tx.call(j.ctx, j.msg)
@@ -667,7 +667,7 @@ func (b *batcher) call(j *job, tx txn) (err error) {
 func (b *batcher) callBatch(ctx context.Context, tx txn, msgs []*message.Message) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			err = &HandlerPanic{Value: p, Stack: debug.Stack()}
+			err = &middleware.PanicError{Value: p, Stack: debug.Stack()}
 		}
 	}()
 	return tx.callBatch(ctx, msgs)
@@ -693,7 +693,15 @@ func (b *batcher) callBatch(ctx context.Context, tx txn, msgs []*message.Message
 // and the rest of the batch runs again without it. Any other error, or a
 // panic, splits the batch in halves that run on their own, until the message
 // that fails is alone.
-type BatchTxFunc func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, out message.Publisher) error
+//
+// On pgx (sqldb.Pgx) the function can send the batch's statements in one
+// round trip (tx.SendBatch with a pgx.Batch) or copy its rows
+// (tx.CopyFrom); an error from one queued statement of a pgx.Batch does not
+// say which message it came from unless the function tells (MessageFailed).
+// A function that decodes the payloads (Decode) names a message that does
+// not decode with MessageFailed and its permanent error, so that message
+// alone is poisoned.
+type BatchTxFunc[TTx any] func(ctx context.Context, tx TTx, msgs []*message.Message, out message.Publisher) error
 
 // MessageError is the error of one message of a batch; see MessageFailed.
 type MessageError struct {
@@ -716,62 +724,19 @@ func MessageFailed(index int, err error) error { return &MessageError{Index: ind
 
 // NewBatchTxHandler returns a handler that gathers the deliveries in flight
 // into batches (cfg.Batch, whose MaxSize must be at least 2) and runs fn once
-// per batch, in one transaction with the batch's dedupe keys (cfg.Store) and
-// its outbox messages (cfg.Outbox). Each delivery is settled on its own: it
-// is acked after the commit, or fails alone as BatchTxFunc says.
-func NewBatchTxHandler(cfg TxConfig, fn BatchTxFunc) (message.NoPublishHandlerFunc, error) {
-	if err := cfg.Validate(); err != nil {
+// per batch, in one transaction with the batch's dedupe keys (cfg.Store,
+// which writes them in one statement) and its outbox messages (cfg.Outbox).
+// Each delivery is settled on its own: it is acked after the commit, or
+// fails alone as BatchTxFunc says.
+func NewBatchTxHandler[TTx any](cfg TxConfig[TTx], fn BatchTxFunc[TTx]) (message.NoPublishHandlerFunc, error) {
+	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	return newBatchHandler("NewBatchTxHandler", "TxConfig", cfg.Batch, fn == nil, func() txFlow { return cfg.flow(nil, fn) })
-}
-
-// TypedBatchTx adapts fn to a BatchTxFunc that decodes every payload first.
-// A payload that does not decode names its message (MessageFailed) with a
-// permanent decode error, so that message is poisoned and the rest of the
-// batch runs without it.
-func TypedBatchTx[T any](codec Codec, fn func(ctx context.Context, tx *sql.Tx, msgs []Message[T], out message.Publisher) error) BatchTxFunc {
-	return func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, out message.Publisher) error {
-		ms, err := decodeBatch[T](codec, msgs)
-		if err != nil {
-			return err
-		}
-		return fn(ctx, tx, ms, out)
+	if !cfg.Batch.enabled() {
+		return nil, fmt.Errorf("pipeline: NewBatchTxHandler needs TxConfig.Batch.MaxSize >= 2, got %d", cfg.Batch.MaxSize)
 	}
-}
-
-// decodeBatch decodes every message of a batch; the first that does not
-// decode is named (MessageFailed) with its decode error.
-func decodeBatch[T any](codec Codec, msgs []*message.Message) ([]Message[T], error) {
-	ms := make([]Message[T], len(msgs))
-	for i, msg := range msgs {
-		m, err := Decode[T](codec, msg)
-		if err != nil {
-			return nil, MessageFailed(i, err)
-		}
-		ms[i] = m
+	if fn == nil {
+		return nil, errors.New("pipeline: NewBatchTxHandler: fn is nil")
 	}
-	return ms, nil
+	return newBatcher(cfg.flow(nil, fn)).handle, nil
 }
-
-// newBatchHandler is what NewBatchTxHandler and NewPgxBatchTxHandler share
-// once their config is valid: batching must be on and the function set.
-func newBatchHandler(method, config string, batch BatchConfig, noFn bool, flow func() txFlow) (message.NoPublishHandlerFunc, error) {
-	if !batch.enabled() {
-		return nil, fmt.Errorf("pipeline: %s needs %s.Batch.MaxSize >= 2, got %d", method, config, batch.MaxSize)
-	}
-	if noFn {
-		return nil, fmt.Errorf("pipeline: %s: fn is nil", method)
-	}
-	return newBatcher(flow()).handle, nil
-}
-
-// HandlerPanic is the error of a batched handler call that panicked, or of
-// a message whose key or scope function panicked in a batch. Only that
-// message fails; the rest of its batch commits.
-type HandlerPanic struct {
-	Value any
-	Stack []byte
-}
-
-func (p *HandlerPanic) Error() string { return fmt.Sprintf("pipeline: handler panicked: %v", p.Value) }

@@ -40,6 +40,7 @@ func (t *fakeTxn) confirm(context.Context) error                       { return 
 func (t *fakeTxn) commit(context.Context) error                        { return nil }
 func (t *fakeTxn) rollback(context.Context) error                      { return nil }
 func (t *fakeTxn) probe(context.Context) error                         { return nil }
+func (t *fakeTxn) setLocal(context.Context, string) error              { return nil }
 func (t *fakeTxn) callBatch(context.Context, []*message.Message) error { return nil }
 func (t *fakeTxn) call(_ context.Context, msg *message.Message) error {
 	t.f.mu.Lock()
