@@ -185,7 +185,7 @@ func testConnectionLoss(t *testing.T, db lossDB, mode lossMode, point string) {
 	)
 	body := func(ctx context.Context, msg *message.Message, tx lossTx, out message.Publisher) error {
 		mu.Lock()
-		attempts[msg.UUID] = append(attempts[msg.UUID], settle.Attempt(msg))
+		attempts[msg.UUID] = append(attempts[msg.UUID], settle.SettlementFromContext(msg.Context()).Attempt())
 		mu.Unlock()
 		lose := func() {
 			if msg.UUID == victim && kills.Load() < losses {
@@ -321,7 +321,7 @@ func TestHandlerErrorsStayAttemptsBesideConnectionLoss(t *testing.T) {
 				attempts := map[string][]int{}
 				runLossPipeline(t, a, db, mode, func(ctx context.Context, msg *message.Message, tx lossTx, out message.Publisher) error {
 					mu.Lock()
-					attempts[msg.UUID] = append(attempts[msg.UUID], settle.Attempt(msg))
+					attempts[msg.UUID] = append(attempts[msg.UUID], settle.SettlementFromContext(msg.Context()).Attempt())
 					mu.Unlock()
 					if err := tx.insert(msg.UUID); err != nil {
 						return err
