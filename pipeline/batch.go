@@ -441,7 +441,7 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 			if handlerLostConnection(ctx, tx, err) {
 				return runConnLost, err
 			}
-			var me *MessageError
+			var me *messageError
 			if errors.As(err, &me) && me.Index >= 0 && me.Index < len(ran) {
 				if me.Err == nil {
 					// Named, but with no error: it failed all the same (the
@@ -703,24 +703,24 @@ func (b *batcher) callBatch(ctx context.Context, tx txn, msgs []*message.Message
 // alone is poisoned.
 type BatchTxFunc[TTx any] func(ctx context.Context, tx TTx, msgs []*message.Message, out message.Publisher) error
 
-// MessageError is the error of one message of a batch; see MessageFailed.
-type MessageError struct {
+// messageError is the error of one message of a batch (MessageFailed).
+type messageError struct {
 	Index int   // the message's index in the batch function's slice
 	Err   error // what is wrong with it
 }
 
-func (e *MessageError) Error() string {
+func (e *messageError) Error() string {
 	return fmt.Sprintf("message %d of the batch: %v", e.Index, e.Err)
 }
 
 // Unwrap returns Err.
-func (e *MessageError) Unwrap() error { return e.Err }
+func (e *messageError) Unwrap() error { return e.Err }
 
 // MessageFailed returns the error a batch function returns when it knows
 // which message failed: msgs[index], because of err. Only that message is
 // settled with err (an error saying so when err is nil: it is not done);
 // the rest of the batch runs again without it.
-func MessageFailed(index int, err error) error { return &MessageError{Index: index, Err: err} }
+func MessageFailed(index int, err error) error { return &messageError{Index: index, Err: err} }
 
 // NewBatchTxHandler returns a handler that gathers the deliveries in flight
 // into batches (cfg.Batch, whose MaxSize must be at least 2) and runs fn once

@@ -236,9 +236,6 @@ type noDeclarer struct{}
 
 func (noDeclarer) SubscribeInitialize(string) error { return nil }
 
-// Router returns the router the pipeline adds to.
-func (p *Pipeline) Router() *message.Router { return p.router }
-
 // stack returns the middleware for one handler subscribed to topic on sub.
 // store overrides cfg.Store when not nil.
 func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, store dedupe.Store, noDedupe bool) ([]message.HandlerMiddleware, error) {
