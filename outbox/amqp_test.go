@@ -279,7 +279,7 @@ func TestRelayForwardsAroundRowsTheBrokerRefuses(t *testing.T) {
 			var attempts int64
 			for _, f := range failed {
 				attempts += int64(f.Attempts)
-				if !!f.SetAsideAt.IsZero() || f.Attempts < maxAttempts || f.LastError == "" || f.SetAsideAt.Before(f.CreatedAt) {
+				if f.SetAsideAt.IsZero() || f.Attempts < maxAttempts || f.LastError == "" || f.SetAsideAt.Before(f.CreatedAt) {
 					t.Errorf("set-aside row %+v: want set aside after at least %d attempts, with its error", f, maxAttempts)
 				}
 			}
