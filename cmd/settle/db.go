@@ -10,6 +10,7 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/settleenv"
+	"github.com/settle-go/settle/internal/sqlkit"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -279,11 +280,10 @@ func openOutbox(e *env, dbURL, driver, topic string, stuckAfter time.Duration) (
 
 // checkDialect checks a -dialect value.
 func checkDialect(d string) error {
-	switch sqldb.Dialect(d) {
-	case sqldb.Postgres, sqldb.MySQL, sqldb.SQLite:
-		return nil
+	if err := sqlkit.ValidDialect(sqldb.Dialect(d)); err != nil {
+		return fmt.Errorf("-dialect: %w", err)
 	}
-	return fmt.Errorf("-dialect: unknown dialect %q (want postgres, mysql or sqlite)", d)
+	return nil
 }
 
 // writeSQL writes statements for migration tools: a comment header, then
