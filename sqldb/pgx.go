@@ -7,7 +7,6 @@ import (
 	"strings"
 	"time"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -22,13 +21,10 @@ func Pgx(pool *pgxpool.Pool) Driver[pgx.Tx] { return pgxDriver{pool: pool} }
 
 type pgxDriver struct{ pool *pgxpool.Pool }
 
-func (d pgxDriver) Dialect() Dialect         { return Postgres }
-func (d pgxDriver) DB() Executor             { return pgxExec{q: d.pool} }
-func (d pgxDriver) Tx(tx pgx.Tx) Executor    { return pgxExec{q: tx, tx: tx} }
-func (d pgxDriver) MaxConns() int            { return int(d.pool.Stat().MaxConns()) }
-func (d pgxDriver) Watermill() wsql.Beginner { return wsql.BeginnerFromPgx(d.pool) }
-
-func (d pgxDriver) WatermillTx(tx pgx.Tx) wsql.ContextExecutor { return wsql.TxFromPgx(tx) }
+func (d pgxDriver) Dialect() Dialect      { return Postgres }
+func (d pgxDriver) DB() Executor          { return pgxExec{q: d.pool} }
+func (d pgxDriver) Tx(tx pgx.Tx) Executor { return pgxExec{q: tx, tx: tx} }
+func (d pgxDriver) MaxConns() int         { return int(d.pool.Stat().MaxConns()) }
 
 // Begin maps opts onto pgx's: the isolation level (sql.LevelDefault is
 // the server's default) and read-only. setup rides in the BEGIN's round

@@ -6,8 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 )
 
 // Dialect is the SQL dialect of a database.
@@ -55,11 +53,6 @@ type Driver[TTx any] interface {
 	Listen(ctx context.Context, channel string, wake func()) error
 	// MaxConns is the pool's limit on open connections, 0 for none.
 	MaxConns() int
-	// Watermill is the database as watermill-sql's Beginner.
-	Watermill() wsql.Beginner
-	// WatermillTx is tx as watermill-sql's ContextExecutor, for a
-	// watermill-sql Publisher that writes in tx.
-	WatermillTx(tx TTx) wsql.ContextExecutor
 }
 
 // Executor runs statements: on the pool (Driver.DB) or in a transaction

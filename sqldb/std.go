@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"strings"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -29,13 +28,10 @@ type stdDriver struct {
 	dialect Dialect
 }
 
-func (d stdDriver) Dialect() Dialect         { return d.dialect }
-func (d stdDriver) DB() Executor             { return stdExec{q: d.db} }
-func (d stdDriver) Tx(tx *sql.Tx) Executor   { return stdExec{q: tx, tx: true} }
-func (d stdDriver) MaxConns() int            { return d.db.Stats().MaxOpenConnections }
-func (d stdDriver) Watermill() wsql.Beginner { return wsql.BeginnerFromStdSQL(d.db) }
-
-func (d stdDriver) WatermillTx(tx *sql.Tx) wsql.ContextExecutor { return wsql.TxFromStdSQL(tx) }
+func (d stdDriver) Dialect() Dialect       { return d.dialect }
+func (d stdDriver) DB() Executor           { return stdExec{q: d.db} }
+func (d stdDriver) Tx(tx *sql.Tx) Executor { return stdExec{q: tx, tx: true} }
+func (d stdDriver) MaxConns() int          { return d.db.Stats().MaxOpenConnections }
 
 func (d stdDriver) Begin(ctx context.Context, opts *sql.TxOptions, setup string) (*sql.Tx, error) {
 	tx, err := d.db.BeginTx(ctx, opts)

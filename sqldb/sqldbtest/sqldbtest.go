@@ -31,7 +31,7 @@ func Run[TTx any](t *testing.T, open func(t *testing.T) sqldb.Driver[TTx]) {
 	t.Run("Isolation", func(t *testing.T) { t.Parallel(); isolation(t, open(t)) })
 	t.Run("Alive", func(t *testing.T) { t.Parallel(); alive(t, open(t)) })
 	t.Run("Listen", func(t *testing.T) { t.Parallel(); listen(t, open(t)) })
-	t.Run("Watermill", func(t *testing.T) { t.Parallel(); watermill(t, open(t)) })
+	t.Run("MaxConns", func(t *testing.T) { t.Parallel(); maxConns(t, open(t)) })
 }
 
 // table creates a table of the test's own, (id INTEGER, v TEXT), and drops
@@ -326,32 +326,7 @@ func listen[TTx any](t *testing.T, d sqldb.Driver[TTx]) {
 	}
 }
 
-func watermill[TTx any](t *testing.T, d sqldb.Driver[TTx]) {
-	tbl := table(t, d)
-	tx, err := d.Begin(t.Context(), nil, "")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = d.WatermillTx(tx).ExecContext(t.Context(), "INSERT INTO "+tbl+" (id, v) VALUES ("+ph(d.Dialect(), 1)+", 'w')", 1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := d.Commit(t.Context(), tx); err != nil {
-		t.Fatal(err)
-	}
-	wtx, err := d.Watermill().BeginTx(t.Context(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := wtx.ExecContext(t.Context(), "INSERT INTO "+tbl+" (id, v) VALUES (2, 'w')"); err != nil {
-		t.Fatal(err)
-	}
-	if err := wtx.Commit(); err != nil {
-		t.Fatal(err)
-	}
-	if n := count(t, d, tbl); n != 2 {
-		t.Fatalf("%d rows written through watermill-sql's interfaces, want 2", n)
-	}
+func maxConns[TTx any](t *testing.T, d sqldb.Driver[TTx]) {
 	if m := d.MaxConns(); m < 0 {
 		t.Fatalf("MaxConns %d", m)
 	}
