@@ -10,9 +10,12 @@ import (
 	"time"
 
 	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"modernc.org/sqlite"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/dedupe/dedupetest"
+	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -238,4 +241,68 @@ func conflictCase[TTx, B any](t *testing.T, db testenv.DB, drv sqldb.Driver[TTx]
 	if !strings.Contains(err.Error(), "roll it back") {
 		t.Errorf("the conflict is not said to be one (sqlkit.Conflict did not recognise it): %v", err)
 	}
+}
+
+// The options users set in their DSN change what the drivers send and
+// return: the suite must pass under each. MariaDB: interpolateParams (the
+// driver writes the arguments into the text), parseTime, clientFoundRows.
+// PostgreSQL: pgx's simple protocol (arguments as literals, text results)
+// and no statement cache, on both drivers.
+func TestReview25SQLStoreUnderDSNOptions(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct{ name, env, opts string }{
+		{"std-mysql-interpolate-parsetime", testenv.MySQLURLEnv, "interpolateParams=true&parseTime=true"},
+		{"std-mysql-interpolate-foundrows", testenv.MySQLURLEnv, "interpolateParams=true&clientFoundRows=true&parseTime=true"},
+		{"std-postgres-simple-protocol", testenv.PostgresURLEnv, "default_query_exec_mode=simple_protocol"},
+		{"std-postgres-no-statement-cache", testenv.PostgresURLEnv, "default_query_exec_mode=describe_exec&statement_cache_capacity=0&description_cache_capacity=0"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			db := openWith(t, testenv.Require(t, c.env), c.opts)
+			dedupetest.Run(t, func(t *testing.T) dedupetest.Harness {
+				return sqlHarness(t, db, db.Driver(), isolationLevels(t, db), false)
+			})
+		})
+	}
+	for _, c := range []struct{ name, opts string }{
+		{"pgx-postgres-simple-protocol", "default_query_exec_mode=simple_protocol"},
+		{"pgx-postgres-no-statement-cache", "default_query_exec_mode=describe_exec&statement_cache_capacity=0&description_cache_capacity=0"},
+		{"pgx-postgres-exec-mode", "default_query_exec_mode=exec"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			u := testenv.Require(t, testenv.PostgresURLEnv)
+			db := testenv.Postgres(t)
+			pool, err := pgxpool.New(context.Background(), withOpts(u, c.opts))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(pool.Close)
+			drv := sqldb.Pgx(pool)
+			dedupetest.Run(t, func(t *testing.T) dedupetest.Harness {
+				return sqlHarness(t, db, drv, driverLevels(drv, postgresLevels), false)
+			})
+		})
+	}
+}
+
+func withOpts(u, opts string) string {
+	if strings.Contains(u, "?") {
+		return u + "&" + opts
+	}
+	return u + "?" + opts
+}
+
+// openWith opens u with the DSN options opts, as a user's service does.
+func openWith(t *testing.T, u, opts string) testenv.DB {
+	t.Helper()
+	sqlDB, d, err := sqlurl.Open(withOpts(u, opts))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sqlDB.Close() })
+	if err := sqlDB.PingContext(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	return testenv.DB{DB: sqlDB, Dialect: d}
 }
