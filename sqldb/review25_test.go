@@ -1,9 +1,19 @@
 package sqldb_test
 
 import (
+	"context"
+	"database/sql"
 	"os/exec"
 	"strings"
 	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/settle-go/settle/internal/sqlurl"
+	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/sqldb"
+	"github.com/settle-go/settle/sqldb/sqldbtest"
 )
 
 // pipelineRegistersMySQL: package pipeline still imports
@@ -41,4 +51,49 @@ func TestImportingSettleRegistersNoDriver(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestReview25ConformanceUnderDSNOptions runs the driver suite with the
+// DSN options users set: MariaDB interpolateParams, parseTime and
+// clientFoundRows; pgx's simple protocol and no statement cache, through
+// database/sql and through pgx.
+func TestReview25ConformanceUnderDSNOptions(t *testing.T) {
+	for _, c := range []struct{ name, env, opts string }{
+		{"std-mysql-interpolate-parsetime-foundrows", testenv.MySQLURLEnv, "interpolateParams=true&parseTime=true&clientFoundRows=true"},
+		{"std-postgres-simple-protocol", testenv.PostgresURLEnv, "default_query_exec_mode=simple_protocol"},
+		{"std-postgres-no-statement-cache", testenv.PostgresURLEnv, "default_query_exec_mode=describe_exec&statement_cache_capacity=0"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			sqldbtest.Run(t, func(t *testing.T) sqldb.Driver[*sql.Tx] {
+				db, d, err := sqlurl.Open(withOpts(testenv.Require(t, c.env), c.opts))
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = db.Close() })
+				return sqldb.Std(db, d)
+			})
+		})
+	}
+	for _, c := range []struct{ name, opts string }{
+		{"pgx-postgres-simple-protocol", "default_query_exec_mode=simple_protocol"},
+		{"pgx-postgres-no-statement-cache", "default_query_exec_mode=describe_exec&statement_cache_capacity=0"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			sqldbtest.Run(t, func(t *testing.T) sqldb.Driver[pgx.Tx] {
+				pool, err := pgxpool.New(context.Background(), withOpts(testenv.Require(t, testenv.PostgresURLEnv), c.opts))
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(pool.Close)
+				return sqldb.Pgx(pool)
+			})
+		})
+	}
+}
+
+func withOpts(u, opts string) string {
+	if strings.Contains(u, "?") {
+		return u + "&" + opts
+	}
+	return u + "?" + opts
 }
