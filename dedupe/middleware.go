@@ -656,9 +656,11 @@ func ConfirmTx[TTx any](ctx context.Context, tx TTx) error {
 // HoldTx hands the protection of the claim of the message being handled to
 // tx, the handler's own transaction. Call it from a handler behind the dedupe
 // middleware, with msg.Context(), right after beginning tx and before any
-// other statement in it; RunTx (and so every pipeline transactional handler)
-// does. The middleware's store must be the *SQLStore[TTx] of the driver tx
-// comes from; with another store HoldTx does nothing.
+// other statement in it; every pipeline transactional handler does. The
+// middleware's store must be the *SQLStore[TTx] of the driver tx comes from:
+// with a store that is not a SQLStore (a MemoryStore) HoldTx does nothing,
+// and with the SQLStore of another transaction type it returns an error
+// naming both types.
 //
 // On SQLite a transaction that writes holds the database's only write lock
 // until it ends, so the middleware's renewal, which runs on another

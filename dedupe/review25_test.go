@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"modernc.org/sqlite"
@@ -305,4 +306,61 @@ func openWith(t *testing.T, u, opts string) testenv.DB {
 		t.Fatal(err)
 	}
 	return testenv.DB{DB: sqlDB, Dialect: d}
+}
+
+// A handler behind the middleware that holds its transaction past a
+// RenewInterval, on a pool of one connection: the renewal waits for the
+// connection the handler's transaction holds, and ConfirmTx waits for the
+// renewal in flight. The handler must still commit (or the documentation
+// must say how large the pool must be).
+func TestReview25ConfirmTxOnAOneConnectionPool(t *testing.T) {
+	t.Parallel()
+	t.Run("pgx-postgres", func(t *testing.T) {
+		t.Parallel()
+		db := testenv.Postgres(t)
+		pc, err := pgxpool.ParseConfig(testenv.Require(t, testenv.PostgresURLEnv))
+		if err != nil {
+			t.Fatal(err)
+		}
+		pc.MaxConns = 1
+		pool, err := pgxpool.NewWithConfig(t.Context(), pc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(pool.Close)
+		oneConnCase(t, db, sqldb.Pgx(pool))
+	})
+	t.Run("std-postgres", func(t *testing.T) {
+		t.Parallel()
+		db := testenv.Postgres(t)
+		one := testenv.Postgres(t)
+		one.SetMaxOpenConns(1)
+		oneConnCase(t, db, one.Driver())
+	})
+}
+
+func oneConnCase[TTx any](t *testing.T, db testenv.DB, drv sqldb.Driver[TTx]) {
+	store, err := dedupe.NewSQLStore(drv, dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mw := newMiddleware(t, dedupe.Config{Store: store, ClaimTimeout: 3 * time.Second, RenewInterval: 200 * time.Millisecond, StoreTimeout: time.Second})
+	h := mw(func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		tx, err := drv.Begin(ctx, nil, "")
+		if err != nil {
+			return nil, err
+		}
+		defer func() { _ = drv.Rollback(context.Background(), tx) }()
+		time.Sleep(700 * time.Millisecond) // the handler's work, past a renewal
+		if err := dedupe.ConfirmTx(ctx, tx); err != nil {
+			return nil, err
+		}
+		return nil, drv.Commit(ctx, tx)
+	})
+	start := time.Now()
+	if _, err := h(message.NewMessage("one-conn", nil)); err != nil {
+		t.Fatalf("after %v: %v", time.Since(start).Round(time.Millisecond), err)
+	}
+	t.Logf("handled in %v", time.Since(start).Round(time.Millisecond))
 }
