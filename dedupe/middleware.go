@@ -634,11 +634,11 @@ func ConfirmTx[TTx any](ctx context.Context, tx TTx) error {
 	if !ok {
 		return ErrNoClaim
 	}
-	s, err := txStore[TTx](st, "confirming in")
+	pool, err := txStore[TTx](st, "confirming in")
 	if err != nil {
 		return err
 	}
-	s = s.WithTx(tx)
+	s := pool.WithTx(tx)
 	ctx, cancel := st.bounded(ctx)
 	defer cancel()
 	// A renewal in flight is let finish rather than cancelled: cancelled,
@@ -647,6 +647,10 @@ func ConfirmTx[TTx any](ctx context.Context, tx TTx) error {
 	st.ren.pause(ctx)
 	st.stopRenew()
 	if err := s.Confirm(ctx, st.claim); err != nil {
+		if errors.Is(err, ErrClaimLost) && pool.holds(ctx, st.claim) {
+			// The claim is not lost: tx cannot see it.
+			return errors.New("dedupe: confirm in transaction: the transaction does not see the claim, which the store still holds: tx must be a transaction of the store's database (and table), begun after the claim was taken")
+		}
 		return fmt.Errorf("dedupe: confirm in transaction: %w", err)
 	}
 	st.confirmedInTx = true

@@ -364,3 +364,45 @@ func oneConnCase[TTx any](t *testing.T, db testenv.DB, drv sqldb.Driver[TTx]) {
 	}
 	t.Logf("handled in %v", time.Since(start).Round(time.Millisecond))
 }
+
+// ConfirmTx with a transaction of another database than the store's (two
+// SQLite files, each with the claims table): the claim cannot be confirmed
+// there. What does the handler see, and what becomes of the key?
+func TestReview25ConfirmTxOnAnotherDatabase(t *testing.T) {
+	t.Parallel()
+	a, b := testenv.SQLite(t), testenv.SQLite(t)
+	table := testenv.DedupeTable(t, a)
+	store, err := dedupe.NewSQLStore(a.Driver(), dedupe.SQLConfig{Table: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range store.Schema() {
+		if _, err := b.ExecContext(t.Context(), s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mw := newMiddleware(t, dedupe.Config{Store: store})
+	var confirmErr error
+	h := mw(func(msg *message.Message) ([]*message.Message, error) {
+		tx, err := b.BeginTx(msg.Context(), nil)
+		if err != nil {
+			return nil, err
+		}
+		defer tx.Rollback()
+		confirmErr = dedupe.ConfirmTx(msg.Context(), tx)
+		if confirmErr != nil {
+			return nil, confirmErr
+		}
+		return nil, tx.Commit()
+	})
+	_, err = h(message.NewMessage("elsewhere", nil))
+	t.Logf("ConfirmTx: %v; handler: %v", confirmErr, err)
+	if err == nil {
+		t.Fatal("a confirmation in another database's transaction was taken as done")
+	}
+	c, cerr := store.Claim(t.Context(), "elsewhere", time.Minute)
+	t.Logf("the key afterwards: %v, %v", c.Result, cerr)
+	if errors.Is(confirmErr, dedupe.ErrClaimLost) {
+		t.Errorf("ConfirmTx in another database's transaction says the claim was lost (%v), while the store still holds it: the user looks for a takeover, not for the wrong database", confirmErr)
+	}
+}
