@@ -161,5 +161,3 @@ func TestReview25RelayCancelledMidListen(t *testing.T) {
 		}
 	})
 }
-
-
