@@ -3,6 +3,7 @@ package sqldb_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"os/exec"
 	"strings"
 	"testing"
@@ -96,4 +97,41 @@ func withOpts(u, opts string) string {
 		return u + "&" + opts
 	}
 	return u + "?" + opts
+}
+
+// Std(nil, d) is the driver of a tool that only prints DDL (the docs of
+// dedupe.SQLStore.Schema say so). A statement on it is an error saying
+// what is wrong, not a nil-pointer panic in database/sql; the same for
+// Pgx(nil).
+func TestReview25NilPoolIsAnError(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		run  func() error
+	}{
+		{"std-exec", func() error { _, err := sqldb.Std(nil, sqldb.Postgres).DB().Exec(t.Context(), "SELECT 1"); return err }},
+		{"std-queryrow", func() error {
+			return sqldb.Std(nil, sqldb.MySQL).DB().QueryRow(t.Context(), "SELECT 1", nil, new(int))
+		}},
+		{"std-begin", func() error { _, err := sqldb.Std(nil, sqldb.SQLite).Begin(t.Context(), nil, ""); return err }},
+		{"std-listen", func() error { return sqldb.Std(nil, sqldb.Postgres).Listen(t.Context(), `"x"`, func() {}) }},
+		{"std-maxconns", func() error { _ = sqldb.Std(nil, sqldb.Postgres).MaxConns(); return errors.New("no panic") }},
+		{"pgx-exec", func() error { _, err := sqldb.Pgx(nil).DB().Exec(t.Context(), "SELECT 1"); return err }},
+		{"pgx-begin", func() error { _, err := sqldb.Pgx(nil).Begin(t.Context(), nil, ""); return err }},
+		{"pgx-maxconns", func() error { _ = sqldb.Pgx(nil).MaxConns(); return errors.New("no panic") }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var err error
+			func() {
+				defer func() {
+					if p := recover(); p != nil {
+						t.Errorf("panic: %v", p)
+					}
+				}()
+				err = c.run()
+			}()
+			if err == nil {
+				t.Error("no error on a nil pool")
+			}
+		})
+	}
 }
