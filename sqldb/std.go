@@ -14,7 +14,8 @@ import (
 // Std is the Driver of a database/sql pool whose database speaks dialect d:
 // PostgreSQL through pgx's stdlib driver, MySQL or MariaDB through
 // go-sql-driver/mysql, SQLite through modernc.org/sqlite. The handlers'
-// transactions are *sql.Tx. settle does not close db.
+// transactions are *sql.Tx. settle does not close db. Std(nil, d) names a
+// dialect only (for a tool that prints DDL): its statements fail.
 //
 // On PostgreSQL the outbox's relay LISTENs only when db's driver is pgx's
 // (it reaches the *pgx.Conn under a database/sql connection); with another
@@ -28,12 +29,25 @@ type stdDriver struct {
 	dialect Dialect
 }
 
-func (d stdDriver) Dialect() Dialect       { return d.dialect }
-func (d stdDriver) DB() Executor           { return stdExec{q: d.db} }
+func (d stdDriver) Dialect() Dialect { return d.dialect }
+func (d stdDriver) DB() Executor {
+	if d.db == nil {
+		return nilExec{}
+	}
+	return stdExec{q: d.db}
+}
 func (d stdDriver) Tx(tx *sql.Tx) Executor { return stdExec{q: tx, tx: true} }
-func (d stdDriver) MaxConns() int          { return d.db.Stats().MaxOpenConnections }
+func (d stdDriver) MaxConns() int {
+	if d.db == nil {
+		return 0
+	}
+	return d.db.Stats().MaxOpenConnections
+}
 
 func (d stdDriver) Begin(ctx context.Context, opts *sql.TxOptions, setup string) (*sql.Tx, error) {
+	if d.db == nil {
+		return nil, errNilPool
+	}
 	tx, err := d.db.BeginTx(ctx, opts)
 	if err != nil {
 		return nil, err
@@ -63,6 +77,9 @@ var errNoListen = fmt.Errorf("sqldb: the database/sql driver is not pgx (github.
 func (d stdDriver) Listen(ctx context.Context, channel string, wake func()) error {
 	if d.dialect != Postgres {
 		return fmt.Errorf("sqldb: LISTEN is PostgreSQL's: %w", errors.ErrUnsupported)
+	}
+	if d.db == nil {
+		return errNilPool
 	}
 	c, err := d.db.Conn(ctx)
 	if err != nil {
@@ -175,3 +192,22 @@ func (e stdExec) Alive(ctx context.Context) error {
 	_, err := e.q.ExecContext(ctx, "SELECT 1")
 	return err
 }
+
+// errNilPool is the error of every statement on Std(nil, d) or Pgx(nil),
+// drivers that only name a dialect (for printing DDL).
+var errNilPool = errors.New("sqldb: the driver's pool is nil (Std(nil, dialect) and Pgx(nil) only name a dialect, for printing DDL)")
+
+// nilExec is the Executor of a nil pool: every statement fails.
+type nilExec struct{}
+
+func (nilExec) Exec(context.Context, string, ...any) (int64, error)   { return 0, errNilPool }
+func (nilExec) QueryRow(context.Context, string, []any, ...any) error { return errNilPool }
+func (nilExec) Query(context.Context, string, []any, func(func(...any) error) error) error {
+	return errNilPool
+}
+func (nilExec) QueryRowEach(context.Context, string, [][]any, func(int) []any) ([]bool, error) {
+	return nil, errNilPool
+}
+func (nilExec) Columns(context.Context, string) (map[string]string, error) { return nil, errNilPool }
+func (nilExec) InTx() bool                                                 { return false }
+func (nilExec) Alive(context.Context) error                                { return errNilPool }
