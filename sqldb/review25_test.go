@@ -135,3 +135,38 @@ func TestReview25NilPoolIsAnError(t *testing.T) {
 		})
 	}
 }
+
+// Std with a dialect that is not its database's: the statements settle
+// writes for one dialect can half-work on another (SQLite reads
+// PostgreSQL's quoting and types, so a store's Check passes and every claim
+// then fails). A driver settle knows (pgx's stdlib, go-sql-driver/mysql,
+// modernc.org/sqlite) under the wrong dialect is refused at the first
+// statement, naming both.
+func TestReview25StdRefusesTheWrongDialect(t *testing.T) {
+	sqlite := testenv.SQLite(t)
+	for _, c := range []struct {
+		name string
+		db   *sql.DB
+		d    sqldb.Dialect
+	}{
+		{"sqlite-as-postgres", sqlite.DB, sqldb.Postgres},
+		{"sqlite-as-mysql", sqlite.DB, sqldb.MySQL},
+		{"postgres-as-sqlite", testenv.Postgres(t).DB, sqldb.SQLite},
+		{"mysql-as-postgres", testenv.MySQL(t).DB, sqldb.Postgres},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			drv := sqldb.Std(c.db, c.d)
+			_, err := drv.DB().Exec(t.Context(), "SELECT 1")
+			if err == nil || !strings.Contains(err.Error(), string(c.d)) {
+				t.Fatalf("a statement on Std(db, %s) of another database: %v; want an error naming the dialect", c.d, err)
+			}
+			if _, err := drv.Begin(t.Context(), nil, ""); err == nil {
+				t.Fatal("Begin on the wrong dialect succeeded")
+			}
+		})
+	}
+	// The right dialect, and a driver settle does not know, still work.
+	if _, err := sqldb.Std(sqlite.DB, sqldb.SQLite).DB().Exec(t.Context(), "SELECT 1"); err != nil {
+		t.Fatal(err)
+	}
+}
