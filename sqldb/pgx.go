@@ -25,7 +25,7 @@ type pgxDriver struct{ pool *pgxpool.Pool }
 func (d pgxDriver) Dialect() Dialect { return Postgres }
 func (d pgxDriver) DB() Executor {
 	if d.pool == nil {
-		return nilExec{}
+		return failExec{errNilPool}
 	}
 	return pgxExec{q: d.pool}
 }
