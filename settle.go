@@ -33,9 +33,7 @@
 package settle
 
 import (
-	"strconv"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle/internal/settlement"
 )
@@ -125,18 +123,6 @@ const (
 	// message failed before it was replayed.
 	MetaReplayReason = "settle_replay_reason"
 )
-
-// Attempt returns the attempt number settle's retry middleware recorded on
-// msg (MetaAttempt) for the run in progress, or 1 when none is recorded.
-// Inside settle's middleware, SettlementFromContext(msg.Context()).Attempt()
-// says the same.
-func Attempt(msg *message.Message) int {
-	n, err := strconv.Atoi(msg.Metadata.Get(MetaAttempt))
-	if err != nil || n < 1 {
-		return 1
-	}
-	return n
-}
 
 // NoDelay, given to a delay field of a settle configuration whose zero value
 // means its default (RetryConfig.RedeliveryDelay, ParkConfig.NackDelay,

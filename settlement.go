@@ -44,7 +44,8 @@ func (s *Settlement) MaxAttempts() int {
 	if s == nil {
 		return 0
 	}
-	return s.r.Limit()
+	n, _ := s.r.Limit()
+	return n
 }
 
 // Outcome returns the outcome decided so far ("" while none is).

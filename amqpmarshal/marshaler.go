@@ -20,14 +20,14 @@ import (
 // header was a string.
 const MetaHeaderTypes = "settle_amqp_header_types"
 
-// DeliveryCountHeader is the header RabbitMQ quorum queues put on a message
+// deliveryCountHeader is the header RabbitMQ quorum queues put on a message
 // that has been delivered before: how many earlier deliveries there were.
 // A quorum queue writes it itself on every redelivery, replacing any value a
 // producer wrote; on a first delivery, and on any delivery from a classic
 // queue, it is whatever the producer sent. So it is read only on a
 // redelivery (the Redelivered flag, which only the broker sets) and only
 // when Config.QuorumQueue says the deliveries come from a quorum queue.
-const DeliveryCountHeader = "x-delivery-count"
+const deliveryCountHeader = "x-delivery-count"
 
 // ErrInvalidConfig is wrapped by the error New returns for a bad Config.
 var ErrInvalidConfig = errors.New("amqpmarshal: invalid config")
@@ -211,7 +211,7 @@ func (m Marshaler) Unmarshal(d amqp091.Delivery) (*message.Message, error) {
 	// A quorum queue writes the header on every redelivery, over whatever
 	// was there; a first delivery carries the producer's headers as they
 	// were sent (RabbitMQ 3.10 passes a producer's x-delivery-count on).
-	if n, ok := deliveryCount(d.Headers[DeliveryCountHeader]); ok && m.quorum && d.Redelivered {
+	if n, ok := deliveryCount(d.Headers[deliveryCountHeader]); ok && m.quorum && d.Redelivered {
 		count := strconv.FormatUint(n+1, 10)
 		msg.Metadata[settle.MetaDeliveryCount] = count
 		msg.Metadata[deliverymark.Meta] = deliverymark.Sign(msg.UUID, count)

@@ -64,8 +64,8 @@ func ExampleNewSubscriber() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	_, err = p.HandleBatchTx("ledger", "payments", sub, nil,
-		pipeline.TxConfig{DB: db, Batch: pipeline.BatchConfig{MaxSize: 16}},
+	_, err = pipeline.HandleBatchTx(p, "ledger", "payments", sub,
+		pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(db, sqldb.Postgres), Batch: pipeline.BatchConfig{MaxSize: 16}},
 		func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, _ message.Publisher) error {
 			for _, m := range msgs {
 				if _, err := tx.ExecContext(ctx, "INSERT INTO ledger (payment) VALUES ($1)", m.UUID); err != nil {

@@ -259,7 +259,7 @@ func TestBatchesFillFromOneSubscription(t *testing.T) {
 	p, err := pipeline.New(router, pipeline.Config{Publisher: discard{}, Store: store, DisableTracing: true})
 	must(t, err)
 	var biggest atomic.Int64
-	_, err = p.HandleBatchTx("charge", f.queue, sub, nil, pipeline.TxConfig{DB: d.DB, Batch: pipeline.BatchConfig{MaxSize: 16, MaxWait: 20 * time.Millisecond}},
+	_, err = pipeline.HandleBatchTx(p, "charge", f.queue, sub, pipeline.TxConfig[*sql.Tx]{DB: d.Driver(), Batch: pipeline.BatchConfig{MaxSize: 16, MaxWait: 20 * time.Millisecond}},
 		func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, _ message.Publisher) error {
 			for {
 				old := biggest.Load()
@@ -374,7 +374,7 @@ func TestBatchesOnPostgresThroughAClosedConnection(t *testing.T) {
 	p, err := pipeline.New(router, pipeline.Config{Publisher: discard{}, Store: store, DisableTracing: true, BusyDelay: 10 * time.Millisecond})
 	must(t, err)
 	var runs atomic.Int64
-	_, err = p.HandleBatchTx("charge", f.queue, sub, nil, pipeline.TxConfig{DB: d.DB, Batch: pipeline.BatchConfig{MaxSize: 16}},
+	_, err = pipeline.HandleBatchTx(p, "charge", f.queue, sub, pipeline.TxConfig[*sql.Tx]{DB: d.Driver(), Batch: pipeline.BatchConfig{MaxSize: 16}},
 		func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, _ message.Publisher) error {
 			runs.Add(1)
 			time.Sleep(time.Duration(rand.IntN(2000)) * time.Microsecond)

@@ -20,6 +20,7 @@ import (
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/amqpmarshal"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 var amqpConcurrency = []int{1, 2, 4, 8, 16}
@@ -371,7 +372,7 @@ func (b *amqpBench) settle(ctx context.Context, c, n int, one bool, prof string)
 	}
 	insert := "INSERT INTO " + effects + " (msg) VALUES ($1)"
 	var count, first atomic.Int64
-	hs, err := p.HandleTx("tx", queue, sub, nil, pipeline.TxConfig{DB: b.p.db, OneStatement: one},
+	hs, err := pipeline.HandleTx(p, "tx", queue, sub, pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(b.p.db, sqldb.Postgres), OneStatement: one},
 		func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 			markFirst(&first)
 			_, err := tx.ExecContext(ctx, insert, msg.UUID)

@@ -280,7 +280,7 @@ func (b *amqpBench) batchRow(ctx context.Context, d *batchDB, res *BatchResults,
 }
 
 // batchWait is the MaxWait of the batching cells (the default).
-const batchWait = pipeline.DefaultBatchWait
+const batchWait = 2 * time.Millisecond // pipeline.BatchConfig.MaxWait's default
 
 // rawTx measures BEGIN; INSERT; COMMIT from inFlight goroutines.
 func (b *amqpBench) rawTx(ctx context.Context, d *batchDB, inFlight int) (float64, steadyWindow, error) {
@@ -391,9 +391,9 @@ func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, kind string, in
 	batched := pipeline.BatchConfig{MaxSize: batchInFlight}
 	switch cell {
 	case batchPerMsg:
-		hs, err = p.HandleTx("tx", queue, sub, nil, pipeline.TxConfig{DB: d.db, OneStatement: true}, perMessage)
+		hs, err = pipeline.HandleTx(p, "tx", queue, sub, pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(d.db, d.dialect), OneStatement: true}, perMessage)
 	case batchPaused:
-		hs, err = p.HandleTx("tx", queue, sub, nil, pipeline.TxConfig{DB: d.db, OneStatement: true}, perMessage)
+		hs, err = pipeline.HandleTx(p, "tx", queue, sub, pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(d.db, d.dialect), OneStatement: true}, perMessage)
 		if err == nil {
 			// Before the handler, so before its BEGIN, as a batch's wait is
 			// before its claim.
@@ -405,10 +405,10 @@ func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, kind string, in
 			})
 		}
 	case batchGrouped:
-		hs, err = p.HandleTx("tx", queue, sub, nil, pipeline.TxConfig{DB: d.db, Batch: batched}, perMessage)
+		hs, err = pipeline.HandleTx(p, "tx", queue, sub, pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(d.db, d.dialect), Batch: batched}, perMessage)
 	case batchHandler:
 		// The same rows, written by one multi-row insert per batch.
-		hs, err = p.HandleBatchTx("tx", queue, sub, nil, pipeline.TxConfig{DB: d.db, Batch: batched}, func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, _ message.Publisher) error {
+		hs, err = pipeline.HandleBatchTx(p, "tx", queue, sub, pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(d.db, d.dialect), Batch: batched}, func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, _ message.Publisher) error {
 			markFirst(&first)
 			var q strings.Builder
 			q.WriteString("INSERT INTO " + effects + " (id, msg) VALUES ")

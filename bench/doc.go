@@ -262,7 +262,7 @@ func stackVerdict(s *StackResults) string {
 	rs, rt := s.Modes[modeSettle].Ratio, s.Modes[modeTracing].Ratio
 	var out []string
 	if rs < targetStack {
-		out = append(out, fmt.Sprintf("settle without tracing is at %s of the bare router, below the %s target: the bare router's no-op path costs only a few microseconds per message, so the fixed work settle must do per message (the key and its claim in the store, the claim's holder, the settlement record, the `settle_attempt` write, and handing the chain to a kept worker) is a large share of it; in the profile above, settle's whole chain is 15%% of the samples and the allocation it adds about a third of its cost. With any handler that does real work the share falls accordingly: on RabbitMQ (section 4) the Go process is not the bottleneck at all.", x(rs), x(targetStack)))
+		out = append(out, fmt.Sprintf("settle without tracing is at %s of the bare router, below the %s target: the bare router's no-op path costs only a few microseconds per message, so the fixed work settle must do per message (the key and its claim in the store, the claim's holder, the settlement record and the `settle_attempt` write) is a large share of it; in the profile above, settle's whole chain is 15%% of the samples and the allocation it adds about a third of its cost. With any handler that does real work the share falls accordingly: on RabbitMQ (section 4) the Go process is not the bottleneck at all.", x(rs), x(targetStack)))
 	}
 	if rt < targetTracing {
 		out = append(out, fmt.Sprintf("With tracing, settle is at %s of the bare router, below the %s target: most of the added time is the OpenTelemetry SDK making and ending two spans per message, on top of settle's own work.", x(rt), x(targetTracing)))

@@ -220,7 +220,7 @@ SELECT convert_to('dup-' || i, 'UTF8'), 2, '', 1, 0, `+now+` FROM generate_serie
 				})
 			}, effects, nil
 		case pgxNat:
-			h, err := pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: b.pool, OneStatement: true, Store: ps},
+			h, err := pipeline.NewTxHandler(pipeline.TxConfig[pgx.Tx]{DB: sqldb.Pgx(b.pool), OneStatement: true, Store: ps},
 				func(ctx context.Context, tx pgx.Tx, msg *message.Message, _ message.Publisher) error {
 					_, err := tx.Exec(ctx, insert, msg.UUID)
 					return err
@@ -230,7 +230,7 @@ SELECT convert_to('dup-' || i, 'UTF8'), 2, '', 1, 0, `+now+` FROM generate_serie
 			}
 			return msgOp(h), effects, nil
 		default:
-			h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: b.db, OneStatement: true, Store: sqlStore}, sqlEffect(insert))
+			h, err := pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(b.db, sqldb.Postgres), OneStatement: true, Store: sqlStore}, sqlEffect(insert))
 			if err != nil {
 				return nil, "", err
 			}
@@ -256,13 +256,13 @@ SELECT convert_to('dup-' || i, 'UTF8'), 2, '', 1, 0, `+now+` FROM generate_serie
 				})
 			}, effects, nil
 		case pgxNat:
-			h, err = pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: b.pool},
+			h, err = pipeline.NewTxHandler(pipeline.TxConfig[pgx.Tx]{DB: sqldb.Pgx(b.pool)},
 				func(ctx context.Context, tx pgx.Tx, msg *message.Message, _ message.Publisher) error {
 					_, err := tx.Exec(ctx, insert, msg.UUID)
 					return err
 				})
 		default:
-			h, err = pipeline.NewTxHandler(pipeline.TxConfig{DB: b.db}, sqlEffect(insert))
+			h, err = pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(b.db, sqldb.Postgres)}, sqlEffect(insert))
 		}
 		if err != nil {
 			return nil, "", err
@@ -281,7 +281,7 @@ SELECT convert_to('dup-' || i, 'UTF8'), 2, '', 1, 0, `+now+` FROM generate_serie
 	}
 }
 
-func sqlEffect(insert string) pipeline.TxFunc {
+func sqlEffect(insert string) pipeline.TxFunc[*sql.Tx] {
 	return func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 		_, err := tx.ExecContext(ctx, insert, msg.UUID)
 		return err

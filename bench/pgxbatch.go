@@ -10,13 +10,14 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // pgxTxBatch is the batched workload of the pgx section: g deliveries in
 // flight share one transaction (BatchConfig.MaxSize g), whose keys are
 // claimed confirmed in one statement and whose effects are inserted in one
 // statement; one commit for the batch. settle's batch handler on pgx
-// (NewPgxBatchTxHandler) and on database/sql (NewBatchTxHandler) beside
+// and on database/sql (NewBatchTxHandler, on sqldb.Pgx and sqldb.Std) beside
 // the raw pgx floor: the same two statements in a transaction, batched by
 // the smallest batcher that does the same gathering.
 const pgxTxBatch = "tx-batch"
@@ -39,7 +40,7 @@ func (b *pgxBench) batchOp(ctx context.Context, side string, g int) (func(ctx co
 	batch := pipeline.BatchConfig{MaxSize: g}
 	switch side {
 	case pgxFloor:
-		rb := &rawBatcher{max: g, wait: pipeline.DefaultBatchWait, run: func(ctx context.Context, keys []string) error {
+		rb := &rawBatcher{max: g, wait: batchWait, run: func(ctx context.Context, keys []string) error {
 			return pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
 				if _, err := rawClaimAll(ctx, tx, `"`+claims+`"`, keys); err != nil {
 					return err
@@ -50,7 +51,7 @@ func (b *pgxBench) batchOp(ctx context.Context, side string, g int) (func(ctx co
 		}}
 		return rb.do, effects, nil
 	case pgxNat:
-		h, err := pipeline.NewPgxBatchTxHandler(pipeline.PgxTxConfig{DB: b.pool, Store: ps, Batch: batch},
+		h, err := pipeline.NewBatchTxHandler(pipeline.TxConfig[pgx.Tx]{DB: sqldb.Pgx(b.pool), Store: ps, Batch: batch},
 			func(ctx context.Context, tx pgx.Tx, msgs []*message.Message, _ message.Publisher) error {
 				_, err := tx.Exec(ctx, insertAll, ids(msgs))
 				return err
@@ -60,7 +61,7 @@ func (b *pgxBench) batchOp(ctx context.Context, side string, g int) (func(ctx co
 		}
 		return msgOp(h), effects, nil
 	default:
-		h, err := pipeline.NewBatchTxHandler(pipeline.TxConfig{DB: b.db, Store: sqlStore, Batch: batch},
+		h, err := pipeline.NewBatchTxHandler(pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(b.db, sqldb.Postgres), Store: sqlStore, Batch: batch},
 			func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, _ message.Publisher) error {
 				_, err := tx.ExecContext(ctx, insertAll, ids(msgs))
 				return err

@@ -161,9 +161,14 @@ func txOp(p *pg, store *dedupe.SQLStore[*sql.Tx], claims, effects, mode string) 
 			return tx.Commit()
 		}
 	case txOne:
-		cfg := pipeline.TxConfig{DB: p.db, OneStatement: true, Store: store}
+		h, err := pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(p.db, sqldb.Postgres), OneStatement: true, Store: store}, effect)
+		if err != nil {
+			panic(err) // a valid configuration
+		}
 		return func(ctx context.Context, key string) error {
-			return pipeline.RunTx(ctx, cfg, message.NewMessage(key, nil), effect)
+			msg := message.NewMessage(key, nil)
+			msg.SetContext(ctx)
+			return h(msg)
 		}
 	default:
 		return func(ctx context.Context, key string) (err error) {

@@ -159,7 +159,7 @@ func ExampleSQLStore_Schema() {
 // Keys are scoped to the logical handler: pipeline's competing subscriptions
 // charge, charge#2, ... are one handler, and its keys are stored under it.
 func ExampleScopedKey() {
-	scope := dedupe.LogicalHandler("charge#2")
+	scope := "charge" // the scope of charge, charge#2, ...
 	fmt.Println(scope)
 	fmt.Printf("%q\n", dedupe.ScopedKey(scope, "order-17"))
 	fmt.Printf("%q\n", dedupe.ScopedKey("", "order-17")) // no handler: unscoped

@@ -34,7 +34,7 @@ func NewMemoryStore() *MemoryStore {
 
 // Claim implements Store.
 func (s *MemoryStore) Claim(ctx context.Context, key string, ttl time.Duration) (Claim, error) {
-	if err := ValidateKey(key); err != nil {
+	if err := validateKey(key); err != nil {
 		return Claim{}, err
 	}
 	if err := checkTTL(ttl); err != nil {

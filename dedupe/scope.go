@@ -22,12 +22,12 @@ type ScopeFunc func(msg *message.Message) string
 // Outside a router, where the context names no handler, the scope is empty
 // and the key is stored as it is.
 func HandlerScope(msg *message.Message) string {
-	return LogicalHandler(message.HandlerNameFromCtx(msg.Context()))
+	return logicalHandler(message.HandlerNameFromCtx(msg.Context()))
 }
 
-// LogicalHandler returns the logical handler of a Watermill handler name:
+// logicalHandler returns the logical handler of a Watermill handler name:
 // the name without a trailing "#N" (N a positive decimal number).
-func LogicalHandler(name string) string {
+func logicalHandler(name string) string {
 	i := strings.LastIndexByte(name, '#')
 	if i <= 0 || i == len(name)-1 {
 		return name
@@ -79,11 +79,11 @@ func messageKey(msg *message.Message, keyFn KeyFunc, scope ScopeFunc) (string, e
 	if err != nil {
 		return "", err
 	}
-	if err := ValidateKey(key); err != nil {
+	if err := validateKey(key); err != nil {
 		return "", err
 	}
 	key = ScopedKey(scope(msg), key)
-	if err := ValidateKey(key); err != nil {
+	if err := validateKey(key); err != nil {
 		return "", err
 	}
 	return key, nil
@@ -91,11 +91,11 @@ func messageKey(msg *message.Message, keyFn KeyFunc, scope ScopeFunc) (string, e
 
 // MessageKey returns the key under which the dedupe middleware (and
 // pipeline's one-statement transactional handlers) record msg's work: keyFn's
-// key (MessageUUID when nil) in scope's scope (HandlerScope when nil). Use it
+// key (the message UUID when nil) in scope's scope (HandlerScope when nil). Use it
 // to look a delivery's claim up in the store, or to claim it yourself.
 func MessageKey(msg *message.Message, keyFn KeyFunc, scope ScopeFunc) (string, error) {
 	if keyFn == nil {
-		keyFn = MessageUUID
+		keyFn = messageUUID
 	}
 	if scope == nil {
 		scope = HandlerScope

@@ -238,7 +238,7 @@ const claimRetries = 4
 
 // Claim implements Store.
 func (s *SQLStore[TTx]) Claim(ctx context.Context, key string, ttl time.Duration) (Claim, error) {
-	if err := ValidateKey(key); err != nil {
+	if err := validateKey(key); err != nil {
 		return Claim{}, err
 	}
 	if err := checkTTL(ttl); err != nil {
@@ -503,7 +503,7 @@ func (s *SQLStore[TTx]) Prune(ctx context.Context, before time.Time) (int64, err
 // must come from elsewhere (the broker's delivery count), and the claim is
 // never renewed. Use Claim with ConfirmTx when you need those.
 func (s *SQLStore[TTx]) ClaimConfirmed(ctx context.Context, key string) (Claim, error) {
-	if err := ValidateKey(key); err != nil {
+	if err := validateKey(key); err != nil {
 		return Claim{}, err
 	}
 	k := []byte(key)
@@ -617,7 +617,7 @@ func (s *SQLStore[TTx]) ClaimConfirmedAll(ctx context.Context, keys []string) ([
 	bk := make([][]byte, len(keys))
 	index := make(map[string]int, len(keys))
 	for i, k := range keys {
-		if err := ValidateKey(k); err != nil {
+		if err := validateKey(k); err != nil {
 			return nil, err
 		}
 		if _, dup := index[k]; dup {

@@ -136,8 +136,8 @@ func (e *KeyError) Unwrap() error { return e.Err }
 // Permanent reports true: the same key will fail the same way every time.
 func (e *KeyError) Permanent() bool { return true }
 
-// ValidateKey returns a *KeyError if key is empty or longer than MaxKeyLen.
-func ValidateKey(key string) error {
+// validateKey returns a *KeyError if key is empty or longer than MaxKeyLen.
+func validateKey(key string) error {
 	switch {
 	case key == "":
 		return &KeyError{Err: ErrEmptyKey}
@@ -158,7 +158,7 @@ func checkOwned(c Claim) error {
 	if c.Result != Acquired || c.Token == "" {
 		return ErrNotAcquired
 	}
-	return ValidateKey(c.Key)
+	return validateKey(c.Key)
 }
 
 // newToken returns 128 random bits in hex. Tokens need to be unique, not

@@ -94,7 +94,7 @@ func runBatchedOnRabbitMQ(t *testing.T, dbName, kind string) {
 	p, err := pipeline.New(router, pipeline.Config{Publisher: pub, Store: store, Concurrency: 8,
 		Retry: saFastRetry(3, 0), DisableTracing: true})
 	saMust(t, err)
-	txc := pipeline.TxConfig{DB: d.DB, Batch: pipeline.BatchConfig{MaxSize: 8, MaxWait: 5 * time.Millisecond}}
+	txc := pipeline.TxConfig[*sql.Tx]{DB: d.Driver(), Batch: pipeline.BatchConfig{MaxSize: 8, MaxWait: 5 * time.Millisecond}}
 	var biggest atomic.Int64 // the largest batch seen
 	seen := func(n int) {
 		for {
@@ -114,7 +114,7 @@ func runBatchedOnRabbitMQ(t *testing.T, dbName, kind string) {
 	switch kind {
 	case "per-message":
 		var inTx txCalls
-		_, err = p.HandleTx("charge", src, sub, nil, txc, pipeline.TypedTx(nil, func(ctx context.Context, tx *sql.Tx, o pipeline.Message[batchOrder], _ message.Publisher) error {
+		_, err = pipeline.HandleTx(p, "charge", src, sub, txc, pipeline.TypedTx(nil, func(ctx context.Context, tx *sql.Tx, o pipeline.Message[batchOrder], _ message.Publisher) error {
 			seen(inTx.add(tx))
 			if err := refuse(o.UUID); err != nil {
 				return err
@@ -123,9 +123,13 @@ func runBatchedOnRabbitMQ(t *testing.T, dbName, kind string) {
 			return err
 		}))
 	case "batch-handler":
-		_, err = p.HandleBatchTx("charge", src, sub, nil, txc, pipeline.TypedBatchTx(nil, func(ctx context.Context, tx *sql.Tx, os []pipeline.Message[batchOrder], _ message.Publisher) error {
-			seen(len(os))
-			for i, o := range os {
+		_, err = pipeline.HandleBatchTx(p, "charge", src, sub, txc, func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, _ message.Publisher) error {
+			seen(len(msgs))
+			for i, msg := range msgs {
+				o, err := pipeline.Decode[batchOrder](nil, msg)
+				if err != nil {
+					return pipeline.MessageFailed(i, err) // the payload that is not JSON: poisoned alone
+				}
 				if err := refuse(o.UUID); err != nil {
 					return pipeline.MessageFailed(i, err)
 				}
@@ -134,7 +138,7 @@ func runBatchedOnRabbitMQ(t *testing.T, dbName, kind string) {
 				}
 			}
 			return nil
-		}))
+		})
 	}
 	saMust(t, err)
 

@@ -312,6 +312,7 @@ func crashConsume() error {
 		InitialInterval: time.Millisecond,
 		MaxInterval:     5 * time.Millisecond,
 		RedeliveryDelay: 5 * time.Millisecond,
+		StoreCounts:     true, // the dedupe middleware inside counts the runs
 		Logger:          logger,
 	})
 	if err != nil {

@@ -266,7 +266,7 @@ func (e *obEnv) startConsumer() *obConsumer {
 	saMust(t, err)
 	dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store})
 	saMust(t, err)
-	h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB}, func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
+	h, err := pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: e.db.Driver()}, func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 		_, err := tx.ExecContext(ctx, `INSERT INTO "`+c.effects+`" (message_uuid, payload) VALUES ($1, $2)`, msg.UUID, string(msg.Payload))
 		return err
 	})

@@ -196,11 +196,11 @@ func runPartition(t *testing.T, dbName, mode string, heal bool) {
 		}
 		batch := pipeline.BatchConfig{MaxSize: 2, MaxWait: 5 * time.Millisecond}
 		if pool != nil {
-			txc := pipeline.PgxTxConfig{DB: pool, OneStatement: mode == "one-statement"}
+			txc := pipeline.TxConfig[pgx.Tx]{DB: sqldb.Pgx(pool), Store: pgxStore, OneStatement: mode == "one-statement"}
 			if mode == "batch" {
 				txc.Batch = batch
 			}
-			_, err = p.HandlePgxTx("charge", src, sub, pgxStore, txc, func(ctx context.Context, tx pgx.Tx, msg *message.Message, _ message.Publisher) error {
+			_, err = pipeline.HandleTx(p, "charge", src, sub, txc, func(ctx context.Context, tx pgx.Tx, msg *message.Message, _ message.Publisher) error {
 				if _, err := tx.Exec(ctx, insert, msg.UUID, name); err != nil {
 					return err
 				}
@@ -208,11 +208,11 @@ func runPartition(t *testing.T, dbName, mode string, heal bool) {
 				return nil
 			})
 		} else {
-			txc := pipeline.TxConfig{DB: db, OneStatement: mode == "one-statement"}
+			txc := pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(db, dialect), Store: sqlStore, OneStatement: mode == "one-statement"}
 			if mode == "batch" {
 				txc.Batch = batch
 			}
-			_, err = p.HandleTx("charge", src, sub, sqlStore, txc, func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
+			_, err = pipeline.HandleTx(p, "charge", src, sub, txc, func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 				if _, err := tx.ExecContext(ctx, insert, msg.UUID, name); err != nil {
 					return err
 				}

@@ -187,6 +187,7 @@ func (e *saEnv) start(handler func(call int64, msg *message.Message) error) {
 	if e.opts.republish {
 		e.opts.retry.Republish, e.opts.retry.RepublishKey = pub, saRepublishKey
 	}
+	e.opts.retry.StoreCounts = !e.opts.noDedupe // the dedupe middleware inside counts the runs
 	rt, err := middleware.NewRetry(e.opts.retry)
 	saMust(t, err)
 	mws := []message.HandlerMiddleware{e.observe, ps, dl, rt}

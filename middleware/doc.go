@@ -33,4 +33,70 @@
 // failure and nothing would be retried. The middlewares share one settlement
 // record per delivery (see package settle), created by the outermost of them,
 // so none needs to know another's errors.
+//
+// # Assembling the stack by hand
+//
+// pipeline assembles the stack; a router assembled by hand behaves the same,
+// from its first message on, when it follows this contract:
+//
+//	tracing := middleware.NewTracing(...)
+//	poison := middleware.NewPoison(parking)          // parking.Topic: the poison topic
+//	deadLetter := middleware.NewDeadLetter(parking)  // parking.Topic: the dead-letter topic
+//	retry := middleware.NewRetry(middleware.RetryConfig{StoreCounts: true, ...})
+//	dd := dedupe.NewMiddleware(dedupe.Config{...})
+//	handler.AddMiddleware(tracing, poison, deadLetter, retry, dd) // outermost first
+//
+// Set RetryConfig.StoreCounts exactly when the dedupe middleware runs inside
+// the retry middleware: the retry middleware cannot see what runs inside it
+// before a run, and StoreCounts is how it knows that the store counts the
+// runs and decides whether one may start.
+//
+// What each one records in the delivery's settlement record, and reads from
+// it: a middleware reads what one outside it wrote before calling it, or what
+// one inside it wrote before returning, never more.
+//
+//   - Tracing creates the record (the outermost settle middleware that runs
+//     does, whichever it is) with the propagator and span attributes the
+//     parking middlewares use for their copies, and, once the delivery has
+//     returned, reads the outcome, the in-process retries and where a copy
+//     went, for its spans and metrics.
+//   - The retry middleware writes MaxAttempts and StoreCounts before each
+//     run, the attempt number it estimates, each in-process retry, the
+//     outcome retry, and whether a failure was permanent; after each run it
+//     reads the attempt the store counted (or its refusal), and whether the
+//     run was deferred.
+//   - The dedupe middleware reads MaxAttempts and, for an acquired claim,
+//     writes its durable attempt count (or a refusal past MaxAttempts), the
+//     time of the first attempt, a duplicate, or a deferral (busy key, store
+//     unavailable).
+//   - The parking middlewares read, after the delivery has returned, whether
+//     it was deferred (nothing is parked then), whether the failure was
+//     permanent (poison) and the attempt number; they write where the copy
+//     went, or a deferral when it could not be published.
+//
+// When a piece is missing or out of its place:
+//
+//   - No tracing: the parking middleware outermost creates the record;
+//     nothing else changes.
+//   - No poison parking: a permanent error is the delivery's result, and the
+//     broker redelivers it; behind the dedupe middleware each redelivery is
+//     an attempt, so the message is dead-lettered once MaxAttempts are
+//     spent; without it, it comes back for as long as the broker redelivers.
+//   - No dead-letter parking, or one inside the retry middleware: the
+//     *ExhaustedError is the delivery's result, and every redelivery is
+//     refused again without a run.
+//   - No retry middleware: the dedupe store still counts attempts
+//     (settle.SettlementFromContext), but nothing bounds them.
+//   - No dedupe middleware: leave StoreCounts unset; the attempts are
+//     counted as NewRetry says. Set anyway, a failed run that no store
+//     counted is logged as an error and counted from the process's memory,
+//     so MaxAttempts still bounds the runs.
+//   - The dedupe middleware inside the retry middleware without StoreCounts:
+//     the dedupe middleware logs an error once, and both count, so a message
+//     whose broker delivery count alone says its runs are used up is
+//     dead-lettered without a run, whatever the store's count.
+//   - The dedupe middleware outside the retry middleware: the retry
+//     middleware logs an error (at most once a minute); its in-process
+//     retries run under the delivery's one claim, and the store counts
+//     deliveries, not runs.
 package middleware

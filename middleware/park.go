@@ -3,6 +3,7 @@ package middleware
 import (
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -125,8 +126,8 @@ func (c *ParkConfig) setDefaults() {
 	}
 }
 
-// Validate reports the first invalid field.
-func (c ParkConfig) Validate() error {
+// validate reports the first invalid field.
+func (c ParkConfig) validate() error {
 	switch {
 	case c.Publisher == nil:
 		return errors.New("middleware: ParkConfig.Publisher is required")
@@ -165,7 +166,7 @@ var errReturnsUnseen = errors.New("watermill-amqp's Publisher does not listen fo
 
 func (c ParkConfig) park(name string, match func(*message.Message, *settlement.Record, error) (park.Info, bool)) (message.HandlerMiddleware, error) {
 	c.setDefaults()
-	if err := c.Validate(); err != nil {
+	if err := c.validate(); err != nil {
 		return nil, err
 	}
 	if amqpcheck.WatermillAMQP(c.Publisher) {
@@ -242,8 +243,9 @@ func attemptOf(msg *message.Message, rec *settlement.Record) int {
 	if n, _, _ := rec.Attempt(); n > 0 {
 		return n
 	}
-	if msg.Metadata.Get(settle.MetaAttempt) == "" {
+	n, err := strconv.Atoi(msg.Metadata.Get(settle.MetaAttempt))
+	if err != nil || n < 1 {
 		return 0
 	}
-	return settle.Attempt(msg)
+	return n
 }

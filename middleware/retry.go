@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"runtime/debug"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -86,6 +85,25 @@ type RetryConfig struct {
 	// must use the same key, kept secret like a password. Required with
 	// Republish, at least 16 bytes; unused without it.
 	RepublishKey []byte
+	// StoreCounts says that the dedupe middleware runs inside this one
+	// (retry -> dedupe -> handler), so that its store counts the runs: the
+	// key's durable acquisition count is the attempt number, and the store
+	// refuses a run beyond MaxAttempts. From the first delivery on, the
+	// retry middleware then leaves the decision to start a run to the store,
+	// and uses none of its own sources (a republished copy's settle_attempt,
+	// the broker's delivery count, this process's memory) for it. pipeline
+	// sets it for every handler it puts the dedupe middleware in front of;
+	// set it on a router assembled by hand in the same case, and only then.
+	//
+	// Set without a dedupe middleware inside (or with one outside this
+	// middleware), a failed run that no store counted is logged as an
+	// error and counted from this process's memory, as without StoreCounts:
+	// the bound still holds, but the broker's delivery count is not used.
+	// Left unset with a dedupe middleware inside, both count: the dedupe
+	// middleware logs an error once, and a delivery whose delivery count
+	// alone says its runs are used up is dead-lettered without a run,
+	// whatever the store's count.
+	StoreCounts bool
 	// Logger defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 	// TrackedMessages bounds the per-process memory of failing messages: the
@@ -124,8 +142,8 @@ func (c *RetryConfig) setDefaults() {
 	}
 }
 
-// Validate reports the first invalid field.
-func (c RetryConfig) Validate() error {
+// validate reports the first invalid field.
+func (c RetryConfig) validate() error {
 	switch {
 	case c.MaxAttempts < 1:
 		return fmt.Errorf("middleware: RetryConfig.MaxAttempts must be >= 1, got %d", c.MaxAttempts)
@@ -225,7 +243,8 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 // two handlers consuming the same message each get MaxAttempts runs. The
 // count comes from, best source first:
 //
-//   - a dedupe store, when the dedupe middleware runs inside this one: the
+//   - a dedupe store, when the dedupe middleware runs inside this one and
+//     StoreCounts says so: the
 //     key's durable acquisition count, one per run, exact across processes
 //     and crashes; the dedupe middleware refuses to start a run beyond
 //     MaxAttempts;
@@ -247,11 +266,9 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 //     made in this process since it started, of messages among the
 //     TrackedMessages that failed most recently. A restart forgets it.
 //
-// Where a dedupe store counts, the broker's delivery count is not used. A
-// pipeline tells the retry middleware so from the start; on a router
-// assembled by hand it learns it from the first run of each handler, so the
-// first message a handler sees after a start, if its delivery count alone
-// says its runs are used up, is dead-lettered without a run.
+// Where a dedupe store counts (RetryConfig.StoreCounts), no other source is
+// used: the store's count decides from the first delivery on, on a router
+// assembled by hand as in a pipeline.
 //
 // Permanent errors (settle.IsPermanent: see package poison) are returned at
 // once, not retried. A panic in the handler is recovered and treated as a
@@ -259,19 +276,28 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 // and the middleware that deferred it has already waited.
 func NewRetry(cfg RetryConfig) (message.HandlerMiddleware, error) {
 	cfg.setDefaults()
-	if err := cfg.Validate(); err != nil {
+	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	r := &retry{cfg: cfg, tracked: lru.New[trackKey, *failures](cfg.TrackedMessages)}
+	r := &retry{cfg: cfg, tracked: lru.New[trackKey, *failures](cfg.TrackedMessages), misplaced: settlement.NewRateLog(cfg.Logger, time.Minute)}
 	return r.wrap, nil
 }
 
 type retry struct {
 	cfg     RetryConfig
 	tracked *lru.Cache[trackKey, *failures]
-	// durable holds the scopes whose runs a dedupe store is known to count.
-	durable sync.Map
+	// misplaced logs a stack assembled against the contract of
+	// RetryConfig.StoreCounts.
+	misplaced *settlement.RateLog
 }
+
+// errNotCounted is logged when RetryConfig.StoreCounts is set and a failed
+// run was counted by no store.
+var errNotCounted = errors.New("RetryConfig.StoreCounts is set, but no dedupe middleware inside the retry middleware counted the run")
+
+// errCountedOutside is logged when a store counted the delivery before the
+// retry middleware ran: the dedupe middleware is outside it.
+var errCountedOutside = errors.New("the dedupe middleware runs outside the retry middleware: its in-process retries run under one claim, and the store counts deliveries, not runs")
 
 // trackKey names one message in the scope of one logical handler.
 type trackKey struct{ scope, uuid string }
@@ -301,9 +327,13 @@ func (r *retry) wrap(h message.HandlerFunc) message.HandlerFunc {
 			msg.SetContext(ctx)
 			defer msg.SetContext(orig)
 		}
-		rec.SetLimit(r.cfg.MaxAttempts)
+		if _, counted, _ := rec.Attempt(); counted {
+			r.misplaced.Error("retry: the settle stack is misassembled; put the dedupe middleware inside the retry middleware", errCountedOutside,
+				watermill.LogFields{"handler": message.HandlerNameFromCtx(ctx)})
+		}
+		rec.SetLimit(r.cfg.MaxAttempts, r.cfg.StoreCounts)
 		d := delivery{key: trackKey{settlement.Scope(ctx), park.Identity(msg)}, rec: rec}
-		r.source(msg, &d)
+		r.prepare(msg, &d)
 		if d.prior >= r.cfg.MaxAttempts {
 			return nil, r.exhausted(msg, d, r.cfg.MaxAttempts, nil)
 		}
@@ -326,6 +356,9 @@ type delivery struct {
 	// them itself (no dedupe store inside); 0 otherwise.
 	prior     int
 	firstHint time.Time // first failure recorded on the message, if any
+	// estimated: prior comes from the middleware's own sources, although
+	// StoreCounts is set (a run no store counted).
+	estimated bool
 }
 
 func (r *retry) setAttempt(msg *message.Message, rec *settlement.Record, n int) {
@@ -351,9 +384,6 @@ func (r *retry) failed(ctx context.Context, h message.HandlerFunc, msg *message.
 			}
 		}
 		attempt, counted, refused := rec.Attempt()
-		if counted || refused {
-			r.durable.Store(d.key.scope, struct{}{})
-		}
 		switch {
 		case rec.Deferred():
 			// Not an attempt: the key is busy, the store cannot answer, or a
@@ -369,6 +399,14 @@ func (r *retry) failed(ctx context.Context, h message.HandlerFunc, msg *message.
 			return out, err
 		}
 		if !counted {
+			if r.cfg.StoreCounts && !d.estimated {
+				// No store counted the run, although one was said to: the
+				// middleware's own count keeps the bound.
+				r.misplaced.Error("retry: the settle stack is misassembled; counting the run in this process", errNotCounted,
+					watermill.LogFields{"handler": message.HandlerNameFromCtx(ctx), "message_uuid": msg.UUID})
+				r.source(msg, &d)
+				d.estimated = true
+			}
 			attempt = d.prior + run
 		}
 		msg.Metadata.Set(settle.MetaAttempt, strconv.Itoa(attempt))
@@ -410,21 +448,25 @@ func (r *retry) failed(ctx context.Context, h message.HandlerFunc, msg *message.
 	}
 }
 
-// source fills in what the message and this process know of earlier runs,
-// for a handler whose runs no dedupe store is known to count.
-func (r *retry) source(msg *message.Message, d *delivery) {
+// prepare fills in what is known of earlier runs before a delivery runs: the
+// first failure the message records, and, unless a store counts
+// (StoreCounts), what the middleware's own sources say (source).
+func (r *retry) prepare(msg *message.Message, d *delivery) {
 	// Parse only what is there: a failed parse allocates its error.
 	if v := msg.Metadata.Get(settle.MetaFirstFailure); v != "" {
 		if t, err := time.Parse(park.TimeFormat, v); err == nil {
 			d.firstHint = t
 		}
 	}
-	if d.rec.Durable() {
-		return
+	if !r.cfg.StoreCounts {
+		r.source(msg, d)
 	}
-	if _, ok := r.durable.Load(d.key.scope); ok {
-		return
-	}
+}
+
+// source fills in what the message and this process know of earlier runs,
+// for a handler whose runs no dedupe store counts (RetryConfig.StoreCounts
+// unset).
+func (r *retry) source(msg *message.Message, d *delivery) {
 	if r.cfg.Republish != nil {
 		if v, ok := markedAttempt(r.cfg.RepublishKey, msg); ok {
 			if n, err := strconv.Atoi(v); err == nil && n >= 0 {

@@ -84,6 +84,9 @@ func newStack(t *testing.T, o stackOpts, handler func(msg *message.Message) erro
 	must(t, err)
 	dl, err := middleware.NewDeadLetter(middleware.ParkConfig{Publisher: parkPub, Topic: deadTopic, NackDelay: time.Millisecond})
 	must(t, err)
+	// The dedupe middleware inside counts the runs (see
+	// RetryConfig.StoreCounts).
+	o.retry.StoreCounts = !o.noDedupe
 	rt, err := middleware.NewRetry(o.retry)
 	must(t, err)
 	mws := []message.HandlerMiddleware{s.observe, ps, dl, rt}

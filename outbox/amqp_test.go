@@ -279,7 +279,7 @@ func TestRelayForwardsAroundRowsTheBrokerRefuses(t *testing.T) {
 			var attempts int64
 			for _, f := range failed {
 				attempts += int64(f.Attempts)
-				if !f.IsSetAside() || f.Attempts < maxAttempts || f.LastError == "" || f.SetAsideAt.Before(f.CreatedAt) {
+				if f.SetAsideAt.IsZero() || f.Attempts < maxAttempts || f.LastError == "" || f.SetAsideAt.Before(f.CreatedAt) {
 					t.Errorf("set-aside row %+v: want set aside after at least %d attempts, with its error", f, maxAttempts)
 				}
 			}
@@ -308,12 +308,12 @@ func TestRequeueForwardsRowsSetAside(t *testing.T) {
 		}
 		e.publishTx(t, "orders.shipped", message.NewMessage("ship-1", []byte(`{}`)))
 		e.publishTx(t, "orders.shipped", message.NewMessage("ship-2", []byte(`{}`)))
-		r := startRelay(t, e, broken, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, RetryInterval: 10 * time.Millisecond, MaxRetryInterval: 20 * time.Millisecond, MaxAttempts: 2})
+		startRelay(t, e, broken, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, RetryInterval: 10 * time.Millisecond, MaxRetryInterval: 20 * time.Millisecond, MaxAttempts: 2})
 		// Rows to a healthy topic keep coming: the broker works.
 		deadline := time.Now().Add(30 * time.Second)
 		for {
 			e.publishTx(t, "orders.placed", message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
-			st, err := r.Status(t.Context())
+			st, err := e.ob.Status(t.Context())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -342,7 +342,7 @@ func TestRequeueForwardsRowsSetAside(t *testing.T) {
 		case <-time.After(30 * time.Second):
 			t.Fatal("the re-queued row was not forwarded")
 		}
-		st, err := r.Status(t.Context())
+		st, err := e.ob.Status(t.Context())
 		if err != nil || st.SetAside != 1 {
 			t.Fatalf("after requeueing one of two: %+v, %v", st, err)
 		}

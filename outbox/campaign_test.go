@@ -129,7 +129,7 @@ func TestOutboxHostileInputCampaign(t *testing.T) {
 					b.take(q, got)
 				}
 				var err error
-				if st, err = r.Status(t.Context()); err != nil {
+				if st, err = e.ob.Status(t.Context()); err != nil {
 					t.Fatal(err)
 				}
 				if len(got) >= len(want) && st.Pending == 0 && st.SetAside == int64(len(wantBad)) {
@@ -158,7 +158,7 @@ func TestOutboxHostileInputCampaign(t *testing.T) {
 			}
 			var attempts int64
 			for _, f := range failed {
-				if !wantBad[f.UUID] || !f.IsSetAside() || f.Topic != bad || f.Attempts < maxAttempts {
+				if !wantBad[f.UUID] || f.SetAsideAt.IsZero() || f.Topic != bad || f.Attempts < maxAttempts {
 					t.Errorf("seed %d: failed row %+v; want only the refused rows, set aside after %d attempts", seed, f, maxAttempts)
 				}
 				attempts += int64(f.Attempts)

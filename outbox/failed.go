@@ -34,15 +34,11 @@ type FailedRow struct {
 	SetAsideAt time.Time
 }
 
-// IsSetAside reports whether the row is set aside: no relay forwards it
-// until Requeue.
-func (f FailedRow) IsSetAside() bool { return !f.SetAsideAt.IsZero() }
-
 // Selection picks failed rows for Failed and Requeue. Its fields narrow the
 // selection; the zero Selection picks every failed row.
 type Selection struct {
 	// Offsets, when not empty, picks only these rows. At most
-	// MaxSelectionOffsets.
+	// 1000.
 	Offsets []int64
 	// Topic, when not empty, picks only rows to this destination topic.
 	Topic string
@@ -54,13 +50,13 @@ type Selection struct {
 	Limit int
 }
 
-// MaxSelectionOffsets is the most offsets one Selection names.
-const MaxSelectionOffsets = 1000
+// maxSelectionOffsets is the most offsets one Selection names.
+const maxSelectionOffsets = 1000
 
 func (s Selection) validate() error {
 	switch {
-	case len(s.Offsets) > MaxSelectionOffsets:
-		return fmt.Errorf("outbox: Selection.Offsets names %d rows, at most %d", len(s.Offsets), MaxSelectionOffsets)
+	case len(s.Offsets) > maxSelectionOffsets:
+		return fmt.Errorf("outbox: Selection.Offsets names %d rows, at most %d", len(s.Offsets), maxSelectionOffsets)
 	case s.Limit < 0 || s.Limit > 10000:
 		return fmt.Errorf("outbox: Selection.Limit must be 0-10000, got %d", s.Limit)
 	}
@@ -159,7 +155,7 @@ func (o *core) failed(ctx context.Context, sel Selection) ([]FailedRow, error) {
 			return err
 		}
 		f.CreatedAt, f.NextAttemptAt, f.SetAsideAt = fromEpoch(created), fromEpoch(next), fromEpoch(aside)
-		if f.IsSetAside() {
+		if !f.SetAsideAt.IsZero() {
 			f.NextAttemptAt = time.Time{}
 		}
 		out = append(out, f)

@@ -89,7 +89,7 @@ func TestOutageSetsNothingAsideAndCollateralIsNotCharged(t *testing.T) {
 			}
 			enough := false // the rows at the head fail again and again
 			for _, f := range rows {
-				if f.IsSetAside() {
+				if !f.SetAsideAt.IsZero() {
 					t.Fatalf("row %s set aside during an outage: %+v", f.UUID, f)
 				}
 				enough = enough || f.Attempts >= 2*maxAttempts
@@ -115,7 +115,7 @@ func TestOutageSetsNothingAsideAndCollateralIsNotCharged(t *testing.T) {
 		if err := r.Drain(t.Context()); err != nil { // the batch commits after the broker has the rows
 			t.Fatal(err)
 		}
-		if st, err := r.Status(t.Context()); err != nil || st.SetAside != 0 || st.Pending != 0 {
+		if st, err := e.ob.Status(t.Context()); err != nil || st.SetAside != 0 || st.Pending != 0 {
 			t.Fatalf("after the outage: %+v, %v", st, err)
 		}
 
@@ -136,7 +136,7 @@ func TestOutageSetsNothingAsideAndCollateralIsNotCharged(t *testing.T) {
 				m.Ack()
 				delete(want, m.UUID)
 			case <-time.After(time.Until(deadline)):
-				st, _ := r.Status(t.Context())
+				st, _ := e.ob.Status(t.Context())
 				t.Fatalf("%d rows behind the killer not forwarded: %+v", len(want), st)
 			}
 		}
@@ -183,7 +183,7 @@ func TestPublishPastAckDeadlineStepsAside(t *testing.T) {
 			t.Fatal(err)
 		}
 		e.publishTx(t, "orders", message.NewMessage("hang", []byte(`{}`)))
-		r := startRelay(t, e, hangs{e.pubsub}, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, AckDeadline: 300 * time.Millisecond,
+		startRelay(t, e, hangs{e.pubsub}, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, AckDeadline: 300 * time.Millisecond,
 			RetryInterval: 50 * time.Millisecond, MaxRetryInterval: 100 * time.Millisecond, MaxAttempts: 2})
 		deadline := time.Now().Add(30 * time.Second)
 		for i := 0; ; i++ {
@@ -194,7 +194,7 @@ func TestPublishPastAckDeadlineStepsAside(t *testing.T) {
 			case <-time.After(30 * time.Second):
 				t.Fatal("no row forwarded behind the hanging one")
 			}
-			st, err := r.Status(t.Context())
+			st, err := e.ob.Status(t.Context())
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -302,7 +302,7 @@ func (r *Relay) instruments() error {
 	r.reg, err = meter.RegisterCallback(func(ctx context.Context, obs metric.Observer) error {
 		ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
-		st, err := r.Status(ctx)
+		st, err := r.o.status(ctx)
 		if err != nil {
 			return err
 		}
@@ -386,11 +386,6 @@ func (r *Relay) Counts() (forwarded, failed int64) {
 	return r.forwarded.Load(), r.failed.Load()
 }
 
-// Status is the outbox's Status.
-func (r *Relay) Status(ctx context.Context) (Status, error) {
-	return r.o.status(ctx)
-}
-
 // Drain waits until no committed row is pending (forwarded by this relay or
 // another one, or set aside: a row waiting for its next attempt is still
 // pending) and this relay's batch in progress, if any, has ended, so
@@ -400,7 +395,7 @@ func (r *Relay) Drain(ctx context.Context) error {
 	t := time.NewTicker(10 * time.Millisecond)
 	defer t.Stop()
 	for {
-		st, err := r.Status(ctx)
+		st, err := r.o.status(ctx)
 		if err != nil {
 			return err
 		}

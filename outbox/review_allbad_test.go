@@ -31,7 +31,7 @@ func TestReviewEveryRowRefused(t *testing.T) {
 	forEachDB(t, func(t *testing.T, e *env) {
 		p := &refuseAll{}
 		const retry = 100 * time.Millisecond
-		r := startRelay(t, e, p, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, RetryInterval: retry, MaxRetryInterval: 4 * retry, MaxAttempts: 2})
+		_ = startRelay(t, e, p, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, RetryInterval: retry, MaxRetryInterval: 4 * retry, MaxAttempts: 2})
 		for i := range 20 {
 			e.publishTx(t, "refused", message.NewMessage(fmt.Sprintf("bad-%d", i), []byte(`{}`)))
 		}
@@ -43,7 +43,7 @@ func TestReviewEveryRowRefused(t *testing.T) {
 		if max := int64(watch/retry)*2 + 4; calls > max {
 			t.Errorf("%d publishes in %v, want at most %d: the relay spins", calls, watch, max)
 		}
-		st, err := r.Status(t.Context())
+		st, err := e.ob.Status(t.Context())
 		if err != nil {
 			t.Fatal(err)
 		}

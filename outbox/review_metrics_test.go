@@ -67,7 +67,7 @@ func TestReviewRefusedRowMetricsAndAttempts(t *testing.T) {
 				break
 			}
 			if time.Now().After(deadline) {
-				st, _ := r.Status(t.Context())
+				st, _ := e.ob.Status(t.Context())
 				t.Fatalf("the bad row is not set aside: %+v", st)
 			}
 			e.publishTx(t, "orders", message.NewMessage(fmt.Sprintf("good-%d-%s", good, watermill.NewShortUUID()), []byte(`{}`)))
@@ -92,7 +92,7 @@ func TestReviewRefusedRowMetricsAndAttempts(t *testing.T) {
 		if f := sumOf(t, reader, "settle.outbox.forwarded"); f != int64(good) {
 			t.Errorf("settle.outbox.forwarded = %d, want %d", f, good)
 		}
-		if st, err := r.Status(t.Context()); err != nil || st.SetAside != 1 || st.Pending != 0 {
+		if st, err := e.ob.Status(t.Context()); err != nil || st.SetAside != 1 || st.Pending != 0 {
 			t.Errorf("status %+v, %v; want 1 set aside, none pending", st, err)
 		}
 	})

@@ -260,7 +260,7 @@ func TestRelaySetsAsideRowsRoutedToNoQueue(t *testing.T) {
 				t.Errorf("status %s (%s); want set_aside", st.State, st.Explain())
 			}
 			rows := u.failed()
-			if len(rows) != 1 || rows[0].UUID != u.lost.UUID || !rows[0].IsSetAside() || rows[0].Attempts < 3 || rows[0].Topic != u.unrouted {
+			if len(rows) != 1 || rows[0].UUID != u.lost.UUID || rows[0].SetAsideAt.IsZero() || rows[0].Attempts < 3 || rows[0].Topic != u.unrouted {
 				t.Fatalf("Failed = %+v; want the unrouted row %s to %s, set aside after 3 attempts", rows, u.lost.UUID, u.unrouted)
 			}
 			if n := failedCounter(t, u.metrics); n != int64(rows[0].Attempts) {

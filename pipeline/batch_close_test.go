@@ -27,7 +27,7 @@ func TestBatchRouterCloseMidBatch(t *testing.T) {
 		t.Run(d.Name, func(t *testing.T) {
 			t.Parallel()
 			db := d.Open(t)
-			e := newTxEnv(t, db)
+			e := newTxEnv(t, stdOf(db))
 			effects := effectTable(t, e, &db, nil, "h VARCHAR(16) NOT NULL, id VARCHAR(64) NOT NULL")
 			a := newBatchAMQP(t, "close")
 			m, err := amqpmarshal.New(amqpmarshal.Config{})
@@ -36,7 +36,7 @@ func TestBatchRouterCloseMidBatch(t *testing.T) {
 			cfg.Marshaler = m
 			cfg.Consume.Qos.PrefetchCount = 2
 			ins := func(ctx context.Context, tx *sql.Tx, h, id string) error {
-				_, err := tx.ExecContext(ctx, "INSERT INTO "+effects+" (h, id) VALUES ("+e.ph(1)+", "+e.ph(2)+")", h, id)
+				_, err := tx.ExecContext(ctx, "INSERT INTO "+effects+" (h, id) VALUES ("+e.db.ph(1)+", "+e.db.ph(2)+")", h, id)
 				return err
 			}
 			pubsub := func(h string) amqp.Config {
@@ -64,7 +64,7 @@ func TestBatchRouterCloseMidBatch(t *testing.T) {
 				p, err := pipeline.New(router, pipeline.Config{Publisher: a.pub, Store: e.store, Concurrency: 4,
 					Retry: fastRetry(), DisableTracing: true, BusyDelay: 20 * time.Millisecond})
 				must(t, err)
-				_, err = p.HandleTx("one", a.src, sub, nil, pipeline.TxConfig{DB: db.DB, Outbox: e.ob,
+				_, err = pipeline.HandleTx(p, "one", a.src, sub, pipeline.TxConfig[*sql.Tx]{DB: std(db), Outbox: e.ob,
 					Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 5 * time.Millisecond}},
 					func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
 						if err := ins(ctx, tx, "one", msg.UUID); err != nil {
@@ -76,7 +76,7 @@ func TestBatchRouterCloseMidBatch(t *testing.T) {
 				must(t, err)
 				// A second handler of the same topic, on its own queue: a
 				// batch handler. Each does each order once.
-				_, err = p.HandleBatchTx("two", a.src, sub2, nil, pipeline.TxConfig{DB: db.DB, Outbox: e.ob,
+				_, err = pipeline.HandleBatchTx(p, "two", a.src, sub2, pipeline.TxConfig[*sql.Tx]{DB: std(db), Outbox: e.ob,
 					Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 5 * time.Millisecond}},
 					func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, out message.Publisher) error {
 						for _, msg := range msgs {

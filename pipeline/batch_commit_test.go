@@ -8,8 +8,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 
-	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
 )
 
@@ -22,8 +22,12 @@ import (
 // beside the bad one.
 func TestBatchCommitFailureFailsOnlyItsMessage(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
-	e := newTxEnv(t, db)
+	onPostgres(t, batchCommitFailureFailsOnlyItsMessage[*sql.Tx], batchCommitFailureFailsOnlyItsMessage[pgx.Tx])
+}
+
+func batchCommitFailureFailsOnlyItsMessage[TTx any](t *testing.T, d db[TTx]) {
+	db := d.sql
+	e := newTxEnv(t, d)
 	ledger := "ledger_" + e.charges[len(e.charges)-8:]
 	_, err := db.ExecContext(t.Context(), "CREATE TABLE "+ledger+
 		" (ref TEXT NOT NULL, CONSTRAINT "+ledger+"_u UNIQUE (ref) DEFERRABLE INITIALLY DEFERRED)")
@@ -33,10 +37,10 @@ func TestBatchCommitFailureFailsOnlyItsMessage(t *testing.T) {
 	_, err = db.ExecContext(t.Context(), "INSERT INTO "+ledger+" (ref) VALUES ('taken')")
 	must(t, err)
 
-	h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: db.DB, Store: e.store,
+	h, err := pipeline.NewTxHandler(pipeline.TxConfig[TTx]{DB: d.Driver, Store: e.store,
 		Batch: pipeline.BatchConfig{MaxSize: 8, MaxWait: 50 * time.Millisecond}},
-		func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
-			_, err := tx.ExecContext(ctx, "INSERT INTO "+ledger+" (ref) VALUES ($1)", string(msg.Payload))
+		func(ctx context.Context, tx TTx, msg *message.Message, _ message.Publisher) error {
+			_, err := d.Tx(tx).Exec(ctx, "INSERT INTO "+ledger+" (ref) VALUES ($1)", string(msg.Payload))
 			return err
 		})
 	must(t, err)

@@ -23,7 +23,6 @@ import (
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
-	"github.com/settle-go/settle/sqldb"
 )
 
 // The handlers of these tests do what a careful Go programmer does: they
@@ -36,8 +35,8 @@ import (
 // derivedCharge is e.charge (one charge row, one receipt on the outbox
 // carrying the handler's context) run under a context derived from the
 // handler's and cancelled when it returns.
-func derivedCharge(e *txEnv) pipeline.TxFunc {
-	return func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
+func derivedCharge[TTx any](e *txEnv[TTx]) pipeline.TxFunc[TTx] {
+	return func(ctx context.Context, tx TTx, msg *message.Message, out message.Publisher) error {
 		ctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
 		return e.charge(nil)(ctx, tx, msg, out)
@@ -47,8 +46,8 @@ func derivedCharge(e *txEnv) pipeline.TxFunc {
 // derivedBatchCharge is the batch function of derivedCharge: every charge
 // in one statement, one receipt per message, all under a context derived
 // from the batch's and cancelled when it returns.
-func derivedBatchCharge(e *txEnv) pipeline.BatchTxFunc {
-	return func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, out message.Publisher) error {
+func derivedBatchCharge[TTx any](e *txEnv[TTx]) pipeline.BatchTxFunc[TTx] {
+	return func(ctx context.Context, tx TTx, msgs []*message.Message, out message.Publisher) error {
 		ctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
 		if err := e.insertAll(ctx, tx, msgs); err != nil {
@@ -66,11 +65,9 @@ func derivedBatchCharge(e *txEnv) pipeline.BatchTxFunc {
 }
 
 // outboxRows counts the outbox table's rows, forwarded or not.
-func (e *txEnv) outboxRows(t *testing.T) int {
+func (e *txEnv[TTx]) outboxRows(t *testing.T) int {
 	t.Helper()
-	var n int
-	must(t, e.db.QueryRowContext(t.Context(), "SELECT COUNT(*) FROM "+quote(e.db, e.ob.Table())).Scan(&n))
-	return n
+	return e.db.count(t, "SELECT COUNT(*) FROM "+e.db.quote(e.ob.Table()))
 }
 
 // checkCharged requires every delivery to have succeeded, n charges, n
@@ -93,7 +90,7 @@ func checkCharged(t *testing.T, errs []error, charges, rows int, confirmed func(
 	}
 }
 
-func (e *txEnv) confirmed(t *testing.T) func(string) bool {
+func (e *txEnv[TTx]) confirmed(t *testing.T) func(string) bool {
 	return func(key string) bool {
 		c, err := e.store.Claim(t.Context(), key, time.Minute)
 		must(t, err)
@@ -109,89 +106,19 @@ func (e *txEnv) confirmed(t *testing.T) func(string) bool {
 // it gave its outbox messages still has every message done, once.
 func TestBatchOutboxOutlivesTheHandlersContext(t *testing.T) {
 	t.Parallel()
-	forEachDB(t, func(t *testing.T, e *txEnv) {
-		batch := pipeline.BatchConfig{MaxSize: 8, MaxWait: 200 * time.Millisecond}
-		// OneStatement writes its outbox rows while the handler runs; it is
-		// here to show the modes agree.
-		one, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB, Outbox: e.ob, Store: e.store, OneStatement: true}, derivedCharge(e))
-		must(t, err)
-		perMessage, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB, Outbox: e.ob, Store: e.store, Batch: batch}, derivedCharge(e))
-		must(t, err)
-		batchFn, err := pipeline.NewBatchTxHandler(pipeline.TxConfig{DB: e.db.DB, Outbox: e.ob, Store: e.store, Batch: batch}, derivedBatchCharge(e))
-		must(t, err)
-		var all []*message.Message
-		for _, c := range []struct {
-			name string
-			h    message.NoPublishHandlerFunc
-		}{{"one-statement", one}, {"batch", perMessage}, {"batch-function", batchFn}} {
-			msgs := orders(8, c.name)
-			all = append(all, msgs...)
-			errs := deliverAll(c.h, msgs)
-			for i, err := range errs {
-				if err != nil {
-					t.Errorf("%s: %s: %v", c.name, msgs[i].UUID, err)
-				}
-			}
-		}
-		checkCharged(t, nil, e.rows(t), e.outboxRows(t), e.confirmed(t), all)
-	})
+	onEachDriver(t, batchOutboxOutlivesTheHandlersContext[*sql.Tx], batchOutboxOutlivesTheHandlersContext[pgx.Tx])
 }
 
-// derivedPgxCharge is derivedCharge on pgx, with an outbox.
-func derivedPgxCharge(e *pgxEnv) pipeline.PgxTxFunc {
-	return func(ctx context.Context, tx pgx.Tx, msg *message.Message, out message.Publisher) error {
-		ctx, cancel := context.WithTimeout(ctx, time.Minute)
-		defer cancel()
-		if _, err := tx.Exec(ctx, `INSERT INTO "`+e.charges+`" (order_id) VALUES ($1)`, string(msg.Payload)); err != nil {
-			return err
-		}
-		r := message.NewMessage("receipt-"+msg.UUID, msg.Payload)
-		r.SetContext(ctx)
-		return out.Publish("receipts", r)
-	}
-}
-
-// derivedPgxBatchCharge is derivedBatchCharge on pgx.
-func derivedPgxBatchCharge(e *pgxEnv) pipeline.PgxBatchTxFunc {
-	return func(ctx context.Context, tx pgx.Tx, msgs []*message.Message, out message.Publisher) error {
-		ctx, cancel := context.WithTimeout(ctx, time.Minute)
-		defer cancel()
-		if err := e.insertAll(ctx, tx, msgs, nil); err != nil {
-			return err
-		}
-		for _, m := range msgs {
-			r := message.NewMessage("receipt-"+m.UUID, m.Payload)
-			r.SetContext(ctx)
-			if err := out.Publish("receipts", r); err != nil {
-				return err
-			}
-		}
-		return nil
-	}
-}
-
-func (e *pgxEnv) confirmed(t *testing.T) func(string) bool {
-	return func(key string) bool {
-		c, err := e.store.Claim(t.Context(), key, time.Minute)
-		must(t, err)
-		if c.Result == dedupe.Acquired {
-			must(t, e.store.Release(t.Context(), c))
-		}
-		return c.Result == dedupe.Duplicate
-	}
-}
-
-// The pgx twin of TestBatchOutboxOutlivesTheHandlersContext.
-func TestPgxBatchOutboxOutlivesTheHandlersContext(t *testing.T) {
-	t.Parallel()
-	e := newPgxEnv(t)
-	ob := newPgxOutbox(t, e.pool)
+func batchOutboxOutlivesTheHandlersContext[TTx any](t *testing.T, d db[TTx]) {
+	e := newTxEnv(t, d)
 	batch := pipeline.BatchConfig{MaxSize: 8, MaxWait: 200 * time.Millisecond}
-	one, err := pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: e.pool, Outbox: ob, Store: e.store, OneStatement: true}, derivedPgxCharge(e))
+	// OneStatement writes its outbox rows while the handler runs; it is
+	// here to show the modes agree.
+	one, err := pipeline.NewTxHandler(pipeline.TxConfig[TTx]{DB: d.Driver, Outbox: e.ob, Store: e.store, OneStatement: true}, derivedCharge(e))
 	must(t, err)
-	perMessage, err := pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: e.pool, Outbox: ob, Store: e.store, Batch: batch}, derivedPgxCharge(e))
+	perMessage, err := pipeline.NewTxHandler(pipeline.TxConfig[TTx]{DB: d.Driver, Outbox: e.ob, Store: e.store, Batch: batch}, derivedCharge(e))
 	must(t, err)
-	batchFn, err := pipeline.NewPgxBatchTxHandler(pipeline.PgxTxConfig{DB: e.pool, Outbox: ob, Store: e.store, Batch: batch}, derivedPgxBatchCharge(e))
+	batchFn, err := pipeline.NewBatchTxHandler(pipeline.TxConfig[TTx]{DB: d.Driver, Outbox: e.ob, Store: e.store, Batch: batch}, derivedBatchCharge(e))
 	must(t, err)
 	var all []*message.Message
 	for _, c := range []struct {
@@ -200,20 +127,19 @@ func TestPgxBatchOutboxOutlivesTheHandlersContext(t *testing.T) {
 	}{{"one-statement", one}, {"batch", perMessage}, {"batch-function", batchFn}} {
 		msgs := orders(8, c.name)
 		all = append(all, msgs...)
-		for i, err := range deliverAll(c.h, msgs) {
+		errs := deliverAll(c.h, msgs)
+		for i, err := range errs {
 			if err != nil {
 				t.Errorf("%s: %s: %v", c.name, msgs[i].UUID, err)
 			}
 		}
 	}
-	var rows int
-	must(t, e.pool.QueryRow(t.Context(), `SELECT COUNT(*) FROM "`+ob.Table()+`"`).Scan(&rows))
-	checkCharged(t, nil, len(e.all(t)), rows, e.confirmed(t), all)
+	checkCharged(t, nil, e.rows(t), e.outboxRows(t), e.confirmed(t), all)
 }
 
 // The issue's reproduction, through the whole pipeline: RabbitMQ via
 // amqpsub (8 deliveries of one subscription in flight), HandleTx with Batch
-// and HandleBatchTx (HandlePgxTx and HandlePgxBatchTx on pgx), handlers that
+// and HandleBatchTx (on database/sql and on pgx), handlers that
 // cancel the context of their outbox messages. Every order is charged once
 // with its receipt in the outbox, and nothing is dead-lettered or poisoned.
 func TestBatchHandlersContextThroughRabbitMQ(t *testing.T) {
@@ -221,36 +147,12 @@ func TestBatchHandlersContextThroughRabbitMQ(t *testing.T) {
 	type setup func(t *testing.T, p *pipeline.Pipeline, src string, sub message.Subscriber) (charges, rows func() int)
 	sqlSetup := func(open func(testing.TB) testenv.DB, batchFn bool) setup {
 		return func(t *testing.T, p *pipeline.Pipeline, src string, sub message.Subscriber) (func() int, func() int) {
-			e := newTxEnv(t, open(t))
-			cfg := pipeline.TxConfig{DB: e.db.DB, Outbox: e.ob, Batch: pipeline.BatchConfig{MaxSize: 8, MaxWait: 20 * time.Millisecond}}
-			var err error
-			if batchFn {
-				_, err = p.HandleBatchTx("charge", src, sub, e.store, cfg, derivedBatchCharge(e))
-			} else {
-				_, err = p.HandleTx("charge", src, sub, e.store, cfg, derivedCharge(e))
-			}
-			must(t, err)
-			return func() int { return e.rows(t) }, func() int { return e.outboxRows(t) }
+			return contextSetup(t, stdOf(open(t)), batchFn, p, src, sub)
 		}
 	}
 	pgxSetup := func(batchFn bool) setup {
 		return func(t *testing.T, p *pipeline.Pipeline, src string, sub message.Subscriber) (func() int, func() int) {
-			e := newPgxEnv(t)
-			ob := newPgxOutbox(t, e.pool)
-			cfg := pipeline.PgxTxConfig{DB: e.pool, Outbox: ob, Batch: pipeline.BatchConfig{MaxSize: 8, MaxWait: 20 * time.Millisecond}}
-			var err error
-			if batchFn {
-				_, err = p.HandlePgxBatchTx("charge", src, sub, e.store, cfg, derivedPgxBatchCharge(e))
-			} else {
-				_, err = p.HandlePgxTx("charge", src, sub, e.store, cfg, derivedPgxCharge(e))
-			}
-			must(t, err)
-			rows := func() int {
-				var n int
-				must(t, e.pool.QueryRow(t.Context(), `SELECT COUNT(*) FROM "`+ob.Table()+`"`).Scan(&n))
-				return n
-			}
-			return func() int { return len(e.all(t)) }, rows
+			return contextSetup(t, pgxDB(t), batchFn, p, src, sub)
 		}
 	}
 	for _, c := range []struct {
@@ -302,85 +204,103 @@ func TestBatchHandlersContextThroughRabbitMQ(t *testing.T) {
 	}
 }
 
+// contextSetup adds the handler of TestBatchHandlersContextThroughRabbitMQ
+// on d to p.
+func contextSetup[TTx any](t *testing.T, d db[TTx], batchFn bool, p *pipeline.Pipeline, src string, sub message.Subscriber) (charges, rows func() int) {
+	e := newTxEnv(t, d)
+	cfg := pipeline.TxConfig[TTx]{DB: d.Driver, Outbox: e.ob, Store: e.store, Batch: pipeline.BatchConfig{MaxSize: 8, MaxWait: 20 * time.Millisecond}}
+	var err error
+	if batchFn {
+		_, err = pipeline.HandleBatchTx(p, "charge", src, sub, cfg, derivedBatchCharge(e))
+	} else {
+		_, err = pipeline.HandleTx(p, "charge", src, sub, cfg, derivedCharge(e))
+	}
+	must(t, err)
+	return func() int { return e.rows(t) }, func() int { return e.outboxRows(t) }
+}
+
 // What settle keeps of the handler's context when it writes the batch's
 // outbox rows: its values, so that each row continues the trace of the
 // handler that published it (the outbox's create span is a child of the
 // handler's span, and the row's metadata carries that trace).
 func TestBatchOutboxKeepsTheHandlersTrace(t *testing.T) {
 	t.Parallel()
-	forEachDB(t, func(t *testing.T, e *txEnv) {
-		rec := tracetest.NewSpanRecorder()
-		tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-		t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-		name := testenv.Name(t, "tr")
-		ob, err := outbox.New(sqldb.Std(e.db.DB, sqldb.Dialect(e.db.Dialect)), outbox.Config{Topic: "tr_" + name[len(name)-8:],
-			Propagator: propagation.TraceContext{}, TracerProvider: tp})
-		must(t, err)
-		must(t, ob.InitSchema(t.Context()))
-		t.Cleanup(func() {
-			for _, tbl := range []string{ob.Table(), ob.Table() + "_relays"} {
-				_, _ = e.db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+quote(e.db, tbl))
-			}
-		})
-		var mu sync.Mutex
-		handlerSpans := map[string]trace.SpanContext{} // receipt UUID -> the span of the handler that published it
-		h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB, Outbox: ob, Store: e.store,
-			Batch: pipeline.BatchConfig{MaxSize: 8, MaxWait: 200 * time.Millisecond}},
-			func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
-				ctx, span := tp.Tracer("handler").Start(ctx, "charge")
-				defer span.End()
-				ctx, cancel := context.WithTimeout(ctx, time.Minute)
-				defer cancel()
-				r := message.NewMessage("receipt-"+msg.UUID, msg.Payload)
-				r.SetContext(ctx)
-				mu.Lock()
-				handlerSpans[r.UUID] = span.SpanContext()
-				mu.Unlock()
-				return out.Publish("receipts", r)
-			})
-		must(t, err)
-		msgs := orders(8, "traced")
-		for i, err := range deliverAll(h, msgs) {
-			if err != nil {
-				t.Fatalf("%s: %v", msgs[i].UUID, err)
-			}
-		}
-		creates := 0
-		for _, s := range rec.Ended() {
-			if s.Name() != "create receipts" {
-				continue
-			}
-			creates++
-			var id string
-			for _, a := range s.Attributes() {
-				if a.Key == "messaging.message.id" {
-					id = a.Value.AsString()
-				}
-			}
-			if want := handlerSpans[id]; !want.IsValid() || s.Parent().SpanID() != want.SpanID() || s.SpanContext().TraceID() != want.TraceID() {
-				t.Errorf("create span of %s: parent %v in trace %v, want the handler's span %v", id, s.Parent().SpanID(), s.SpanContext().TraceID(), want.SpanID())
-			}
-		}
-		if creates != len(msgs) {
-			t.Fatalf("%d create spans, want %d", creates, len(msgs))
-		}
-		rows, err := e.db.QueryContext(t.Context(), "SELECT uuid, metadata FROM "+quote(e.db, ob.Table()))
-		must(t, err)
-		defer rows.Close()
-		n := 0
-		for rows.Next() {
-			var id, md string
-			must(t, rows.Scan(&id, &md))
-			n++
-			if want := handlerSpans[id].TraceID().String(); !strings.Contains(md, want) {
-				t.Errorf("outbox row %s: metadata %s does not carry the handler's trace %s", id, md, want)
-			}
-		}
-		must(t, rows.Err())
-		if n != len(msgs) {
-			t.Fatalf("%d outbox rows, want %d", n, len(msgs))
+	onEachDriver(t, batchOutboxKeepsTheHandlersTrace[*sql.Tx], batchOutboxKeepsTheHandlersTrace[pgx.Tx])
+}
+
+func batchOutboxKeepsTheHandlersTrace[TTx any](t *testing.T, d db[TTx]) {
+	e := newTxEnv(t, d)
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	name := testenv.Name(t, "tr")
+	ob, err := outbox.New(d.Driver, outbox.Config{Topic: "tr_" + name[len(name)-8:],
+		Tracing: []settle.Option{settle.WithTracerProvider(tp), settle.WithPropagators(propagation.TraceContext{})}})
+	must(t, err)
+	must(t, ob.InitSchema(t.Context()))
+	t.Cleanup(func() {
+		for _, tbl := range []string{ob.Table(), ob.Table() + "_relays"} {
+			_, _ = d.sql.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+d.quote(tbl))
 		}
 	})
+	var mu sync.Mutex
+	handlerSpans := map[string]trace.SpanContext{} // receipt UUID -> the span of the handler that published it
+	h, err := pipeline.NewTxHandler(pipeline.TxConfig[TTx]{DB: d.Driver, Outbox: ob, Store: e.store,
+		Batch: pipeline.BatchConfig{MaxSize: 8, MaxWait: 200 * time.Millisecond}},
+		func(ctx context.Context, tx TTx, msg *message.Message, out message.Publisher) error {
+			ctx, span := tp.Tracer("handler").Start(ctx, "charge")
+			defer span.End()
+			ctx, cancel := context.WithTimeout(ctx, time.Minute)
+			defer cancel()
+			r := message.NewMessage("receipt-"+msg.UUID, msg.Payload)
+			r.SetContext(ctx)
+			mu.Lock()
+			handlerSpans[r.UUID] = span.SpanContext()
+			mu.Unlock()
+			return out.Publish("receipts", r)
+		})
+	must(t, err)
+	msgs := orders(8, "traced")
+	for i, err := range deliverAll(h, msgs) {
+		if err != nil {
+			t.Fatalf("%s: %v", msgs[i].UUID, err)
+		}
+	}
+	creates := 0
+	for _, s := range rec.Ended() {
+		if s.Name() != "create receipts" {
+			continue
+		}
+		creates++
+		var id string
+		for _, a := range s.Attributes() {
+			if a.Key == "messaging.message.id" {
+				id = a.Value.AsString()
+			}
+		}
+		if want := handlerSpans[id]; !want.IsValid() || s.Parent().SpanID() != want.SpanID() || s.SpanContext().TraceID() != want.TraceID() {
+			t.Errorf("create span of %s: parent %v in trace %v, want the handler's span %v", id, s.Parent().SpanID(), s.SpanContext().TraceID(), want.SpanID())
+		}
+	}
+	if creates != len(msgs) {
+		t.Fatalf("%d create spans, want %d", creates, len(msgs))
+	}
+	rows, err := d.sql.QueryContext(t.Context(), "SELECT uuid, metadata FROM "+d.quote(ob.Table()))
+	must(t, err)
+	defer rows.Close()
+	n := 0
+	for rows.Next() {
+		var id, md string
+		must(t, rows.Scan(&id, &md))
+		n++
+		if want := handlerSpans[id].TraceID().String(); !strings.Contains(md, want) {
+			t.Errorf("outbox row %s: metadata %s does not carry the handler's trace %s", id, md, want)
+		}
+	}
+	must(t, rows.Err())
+	if n != len(msgs) {
+		t.Fatalf("%d outbox rows, want %d", n, len(msgs))
+	}
 }
 
 // A producing handler (HandleProducing) that gives its output a context it
@@ -406,9 +326,7 @@ func TestProducingHandlersContextThroughRabbitMQ(t *testing.T) {
 			must(t, err)
 			cfg := pipeline.Config{Publisher: a.pub, Retry: fastRetry(), DisableTracing: true}
 			if withStore {
-				db := testenv.SQLite(t)
-				cfg.Store, err = dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
-				must(t, err)
+				cfg.Store = claimsTable(t, stdOf(testenv.SQLite(t)))
 			}
 			p, err := pipeline.New(router, cfg)
 			must(t, err)

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
@@ -25,49 +26,55 @@ import (
 // one is a duplicate.
 func TestTxHandlerBehindDedupeMiddleware(t *testing.T) {
 	t.Parallel()
-	modes := []struct {
-		name string
-		cfg  func(*pipeline.TxConfig)
-	}{
-		{"batch", func(c *pipeline.TxConfig) { c.Batch = pipeline.BatchConfig{MaxSize: 4, MaxWait: 20 * time.Millisecond} }},
-		{"one-statement", func(c *pipeline.TxConfig) { c.OneStatement = true }},
-	}
-	for _, mode := range modes {
-		t.Run(mode.name, func(t *testing.T) {
+	for _, batch := range []bool{true, false} {
+		name := "one-statement"
+		if batch {
+			name = "batch"
+		}
+		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			forEachDB(t, func(t *testing.T, e *txEnv) {
-				dd, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 5 * time.Second,
-					BusyDelay: time.Millisecond})
-				must(t, err)
-				cfg := pipeline.TxConfig{DB: e.db.DB, Outbox: e.ob, Store: e.store, BusyDelay: time.Millisecond}
-				mode.cfg(&cfg)
-				declined := errors.New("card declined")
-				var calls sync.Map // message UUID -> *atomic.Int64
-				charge := e.charge(nil)
-				h, err := pipeline.NewTxHandler(cfg, func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
-					n, _ := calls.LoadOrStore(msg.UUID, new(atomic.Int64))
-					if n.(*atomic.Int64).Add(1) == 1 && msg.UUID == "mw-2" {
-						return declined
-					}
-					return charge(ctx, tx, msg, out)
-				})
-				must(t, err)
-				stack := dd(func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) })
-				handle := func(m *message.Message) error { _, err := stack(m); return err }
-				onlyFailed(t, deliverAll(handle, orders(4, "mw")), "mw", 2, declined)
-				if n := e.rows(t); n != 3 {
-					t.Fatalf("charges=%d after the first delivery, want 3 (mw-2 failed alone)", n)
-				}
-				// The broker delivers all four again: mw-2 does its work,
-				// the others are duplicates.
-				onlyFailed(t, deliverAll(handle, orders(4, "mw")), "mw", -1, nil)
-				if n := e.rows(t); n != 4 {
-					t.Fatalf("charges=%d after the redelivery, want 4", n)
-				}
-				confirmedAfter(t, e.store, "mw", 4, 2)
-			})
+			onEachDriver(t,
+				func(t *testing.T, d db[*sql.Tx]) { behindDedupeMiddleware(t, d, batch) },
+				func(t *testing.T, d db[pgx.Tx]) { behindDedupeMiddleware(t, d, batch) })
 		})
 	}
+}
+
+func behindDedupeMiddleware[TTx any](t *testing.T, d db[TTx], batch bool) {
+	e := newTxEnv(t, d)
+	dd, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 5 * time.Second,
+		BusyDelay: time.Millisecond})
+	must(t, err)
+	cfg := pipeline.TxConfig[TTx]{DB: e.db.Driver, Outbox: e.ob, Store: e.store, BusyDelay: time.Millisecond}
+	if batch {
+		cfg.Batch = pipeline.BatchConfig{MaxSize: 4, MaxWait: 20 * time.Millisecond}
+	} else {
+		cfg.OneStatement = true
+	}
+	declined := errors.New("card declined")
+	var calls sync.Map // message UUID -> *atomic.Int64
+	charge := e.charge(nil)
+	h, err := pipeline.NewTxHandler(cfg, func(ctx context.Context, tx TTx, msg *message.Message, out message.Publisher) error {
+		n, _ := calls.LoadOrStore(msg.UUID, new(atomic.Int64))
+		if n.(*atomic.Int64).Add(1) == 1 && msg.UUID == "mw-2" {
+			return declined
+		}
+		return charge(ctx, tx, msg, out)
+	})
+	must(t, err)
+	stack := dd(func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) })
+	handle := func(m *message.Message) error { _, err := stack(m); return err }
+	onlyFailed(t, deliverAll(handle, orders(4, "mw")), "mw", 2, declined)
+	if n := e.rows(t); n != 3 {
+		t.Fatalf("charges=%d after the first delivery, want 3 (mw-2 failed alone)", n)
+	}
+	// The broker delivers all four again: mw-2 does its work, the others
+	// are duplicates.
+	onlyFailed(t, deliverAll(handle, orders(4, "mw")), "mw", -1, nil)
+	if n := e.rows(t); n != 4 {
+		t.Fatalf("charges=%d after the redelivery, want 4", n)
+	}
+	confirmedAfter(t, e.store, "mw", 4, 2)
 }
 
 // onlyFailed requires that the delivery of prefix-failed (none when -1)
@@ -107,29 +114,32 @@ func confirmedAfter(t *testing.T, store dedupe.Store, prefix string, n, failed i
 // and its key was never confirmed. Nothing acked that was not done.
 func TestBatchMessageFailedWithNilErrorIsAFailure(t *testing.T) {
 	t.Parallel()
-	forEachDB(t, func(t *testing.T, e *txEnv) {
-		var reason error // nil: the check below found nothing wrong with the message
-		h, err := pipeline.NewBatchTxHandler(pipeline.TxConfig{DB: e.db.DB, Store: e.store,
-			Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 20 * time.Millisecond}},
-			func(ctx context.Context, tx *sql.Tx, msgs []*message.Message, _ message.Publisher) error {
-				if err := e.insertAll(ctx, tx, msgs); err != nil {
-					return err
+	onEachDriver(t, batchMessageFailedWithNilErrorIsAFailure[*sql.Tx], batchMessageFailedWithNilErrorIsAFailure[pgx.Tx])
+}
+
+func batchMessageFailedWithNilErrorIsAFailure[TTx any](t *testing.T, d db[TTx]) {
+	e := newTxEnv(t, d)
+	var reason error // nil: the check below found nothing wrong with the message
+	h, err := pipeline.NewBatchTxHandler(pipeline.TxConfig[TTx]{DB: e.db.Driver, Store: e.store,
+		Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 20 * time.Millisecond}},
+		func(ctx context.Context, tx TTx, msgs []*message.Message, _ message.Publisher) error {
+			if err := e.insertAll(ctx, tx, msgs); err != nil {
+				return err
+			}
+			for i, m := range msgs {
+				if m.UUID == "mf-1" {
+					return pipeline.MessageFailed(i, reason)
 				}
-				for i, m := range msgs {
-					if m.UUID == "mf-1" {
-						return pipeline.MessageFailed(i, reason)
-					}
-				}
-				return nil
-			})
-		must(t, err)
-		errs := deliverAll(h, orders(4, "mf"))
-		c, err := e.store.Claim(t.Context(), "mf-1", time.Minute)
-		must(t, err)
-		if errs[1] == nil && (e.rows(t) != 4 || c.Result != dedupe.Duplicate) {
-			t.Fatalf("mf-1 acked (nil result), but charges=%d and its key is %v: acked without its work", e.rows(t), c.Result)
-		}
-	})
+			}
+			return nil
+		})
+	must(t, err)
+	errs := deliverAll(h, orders(4, "mf"))
+	c, err := e.store.Claim(t.Context(), "mf-1", time.Minute)
+	must(t, err)
+	if errs[1] == nil && (e.rows(t) != 4 || c.Result != dedupe.Duplicate) {
+		t.Fatalf("mf-1 acked (nil result), but charges=%d and its key is %v: acked without its work", e.rows(t), c.Result)
+	}
 }
 
 // SQLite, a batched NewTxHandler behind the dedupe middleware, handlers
@@ -140,17 +150,17 @@ func TestBatchMessageFailedWithNilErrorIsAFailure(t *testing.T) {
 // earlier handlers ran.
 func TestSQLiteBatchBehindMiddlewareKeepsLongClaims(t *testing.T) {
 	t.Parallel()
-	e := newTxEnv(t, testenv.SQLite(t))
+	e := newTxEnv(t, stdOf(testenv.SQLite(t)))
 	dd, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 300 * time.Millisecond,
 		BusyDelay: time.Millisecond})
 	must(t, err)
 	var calls atomic.Int64
-	h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB, Store: e.store, BusyDelay: time.Millisecond,
+	h, err := pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: e.db.Driver, Store: e.store, BusyDelay: time.Millisecond,
 		Batch: pipeline.BatchConfig{MaxSize: 3, MaxWait: 100 * time.Millisecond}},
 		func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 			calls.Add(1)
 			time.Sleep(250 * time.Millisecond) // a long handler: most of the claim timeout
-			_, err := tx.ExecContext(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES (?, 1)", msg.UUID)
+			_, err := e.db.Tx(tx).Exec(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES (?, 1)", msg.UUID)
 			return err
 		})
 	must(t, err)
@@ -176,23 +186,26 @@ func TestSQLiteBatchBehindMiddlewareKeepsLongClaims(t *testing.T) {
 // rest each time.
 func TestBatchBehindMiddlewareDefersAStoreOutage(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	onPostgres(t, batchBehindMiddlewareDefersAStoreOutage[*sql.Tx], batchBehindMiddlewareDefersAStoreOutage[pgx.Tx])
+}
+
+func batchBehindMiddlewareDefersAStoreOutage[TTx any](t *testing.T, d db[TTx]) {
 	admin := testenv.Postgres(t)
-	e := newTxEnv(t, db)
+	e := newTxEnv(t, d)
 	dd, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 5 * time.Second,
 		BusyDelay: time.Millisecond, UnavailableDelay: time.Millisecond, SettleTimeout: 200 * time.Millisecond})
 	must(t, err)
 	var calls atomic.Int64
 	renamed := false
-	h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: db.DB, Store: e.store, BusyDelay: time.Millisecond,
+	h, err := pipeline.NewTxHandler(pipeline.TxConfig[TTx]{DB: d.Driver, Store: e.store, BusyDelay: time.Millisecond,
 		Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 100 * time.Millisecond}},
-		func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
+		func(ctx context.Context, tx TTx, msg *message.Message, _ message.Publisher) error {
 			if calls.Add(1) == 1 {
 				_, err := admin.ExecContext(ctx, `ALTER TABLE "`+e.claims+`" RENAME TO "`+e.claims+`_x"`)
 				must(t, err)
 				renamed = true
 			}
-			_, err := tx.ExecContext(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ($1, 1)", msg.UUID)
+			_, err := e.db.Tx(tx).Exec(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ($1, 1)", msg.UUID)
 			return err
 		})
 	must(t, err)
@@ -225,12 +238,14 @@ func TestBatchBehindMiddlewareDefersAStoreOutage(t *testing.T) {
 // once. Before, the failure was the handler's: a spent attempt.
 func TestTxHandlerBehindMiddlewareDefersAStoreOutage(t *testing.T) {
 	t.Parallel()
+	onPostgres(t, txHandlerBehindMiddlewareDefersAStoreOutage[*sql.Tx], txHandlerBehindMiddlewareDefersAStoreOutage[pgx.Tx])
+}
+
+func txHandlerBehindMiddlewareDefersAStoreOutage[TTx any](t *testing.T, d db[TTx]) {
 	for _, one := range []bool{false, true} {
 		t.Run(fmt.Sprintf("one-statement=%v", one), func(t *testing.T) {
-			t.Parallel()
-			db := testenv.Postgres(t)
 			admin := testenv.Postgres(t)
-			e := newTxEnv(t, db)
+			e := newTxEnv(t, d)
 			dd, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 500 * time.Millisecond,
 				BusyDelay: time.Millisecond, UnavailableDelay: time.Millisecond, SettleTimeout: 200 * time.Millisecond})
 			must(t, err)
@@ -239,12 +254,12 @@ func TestTxHandlerBehindMiddlewareDefersAStoreOutage(t *testing.T) {
 				must(t, err)
 			}
 			var calls atomic.Int64
-			h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: db.DB, Store: e.store, OneStatement: one, BusyDelay: time.Millisecond},
-				func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
+			h, err := pipeline.NewTxHandler(pipeline.TxConfig[TTx]{DB: d.Driver, Store: e.store, OneStatement: one, BusyDelay: time.Millisecond},
+				func(ctx context.Context, tx TTx, msg *message.Message, _ message.Publisher) error {
 					if calls.Add(1) == 1 {
 						rename(e.claims, e.claims+"_x")
 					}
-					_, err := tx.ExecContext(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ($1, 1)", msg.UUID)
+					_, err := e.db.Tx(tx).Exec(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ($1, 1)", msg.UUID)
 					return err
 				})
 			must(t, err)

@@ -69,7 +69,7 @@ func (a *batchAMQP) depth(t *testing.T, q string) int {
 
 // effectTable creates a table of effects on db with the given columns,
 // dropped at the end of the test through drop (db itself when nil).
-func effectTable(t *testing.T, e *txEnv, db, drop *testenv.DB, columns string) string {
+func effectTable[TTx any](t *testing.T, e *txEnv[TTx], db, drop *testenv.DB, columns string) string {
 	t.Helper()
 	if drop == nil {
 		drop = db
@@ -84,17 +84,17 @@ func effectTable(t *testing.T, e *txEnv, db, drop *testenv.DB, columns string) s
 // runBatchedCharge runs a router with a batched HandleTx on a's queue that
 // writes one row of effects per message (after pause) and publishes a
 // receipt through the outbox; inserts that fail are counted in failures.
-func runBatchedCharge(t *testing.T, a *batchAMQP, e *txEnv, db testenv.DB, effects string, pause time.Duration, failures *atomic.Int64) {
+func runBatchedCharge(t *testing.T, a *batchAMQP, e *txEnv[*sql.Tx], db testenv.DB, effects string, pause time.Duration, failures *atomic.Int64) {
 	t.Helper()
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	must(t, err)
 	p, err := pipeline.New(router, pipeline.Config{Publisher: a.pub, Store: e.store, Concurrency: 4,
 		Retry: fastRetry(), DisableTracing: true, BusyDelay: 20 * time.Millisecond})
 	must(t, err)
-	_, err = p.HandleTx("charge", a.src, a.sub, nil, pipeline.TxConfig{DB: db.DB, Outbox: e.ob,
+	_, err = pipeline.HandleTx(p, "charge", a.src, a.sub, pipeline.TxConfig[*sql.Tx]{DB: std(db), Outbox: e.ob,
 		Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 5 * time.Millisecond}},
 		func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
-			if _, err := tx.ExecContext(ctx, "INSERT INTO "+effects+" (id) VALUES ("+e.ph(1)+")", msg.UUID); err != nil {
+			if _, err := tx.ExecContext(ctx, "INSERT INTO "+effects+" (id) VALUES ("+e.db.ph(1)+")", msg.UUID); err != nil {
 				failures.Add(1)
 				return err
 			}
@@ -122,7 +122,7 @@ func (a *batchAMQP) publishOrders(t *testing.T, prefix string, n int) {
 
 // checkEachOnce waits until n orders are charged or parked, then requires
 // n effects, each once, n outbox rows, and nothing parked.
-func (a *batchAMQP) checkEachOnce(t *testing.T, db testenv.DB, e *txEnv, effects string, n int) {
+func (a *batchAMQP) checkEachOnce(t *testing.T, db testenv.DB, e *txEnv[*sql.Tx], effects string, n int) {
 	t.Helper()
 	count := func() (total, distinct int) {
 		must(t, db.QueryRowContext(t.Context(), "SELECT COUNT(*), COUNT(DISTINCT id) FROM "+effects).Scan(&total, &distinct))
@@ -170,7 +170,7 @@ func TestBatchSurvivesKilledConnections(t *testing.T) {
 	app := testenv.Name(t, "app")
 	db := openPostgresAs(t, app)
 	admin := testenv.Postgres(t)
-	e := newTxEnv(t, db)
+	e := newTxEnv(t, stdOf(db))
 	effects := effectTable(t, e, &db, &admin, "id TEXT NOT NULL")
 	a := newBatchAMQP(t, "outage")
 	var failures atomic.Int64
@@ -198,7 +198,7 @@ func TestBatchSurvivesClaimsTableOutage(t *testing.T) {
 		t.Run(d.Name, func(t *testing.T) {
 			t.Parallel()
 			db := d.Open(t)
-			e := newTxEnv(t, db)
+			e := newTxEnv(t, stdOf(db))
 			effects := effectTable(t, e, &db, nil, "id VARCHAR(64) NOT NULL")
 			a := newBatchAMQP(t, "claimsout")
 			runBatchedCharge(t, a, e, db, effects, time.Millisecond, new(atomic.Int64))

@@ -20,29 +20,35 @@ import (
 )
 
 // A pipeline on a SQL store whose claims table is missing is refused when it
-// is built, with the DDL to run, instead of deferring every delivery.
+// is built (New), and so is a transactional handler given one (HandleTx),
+// with the DDL to run, instead of deferring every delivery.
 func TestNewChecksTheClaimsTable(t *testing.T) {
 	t.Parallel()
-	db := testenv.SQLite(t)
+	onEachDriver(t, checksTheClaimsTable[*sql.Tx], checksTheClaimsTable[pgx.Tx])
+}
+
+func checksTheClaimsTable[TTx any](t *testing.T, d db[TTx]) {
 	ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = ps.Close() })
 	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	missing, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: "not_migrated"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
+	missing, err := dedupe.NewSQLStore(d.Driver, dedupe.SQLConfig{Table: "not_migrated"})
+	must(t, err)
 	if _, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: missing}); !errors.Is(err, sqldb.ErrSchema) {
 		t.Fatalf("New on a missing claims table = %v; want an error wrapping sqldb.ErrSchema", err)
 	}
-	present, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
-	if err != nil {
-		t.Fatal(err)
-	}
+	present := claimsTable(t, d)
 	if _, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: present}); err != nil {
 		t.Fatalf("New on a migrated claims table: %v", err)
+	}
+	p, err := pipeline.New(router, pipeline.Config{Publisher: ps})
+	must(t, err)
+	fn := func(context.Context, TTx, *message.Message, message.Publisher) error { return nil }
+	if _, err := pipeline.HandleTx(p, "charge", "orders", ps, pipeline.TxConfig[TTx]{DB: d.Driver, Store: missing}, fn); !errors.Is(err, sqldb.ErrSchema) {
+		t.Fatalf("HandleTx on a missing claims table = %v; want an error wrapping sqldb.ErrSchema", err)
+	}
+	if _, err := pipeline.HandleTx(p, "charge", "orders", ps, pipeline.TxConfig[TTx]{DB: d.Driver, Store: present}, fn); err != nil {
+		t.Fatalf("HandleTx on a migrated claims table: %v", err)
 	}
 }
 
@@ -50,69 +56,40 @@ func TestNewChecksTheClaimsTable(t *testing.T) {
 // is added, with the command that creates it.
 func TestHandleTxChecksTheOutboxTable(t *testing.T) {
 	t.Parallel()
-	db := testenv.SQLite(t)
-	ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
-	t.Cleanup(func() { _ = ps.Close() })
-	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: store})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: "not_migrated"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	fn := func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil }
-	_, err = p.HandleTx("charge", "orders", ps, nil, pipeline.TxConfig{DB: db.DB, Outbox: ob}, fn)
-	if err == nil || !strings.Contains(err.Error(), "outbox schema") {
-		t.Fatalf("HandleTx with a missing outbox table = %v; want the command that creates it", err)
-	}
-	if err := ob.InitSchema(t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := p.HandleTx("charge", "orders", ps, nil, pipeline.TxConfig{DB: db.DB, Outbox: ob}, fn); err != nil {
-		t.Fatalf("HandleTx with the outbox table made: %v", err)
-	}
+	onEachDriver(t, checksTheOutboxTable[*sql.Tx], checksTheOutboxTable[pgx.Tx])
 }
 
-// The same on pgx: a PgxStore whose claims table is missing is refused by
-// New and by HandlePgxTx.
-func TestPgxStoreClaimsTableIsChecked(t *testing.T) {
-	t.Parallel()
-	pool := testenv.PgxPool(t)
+func checksTheOutboxTable[TTx any](t *testing.T, d db[TTx]) {
 	ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = ps.Close() })
 	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
+	must(t, err)
+	p, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: claimsTable(t, d)})
+	must(t, err)
+	name := testenv.Name(t, "nm")
+	ob, err := outbox.New(d.Driver, outbox.Config{Topic: "nm_" + name[len(name)-8:]})
+	must(t, err)
+	t.Cleanup(func() {
+		for _, tbl := range []string{ob.Table(), ob.Table() + "_relays"} {
+			_, _ = d.sql.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+d.quote(tbl))
+		}
+	})
+	fn := func(context.Context, TTx, *message.Message, message.Publisher) error { return nil }
+	for _, batch := range []bool{false, true} {
+		var err error
+		cfg := pipeline.TxConfig[TTx]{DB: d.Driver, Outbox: ob}
+		if batch {
+			cfg.Batch = pipeline.BatchConfig{MaxSize: 4}
+			_, err = pipeline.HandleBatchTx(p, "charge", "orders", inFlight{n: 4}, cfg, func(context.Context, TTx, []*message.Message, message.Publisher) error { return nil })
+		} else {
+			_, err = pipeline.HandleTx(p, "charge", "orders", ps, cfg, fn)
+		}
+		if !errors.Is(err, sqldb.ErrSchema) || !strings.Contains(err.Error(), "TxConfig.Outbox") {
+			t.Fatalf("HandleTx (batch %v) with a missing outbox table = %v; want an error wrapping sqldb.ErrSchema naming TxConfig.Outbox", batch, err)
+		}
 	}
-	missing, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: "not_migrated"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: missing}); !errors.Is(err, sqldb.ErrSchema) {
-		t.Fatalf("New on a missing claims table = %v; want an error wrapping sqldb.ErrSchema", err)
-	}
-	p, err := pipeline.New(router, pipeline.Config{Publisher: ps})
-	if err != nil {
-		t.Fatal(err)
-	}
-	fn := func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }
-	if _, err := p.HandlePgxTx("charge", "orders", ps, missing, pipeline.PgxTxConfig{DB: pool}, fn); !errors.Is(err, sqldb.ErrSchema) {
-		t.Fatalf("HandlePgxTx on a missing claims table = %v; want an error wrapping sqldb.ErrSchema", err)
-	}
-	present, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: testenv.DedupeTable(t, testenv.Postgres(t))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := p.HandlePgxTx("charge", "orders", ps, present, pipeline.PgxTxConfig{DB: pool}, fn); err != nil {
-		t.Fatalf("HandlePgxTx on a migrated claims table: %v", err)
+	must(t, ob.InitSchema(t.Context()))
+	if _, err := pipeline.HandleTx(p, "charge", "orders", ps, pipeline.TxConfig[TTx]{DB: d.Driver, Outbox: ob}, fn); err != nil {
+		t.Fatalf("HandleTx with the outbox table made: %v", err)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
@@ -30,12 +31,13 @@ func storeCases() []storeCase {
 	for _, d := range testenv.Databases() {
 		cases = append(cases, storeCase{d.Name, func(t *testing.T) (dedupe.Store, testenv.DB) {
 			db := d.Open(t)
-			s, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, db)})
-			must(t, err)
-			return s, db
+			return claimsTable(t, stdOf(db)), db
 		}})
 	}
-	return cases
+	return append(cases, storeCase{"pgx", func(t *testing.T) (dedupe.Store, testenv.DB) {
+		d := pgxDB(t)
+		return claimsTable(t, d), d.sql
+	}})
 }
 
 // runCounter counts handler runs per (handler, message).
@@ -144,34 +146,36 @@ func TestSharedScopeRunsOneOfTwoHandlers(t *testing.T) {
 // inside a new transaction) is not blocked by it, and the effect lands once.
 func TestTxHandlerPanicRollsBackAndRetries(t *testing.T) {
 	t.Parallel()
+	onEachDriver(t, txHandlerPanicRollsBackAndRetries[*sql.Tx], txHandlerPanicRollsBackAndRetries[pgx.Tx])
+}
+
+func txHandlerPanicRollsBackAndRetries[TTx any](t *testing.T, d db[TTx]) {
 	for _, one := range []bool{false, true} {
 		t.Run(fmt.Sprintf("one_statement=%v", one), func(t *testing.T) {
-			t.Parallel()
-			forEachDB(t, func(t *testing.T, e *txEnv) {
-				h := newHarness(t, e.store)
-				var calls atomic.Int64
-				_, err := h.p.HandleTx("charge", "orders", h.pubsub, nil, pipeline.TxConfig{DB: e.db.DB, OneStatement: one},
-					func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
-						if _, err := tx.ExecContext(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ("+e.ph(1)+", 1)", msg.UUID); err != nil {
-							return err
-						}
-						if calls.Add(1) == 1 {
-							panic("handler bug")
-						}
-						return nil
-					})
-				must(t, err)
-				h.run(t)
-				must(t, h.pubsub.Publish("orders", message.NewMessage("panics-once", nil)))
-				waitFor(t, "the retry committed", func() bool { return e.rows(t) == 1 })
-				time.Sleep(50 * time.Millisecond)
-				if n := calls.Load(); n != 2 {
-					t.Fatalf("handler ran %d times, want 2 (a panic, then the retry)", n)
-				}
-				if n := e.rows(t); n != 1 {
-					t.Fatalf("%d charges, want 1", n)
-				}
-			})
+			e := newTxEnv(t, d)
+			h := newHarness(t, e.store)
+			var calls atomic.Int64
+			_, err := pipeline.HandleTx(h.p, "charge", "orders", h.pubsub, pipeline.TxConfig[TTx]{DB: d.Driver, OneStatement: one},
+				func(ctx context.Context, tx TTx, msg *message.Message, _ message.Publisher) error {
+					if _, err := d.Tx(tx).Exec(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ("+d.ph(1)+", 1)", msg.UUID); err != nil {
+						return err
+					}
+					if calls.Add(1) == 1 {
+						panic("handler bug")
+					}
+					return nil
+				})
+			must(t, err)
+			h.run(t)
+			must(t, h.pubsub.Publish("orders", message.NewMessage("panics-once", nil)))
+			waitFor(t, "the retry committed", func() bool { return e.rows(t) == 1 })
+			time.Sleep(50 * time.Millisecond)
+			if n := calls.Load(); n != 2 {
+				t.Fatalf("handler ran %d times, want 2 (a panic, then the retry)", n)
+			}
+			if n := e.rows(t); n != 1 {
+				t.Fatalf("%d charges, want 1", n)
+			}
 		})
 	}
 }
@@ -181,11 +185,11 @@ func TestTxHandlerPanicRollsBackAndRetries(t *testing.T) {
 // far longer than the claim timeout.
 func TestSQLiteTxHandlerOutlivesClaimTimeout(t *testing.T) {
 	t.Parallel()
-	e := newTxEnv(t, testenv.SQLite(t))
+	e := newTxEnv(t, stdOf(testenv.SQLite(t)))
 	h := newHarnessWith(t, e.store, func(c *pipeline.Config) { c.ClaimTimeout = 150 * time.Millisecond })
 	var calls atomic.Int64
 	var handlerErr atomic.Value
-	_, err := h.p.HandleTx("slow", "orders", h.pubsub, nil, pipeline.TxConfig{DB: e.db.DB},
+	_, err := pipeline.HandleTx(h.p, "slow", "orders", h.pubsub, pipeline.TxConfig[*sql.Tx]{DB: e.db.Driver},
 		func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 			calls.Add(1)
 			if _, err := tx.ExecContext(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES (?, 1)", msg.UUID); err != nil {
@@ -215,19 +219,23 @@ func TestSQLiteTxHandlerOutlivesClaimTimeout(t *testing.T) {
 // back.
 func TestTxHandlerLostClaimIsErrClaimLost(t *testing.T) {
 	t.Parallel()
-	e := newTxEnv(t, testenv.Postgres(t))
+	onPostgres(t, txHandlerLostClaimIsErrClaimLost[*sql.Tx], txHandlerLostClaimIsErrClaimLost[pgx.Tx])
+}
+
+func txHandlerLostClaimIsErrClaimLost[TTx any](t *testing.T, d db[TTx]) {
+	e := newTxEnv(t, d)
 	dd, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 300 * time.Millisecond, RenewInterval: 50 * time.Millisecond})
 	must(t, err)
-	txh, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB}, func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
-		if _, err := tx.ExecContext(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ($1, 1)", msg.UUID); err != nil {
+	txh, err := pipeline.NewTxHandler(pipeline.TxConfig[TTx]{DB: d.Driver}, func(ctx context.Context, tx TTx, msg *message.Message, _ message.Publisher) error {
+		if _, err := d.Tx(tx).Exec(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ($1, 1)", msg.UUID); err != nil {
 			return err
 		}
 		c, _ := dedupe.ClaimFromContext(ctx)
 		// Another worker's takeover, as the store sees it: the token changes.
-		if _, err := e.db.ExecContext(context.Background(), `UPDATE "`+e.claims+`" SET token = 'someone-else' WHERE key = $1`, []byte(c.Key)); err != nil {
+		if _, err := d.sql.ExecContext(context.Background(), `UPDATE "`+e.claims+`" SET token = 'someone-else' WHERE key = $1`, []byte(c.Key)); err != nil {
 			return err
 		}
-		_, err := tx.ExecContext(ctx, "SELECT pg_sleep(5)")
+		_, err := d.Tx(tx).Exec(ctx, "SELECT pg_sleep(5)")
 		return err
 	})
 	must(t, err)

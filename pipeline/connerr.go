@@ -8,10 +8,12 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"reflect"
 	"syscall"
 
-	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/settle-go/settle/internal/sqlkit"
 )
 
 // ErrConnectionLost is wrapped by the error of a delivery whose
@@ -33,7 +35,8 @@ const connReruns = 3
 // the statement failed: what no fault of a message causes. The classes:
 //
 //   - the driver's own word: driver.ErrBadConn, sql.ErrConnDone, pgconn's
-//     ErrConnClosed, the go-sql-driver's ErrInvalidConn, and pgconn errors
+//     ErrConnClosed, the go-sql-driver's ErrInvalidConn (see
+//     mysqlInvalidConn), and pgconn errors
 //     that happened before anything was sent (SafeToRetry) or while
 //     connecting (ConnectError);
 //   - PostgreSQL: SQLSTATE class 08 (connection exception), 57P01
@@ -63,16 +66,15 @@ func connTrouble(err error) bool {
 		return false
 	}
 	if errors.Is(err, ErrCallTimeout) || errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) ||
-		errors.Is(err, pgconn.ErrConnClosed) || errors.Is(err, mysql.ErrInvalidConn) {
+		errors.Is(err, pgconn.ErrConnClosed) || mysqlInvalidConn(err) {
 		return true
 	}
 	var pe *pgconn.PgError
 	if errors.As(err, &pe) {
 		return pgConnTrouble(pe.Code)
 	}
-	var me *mysql.MySQLError
-	if errors.As(err, &me) {
-		return mysqlConnTrouble(me.Number)
+	if n, ok := sqlkit.MySQLNumber(err); ok {
+		return mysqlConnTrouble(n)
 	}
 	var ce *pgconn.ConnectError
 	if errors.As(err, &ce) || pgconn.SafeToRetry(err) {
@@ -129,4 +131,56 @@ func withConnLost(err error) error {
 		return err
 	}
 	return fmt.Errorf("%w: %w", ErrConnectionLost, err)
+}
+
+// mysqlInvalidConnText is the text of go-sql-driver/mysql's ErrInvalidConn.
+const mysqlInvalidConnText = "invalid connection"
+
+// mysqlInvalidConn reports go-sql-driver/mysql's ErrInvalidConn in err's
+// chain, without importing the driver (which would register "mysql" for
+// every program that imports settle). It is what reaches settle, rather
+// than driver.ErrBadConn, when the connection breaks while the driver
+// reads a statement's answer (the server was killed or the connection
+// reset mid-statement: the driver closes the connection and returns
+// ErrInvalidConn, not the network's error), and from Commit or Rollback on
+// a connection it has closed; database/sql passes it on as it is. The
+// driver returns driver.ErrBadConn only when it finds the connection dead
+// before writing anything. ErrInvalidConn is a plain errors.New value, so
+// it is recognised by its concrete type (the errors package's) and its
+// text; the test of this package checks it against the driver's own
+// variable.
+func mysqlInvalidConn(err error) bool {
+	for _, e := range errChain(err) {
+		if e.Error() == mysqlInvalidConnText && reflect.TypeOf(e) == plainErrorType {
+			return true
+		}
+	}
+	return false
+}
+
+// plainErrorType is the concrete type of errors.New's errors.
+var plainErrorType = reflect.TypeOf(errors.New(""))
+
+// errChain is err and every error it wraps, depth first.
+func errChain(err error) []error {
+	var out []error
+	var walk func(error)
+	walk = func(e error) {
+		for e != nil {
+			out = append(out, e)
+			switch u := e.(type) {
+			case interface{ Unwrap() []error }:
+				for _, x := range u.Unwrap() {
+					walk(x)
+				}
+				return
+			case interface{ Unwrap() error }:
+				e = u.Unwrap()
+			default:
+				return
+			}
+		}
+	}
+	walk(err)
+	return out
 }

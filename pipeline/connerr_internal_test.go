@@ -53,6 +53,8 @@ func TestConnTroubleClasses(t *testing.T) {
 		{"sql.ErrConnDone", sql.ErrConnDone, true},
 		{"pgconn.ErrConnClosed", wrap(pgconn.ErrConnClosed), true},
 		{"mysql.ErrInvalidConn", wrap(mysql.ErrInvalidConn), true},
+		{"mysql.ErrInvalidConn joined", errors.Join(errors.New("other"), wrap(mysql.ErrInvalidConn)), true},
+		{"another error of another text", errors.New("invalid connection string"), false},
 		{"pgconn.ConnectError", connectErr, true},
 		// PostgreSQL: the session ended.
 		{"57P01 admin_shutdown", wrap(pg("57P01")), true},

@@ -14,7 +14,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
@@ -53,7 +52,7 @@ const (
 	lossBatch        lossMode = "batch"
 )
 
-func (m lossMode) txConfig(cfg *pipeline.TxConfig) {
+func txConfigIn[TTx any](m lossMode, cfg *pipeline.TxConfig[TTx]) {
 	switch m {
 	case lossOneStatement:
 		cfg.OneStatement = true
@@ -62,17 +61,18 @@ func (m lossMode) txConfig(cfg *pipeline.TxConfig) {
 	}
 }
 
-// sqlLossDB is a database/sql lossDB on db; admin is another connection to
-// the same server, which kills the handler's backends.
-func sqlLossDB(t *testing.T, db, admin testenv.DB) lossDB {
+// lossDBOn is the lossDB of d; admin is another connection to the same
+// server, which kills the handler's backends (found by a statement in the
+// handler's transaction, whatever the driver).
+func lossDBOn[TTx any](t *testing.T, d db[TTx], admin testenv.DB) lossDB {
 	t.Helper()
-	e := newTxEnv(t, db)
-	effects := effectTable(t, e, &db, nil, "id VARCHAR(64) NOT NULL")
-	kill := func(tx *sql.Tx) error {
+	e := newTxEnv(t, d)
+	effects := effectTable(t, e, &d.sql, &admin, "id VARCHAR(64) NOT NULL")
+	kill := func(tx TTx) error {
 		ctx := context.Background()
-		if db.Dialect == sqldb.Postgres {
-			var pid int
-			if err := tx.QueryRowContext(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		if d.Dialect() == sqldb.Postgres {
+			var pid int32
+			if err := d.Tx(tx).QueryRow(ctx, "SELECT pg_backend_pid()", nil, &pid); err != nil {
 				return err
 			}
 			var gone bool
@@ -82,7 +82,7 @@ func sqlLossDB(t *testing.T, db, admin testenv.DB) lossDB {
 			return nil
 		}
 		var id int64
-		if err := tx.QueryRowContext(ctx, "SELECT CONNECTION_ID()").Scan(&id); err != nil {
+		if err := d.Tx(tx).QueryRow(ctx, "SELECT CONNECTION_ID()", nil, &id); err != nil {
 			return err
 		}
 		if _, err := admin.ExecContext(ctx, fmt.Sprintf("KILL CONNECTION %d", id)); err != nil {
@@ -102,17 +102,17 @@ func sqlLossDB(t *testing.T, db, admin testenv.DB) lossDB {
 	return lossDB{
 		store: e.store,
 		add: func(p *pipeline.Pipeline, topic string, sub message.Subscriber, mode lossMode, body lossBody) error {
-			cfg := pipeline.TxConfig{DB: db.DB, Outbox: e.ob}
-			mode.txConfig(&cfg)
-			_, err := p.HandleTx("charge", topic, sub, nil, cfg, func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
+			cfg := pipeline.TxConfig[TTx]{DB: d.Driver, Outbox: e.ob}
+			txConfigIn(mode, &cfg)
+			_, err := pipeline.HandleTx(p, "charge", topic, sub, cfg, func(ctx context.Context, tx TTx, msg *message.Message, out message.Publisher) error {
 				return body(ctx, msg, lossTx{
 					insert: func(id string) error {
-						_, err := tx.ExecContext(ctx, "INSERT INTO "+effects+" (id) VALUES ("+e.ph(1)+")", id)
+						_, err := d.Tx(tx).Exec(ctx, "INSERT INTO "+effects+" (id) VALUES ("+d.ph(1)+")", id)
 						return err
 					},
 					kill: func() error { return kill(tx) },
 					badQuery: func() error {
-						_, err := tx.ExecContext(ctx, "SELECT id FROM "+effects+"_missing")
+						_, err := d.Tx(tx).Exec(ctx, "SELECT id FROM "+effects+"_missing")
 						return err
 					},
 				}, out)
@@ -124,73 +124,16 @@ func sqlLossDB(t *testing.T, db, admin testenv.DB) lossDB {
 			return
 		},
 		outbox: func(t *testing.T) (n int) {
-			must(t, admin.QueryRowContext(t.Context(), "SELECT COUNT(*) FROM "+quote(db, e.ob.Table())).Scan(&n))
+			must(t, admin.QueryRowContext(t.Context(), "SELECT COUNT(*) FROM "+d.quote(e.ob.Table())).Scan(&n))
 			return
 		},
 		claim: func(t *testing.T, key string) (state, attempts int) {
 			q := `SELECT state, attempts FROM "` + e.claims + `" WHERE key = $1`
-			if db.Dialect == sqldb.MySQL {
+			if d.Dialect() == sqldb.MySQL {
 				q = "SELECT state, attempts FROM `" + e.claims + "` WHERE `key` = ?"
 			}
 			err := admin.QueryRowContext(t.Context(), q, []byte(key)).Scan(&state, &attempts)
 			if err == sql.ErrNoRows {
-				return -1, -1
-			}
-			must(t, err)
-			return
-		},
-	}
-}
-
-// pgxLossDB is the pgx lossDB on PostgreSQL.
-func pgxLossDB(t *testing.T) lossDB {
-	t.Helper()
-	pool, admin := testenv.PgxPool(t), testenv.PgxPool(t)
-	claims := testenv.DedupeTable(t, testenv.Postgres(t))
-	store, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: claims})
-	must(t, err)
-	effects := testenv.Name(t, "eff")
-	_, err = pool.Exec(t.Context(), `CREATE TABLE "`+effects+`" (id TEXT NOT NULL)`)
-	must(t, err)
-	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP TABLE IF EXISTS "`+effects+`"`) })
-	ob := newPgxOutbox(t, pool)
-	kill := func(tx pgx.Tx) error {
-		pid := tx.Conn().PgConn().PID()
-		var gone bool
-		if err := admin.QueryRow(context.Background(), "SELECT pg_terminate_backend($1, 10000)", int32(pid)).Scan(&gone); err != nil || !gone {
-			return fmt.Errorf("terminate backend %d: %v, %v", pid, gone, err)
-		}
-		return nil
-	}
-	return lossDB{
-		store: store,
-		add: func(p *pipeline.Pipeline, topic string, sub message.Subscriber, mode lossMode, body lossBody) error {
-			var tc pipeline.TxConfig
-			mode.txConfig(&tc)
-			cfg := pipeline.PgxTxConfig{DB: pool, Outbox: ob, OneStatement: tc.OneStatement, Batch: tc.Batch}
-			_, err := p.HandlePgxTx("charge", topic, sub, nil, cfg, func(ctx context.Context, tx pgx.Tx, msg *message.Message, out message.Publisher) error {
-				return body(ctx, msg, lossTx{
-					insert: func(id string) error {
-						_, err := tx.Exec(ctx, `INSERT INTO "`+effects+`" (id) VALUES ($1)`, id)
-						return err
-					},
-					kill: func() error { return kill(tx) },
-					badQuery: func() error {
-						_, err := tx.Exec(ctx, `SELECT id FROM "`+effects+`_missing"`)
-						return err
-					},
-				}, out)
-			})
-			return err
-		},
-		effects: func(t *testing.T) (total, distinct int) {
-			must(t, admin.QueryRow(t.Context(), `SELECT COUNT(*), COUNT(DISTINCT id) FROM "`+effects+`"`).Scan(&total, &distinct))
-			return
-		},
-		outbox: func(t *testing.T) int { return int(pgxPending(t, ob, admin)) },
-		claim: func(t *testing.T, key string) (state, attempts int) {
-			err := admin.QueryRow(t.Context(), `SELECT state, attempts FROM "`+claims+`" WHERE key = $1`, []byte(key)).Scan(&state, &attempts)
-			if err == pgx.ErrNoRows {
 				return -1, -1
 			}
 			must(t, err)
@@ -242,7 +185,7 @@ func testConnectionLoss(t *testing.T, db lossDB, mode lossMode, point string) {
 	)
 	body := func(ctx context.Context, msg *message.Message, tx lossTx, out message.Publisher) error {
 		mu.Lock()
-		attempts[msg.UUID] = append(attempts[msg.UUID], settle.Attempt(msg))
+		attempts[msg.UUID] = append(attempts[msg.UUID], settle.SettlementFromContext(msg.Context()).Attempt())
 		mu.Unlock()
 		lose := func() {
 			if msg.UUID == victim && kills.Load() < losses {
@@ -324,9 +267,9 @@ func lossDrivers() []struct {
 		name string
 		open func(t *testing.T) lossDB
 	}{
-		{"postgres", func(t *testing.T) lossDB { return sqlLossDB(t, testenv.Postgres(t), testenv.Postgres(t)) }},
-		{"mysql", func(t *testing.T) lossDB { return sqlLossDB(t, testenv.MySQL(t), testenv.MySQL(t)) }},
-		{"pgx", pgxLossDB},
+		{"postgres", func(t *testing.T) lossDB { return lossDBOn(t, stdOf(testenv.Postgres(t)), testenv.Postgres(t)) }},
+		{"mysql", func(t *testing.T) lossDB { return lossDBOn(t, stdOf(testenv.MySQL(t)), testenv.MySQL(t)) }},
+		{"pgx", func(t *testing.T) lossDB { return lossDBOn(t, pgxDB(t), testenv.Postgres(t)) }},
 	}
 }
 
@@ -378,7 +321,7 @@ func TestHandlerErrorsStayAttemptsBesideConnectionLoss(t *testing.T) {
 				attempts := map[string][]int{}
 				runLossPipeline(t, a, db, mode, func(ctx context.Context, msg *message.Message, tx lossTx, out message.Publisher) error {
 					mu.Lock()
-					attempts[msg.UUID] = append(attempts[msg.UUID], settle.Attempt(msg))
+					attempts[msg.UUID] = append(attempts[msg.UUID], settle.SettlementFromContext(msg.Context()).Attempt())
 					mu.Unlock()
 					if err := tx.insert(msg.UUID); err != nil {
 						return err
@@ -448,11 +391,12 @@ func TestRefusingDatabaseDefersAfterTheDelay(t *testing.T) {
 			db, dialect, err := sqlurl.Open("postgres://postgres@" + closedAddr(t) + "/test?sslmode=disable&connect_timeout=5")
 			must(t, err)
 			t.Cleanup(func() { _ = db.Close() })
-			store, err := dedupe.NewSQLStore(sqldb.Std(db, dialect), dedupe.SQLConfig{Table: "dd_refused"})
+			driver := sqldb.Std(db, dialect)
+			store, err := dedupe.NewSQLStore(driver, dedupe.SQLConfig{Table: "dd_refused"})
 			must(t, err)
 			var runs atomic.Int64
-			cfg := pipeline.TxConfig{DB: db, Store: store, BusyDelay: delay}
-			mode.txConfig(&cfg)
+			cfg := pipeline.TxConfig[*sql.Tx]{DB: driver, Store: store, BusyDelay: delay}
+			txConfigIn(mode, &cfg)
 			h, err := pipeline.NewTxHandler(cfg, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error {
 				runs.Add(1)
 				return nil

@@ -9,39 +9,36 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/sqldb"
 )
 
 // ErrCallTimeout is wrapped by the error of a database call that settle made
-// for a delivery and abandoned after TxConfig.CallTimeout (or
-// PgxTxConfig.CallTimeout): the database did not answer, as behind a silent
+// for a delivery and abandoned after TxConfig.CallTimeout: the database did not answer, as behind a silent
 // network partition. The transaction is rolled back and the delivery is
 // deferred (the error also wraps dedupe.ErrUnavailable), except when the
 // call was the handler's own function, whose failure it is.
 var ErrCallTimeout = errors.New("pipeline: the database did not answer within CallTimeout")
 
-// DefaultCallTimeout is TxConfig.CallTimeout and PgxTxConfig.CallTimeout when
-// they are not set and no Pipeline sets them: half of the dedupe middleware's
-// default claim timeout.
-const DefaultCallTimeout = 15 * time.Second
+// defaultCallTimeout is TxConfig.CallTimeout when it is not set and no
+// Pipeline sets it: half of the dedupe middleware's default claim timeout.
+const defaultCallTimeout = 15 * time.Second
 
 // callTimeout applies CallTimeout's default.
 func callTimeout(d time.Duration) time.Duration {
 	if d == 0 {
-		return DefaultCallTimeout
+		return defaultCallTimeout
 	}
 	return d
 }
 
 // validCallTimeout reports a CallTimeout that cannot be used.
-func validCallTimeout(config string, d time.Duration) error {
+func validCallTimeout(d time.Duration) error {
 	if d < 0 || d > 0 && d < 10*time.Millisecond {
 		// Below 10ms no database answers: every delivery would be
 		// deferred for ever without a run.
-		return fmt.Errorf("pipeline: %s.CallTimeout must be 0 (meaning %v) or >= 10ms, got %v", config, DefaultCallTimeout, d)
+		return fmt.Errorf("pipeline: TxConfig.CallTimeout must be 0 (meaning %v) or >= 10ms, got %v", defaultCallTimeout, d)
 	}
 	return nil
 }
@@ -80,26 +77,14 @@ func batchWait(c BatchConfig) time.Duration {
 	case !c.enabled() || c.MaxWait < 0:
 		return 0
 	case c.MaxWait == 0:
-		return DefaultBatchWait
+		return defaultBatchWait
 	}
 	return c.MaxWait
-}
-
-// setLocaler is a txn that can run serverTimeouts' statements (sqlTxn,
-// pgxTxn).
-type setLocaler interface {
-	setLocal(ctx context.Context, query string) error
 }
 
 // bounded is what bound needs to know of a flow.
 type bounded struct {
 	d time.Duration
-	// ctxless: the driver's commit and rollback take no context of their
-	// own (database/sql), so they are waited for on a goroutine; the
-	// driver may still be blocked in one after the deadline (the
-	// go-sql-driver's COMMIT, until its connection dies), and is left to
-	// it.
-	ctxless bool
 	// limits is serverTimeouts' statements, or "" (not PostgreSQL).
 	limits string
 	// batchFn: the flow runs a batch function (callBatch), which always
@@ -124,8 +109,8 @@ func (b bounded) early(ctx context.Context) bool {
 
 // bound returns begin with every call of the transactions it begins
 // bounded by b.d. begin begins a transaction that runs limits (b.limits or
-// "") right at its BEGIN: in the same round trip where the driver allows
-// it (pgx), as the next statement otherwise. The transaction's context,
+// "") right at its BEGIN (sqldb.Driver.Begin's setup): in the same round
+// trip where the driver allows it (pgx), as the next statement otherwise. The transaction's context,
 // which database/sql ties the transaction to, is begin's context made
 // cancellable: a BEGIN, COMMIT or ROLLBACK that runs past the deadline
 // cancels it, which makes the driver abandon the call and close the
@@ -229,13 +214,9 @@ func (t *boundTxn) limit(ctx context.Context) error {
 	if t.pending == "" {
 		return nil
 	}
-	sl, ok := t.txn.(setLocaler)
-	if !ok {
-		return nil
-	}
 	cctx, cancel := t.callCtx(ctx)
 	defer cancel()
-	if err := sl.setLocal(cctx, t.pending); err != nil {
+	if err := t.txn.setLocal(cctx, t.pending); err != nil {
 		return timedOut(cctx, fmt.Errorf("pipeline: server-side timeouts: %w", err))
 	}
 	t.pending = ""
@@ -292,24 +273,24 @@ func (t *boundTxn) rollback(ctx context.Context) error {
 	return t.finish(ctx, t.txn.rollback)
 }
 
-// finish runs op (commit or rollback) within the deadline.
+// finish runs op (commit or rollback) within the deadline. op gets the
+// call's deadline, but database/sql's Commit and Rollback take no context
+// (sqldb.Std's ignore it), so op is waited for on a goroutine: at the
+// deadline the transaction's context is cancelled, which drivers that read
+// it (pgx, and pgx's stdlib) take as the order to abandon the call and
+// close the connection; the others (the go-sql-driver's COMMIT) return
+// when the connection dies, on their own, and are left to it.
 func (t *boundTxn) finish(ctx context.Context, op func(context.Context) error) error {
-	if !t.ctxless {
-		cctx, cancel := t.callCtx(ctx)
-		defer cancel()
-		return timedOut(cctx, op(cctx))
-	}
+	cctx, cancel := t.callCtx(ctx)
+	defer cancel()
 	done := make(chan error, 1)
-	go func() { done <- op(ctx) }()
+	go func() { done <- op(cctx) }()
 	timer := time.NewTimer(t.d)
 	defer timer.Stop()
 	select {
 	case err := <-done:
-		return err
+		return timedOut(cctx, err)
 	case <-timer.C:
-		// Drivers that read the transaction's context (pgx's stdlib)
-		// abandon the call now and close the connection; the others
-		// return when the connection dies, on their own.
 		t.end(ErrCallTimeout)
 		return ErrCallTimeout
 	}
@@ -357,82 +338,39 @@ func (b boundClaimer) ClaimConfirmedAll(ctx context.Context, keys []string) ([]d
 
 // bounds is how the calls of cfg's transactions are bounded; batchFn: for
 // a batch function.
-func (cfg TxConfig) bounds(batchFn bool) bounded {
-	b := bounded{d: callTimeout(cfg.CallTimeout), ctxless: true, batchFn: batchFn}
-	if cfg.Store != nil {
-		switch storeDialect(cfg.Store) {
-		case sqldb.SQLite:
-			// A file of this machine: no partition can cut it off, and
-			// its writers wait for each other with its busy timeout.
-			return bounded{}
-		case sqldb.Postgres:
-			b.limits = serverTimeouts(b.d, batchWait(cfg.Batch))
-		}
+func (cfg TxConfig[TTx]) bounds(batchFn bool) bounded {
+	b := bounded{d: callTimeout(cfg.CallTimeout), batchFn: batchFn}
+	switch cfg.DB.Dialect() {
+	case sqldb.SQLite:
+		// A file of this machine: no partition can cut it off, and its
+		// writers wait for each other with its busy timeout.
+		return bounded{}
+	case sqldb.Postgres:
+		b.limits = serverTimeouts(b.d, batchWait(cfg.Batch))
 	}
 	return b
 }
 
-// setLocal runs query in the transaction.
-func (t *sqlTxn) setLocal(ctx context.Context, query string) error {
-	_, err := t.tx.ExecContext(ctx, query)
-	return err
-}
-
-// bounds is how the calls of cfg's transactions are bounded; batchFn: for
-// a batch function.
-func (cfg PgxTxConfig) bounds(batchFn bool) bounded {
-	d := callTimeout(cfg.CallTimeout)
-	return bounded{d: d, limits: serverTimeouts(d, batchWait(cfg.Batch)), batchFn: batchFn}
-}
-
-// txOptionsWith are cfg.TxOptions with a BEGIN that also runs stmts in the
-// same round trip: pgx sends a BeginQuery without arguments as one simple
-// query.
-func (cfg PgxTxConfig) txOptionsWith(stmts string) pgx.TxOptions {
-	opts := cfg.TxOptions
-	begin := opts.BeginQuery
-	if begin == "" {
-		begin = "begin"
-		if opts.IsoLevel != "" {
-			begin += " isolation level " + string(opts.IsoLevel)
-		}
-		if opts.AccessMode != "" {
-			begin += " " + string(opts.AccessMode)
-		}
-		if opts.DeferrableMode != "" {
-			begin += " " + string(opts.DeferrableMode)
-		}
-	}
-	opts.BeginQuery = begin + "; " + stmts
-	return opts
-}
-
-// setLocal runs query in the transaction.
-func (t *pgxTxn) setLocal(ctx context.Context, query string) error {
-	_, err := t.tx.Exec(ctx, query)
-	return err
-}
-
-// warnServerTimeouts tells, when a database/sql transactional handler on
-// MySQL or MariaDB is added, which of the server settings that end a
+// warnServerTimeouts tells, when a transactional handler on MySQL or
+// MariaDB is added, which of the server settings that end a
 // vanished client's transaction its connections lack (settle cannot set
 // them per transaction there; see docs/operating.md). It asks one
 // connection of the pool, whose settings come from the server and the DSN.
-func warnServerTimeouts(cfg TxConfig, name string, logger watermill.LoggerAdapter) {
-	if cfg.DB == nil || cfg.Store == nil || storeDialect(cfg.Store) != sqldb.MySQL {
+func warnServerTimeouts[TTx any](cfg TxConfig[TTx], name string, logger watermill.LoggerAdapter) {
+	if cfg.DB == nil || cfg.DB.Dialect() != sqldb.MySQL {
 		return
 	}
 	d := callTimeout(cfg.CallTimeout)
 	_ = checkNow(func(ctx context.Context) error {
 		var lockWait, idle int64
-		if err := cfg.DB.QueryRowContext(ctx, "SELECT @@innodb_lock_wait_timeout").Scan(&lockWait); err != nil {
+		if err := cfg.DB.DB().QueryRow(ctx, "SELECT @@innodb_lock_wait_timeout", nil, &lockWait); err != nil {
 			return err
 		}
 		if lockWait > int64(d.Seconds())+1 {
 			logger.Info("pipeline: innodb_lock_wait_timeout is longer than CallTimeout: a statement waiting on a lock held by a vanished client waits that long on the server; set it in the DSN (see docs/operating.md)",
 				watermill.LogFields{"handler": name, "innodb_lock_wait_timeout_s": lockWait, "call_timeout": d.String()})
 		}
-		if err := cfg.DB.QueryRowContext(ctx, "SELECT @@idle_transaction_timeout").Scan(&idle); err != nil {
+		if err := cfg.DB.DB().QueryRow(ctx, "SELECT @@idle_transaction_timeout", nil, &idle); err != nil {
 			return nil // MySQL has no such setting: wait_timeout is the one
 		}
 		if idle == 0 {

@@ -1,18 +1,25 @@
 // Package pipeline assembles settle's pieces for a Watermill router.
 //
+// There are eight ways to add a handler, one per need:
+//
+//	Pipeline.Handle           a plain handler (Typed decodes the payload first)
+//	Pipeline.HandleProducing  a handler whose returned messages are published
+//	HandleTx                  a handler in a database transaction (TypedTx decodes first)
+//	HandleBatchTx             a handler of a batch of deliveries in one transaction
+//	NewTxHandler, NewBatchTxHandler  the same two, for a router assembled by hand
+//
 // NewTxHandler runs a handler in a database transaction that also confirms
 // the message's dedupe key and holds the messages it publishes through the
 // transactional outbox: consume, transform and produce, once.
 // NewBatchTxHandler runs a handler once for a batch of deliveries, in one
 // transaction with all their keys and outbox messages.
 //
-// Each has a pgx twin for services whose connections are a pgxpool.Pool:
-// NewPgxTxHandler and NewPgxBatchTxHandler (Pipeline.HandlePgxTx and
-// Pipeline.HandlePgxBatchTx) hand the function a pgx.Tx, with a
-// dedupe.PgxStore for the keys and the outbox bound to that pgx.Tx
-// (outbox.Outbox.TxPublisher on an outbox of sqldb.Pgx). Both drivers run the one transactional
-// flow of this package, group commit (BatchConfig) included; only the
-// driver under it differs.
+// The transactional handlers are generic over the transaction type of
+// their database's driver, named once in TxConfig.DB: sqldb.Std(db,
+// dialect) hands the function a *sql.Tx, sqldb.Pgx(pool) a pgx.Tx. The
+// dedupe store and the outbox are of the same driver
+// (*dedupe.SQLStore[TTx], *outbox.Outbox[TTx]). Every driver runs the one
+// transactional flow of this package, group commit (BatchConfig) included.
 //
 // Every call settle makes on the database for a delivery has a deadline
 // (TxConfig.CallTimeout, which Pipeline sets from Config.StoreTimeout, half

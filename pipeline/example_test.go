@@ -7,9 +7,13 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
+	"github.com/settle-go/settle/sqldb"
 )
 
 type OrderPlaced struct {
@@ -33,10 +37,10 @@ func Example() {
 		panic(err)
 	}
 	charged := make(chan string, 10)
-	_, err = pipeline.HandleTyped(p, "charge", "orders", pubsub, nil, func(ctx context.Context, m pipeline.Message[OrderPlaced]) error {
+	_, err = p.Handle("charge", "orders", pubsub, pipeline.Typed(nil, func(ctx context.Context, m pipeline.Message[OrderPlaced]) error {
 		charged <- fmt.Sprintf("charged %s: %d cents", m.Body.ID, m.Body.Cents)
 		return nil
-	})
+	}))
 	if err != nil {
 		panic(err)
 	}
@@ -56,4 +60,43 @@ func Example() {
 	// Output:
 	// charged A-17: 1999 cents
 	// poisoned: m-2
+}
+
+// A transactional handler, on database/sql or on pgx: the driver is named
+// once, where the database is opened, and the handler's function gets that
+// driver's transaction. It needs a PostgreSQL server, so it is compiled but
+// not run.
+func ExampleHandleTx() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, "postgres://localhost:5432/shop")
+	if err != nil {
+		panic(err)
+	}
+	defer pool.Close()
+	db := sqldb.Pgx(pool) // on database/sql: sqldb.Std(sqlDB, sqldb.Postgres), and *sql.Tx below
+	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{})
+	if err != nil {
+		panic(err)
+	}
+	ob, err := outbox.New(db, outbox.Config{})
+	if err != nil {
+		panic(err)
+	}
+	pubsub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	router, _ := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	p, err := pipeline.New(router, pipeline.Config{Publisher: pubsub, Store: store})
+	if err != nil {
+		panic(err)
+	}
+	_, err = pipeline.HandleTx(p, "charge", "orders", pubsub, pipeline.TxConfig[pgx.Tx]{DB: db, Outbox: ob},
+		pipeline.TypedTx(nil, func(ctx context.Context, tx pgx.Tx, m pipeline.Message[OrderPlaced], out message.Publisher) error {
+			if _, err := tx.Exec(ctx, "INSERT INTO charges (order_id, cents) VALUES ($1, $2)", m.Body.ID, m.Body.Cents); err != nil {
+				return err
+			}
+			// Written in tx: the receipt, the charge and the key commit together.
+			return out.Publish("receipts", message.NewMessage("receipt-"+m.UUID, nil))
+		}))
+	if err != nil {
+		panic(err)
+	}
 }

@@ -24,13 +24,13 @@ type rrWorker struct {
 	runs atomic.Int64
 }
 
-func newRRWorker(t *testing.T, e *txEnv, iso sql.IsolationLevel, fn func(ctx context.Context, tx *sql.Tx, msg *message.Message) error) *rrWorker {
+func newRRWorker(t *testing.T, e *txEnv[*sql.Tx], iso sql.IsolationLevel, fn func(ctx context.Context, tx *sql.Tx, msg *message.Message) error) *rrWorker {
 	t.Helper()
 	mw, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 600 * time.Millisecond,
 		RenewInterval: 150 * time.Millisecond, StoreTimeout: time.Second, BusyDelay: settle.NoDelay, UnavailableDelay: settle.NoDelay})
 	must(t, err)
 	w := &rrWorker{}
-	h, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: e.db.DB, Store: e.store, TxOptions: &sql.TxOptions{Isolation: iso},
+	h, err := pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: e.db.Driver, Store: e.store, TxOptions: &sql.TxOptions{Isolation: iso},
 		BusyDelay: 10 * time.Millisecond},
 		func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 			w.runs.Add(1)
@@ -66,7 +66,7 @@ func TestLongTxAtRepeatableReadHoldsOffTakeover(t *testing.T) {
 	for _, iso := range []sql.IsolationLevel{sql.LevelRepeatableRead, sql.LevelSerializable} {
 		t.Run(iso.String(), func(t *testing.T) {
 			t.Parallel()
-			e := newTxEnv(t, testenv.Postgres(t))
+			e := newTxEnv(t, stdOf(testenv.Postgres(t)))
 			holding := make(chan struct{})
 			a := newRRWorker(t, e, iso, func(ctx context.Context, tx *sql.Tx, msg *message.Message) error {
 				var n int
@@ -128,7 +128,7 @@ func TestLongTxAtRepeatableReadZombieTakenOverAfterItsTxEnds(t *testing.T) {
 	for _, iso := range []sql.IsolationLevel{sql.LevelRepeatableRead, sql.LevelSerializable} {
 		t.Run(iso.String(), func(t *testing.T) {
 			t.Parallel()
-			e := newTxEnv(t, testenv.Postgres(t))
+			e := newTxEnv(t, stdOf(testenv.Postgres(t)))
 			pids := make(chan int, 4)
 			wake := make(chan struct{})
 			var aRuns atomic.Int64
@@ -155,7 +155,7 @@ func TestLongTxAtRepeatableReadZombieTakenOverAfterItsTxEnds(t *testing.T) {
 				t.Fatalf("B while A's transaction lives: %v, ran %d times; want deferred, not run", err, b.runs.Load())
 			}
 			var ok bool
-			must(t, e.db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1)", pid).Scan(&ok))
+			must(t, e.db.sql.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1)", pid).Scan(&ok))
 			if !ok {
 				t.Fatalf("could not terminate A's backend %d", pid)
 			}
@@ -192,20 +192,22 @@ func TestLongTxAtRepeatableReadBehindMiddleware(t *testing.T) {
 	t.Parallel()
 	modes := []struct {
 		name string
-		cfg  func(*pipeline.TxConfig)
+		cfg  func(*pipeline.TxConfig[*sql.Tx])
 	}{
-		{"batch", func(c *pipeline.TxConfig) { c.Batch = pipeline.BatchConfig{MaxSize: 4, MaxWait: 50 * time.Millisecond} }},
-		{"one-statement", func(c *pipeline.TxConfig) { c.OneStatement = true }},
+		{"batch", func(c *pipeline.TxConfig[*sql.Tx]) {
+			c.Batch = pipeline.BatchConfig{MaxSize: 4, MaxWait: 50 * time.Millisecond}
+		}},
+		{"one-statement", func(c *pipeline.TxConfig[*sql.Tx]) { c.OneStatement = true }},
 	}
 	for _, mode := range modes {
 		for _, iso := range []sql.IsolationLevel{sql.LevelRepeatableRead, sql.LevelSerializable} {
 			t.Run(mode.name+"/"+iso.String(), func(t *testing.T) {
 				t.Parallel()
-				e := newTxEnv(t, testenv.Postgres(t))
+				e := newTxEnv(t, stdOf(testenv.Postgres(t)))
 				dd, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 900 * time.Millisecond,
 					RenewInterval: 200 * time.Millisecond, BusyDelay: time.Millisecond})
 				must(t, err)
-				cfg := pipeline.TxConfig{DB: e.db.DB, Store: e.store, TxOptions: &sql.TxOptions{Isolation: iso}, BusyDelay: time.Millisecond}
+				cfg := pipeline.TxConfig[*sql.Tx]{DB: e.db.Driver, Store: e.store, TxOptions: &sql.TxOptions{Isolation: iso}, BusyDelay: time.Millisecond}
 				mode.cfg(&cfg)
 				var runs atomic.Int64
 				h, err := pipeline.NewTxHandler(cfg, func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {

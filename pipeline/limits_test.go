@@ -91,30 +91,18 @@ func TestDefaultModeLimitsBoundACutCommit(t *testing.T) {
 			// consumer builds one consumer's stack: the middleware, then
 			// the transactional handler, on db (database/sql) or pool.
 			consumer := func(name string, db *sql.DB, pool *pgxpool.Pool, returned *atomic.Bool) func(*message.Message) error {
+				cfg := pipeline.TxConfig[*sql.Tx]{CallTimeout: callTimeout, BusyDelay: 10 * time.Millisecond}
+				work := func(ctx context.Context, ex sqldb.Executor, msg *message.Message) error {
+					_, err := ex.Exec(ctx, insert, msg.UUID, name)
+					returned.Store(true)
+					return err
+				}
 				var store dedupe.Store
 				var h message.NoPublishHandlerFunc
 				if pool != nil {
-					s, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: claims})
-					must(t, err)
-					store = s
-					h, err = pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: pool, Store: s, CallTimeout: callTimeout, BusyDelay: 10 * time.Millisecond},
-						func(ctx context.Context, tx pgx.Tx, msg *message.Message, _ message.Publisher) error {
-							_, err := tx.Exec(ctx, insert, msg.UUID, name)
-							returned.Store(true)
-							return err
-						})
-					must(t, err)
+					h, store = txHandlerOn(t, sqldb.Pgx(pool), claims, pipeline.TxConfig[pgx.Tx]{CallTimeout: cfg.CallTimeout, BusyDelay: cfg.BusyDelay}, work)
 				} else {
-					s, err := dedupe.NewSQLStore(sqldb.Std(db, sqldb.Postgres), dedupe.SQLConfig{Table: claims})
-					must(t, err)
-					store = s
-					h, err = pipeline.NewTxHandler(pipeline.TxConfig{DB: db, Store: s, CallTimeout: callTimeout, BusyDelay: 10 * time.Millisecond},
-						func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
-							_, err := tx.ExecContext(ctx, insert, msg.UUID, name)
-							returned.Store(true)
-							return err
-						})
-					must(t, err)
+					h, store = txHandlerOn(t, sqldb.Std(db, sqldb.Postgres), claims, cfg, work)
 				}
 				mw, err := dedupe.NewMiddleware(dedupe.Config{Store: store, ClaimTimeout: claimTimeout, StoreTimeout: callTimeout, BusyDelay: 10 * time.Millisecond})
 				must(t, err)

@@ -75,6 +75,11 @@ func TestCallTimeoutDefersACutTransaction(t *testing.T) {
 					proxy.Cut()
 				}
 			}
+			work := func(ctx context.Context, ex sqldb.Executor, msg *message.Message) error {
+				_, err := ex.Exec(ctx, insert, msg.UUID)
+				cut()
+				return err
+			}
 			var h message.NoPublishHandlerFunc
 			if name == "pgx" {
 				pc, err := pgxpool.ParseConfig(u)
@@ -83,29 +88,13 @@ func TestCallTimeoutDefersACutTransaction(t *testing.T) {
 				pool, err := pgxpool.NewWithConfig(context.Background(), pc)
 				must(t, err)
 				t.Cleanup(pool.Close)
-				store, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: claims})
-				must(t, err)
-				h, err = pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: pool, Store: store, OneStatement: true, CallTimeout: timeout, BusyDelay: 10 * time.Millisecond},
-					func(ctx context.Context, tx pgx.Tx, msg *message.Message, _ message.Publisher) error {
-						_, err := tx.Exec(ctx, insert, msg.UUID)
-						cut()
-						return err
-					})
-				must(t, err)
+				h, _ = txHandlerOn(t, sqldb.Pgx(pool), claims, pipeline.TxConfig[pgx.Tx]{OneStatement: true, CallTimeout: timeout, BusyDelay: 10 * time.Millisecond}, work)
 			} else {
 				db, dialect, err := sqlurl.Open(u)
 				must(t, err)
 				t.Cleanup(func() { _ = db.Close() })
 				db.SetMaxOpenConns(1)
-				store, err := dedupe.NewSQLStore(sqldb.Std(db, dialect), dedupe.SQLConfig{Table: claims})
-				must(t, err)
-				h, err = pipeline.NewTxHandler(pipeline.TxConfig{DB: db, Store: store, OneStatement: true, CallTimeout: timeout, BusyDelay: 10 * time.Millisecond},
-					func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
-						_, err := tx.ExecContext(ctx, insert, msg.UUID)
-						cut()
-						return err
-					})
-				must(t, err)
+				h, _ = txHandlerOn(t, sqldb.Std(db, dialect), claims, pipeline.TxConfig[*sql.Tx]{OneStatement: true, CallTimeout: timeout, BusyDelay: 10 * time.Millisecond}, work)
 			}
 			effectRows := func() int {
 				var n int
@@ -158,11 +147,11 @@ func TestCallTimeoutDefersACutTransaction(t *testing.T) {
 func TestCallTimeoutRefusesBadConfig(t *testing.T) {
 	t.Parallel()
 	db := testenv.SQLite(t)
-	if _, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: db.DB, CallTimeout: -time.Second}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil }); err == nil || !strings.Contains(err.Error(), "TxConfig.CallTimeout") {
+	if _, err := pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: std(db), CallTimeout: -time.Second}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil }); err == nil || !strings.Contains(err.Error(), "TxConfig.CallTimeout") {
 		t.Errorf("negative TxConfig.CallTimeout: %v; want it refused by name", err)
 	}
-	if _, err := pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: &pgxpool.Pool{}, CallTimeout: -time.Second}, func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }); err == nil || !strings.Contains(err.Error(), "PgxTxConfig.CallTimeout") {
-		t.Errorf("negative PgxTxConfig.CallTimeout: %v; want it refused by name", err)
+	if _, err := pipeline.NewTxHandler(pipeline.TxConfig[pgx.Tx]{DB: sqldb.Pgx(nil), CallTimeout: -time.Second}, func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }); err == nil || !strings.Contains(err.Error(), "TxConfig.CallTimeout") {
+		t.Errorf("negative CallTimeout on pgx: %v; want it refused by name", err)
 	}
 	router, err := message.NewRouter(message.RouterConfig{}, nil)
 	must(t, err)
@@ -213,9 +202,7 @@ func TestHandleTxTellsWhatMariaDBLacks(t *testing.T) {
 		db, dialect, err := sqlurl.Open(dsn)
 		must(t, err)
 		t.Cleanup(func() { _ = db.Close() })
-		td := testenv.DB{DB: db, Dialect: dialect}
-		store, err := dedupe.NewSQLStore(sqldb.Std(db, dialect), dedupe.SQLConfig{Table: testenv.DedupeTable(t, td)})
-		must(t, err)
+		store := claimsTable(t, stdOf(testenv.DB{DB: db, Dialect: dialect}))
 		log := &infoLog{LoggerAdapter: watermill.NopLogger{}}
 		router, err := message.NewRouter(message.RouterConfig{}, nil)
 		must(t, err)
@@ -223,7 +210,7 @@ func TestHandleTxTellsWhatMariaDBLacks(t *testing.T) {
 		defer ps.Close()
 		p, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: store, Logger: log})
 		must(t, err)
-		_, err = p.HandleTx("charge", "orders", ps, nil, pipeline.TxConfig{DB: db}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil })
+		_, err = pipeline.HandleTx(p, "charge", "orders", ps, pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(db, dialect)}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil })
 		must(t, err)
 		warned := false
 		for _, l := range log.lines {

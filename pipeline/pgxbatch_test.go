@@ -17,14 +17,42 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
-	"github.com/settle-go/settle/poison"
 	"github.com/settle-go/settle/sqldb"
 )
+
+// The cases of this file use what pgx alone has (pgx.Batch, CopyFrom);
+// every other case runs on each driver (onEachDriver).
+
+// pgxEnv is a claims table and a charges table on PostgreSQL, used through
+// a pgx pool. charges has no key on order_id, so an effect done twice shows
+// as two rows.
+type pgxEnv struct {
+	pool    *pgxpool.Pool
+	db      sqldb.Driver[pgx.Tx]
+	store   *dedupe.SQLStore[pgx.Tx]
+	charges string
+}
+
+func newPgxEnv(t *testing.T) *pgxEnv {
+	t.Helper()
+	pool := testenv.PgxPool(t)
+	d := db[pgx.Tx]{Driver: sqldb.Pgx(pool), sql: testenv.Postgres(t)}
+	charges := testenv.Name(t, "charges")
+	d.exec(t, `CREATE TABLE "`+charges+`" (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL)`)
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), `DROP TABLE IF EXISTS "`+charges+`"`) })
+	return &pgxEnv{pool: pool, db: d.Driver, store: claimsTable(t, d), charges: charges}
+}
+
+func (e *pgxEnv) rows(t *testing.T, orderID string) int {
+	t.Helper()
+	var n int
+	must(t, e.pool.QueryRow(t.Context(), `SELECT COUNT(*) FROM "`+e.charges+`" WHERE order_id = $1`, orderID).Scan(&n))
+	return n
+}
 
 // pgxBatchEnv is a pgx batch handler on PostgreSQL that records the
 // messages of every run of its function.
@@ -39,13 +67,13 @@ type pgxBatchEnv struct {
 
 // newPgxBatchEnv builds a batch handler around fn; with an outbox, it is
 // created and bound to the handler.
-func newPgxBatchEnv(t *testing.T, withOutbox bool, fn pipeline.PgxBatchTxFunc) *pgxBatchEnv {
+func newPgxBatchEnv(t *testing.T, withOutbox bool, fn pipeline.BatchTxFunc[pgx.Tx]) *pgxBatchEnv {
 	t.Helper()
 	b := &pgxBatchEnv{pgxEnv: newPgxEnv(t)}
 	if withOutbox {
 		b.ob = newPgxOutbox(t, b.pool)
 	}
-	h, err := pipeline.NewPgxBatchTxHandler(pipeline.PgxTxConfig{DB: b.pool, Store: b.store, Outbox: b.ob,
+	h, err := pipeline.NewBatchTxHandler(pipeline.TxConfig[pgx.Tx]{DB: b.db, Store: b.store, Outbox: b.ob,
 		Batch: pipeline.BatchConfig{MaxSize: 16, MaxWait: 50 * time.Millisecond}},
 		func(ctx context.Context, tx pgx.Tx, msgs []*message.Message, out message.Publisher) error {
 			ids := make([]string, len(msgs))
@@ -62,14 +90,14 @@ func newPgxBatchEnv(t *testing.T, withOutbox bool, fn pipeline.PgxBatchTxFunc) *
 	return b
 }
 
-// newPgxOutbox is a PostgreSQL outbox with its own table, dropped at the
-// end of the test.
+// newPgxOutbox is a PostgreSQL outbox on pool with its own table, dropped
+// at the end of the test.
 func newPgxOutbox(t *testing.T, pool *pgxpool.Pool) *outbox.Outbox[pgx.Tx] {
 	t.Helper()
 	name := testenv.Name(t, "ob")
-	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: "ob_" + name[len(name)-8:]})
+	ob, err := outbox.New(sqldb.Pgx(pool), outbox.Config{Topic: "ob_" + name[len(name)-8:]})
 	must(t, err)
-	must(t, ob.PgxInitSchema(t.Context(), pool))
+	must(t, ob.InitSchema(t.Context()))
 	t.Cleanup(func() {
 		_, _ = pool.Exec(context.Background(), `DROP TABLE IF EXISTS "`+ob.Table()+`", "`+ob.Table()+`_relays"`)
 	})
@@ -171,7 +199,7 @@ func TestPgxBatchHandlerIsolatesAFailingMessage(t *testing.T) {
 			if got := b.all(t); !slices.Equal(got, want) {
 				t.Fatalf("charges %v, want all but pb-5 once", got)
 			}
-			if p := pgxPending(t, b.ob, b.pool); p != 11 {
+			if p := pgxPending(t, b.ob); p != 11 {
 				t.Fatalf("%d outbox rows, want 11: pb-5's rolled back with its run", p)
 			}
 			if b.claimed(t, "pb-5") {
@@ -195,62 +223,18 @@ func TestPgxBatchHandlerIsolatesAFailingMessage(t *testing.T) {
 			if n := b.rows(t, "pb-5"); n != 1 {
 				t.Fatalf("pb-5: %d charges after its retry, want 1", n)
 			}
-			if p := pgxPending(t, b.ob, b.pool); p != 12 {
+			if p := pgxPending(t, b.ob); p != 12 {
 				t.Fatalf("%d outbox rows, want 12", p)
 			}
 		})
 	}
 }
 
-func pgxPending(t *testing.T, ob *outbox.Outbox[pgx.Tx], pool *pgxpool.Pool) int64 {
+func pgxPending(t *testing.T, ob *outbox.Outbox[pgx.Tx]) int64 {
 	t.Helper()
-	st, err := ob.PgxStatus(t.Context(), pool)
+	st, err := ob.Status(t.Context())
 	must(t, err)
 	return st.Pending
-}
-
-// The same message delivered twice at once, in one batch, and again in a
-// later batch: the function sees it once and its effect lands once.
-func TestPgxBatchHandlerRunsDuplicatesOnce(t *testing.T) {
-	t.Parallel()
-	var b *pgxBatchEnv
-	b = newPgxBatchEnv(t, false, func(ctx context.Context, tx pgx.Tx, msgs []*message.Message, out message.Publisher) error {
-		return b.insertAll(ctx, tx, msgs, out)
-	})
-	msgs := orders(6, "pd")
-	msgs = append(msgs, orders(6, "pd")...) // each twice, at once
-	for i, err := range deliverAll(b.h, msgs) {
-		if err != nil && !errors.Is(err, dedupe.ErrBusy) {
-			t.Fatalf("delivery %d: %v", i, err)
-		}
-	}
-	seen := map[string]int{}
-	for _, r := range b.takeRuns() {
-		for _, id := range r {
-			seen[id]++
-		}
-	}
-	for i := range 6 {
-		id := fmt.Sprintf("pd-%d", i)
-		if seen[id] != 1 {
-			t.Fatalf("%s: handed to the function %d times in the first round, want 1", id, seen[id])
-		}
-		if n := b.rows(t, id); n != 1 {
-			t.Fatalf("%s: %d charges, want 1", id, n)
-		}
-	}
-	// A later batch of the same messages: all duplicates, acked without a run.
-	for i, err := range deliverAll(b.h, orders(6, "pd")) {
-		if err != nil {
-			t.Fatalf("later delivery %d: %v", i, err)
-		}
-	}
-	if r := b.takeRuns(); len(r) != 0 {
-		t.Fatalf("duplicates reached the function: %v", r)
-	}
-	if n := len(b.all(t)); n != 6 {
-		t.Fatalf("%d charges in all, want 6", n)
-	}
 }
 
 // A pgx transaction rolled back leaves no claim, no effect and no outbox
@@ -276,7 +260,7 @@ func TestPgxBatchRollbackLeavesNothing(t *testing.T) {
 		if got := b.all(t); len(got) != 0 {
 			t.Fatalf("charges after rolled-back runs: %v", got)
 		}
-		if p := pgxPending(t, b.ob, b.pool); p != 0 {
+		if p := pgxPending(t, b.ob); p != 0 {
 			t.Fatalf("%d outbox rows after rolled-back runs", p)
 		}
 		for i := range 4 {
@@ -300,7 +284,7 @@ func TestPgxBatchRollbackLeavesNothing(t *testing.T) {
 					t.Fatalf("claims in the caller's tx: %+v", claims)
 				}
 			}
-			out, err := ob.PgxTxPublisher(tx)
+			out, err := ob.TxPublisher(tx)
 			must(t, err)
 			msgs := []*message.Message{message.NewMessage("own-a", []byte("own-a")), message.NewMessage("own-b", []byte("own-b"))}
 			must(t, e.insertAll(ctx, tx, msgs, out))
@@ -309,7 +293,7 @@ func TestPgxBatchRollbackLeavesNothing(t *testing.T) {
 				break
 			}
 			must(t, tx.Rollback(ctx))
-			if got, p := e.all(t), pgxPending(t, ob, e.pool); len(got) != 0 || p != 0 {
+			if got, p := e.all(t), pgxPending(t, ob); len(got) != 0 || p != 0 {
 				t.Fatalf("rolled back: charges %v, %d outbox rows; want none", got, p)
 			}
 			for _, k := range []string{"own-a", "own-b"} {
@@ -318,7 +302,7 @@ func TestPgxBatchRollbackLeavesNothing(t *testing.T) {
 				}
 			}
 		}
-		if got, p := e.all(t), pgxPending(t, ob, e.pool); len(got) != 2 || p != 2 {
+		if got, p := e.all(t), pgxPending(t, ob); len(got) != 2 || p != 2 {
 			t.Fatalf("committed: charges %v, %d outbox rows; want two of each", got, p)
 		}
 		for _, k := range []string{"own-a", "own-b"} {
@@ -329,65 +313,12 @@ func TestPgxBatchRollbackLeavesNothing(t *testing.T) {
 	})
 }
 
-// A typed pgx batch handler: a payload that does not decode fails alone
-// with a permanent error, the rest commit in the same run.
-func TestTypedPgxBatchTxPoisonsOneMessage(t *testing.T) {
-	t.Parallel()
-	var b *pgxBatchEnv
-	b = newPgxBatchEnv(t, false, pipeline.TypedPgxBatchTx(nil, func(ctx context.Context, tx pgx.Tx, ms []pipeline.Message[order], out message.Publisher) error {
-		raw := make([]*message.Message, len(ms))
-		for i, m := range ms {
-			raw[i] = m.Message
-		}
-		return b.insertAll(ctx, tx, raw, out)
-	}))
-	msgs := []*message.Message{
-		message.NewMessage("pt-1", []byte(`{"id":"A-1","cents":1}`)),
-		message.NewMessage("pt-2", []byte(`not json`)),
-		message.NewMessage("pt-3", []byte(`{"id":"A-3","cents":3}`)),
-	}
-	errs := deliverAll(b.h, msgs)
-	if errs[0] != nil || errs[2] != nil || !settle.IsPermanent(errs[1]) {
-		t.Fatalf("errs = %v; want only pt-2 to fail, permanently", errs)
-	}
-	if n := len(b.all(t)); n != 2 {
-		t.Fatalf("%d charges, want 2", n)
-	}
-}
-
-func TestPgxBatchTxConfigIsChecked(t *testing.T) {
-	t.Parallel()
-	fn := func(context.Context, pgx.Tx, []*message.Message, message.Publisher) error { return nil }
-	// A real pool and table: the pipeline checks the store's table.
-	store, err := dedupe.NewSQLStore(sqldb.Pgx(testenv.PgxPool(t)), dedupe.SQLConfig{Table: testenv.DedupeTable(t, testenv.Postgres(t))})
-	must(t, err)
-	for _, c := range []struct {
-		cfg  pipeline.PgxTxConfig
-		want string
-	}{
-		{pipeline.PgxTxConfig{}, "PgxTxConfig.DB"},
-		{pipeline.PgxTxConfig{DB: &pgxpool.Pool{}, Batch: pipeline.BatchConfig{MaxSize: 4}}, "PgxTxConfig.Store"},
-		{pipeline.PgxTxConfig{DB: &pgxpool.Pool{}, Store: store}, "Batch.MaxSize >= 2"},
-		{pipeline.PgxTxConfig{DB: &pgxpool.Pool{}, Store: store, Batch: pipeline.BatchConfig{MaxSize: 4}, BusyDelay: -2}, "PgxTxConfig.BusyDelay"},
-	} {
-		if _, err := pipeline.NewPgxBatchTxHandler(c.cfg, fn); err == nil || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("%+v: err = %v, want one naming %s", c.cfg, err, c.want)
-		}
-	}
-	if _, err := pipeline.NewPgxBatchTxHandler(pipeline.PgxTxConfig{DB: &pgxpool.Pool{}, Store: store, Batch: pipeline.BatchConfig{MaxSize: 4}}, nil); err == nil {
-		t.Error("a nil function was accepted")
-	}
-	h := newHarness(t, store)
-	if _, err := h.p.HandlePgxBatchTx("x", "t", h.pubsub, nil, pipeline.PgxTxConfig{DB: &pgxpool.Pool{}, Batch: pipeline.BatchConfig{MaxSize: 4}}, fn); err == nil || !strings.Contains(err.Error(), "Concurrency") {
-		t.Errorf("HandlePgxBatchTx with Concurrency 1: %v", err)
-	}
-}
-
-// HandlePgxBatchTx on RabbitMQ: competing subscriptions feed batches on
-// pgx; every order (each published twice) is charged once, its receipt goes
-// through the pgx outbox and is forwarded by the pgx relay once, and batches
-// of more than one message really formed.
-func TestPipelineHandlePgxBatchTxOnRabbitMQ(t *testing.T) {
+// HandleBatchTx on pgx and RabbitMQ: competing subscriptions feed batches
+// written with a pgx.Batch; every order (each published twice) is charged
+// once, its receipt goes through the outbox and is forwarded by the relay
+// (which LISTENs on pgx) once, and batches of more than one message really
+// formed.
+func TestPipelineHandleBatchTxOnPgxAndRabbitMQ(t *testing.T) {
 	t.Parallel()
 	e := newPgxEnv(t)
 	ob := newPgxOutbox(t, e.pool)
@@ -401,8 +332,8 @@ func TestPipelineHandlePgxBatchTxOnRabbitMQ(t *testing.T) {
 	must(t, err)
 	var mu sync.Mutex
 	biggest := 0
-	_, err = p.HandlePgxBatchTx("charge", src, sub, nil,
-		pipeline.PgxTxConfig{DB: e.pool, Outbox: ob, Batch: pipeline.BatchConfig{MaxSize: 8, MaxWait: 20 * time.Millisecond}},
+	_, err = pipeline.HandleBatchTx(p, "charge", src, sub,
+		pipeline.TxConfig[pgx.Tx]{DB: e.db, Outbox: ob, Batch: pipeline.BatchConfig{MaxSize: 8, MaxWait: 20 * time.Millisecond}},
 		func(ctx context.Context, tx pgx.Tx, msgs []*message.Message, out message.Publisher) error {
 			mu.Lock()
 			biggest = max(biggest, len(msgs))
@@ -414,7 +345,7 @@ func TestPipelineHandlePgxBatchTxOnRabbitMQ(t *testing.T) {
 	// The relay forwards the receipts to an in-process topic.
 	receipts := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 128, Persistent: true}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = receipts.Close() })
-	relay, err := ob.NewPgxRelay(e.pool, receipts, outbox.RelayConfig{PollInterval: 50 * time.Millisecond})
+	relay, err := ob.NewRelay(receipts, outbox.RelayConfig{PollInterval: 50 * time.Millisecond})
 	must(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	relayDone, routerDone := make(chan error, 1), make(chan error, 1)
@@ -447,7 +378,7 @@ func TestPipelineHandlePgxBatchTxOnRabbitMQ(t *testing.T) {
 			t.Fatalf("%d of %d receipts forwarded", len(forwarded), n)
 		}
 	}
-	waitFor(t, "the outbox drained", func() bool { return pgxPending(t, ob, e.pool) == 0 })
+	waitFor(t, "the outbox drained", func() bool { return pgxPending(t, ob) == 0 })
 	// Anything doubled would have arrived by now.
 	time.Sleep(200 * time.Millisecond)
 	select {
@@ -474,67 +405,41 @@ func TestPipelineHandlePgxBatchTxOnRabbitMQ(t *testing.T) {
 
 // A batch handler on pgx: the orders in flight are charged with one COPY in
 // one transaction, with their dedupe keys written in one statement beside
-// it. It needs a PostgreSQL server, so it is compiled but not run.
-func ExampleNewPgxBatchTxHandler() {
+// it; a payload that does not decode is named (MessageFailed) and poisoned
+// alone. It needs a PostgreSQL server, so it is compiled but not run.
+func ExampleNewBatchTxHandler() {
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, "postgres://localhost:5432/shop")
 	if err != nil {
 		panic(err)
 	}
 	defer pool.Close()
-	store, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{})
+	db := sqldb.Pgx(pool)
+	store, err := dedupe.NewSQLStore(db, dedupe.SQLConfig{})
 	if err != nil {
 		panic(err)
 	}
-	charge, err := pipeline.NewPgxBatchTxHandler(pipeline.PgxTxConfig{
-		DB: pool, Store: store,
+	charge, err := pipeline.NewBatchTxHandler(pipeline.TxConfig[pgx.Tx]{
+		DB: db, Store: store,
 		Batch: pipeline.BatchConfig{MaxSize: 32},
-	}, pipeline.TypedPgxBatchTx(nil, func(ctx context.Context, tx pgx.Tx, orders []pipeline.Message[OrderPlaced], _ message.Publisher) error {
-		rows := make([][]any, len(orders))
-		for i, o := range orders {
+	}, func(ctx context.Context, tx pgx.Tx, msgs []*message.Message, _ message.Publisher) error {
+		rows := make([][]any, len(msgs))
+		for i, msg := range msgs {
+			o, err := pipeline.Decode[OrderPlaced](nil, msg)
+			if err != nil {
+				return pipeline.MessageFailed(i, err)
+			}
 			rows[i] = []any{o.Body.ID, o.Body.Cents}
 		}
 		_, err := tx.CopyFrom(ctx, pgx.Identifier{"charges"}, []string{"order_id", "cents"}, pgx.CopyFromRows(rows))
 		return err
-	}))
+	})
 	if err != nil {
 		panic(err)
 	}
-	// With a pipeline, Pipeline.HandlePgxBatchTx adds it behind the whole
+	// With a pipeline, pipeline.HandleBatchTx adds it behind the whole
 	// stack; on its own it is a router handler of competing subscriptions.
 	_ = charge
-}
-
-// HandlePgxTx and HandlePgxBatchTx refuse an outbox whose table is missing
-// when they are added, with the command that creates it, as HandleTx does.
-func TestHandlePgxTxChecksTheOutboxTable(t *testing.T) {
-	t.Parallel()
-	e := newPgxEnv(t)
-	h := newHarnessWith(t, e.store, func(c *pipeline.Config) { c.Concurrency = 2 })
-	name := testenv.Name(t, "nm")
-	ob, err := outbox.New(outbox.Config{Dialect: sqldb.Postgres, Topic: "nm_" + name[len(name)-8:]})
-	must(t, err)
-	fn := func(context.Context, pgx.Tx, *message.Message, message.Publisher) error { return nil }
-	batchFn := func(context.Context, pgx.Tx, []*message.Message, message.Publisher) error { return nil }
-	cfg := pipeline.PgxTxConfig{DB: e.pool, Outbox: ob, Batch: pipeline.BatchConfig{MaxSize: 2}}
-	// A broker with competing subscriptions is not needed to be refused.
-	sub := &competing{}
-	if _, err := h.p.HandlePgxTx("charge", "orders", sub, nil, cfg, fn); err == nil || !strings.Contains(err.Error(), "outbox schema") {
-		t.Fatalf("HandlePgxTx with a missing outbox table = %v; want the command that creates it", err)
-	}
-	if _, err := h.p.HandlePgxBatchTx("ledger", "orders", sub, nil, cfg, batchFn); err == nil || !strings.Contains(err.Error(), "outbox schema") {
-		t.Fatalf("HandlePgxBatchTx with a missing outbox table = %v; want the command that creates it", err)
-	}
-	must(t, ob.PgxInitSchema(t.Context(), e.pool))
-	t.Cleanup(func() {
-		_, _ = e.pool.Exec(context.Background(), `DROP TABLE IF EXISTS "`+ob.Table()+`", "`+ob.Table()+`_relays"`)
-	})
-	if _, err := h.p.HandlePgxTx("charge", "orders", sub, nil, cfg, fn); err != nil {
-		t.Fatalf("HandlePgxTx with the outbox table made: %v", err)
-	}
-	if _, err := h.p.HandlePgxBatchTx("ledger", "orders", sub, nil, cfg, batchFn); err != nil {
-		t.Fatalf("HandlePgxBatchTx with the outbox table made: %v", err)
-	}
 }
 
 // competing is a subscriber that is never subscribed to: a stand-in for a
@@ -547,83 +452,42 @@ func (competing) Subscribe(context.Context, string) (<-chan *message.Message, er
 }
 func (competing) Close() error { return nil }
 
-// Group commit on pgx writes a batch's outbox messages in one insert per
-// transaction, as on database/sql: a trigger stamps each insert statement.
-func TestPgxBatchWritesItsOutboxInOneInsert(t *testing.T) {
+// ConfirmTx of a pgx.Tx works with the pgx store in the middleware, and
+// refuses a store of another driver, naming both types.
+func TestConfirmTxOfPgxStores(t *testing.T) {
 	t.Parallel()
-	e := newPgxEnv(t)
-	ob := newPgxOutbox(t, e.pool)
-	name := testenv.Name(t, "stamps")
-	stamps := "st_" + name[len(name)-8:]
-	for _, ddl := range []string{
-		"CREATE TABLE " + stamps + " (at TIMESTAMPTZ NOT NULL)",
-		"CREATE FUNCTION " + stamps + "_f() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN INSERT INTO " + stamps + " (at) VALUES (statement_timestamp()); RETURN NULL; END $$",
-		`CREATE TRIGGER ` + stamps + `_t AFTER INSERT ON "` + ob.Table() + `" FOR EACH ROW EXECUTE FUNCTION ` + stamps + "_f()",
-	} {
-		_, err := e.pool.Exec(t.Context(), ddl)
+	db, pool := testenv.Postgres(t), testenv.PgxPool(t)
+	table := testenv.DedupeTable(t, db)
+	pgxStore, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: table})
+	must(t, err)
+	lite := testenv.SQLite(t)
+	liteStore, err := dedupe.NewSQLStore(lite.Driver(), dedupe.SQLConfig{Table: testenv.DedupeTable(t, lite)})
+	must(t, err)
+	run := func(store dedupe.Store, id string) error {
+		dd, err := dedupe.NewMiddleware(dedupe.Config{Store: store})
 		must(t, err)
-	}
-	t.Cleanup(func() {
-		_, _ = e.pool.Exec(context.Background(), `DROP TRIGGER IF EXISTS `+stamps+`_t ON "`+ob.Table()+`"`)
-		_, _ = e.pool.Exec(context.Background(), "DROP FUNCTION IF EXISTS "+stamps+"_f()")
-		_, _ = e.pool.Exec(context.Background(), "DROP TABLE IF EXISTS "+stamps)
-	})
-	var mu sync.Mutex
-	txs := map[pgx.Tx]bool{}
-	h, err := pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: e.pool, Store: e.store, Outbox: ob,
-		Batch: pipeline.BatchConfig{MaxSize: 16, MaxWait: 50 * time.Millisecond}},
-		func(ctx context.Context, tx pgx.Tx, msg *message.Message, out message.Publisher) error {
-			mu.Lock()
-			txs[tx] = true
-			mu.Unlock()
-			if _, err := tx.Exec(ctx, `INSERT INTO "`+e.charges+`" (order_id) VALUES ($1)`, string(msg.Payload)); err != nil {
-				return err
+		h := dd(func(msg *message.Message) ([]*message.Message, error) {
+			tx, err := pool.Begin(msg.Context())
+			if err != nil {
+				return nil, err
 			}
-			return out.Publish("receipts", message.NewMessage("receipt-"+msg.UUID, msg.Payload))
-		})
-	must(t, err)
-	var wg sync.WaitGroup
-	for _, m := range orders(16, "pob") {
-		wg.Go(func() {
-			if err := h(m); err != nil {
-				t.Errorf("%s: %v", m.UUID, err)
+			defer func() { _ = tx.Rollback(context.Background()) }()
+			if err := dedupe.ConfirmTx(msg.Context(), tx); err != nil {
+				return nil, err
 			}
+			return nil, tx.Commit(msg.Context())
 		})
+		_, err = h(message.NewMessage(id, nil))
+		return err
 	}
-	wg.Wait()
-	if n := len(e.all(t)); n != 16 {
-		t.Fatalf("%d charges, want 16", n)
+	must(t, run(pgxStore, "s-1"))
+	if c, err := pgxStore.Claim(t.Context(), "s-1", time.Minute); err != nil || c.Result != dedupe.Duplicate {
+		t.Fatalf("after ConfirmTx with the pgx store: %+v, %v; want duplicate", c, err)
 	}
-	if p := pgxPending(t, ob, e.pool); p != 16 {
-		t.Fatalf("%d outbox rows, want 16", p)
+	if err := run(liteStore, "l-1"); err == nil || !strings.Contains(err.Error(), "*dedupe.SQLStore[*sql.Tx]") {
+		t.Fatalf("ConfirmTx of a pgx.Tx with a database/sql store: %v", err)
 	}
-	var inserts int
-	must(t, e.pool.QueryRow(t.Context(), "SELECT COUNT(DISTINCT at) FROM "+stamps).Scan(&inserts))
-	if inserts != len(txs) {
-		t.Fatalf("%d outbox inserts for 16 messages in %d transactions, want one per transaction", inserts, len(txs))
-	}
-}
-
-// The pgx batch also begins its transaction when its first delivery
-// arrives; a batch in which no message has a key gives that transaction
-// back to the pool.
-func TestPgxBatchWithoutKeysEndsItsTransaction(t *testing.T) {
-	t.Parallel()
-	e := newPgxEnv(t)
-	h, err := pipeline.NewPgxBatchTxHandler(pipeline.PgxTxConfig{DB: e.pool, Store: e.store,
-		Key: keyUnlessMarked, Batch: pipeline.BatchConfig{MaxSize: 4, MaxWait: 50 * time.Millisecond}},
-		e.insertAll)
-	must(t, err)
-	deliverWithoutKeys(t, h)
-	if n := e.pool.Stat().AcquiredConns(); n != 0 {
-		t.Fatalf("%d connections acquired after a batch without keys, want 0: its transaction was left open", n)
-	}
-	for i, err := range deliverAll(h, orders(4, "haskey")) {
-		if err != nil {
-			t.Fatalf("haskey-%d: %v", i, err)
-		}
-	}
-	if got := e.all(t); len(got) != 4 {
-		t.Fatalf("effects %v, want 4", got)
+	if c, err := liteStore.Claim(t.Context(), "l-1", time.Minute); err != nil || c.Result != dedupe.Acquired {
+		t.Fatalf("the refused confirmation released the SQLite claim: %+v, %v; want acquired", c, err)
 	}
 }

@@ -118,7 +118,7 @@ func TestPipelineSettlesEachOutcome(t *testing.T) {
 	var mu sync.Mutex
 	charged := map[string]int{}
 	var flaky atomic.Int64
-	_, err := pipeline.HandleTyped(h.p, "charge", "orders", h.pubsub, nil, func(ctx context.Context, m pipeline.Message[order]) error {
+	_, err := h.p.Handle("charge", "orders", h.pubsub, pipeline.Typed(nil, func(ctx context.Context, m pipeline.Message[order]) error {
 		switch m.Body.ID {
 		case "always-fails":
 			return errors.New("payment provider down")
@@ -131,7 +131,7 @@ func TestPipelineSettlesEachOutcome(t *testing.T) {
 		charged[m.Body.ID]++
 		mu.Unlock()
 		return nil
-	})
+	}))
 	must(t, err)
 	dead := h.collect(t, "orders.dead_letter")
 	poisoned := h.collect(t, "orders.poison")
@@ -187,14 +187,18 @@ func TestPipelineSettlesEachOutcome(t *testing.T) {
 func TestPipelineProducingAndTx(t *testing.T) {
 	t.Parallel()
 	db := testenv.SQLite(t)
-	e := newTxEnvOn(t, db)
+	e := newTxEnv(t, stdOf(db))
 	h := newHarness(t, e.store)
-	_, err := h.p.HandleProducing("ship", "orders", h.pubsub, "shipments", pipeline.TypedProducing(nil, func(ctx context.Context, m pipeline.Message[order]) ([]*message.Message, error) {
+	_, err := h.p.HandleProducing("ship", "orders", h.pubsub, "shipments", func(msg *message.Message) ([]*message.Message, error) {
+		m, err := pipeline.Decode[order](nil, msg)
+		if err != nil {
+			return nil, err
+		}
 		out, err := pipeline.NewMessage("ship-"+m.UUID, nil, m.Body)
 		return []*message.Message{out}, err
-	}))
+	})
 	must(t, err)
-	_, err = h.p.HandleTx("charge", "payments", h.pubsub, nil, pipeline.TxConfig{DB: db.DB, Outbox: e.ob},
+	_, err = pipeline.HandleTx(h.p, "charge", "payments", h.pubsub, pipeline.TxConfig[*sql.Tx]{DB: std(db), Outbox: e.ob},
 		pipeline.TypedTx(nil, func(ctx context.Context, tx *sql.Tx, m pipeline.Message[order], out message.Publisher) error {
 			_, err := tx.ExecContext(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES (?, ?)", m.Body.ID, m.Body.Cents)
 			return err
@@ -244,7 +248,7 @@ func TestPipelineRefusesBadConfig(t *testing.T) {
 	}
 	p, err := pipeline.New(router, pipeline.Config{Publisher: ps, Store: dedupe.NewMemoryStore()})
 	must(t, err)
-	if _, err := p.HandleTx("x", "t", ps, nil, pipeline.TxConfig{}, nil); err == nil {
+	if _, err := pipeline.HandleTx(p, "x", "t", ps, pipeline.TxConfig[*sql.Tx]{}, nil); err == nil {
 		t.Fatal("HandleTx with a memory store succeeded")
 	}
 }

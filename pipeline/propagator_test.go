@@ -17,7 +17,6 @@ import (
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
-	"github.com/settle-go/settle/sqldb"
 )
 
 // A newcomer's program sets a tracer provider and no propagator (this test
@@ -34,7 +33,7 @@ func TestDefaultPropagatorKeepsOneTrace(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 
-	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{TracerProvider: tp}) // no Propagator
+	ob, err := outbox.New(std(db), outbox.Config{Tracing: []settle.Option{settle.WithTracerProvider(tp)}}) // no WithPropagators
 	must(t, err)
 	must(t, ob.InitSchema(t.Context()))
 	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})

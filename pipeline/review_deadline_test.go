@@ -71,33 +71,17 @@ func TestReviewDefaultModeHandlerOutlivesCallTimeout(t *testing.T) {
 					}
 				}
 
+				var runs atomic.Int64
+				run := func(ctx context.Context, ex sqldb.Executor, msg *message.Message) error {
+					runs.Add(1)
+					return work(ctx, func(q string, args ...any) error { _, err := ex.Exec(ctx, q, args...); return err }, msg)
+				}
 				var store dedupe.Store
 				var h message.NoPublishHandlerFunc
-				var runs atomic.Int64
 				if driver == "pgx" {
-					pool := testenv.PgxPool(t)
-					s, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: claims})
-					must(t, err)
-					store = s
-					h, err = pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: pool, Store: s, CallTimeout: callTimeout},
-						func(ctx context.Context, tx pgx.Tx, msg *message.Message, _ message.Publisher) error {
-							runs.Add(1)
-							return work(ctx, func(q string, args ...any) error { _, err := tx.Exec(ctx, q, args...); return err }, msg)
-						})
-					must(t, err)
+					h, store = txHandlerOn(t, sqldb.Pgx(testenv.PgxPool(t)), claims, pipeline.TxConfig[pgx.Tx]{CallTimeout: callTimeout}, run)
 				} else {
-					s, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: claims})
-					must(t, err)
-					store = s
-					// Store as Pipeline.HandleTx sets it: its dialect is
-					// what makes the transactions set their server-side
-					// timeouts.
-					h, err = pipeline.NewTxHandler(pipeline.TxConfig{DB: db.DB, Store: s, CallTimeout: callTimeout},
-						func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
-							runs.Add(1)
-							return work(ctx, func(q string, args ...any) error { _, err := tx.ExecContext(ctx, q, args...); return err }, msg)
-						})
-					must(t, err)
+					h, store = txHandlerOn(t, std(db), claims, pipeline.TxConfig[*sql.Tx]{CallTimeout: callTimeout}, run)
 				}
 				mw, err := dedupe.NewMiddleware(dedupe.Config{Store: store, ClaimTimeout: 5 * time.Second})
 				must(t, err)
@@ -139,11 +123,13 @@ func TestReviewTinyCallTimeoutRefused(t *testing.T) {
 	t.Parallel()
 	db := testenv.Postgres(t)
 	for _, d := range []time.Duration{time.Nanosecond, time.Microsecond, 9 * time.Millisecond} {
-		_, err := pipeline.NewTxHandler(pipeline.TxConfig{DB: db.DB, CallTimeout: d}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil })
+		_, err := pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: std(db), CallTimeout: d}, func(context.Context, *sql.Tx, *message.Message, message.Publisher) error { return nil })
 		if err == nil || !strings.Contains(err.Error(), "TxConfig.CallTimeout") {
 			t.Errorf("CallTimeout %v: %v; want it refused by name", d, err)
 		}
-		if err := (pipeline.Config{Publisher: gochannel.NewGoChannel(gochannel.Config{}, nil), StoreTimeout: d}).Validate(); err == nil || !strings.Contains(err.Error(), "StoreTimeout") {
+		router, err := message.NewRouter(message.RouterConfig{}, nil)
+		must(t, err)
+		if _, err := pipeline.New(router, pipeline.Config{Publisher: gochannel.NewGoChannel(gochannel.Config{}, nil), StoreTimeout: d}); err == nil || !strings.Contains(err.Error(), "StoreTimeout") {
 			t.Errorf("Config.StoreTimeout %v: %v; want it refused by name", d, err)
 		}
 	}

@@ -11,9 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/settle-go/settle/dedupe"
-	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/pipeline"
-	"github.com/settle-go/settle/sqldb"
 )
 
 // review: a transactional handler in the default mode (the dedupe
@@ -28,86 +26,47 @@ import (
 func TestReviewLongTxAtRepeatableReadConfirms(t *testing.T) {
 	t.Parallel()
 	for _, lv := range []sql.IsolationLevel{sql.LevelRepeatableRead, sql.LevelSerializable} {
-		for _, d := range testenv.Databases() {
-			if d.Name == "sqlite" {
-				continue // one isolation level, and HoldTx renews inside the transaction
-			}
-			t.Run(lv.String()+"/"+d.Name, func(t *testing.T) {
-				t.Parallel()
-				e := newTxEnv(t, d.Open(t))
-				mw, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 900 * time.Millisecond, RenewInterval: 200 * time.Millisecond})
-				must(t, err)
-				// Store as Pipeline.HandleTx sets it: on PostgreSQL each
-				// transaction then sets its server-side timeouts first.
-				cfg := pipeline.TxConfig{DB: e.db.DB, Store: e.store, TxOptions: &sql.TxOptions{Isolation: lv}}
-				runs := 0
-				h := mw(func(msg *message.Message) ([]*message.Message, error) {
-					return nil, pipeline.RunTx(msg.Context(), cfg, msg, func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
-						runs++
-						var n int
-						if err := tx.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+e.charges).Scan(&n); err != nil {
-							return err // the snapshot is taken here
-						}
-						time.Sleep(700 * time.Millisecond) // three renewals
-						_, err := tx.ExecContext(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ("+e.ph(1)+", 100)", msg.UUID)
-						return err
-					})
-				})
-				msg := message.NewMessage(watermill.NewUUID(), nil)
-				msg.SetContext(t.Context())
-				var lastErr error
-				for range 3 {
-					if _, lastErr = h(msg); lastErr == nil {
-						break
-					}
-				}
-				if lastErr != nil || e.rows(t) != 1 || runs != 1 {
-					t.Errorf("after %d runs: %v; %d effect rows, want the handler done once", runs, lastErr, e.rows(t))
-				}
-				confirmedOnce(t, e.store, msg.UUID)
-			})
-		}
+		t.Run(lv.String(), func(t *testing.T) {
+			t.Parallel()
+			// SQLite has one isolation level, and HoldTx renews inside the
+			// transaction.
+			onServers(t,
+				func(t *testing.T, d db[*sql.Tx]) { longTxAtIsolationConfirms(t, d, lv) },
+				func(t *testing.T, d db[pgx.Tx]) { longTxAtIsolationConfirms(t, d, lv) })
+		})
 	}
 }
 
-// review: the same on pgx (NewPgxTxHandler, dedupe.PgxStore).
-func TestReviewLongPgxTxAtRepeatableReadConfirms(t *testing.T) {
-	t.Parallel()
-	for _, lv := range []pgx.TxIsoLevel{pgx.RepeatableRead, pgx.Serializable} {
-		t.Run(string(lv), func(t *testing.T) {
-			t.Parallel()
-			pool := testenv.PgxPool(t)
-			e := newTxEnv(t, testenv.Postgres(t))
-			store, err := dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: e.claims})
-			must(t, err)
-			mw, err := dedupe.NewMiddleware(dedupe.Config{Store: store, ClaimTimeout: 900 * time.Millisecond, RenewInterval: 200 * time.Millisecond})
-			must(t, err)
-			handler, err := pipeline.NewPgxTxHandler(pipeline.PgxTxConfig{DB: pool, TxOptions: pgx.TxOptions{IsoLevel: lv}},
-				func(ctx context.Context, tx pgx.Tx, msg *message.Message, _ message.Publisher) error {
-					var n int
-					if err := tx.QueryRow(ctx, "SELECT COUNT(*) FROM "+e.charges).Scan(&n); err != nil {
-						return err
-					}
-					time.Sleep(700 * time.Millisecond)
-					_, err := tx.Exec(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ($1, 100)", msg.UUID)
-					return err
-				})
-			must(t, err)
-			h := mw(func(msg *message.Message) ([]*message.Message, error) { return nil, handler(msg) })
-			msg := message.NewMessage(watermill.NewUUID(), nil)
-			msg.SetContext(t.Context())
-			var lastErr error
-			for range 3 {
-				if _, lastErr = h(msg); lastErr == nil {
-					break
-				}
+func longTxAtIsolationConfirms[TTx any](t *testing.T, d db[TTx], lv sql.IsolationLevel) {
+	e := newTxEnv(t, d)
+	mw, err := dedupe.NewMiddleware(dedupe.Config{Store: e.store, ClaimTimeout: 900 * time.Millisecond, RenewInterval: 200 * time.Millisecond})
+	must(t, err)
+	runs := 0
+	handler, err := pipeline.NewTxHandler(pipeline.TxConfig[TTx]{DB: d.Driver, TxOptions: &sql.TxOptions{Isolation: lv}},
+		func(ctx context.Context, tx TTx, msg *message.Message, _ message.Publisher) error {
+			runs++
+			var n int
+			if err := d.Tx(tx).QueryRow(ctx, "SELECT COUNT(*) FROM "+e.charges, nil, &n); err != nil {
+				return err // the snapshot is taken here
 			}
-			if lastErr != nil || e.rows(t) != 1 {
-				t.Errorf("%v; %d effect rows, want the handler done once", lastErr, e.rows(t))
-			}
-			confirmedOnce(t, store, msg.UUID)
+			time.Sleep(700 * time.Millisecond) // three renewals
+			_, err := d.Tx(tx).Exec(ctx, "INSERT INTO "+e.charges+" (order_id, cents) VALUES ("+d.ph(1)+", 100)", msg.UUID)
+			return err
 		})
+	must(t, err)
+	h := mw(func(msg *message.Message) ([]*message.Message, error) { return nil, handler(msg) })
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	msg.SetContext(t.Context())
+	var lastErr error
+	for range 3 {
+		if _, lastErr = h(msg); lastErr == nil {
+			break
+		}
 	}
+	if lastErr != nil || e.rows(t) != 1 || runs != 1 {
+		t.Errorf("after %d runs: %v; %d effect rows, want the handler done once", runs, lastErr, e.rows(t))
+	}
+	confirmedOnce(t, e.store, msg.UUID)
 }
 
 // confirmedOnce requires key to be confirmed after one attempt.

@@ -18,7 +18,6 @@ import (
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/pipeline"
-	"github.com/settle-go/settle/sqldb"
 )
 
 // A HandleProducing handler's output, published by the dedupe middleware
@@ -75,11 +74,11 @@ func TestProducedMessagesContinueTheTrace(t *testing.T) {
 func TestTxOutboxMessagesContinueTheTrace(t *testing.T) {
 	t.Parallel()
 	db := testenv.SQLite(t)
-	e := newTxEnv(t, db)
+	e := newTxEnv(t, stdOf(db))
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	ob, err := outbox.New(sqldb.Std(db.DB, sqldb.Dialect(db.Dialect)), outbox.Config{Topic: e.ob.Topic(), TracerProvider: tp, Propagator: propagation.TraceContext{}})
+	ob, err := outbox.New(std(db), outbox.Config{Topic: e.ob.Topic(), Tracing: []settle.Option{settle.WithTracerProvider(tp), settle.WithPropagators(propagation.TraceContext{})}})
 	must(t, err)
 	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16, Persistent: true}, watermill.NopLogger{})
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
@@ -89,7 +88,7 @@ func TestTxOutboxMessagesContinueTheTrace(t *testing.T) {
 		Tracing: []settle.Option{settle.WithTracerProvider(tp), settle.WithPropagators(propagation.TraceContext{})},
 	})
 	must(t, err)
-	_, err = p.HandleTx("charge", "payments", ps, nil, pipeline.TxConfig{DB: db.DB, Outbox: ob},
+	_, err = pipeline.HandleTx(p, "charge", "payments", ps, pipeline.TxConfig[*sql.Tx]{DB: std(db), Outbox: ob},
 		func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
 			return out.Publish("receipts", message.NewMessage("receipt-"+msg.UUID, nil)) // no SetContext
 		})

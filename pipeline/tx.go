@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -17,20 +16,27 @@ import (
 	"github.com/settle-go/settle/sqldb"
 )
 
-// TxFunc is a handler that runs in a database transaction. It does its
-// writes on tx and publishes its messages on out, the outbox bound to tx (nil
-// when TxConfig.Outbox is nil). It must not commit or roll back tx.
-type TxFunc func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error
+// TxFunc is a handler that runs in a database transaction. TTx is the
+// transaction type of TxConfig.DB's driver: *sql.Tx for sqldb.Std, pgx.Tx
+// for sqldb.Pgx. It does its writes on tx and publishes its messages on out,
+// the outbox bound to tx (nil when TxConfig.Outbox is nil). It must not
+// commit or roll back tx.
+type TxFunc[TTx any] func(ctx context.Context, tx TTx, msg *message.Message, out message.Publisher) error
 
-// TxConfig configures a transactional handler.
-type TxConfig struct {
-	// DB is the database of the handler's writes, the dedupe claims table and
-	// the outbox. Required.
-	DB *sql.DB
+// TxConfig configures a transactional handler (NewTxHandler,
+// NewBatchTxHandler, HandleTx, HandleBatchTx). TTx is the transaction type
+// of DB's driver.
+type TxConfig[TTx any] struct {
+	// DB is the database of the handler's writes, the dedupe claims table
+	// and the outbox: sqldb.Std(db, dialect) or sqldb.Pgx(pool). Required.
+	DB sqldb.Driver[TTx]
 	// Outbox, if set, gives the handler a publisher whose messages commit
-	// with its writes.
-	Outbox *outbox.Outbox[*sql.Tx]
-	// TxOptions are passed to BeginTx. Nil means the driver's default.
+	// with its writes (outbox.Outbox.TxPublisher). It must be an outbox on
+	// DB's database.
+	Outbox *outbox.Outbox[TTx]
+	// TxOptions are the isolation level and read-only flag of the
+	// transactions (mapped onto pgx's on sqldb.Pgx). Nil means the
+	// database's default.
 	TxOptions *sql.TxOptions
 	// OneStatement takes the message's key inside the transaction, written
 	// as confirmed at once (dedupe.SQLStore.ClaimConfirmed): one statement
@@ -40,12 +46,21 @@ type TxConfig struct {
 	// a concurrent delivery of the same key waits for the transaction instead
 	// of being deferred. Requires Store.
 	OneStatement bool
-	// Store is the claims table for OneStatement (Pipeline.HandleTx sets it,
-	// in every mode). In the default mode it is optional; its dialect tells
-	// which server-side timeouts the transactions set (see CallTimeout).
-	Store *dedupe.SQLStore[*sql.Tx]
-	// Key derives the key for OneStatement. Defaults to the message UUID.
+	// Store is the claims table on DB's database, for OneStatement and Batch,
+	// whose transactions write the keys. HandleTx and HandleBatchTx use it
+	// in every mode (the dedupe middleware's store too), and take
+	// Config.Store when it is nil, which must then be a
+	// *dedupe.SQLStore[TTx]. Behind a dedupe middleware of your own it is
+	// not needed.
+	Store *dedupe.SQLStore[TTx]
+	// Key derives the key for OneStatement and Batch. Defaults to the
+	// message UUID (HandleTx: to Config.Key).
 	Key dedupe.KeyFunc
+	// Batch turns on group commit: deliveries in flight at the same time
+	// share one transaction (see BatchConfig). Their keys are written as
+	// confirmed inside it, as with OneStatement, so it requires Store and
+	// needs no dedupe middleware. NewBatchTxHandler needs MaxSize >= 2.
+	Batch BatchConfig
 	// BusyDelay is how long a delivery whose key another worker holds waits
 	// before it is nacked, in OneStatement and Batch modes (the dedupe
 	// middleware's own BusyDelay covers the default mode): it is deferred,
@@ -53,15 +68,10 @@ type TxConfig struct {
 	// deferred because the database does not answer, and the pause before a
 	// transaction that lost its connection is run again (see NewTxHandler).
 	// Defaults to 1s when zero; settle.NoDelay nacks at once.
-	// Pipeline.HandleTx sets it from Config.BusyDelay.
+	// HandleTx sets it from Config.BusyDelay.
 	BusyDelay time.Duration
-	// Batch turns on group commit: deliveries in flight at the same time
-	// share one transaction (see BatchConfig). Their keys are written as
-	// confirmed inside it, as with OneStatement, so it requires Store and
-	// needs no dedupe middleware.
-	Batch BatchConfig
-	// Scope names the logical handler of the key for OneStatement, as
-	// dedupe.Config.Scope does for the middleware. Defaults to
+	// Scope names the logical handler of the key for OneStatement and
+	// Batch, as dedupe.Config.Scope does for the middleware. Defaults to
 	// dedupe.HandlerScope.
 	Scope dedupe.ScopeFunc
 	// CallTimeout bounds each call settle makes on the database for a
@@ -71,51 +81,49 @@ type TxConfig struct {
 	// key itself and has no claim to renew, the handler's function too (its
 	// context's deadline; its failure is then its own, an attempt). A call
 	// that does not return within it, as behind a silent network partition,
-	// is abandoned: its connection is closed (database/sql drops it from
-	// the pool), the transaction is rolled back and the delivery deferred
-	// (an error wrapping ErrCallTimeout and dedupe.ErrUnavailable), no
-	// attempt spent. On PostgreSQL (Store of the Postgres dialect) each
-	// transaction also sets, for itself only (SET LOCAL), lock_timeout to
-	// CallTimeout/2 and idle_in_transaction_session_timeout to
-	// 2*CallTimeout, so that settle's statements do not wait longer for a
-	// lock held by a vanished client and the server ends a transaction
-	// whose client fell silent. They bound settle's statements, not the
-	// handler's work: behind the dedupe middleware, where the handler's
-	// function runs as long as it takes, they are set after it returns,
-	// before the confirmation and COMMIT (one statement), and the function
-	// runs under the session's own settings; in OneStatement and Batch
-	// modes, where the function has CallTimeout as its deadline anyway,
-	// they are set right after BEGIN and hold for its statements too (a
-	// lock wait past CallTimeout/2 fails it; a batch's idle limit also
-	// allows for Batch.MaxWait). What ends a vanished consumer's
-	// transaction while its handler runs behind the middleware is the
-	// server's TCP keepalive, or an idle_in_transaction_session_timeout of
-	// the session's own; see docs/operating.md for those and for the
-	// settings the other databases need. On SQLite, a file of this
-	// machine, no call has a deadline.
-	// Defaults to DefaultCallTimeout (15s); Pipeline.HandleTx sets it from
-	// Config.StoreTimeout (ClaimTimeout/2, at least 1s). Must be 0 or >= 10ms.
+	// is abandoned: its connection is closed (and dropped from the pool),
+	// the transaction is rolled back and the delivery deferred (an error
+	// wrapping ErrCallTimeout and dedupe.ErrUnavailable), no attempt spent.
+	// On PostgreSQL each transaction also sets, for itself only (SET
+	// LOCAL), lock_timeout to CallTimeout/2 and
+	// idle_in_transaction_session_timeout to 2*CallTimeout, so that
+	// settle's statements do not wait longer for a lock held by a vanished
+	// client and the server ends a transaction whose client fell silent
+	// (pgx sends them in BEGIN's round trip, database/sql right after it).
+	// They bound settle's statements, not the handler's work: behind the
+	// dedupe middleware, where the handler's function runs as long as it
+	// takes, they are set after it returns, before the confirmation and
+	// COMMIT (one statement), and the function runs under the session's own
+	// settings; in OneStatement and Batch modes, where the function has
+	// CallTimeout as its deadline anyway, they are set at BEGIN and hold
+	// for its statements too (a lock wait past CallTimeout/2 fails it; a
+	// batch's idle limit also allows for Batch.MaxWait). What ends a
+	// vanished consumer's transaction while its handler runs behind the
+	// middleware is the server's TCP keepalive, or an
+	// idle_in_transaction_session_timeout of the session's own; see
+	// docs/operating.md for those and for the settings the other databases
+	// need. On SQLite, a file of this machine, no call has a deadline.
+	// Defaults to 15s (half the dedupe middleware's default claim
+	// timeout); HandleTx sets it from Config.StoreTimeout (ClaimTimeout/2,
+	// at least 1s). Must be 0 or >= 10ms.
 	CallTimeout time.Duration
 }
 
-// Validate reports the first invalid field.
-func (c TxConfig) Validate() error {
-	if c.DB == nil {
+// validate reports the first invalid field.
+func (c *TxConfig[TTx]) validate() error {
+	switch {
+	case c.DB == nil:
 		return errors.New("pipeline: TxConfig.DB is required")
-	}
-	if c.OneStatement && c.Store == nil {
+	case c.OneStatement && c.Store == nil:
 		return errors.New("pipeline: TxConfig.Store is required with OneStatement")
-	}
-	if c.BusyDelay < 0 && c.BusyDelay != settle.NoDelay {
+	case c.BusyDelay < 0 && c.BusyDelay != settle.NoDelay:
 		return fmt.Errorf("pipeline: TxConfig.BusyDelay must be >= 0 or settle.NoDelay, got %v", c.BusyDelay)
-	}
-	if c.Batch.MaxSize < 0 {
+	case c.Batch.MaxSize < 0:
 		return fmt.Errorf("pipeline: TxConfig.Batch.MaxSize must be >= 0, got %d", c.Batch.MaxSize)
-	}
-	if c.Batch.enabled() && c.Store == nil {
+	case c.Batch.enabled() && c.Store == nil:
 		return errors.New("pipeline: TxConfig.Store is required with Batch")
 	}
-	return validCallTimeout("TxConfig", c.CallTimeout)
+	return validCallTimeout(c.CallTimeout)
 }
 
 // NewTxHandler returns a consumer handler that runs fn in a transaction and
@@ -128,8 +136,9 @@ func (c TxConfig) Validate() error {
 // behind one anyway, it confirms the middleware's claims in its
 // transaction):
 //
+//	db := sqldb.Std(sqlDB, sqldb.Postgres) // or sqldb.Pgx(pool): fn then gets a pgx.Tx
 //	dd, _ := dedupe.NewMiddleware(dedupe.Config{Store: store})
-//	h, _ := pipeline.NewTxHandler(pipeline.TxConfig{DB: db, Outbox: ob}, charge)
+//	h, _ := pipeline.NewTxHandler(pipeline.TxConfig[*sql.Tx]{DB: db, Outbox: ob}, charge)
 //	router.AddConsumerHandler("charge", "orders", sub, h).AddMiddleware(dd)
 //
 // The flow of one delivery: the middleware claims the key (outside the
@@ -138,7 +147,9 @@ func (c TxConfig) Validate() error {
 // transaction and commits. The commit's error is the handler's result: a
 // failed commit releases the claim and the message is retried; a successful
 // one makes every later delivery of the key a duplicate. The effect inside the
-// database happens exactly once.
+// database happens exactly once. A panic of fn rolls the transaction back
+// and goes on, to the router's recoverer; the dedupe middleware releases
+// the claim and the message is retried as after any failure.
 //
 // A transaction that loses its database connection (the server ended the
 // session, the connection was reset or killed, the driver found it broken;
@@ -149,8 +160,8 @@ func (c TxConfig) Validate() error {
 // dedupe.ErrUnavailable), no attempt spent. An error of fn counts as a lost
 // connection only when its transaction's connection is found dead too; see
 // docs/retry.md for the classes.
-func NewTxHandler(cfg TxConfig, fn TxFunc) (message.NoPublishHandlerFunc, error) {
-	if err := cfg.Validate(); err != nil {
+func NewTxHandler[TTx any](cfg TxConfig[TTx], fn TxFunc[TTx]) (message.NoPublishHandlerFunc, error) {
+	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
 	if fn == nil {
@@ -165,20 +176,10 @@ func NewTxHandler(cfg TxConfig, fn TxFunc) (message.NoPublishHandlerFunc, error)
 	}, nil
 }
 
-// RunTx runs one message through fn in a transaction, as the handler of
-// NewTxHandler does. ctx must carry the dedupe middleware's claim.
-//
-// The transaction is always ended: committed when fn returns nil, rolled
-// back when it returns an error or panics (the panic then goes on, to the
-// router's recoverer, and the dedupe middleware releases the claim so the
-// message is retried as after any failure).
-func RunTx(ctx context.Context, cfg TxConfig, msg *message.Message, fn TxFunc) error {
-	return runTx(ctx, cfg.flow(fn, nil), msg)
-}
-
-// txn is one transaction of a transactional handler, whatever the driver
-// under it (database/sql or pgx). The flow of a delivery, or of a batch of
-// them, is written once against it (runTx, batcher.runOnce).
+// txn is one transaction of a transactional handler. The flow of a
+// delivery, or of a batch of them, is written once against it (runTx,
+// batcher.runOnce); dbTxn is its one implementation, on any sqldb.Driver,
+// and boundTxn bounds its calls.
 type txn interface {
 	// claims is the dedupe store bound to the transaction (OneStatement
 	// and Batch only).
@@ -199,16 +200,19 @@ type txn interface {
 	// a failed statement aborted (PostgreSQL) still has a working
 	// connection.
 	probe(ctx context.Context) error
+	// setLocal runs statements in the transaction (serverTimeouts').
+	setLocal(ctx context.Context, query string) error
 }
 
 // claimer is what a transactional handler asks of the store bound to its
-// transaction: *dedupe.SQLStore and *dedupe.PgxStore.
+// transaction (dedupe.SQLStore.WithTx).
 type claimer interface {
 	ClaimConfirmed(ctx context.Context, key string) (dedupe.Claim, error)
 	ClaimConfirmedAll(ctx context.Context, keys []string) ([]dedupe.Claim, error)
 }
 
-// txFlow is a transactional handler's configuration, driver aside.
+// txFlow is a transactional handler's configuration, the driver's type
+// aside.
 type txFlow struct {
 	begin        func(ctx context.Context) (txn, error)
 	oneStatement bool
@@ -222,56 +226,67 @@ type txFlow struct {
 }
 
 // flow is cfg's flow for fn, or for batchFn (a batch handler) when fn is nil.
-func (cfg TxConfig) flow(fn TxFunc, batchFn BatchTxFunc) txFlow {
+func (cfg TxConfig[TTx]) flow(fn TxFunc[TTx], batchFn BatchTxFunc[TTx]) txFlow {
+	var committed func()
+	if cfg.Outbox != nil {
+		committed = cfg.Outbox.Notify // a relay of this process forwards at once
+	}
 	return txFlow{
-		begin: cfg.bounds(fn == nil).bound(func(ctx context.Context, limits string) (txn, error) {
-			tx, err := cfg.DB.BeginTx(ctx, cfg.TxOptions)
+		begin: cfg.bounds(fn == nil).bound(func(ctx context.Context, setup string) (txn, error) {
+			tx, err := cfg.DB.Begin(ctx, cfg.TxOptions, setup)
 			if err != nil {
 				return nil, err
 			}
-			t := &sqlTxn{cfg: &cfg, fn: fn, batchFn: batchFn, tx: tx}
-			if limits != "" {
-				if err := t.setLocal(ctx, limits); err != nil {
-					return t, err
-				}
-			}
-			return t, nil
+			return &dbTxn[TTx]{cfg: &cfg, fn: fn, batchFn: batchFn, tx: tx}, nil
 		}),
 		oneStatement: cfg.OneStatement, key: cfg.Key, scope: cfg.Scope, batch: cfg.Batch,
 		batchHandler: fn == nil, busyDelay: settlement.Delay(cfg.BusyDelay, time.Second),
-		committed: notifier(cfg.Outbox), // a relay of this process forwards at once
+		committed: committed,
 		// BEGIN is a round trip to a server worth hiding in the batch's
 		// wait; SQLite's is a call in the process, and settle's SQLite
 		// URLs begin IMMEDIATE, which would hold the database's write lock
 		// while the batch fills.
-		beginEarly: cfg.Store != nil && storeDialect(cfg.Store) != sqldb.SQLite,
+		beginEarly: cfg.DB.Dialect() != sqldb.SQLite,
 	}
 }
 
-// sqlTxn is a database/sql transaction.
-type sqlTxn struct {
-	cfg     *TxConfig
-	fn      TxFunc
-	batchFn BatchTxFunc
-	tx      *sql.Tx
+// dbTxn is a transaction on a sqldb.Driver.
+type dbTxn[TTx any] struct {
+	cfg     *TxConfig[TTx]
+	fn      TxFunc[TTx]
+	batchFn BatchTxFunc[TTx]
+	tx      TTx
 	outboxBinding
 }
 
-func (t *sqlTxn) claims() claimer                   { return t.cfg.Store.WithTx(t.tx) }
-func (t *sqlTxn) hold(ctx context.Context) error    { return dedupe.HoldTx(ctx, t.tx) }
-func (t *sqlTxn) confirm(ctx context.Context) error { return dedupe.ConfirmTx(ctx, t.tx) }
-func (t *sqlTxn) commit(context.Context) error      { return t.tx.Commit() }
+func (t *dbTxn[TTx]) claims() claimer                   { return t.cfg.Store.WithTx(t.tx) }
+func (t *dbTxn[TTx]) hold(ctx context.Context) error    { return dedupe.HoldTx(ctx, t.tx) }
+func (t *dbTxn[TTx]) confirm(ctx context.Context) error { return dedupe.ConfirmTx(ctx, t.tx) }
+func (t *dbTxn[TTx]) commit(ctx context.Context) error  { return t.cfg.DB.Commit(ctx, t.tx) }
+func (t *dbTxn[TTx]) rollback(ctx context.Context) error {
+	return t.cfg.DB.Rollback(ctx, t.tx)
+}
+
+// probe asks the driver (sqldb.Executor.Alive): database/sql runs a
+// statement that needs nothing but the connection, pgx looks at the
+// connection without a round trip.
+func (t *dbTxn[TTx]) probe(ctx context.Context) error { return t.cfg.DB.Tx(t.tx).Alive(ctx) }
+
+func (t *dbTxn[TTx]) setLocal(ctx context.Context, query string) error {
+	_, err := t.cfg.DB.Tx(t.tx).Exec(ctx, query)
+	return err
+}
 
 // call runs fn with the outbox bound to the transaction, bound at the first
 // call.
-func (t *sqlTxn) call(ctx context.Context, msg *message.Message) error {
+func (t *dbTxn[TTx]) call(ctx context.Context, msg *message.Message) error {
 	if err := t.bindOutbox(); err != nil {
 		return err
 	}
 	return t.fn(ctx, t.tx, msg, inContext(ctx, t.out))
 }
 
-func (t *sqlTxn) callBatch(ctx context.Context, msgs []*message.Message) error {
+func (t *dbTxn[TTx]) callBatch(ctx context.Context, msgs []*message.Message) error {
 	if err := t.bindOutbox(); err != nil {
 		return err
 	}
@@ -279,14 +294,14 @@ func (t *sqlTxn) callBatch(ctx context.Context, msgs []*message.Message) error {
 }
 
 // bindOutbox binds the outbox to the transaction once.
-func (t *sqlTxn) bindOutbox() error {
+func (t *dbTxn[TTx]) bindOutbox() error {
 	if t.cfg.Outbox == nil {
 		return nil
 	}
 	return t.bind(func() (message.Publisher, error) { return t.cfg.Outbox.TxPublisher(t.tx) })
 }
 
-// outboxBinding is the outbox publisher of a transaction (sqlTxn, pgxTxn),
+// outboxBinding is the outbox publisher of a transaction,
 // bound at its first handler call; in a batch it holds the messages back
 // and writes them in one insert before the commit (outboxBuffering).
 type outboxBinding struct {
@@ -323,20 +338,7 @@ func (b *outboxBinding) flushOutbox(ctx context.Context) error {
 	return b.held.flush(ctx)
 }
 
-// probe runs a statement that needs nothing but the connection.
-func (t *sqlTxn) probe(ctx context.Context) error {
-	_, err := t.tx.ExecContext(ctx, "SELECT 1")
-	return err
-}
-
-func (t *sqlTxn) rollback(context.Context) error {
-	if err := t.tx.Rollback(); err != nil && !errors.Is(err, sql.ErrTxDone) {
-		return err
-	}
-	return nil
-}
-
-// runTx runs one message through f in a transaction; see RunTx. A
+// runTx runs one message through f in a transaction (see NewTxHandler). A
 // transaction that loses its connection (connTrouble) is run again on a new
 // one, after f.busyDelay, up to connReruns times, and the delivery is
 // deferred after that: the database's trouble spends no attempt of the
@@ -493,17 +495,4 @@ func unavailable(ctx context.Context, delay time.Duration, err error) error {
 	settlement.FromContext(ctx).Defer()
 	settlement.Sleep(ctx, delay)
 	return fmt.Errorf("%w: %w", dedupe.ErrUnavailable, err)
-}
-
-// storeDialect is the dialect of s's database, read from its DDL. It stands
-// in for the dialect of a sqldb.Driver until TxConfig takes one.
-func storeDialect(s *dedupe.SQLStore[*sql.Tx]) sqldb.Dialect {
-	ddl := s.Schema()[0]
-	switch {
-	case strings.Contains(ddl, "ENGINE=InnoDB"):
-		return sqldb.MySQL
-	case strings.Contains(ddl, "BYTEA"):
-		return sqldb.Postgres
-	}
-	return sqldb.SQLite
 }

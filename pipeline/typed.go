@@ -3,7 +3,6 @@ package pipeline
 import (
 	"bytes"
 	"context"
-	"database/sql"
 	"encoding/json"
 	"fmt"
 	"reflect"
@@ -57,7 +56,7 @@ type Message[T any] struct {
 }
 
 // Decode decodes msg's payload into a Message[T] with codec (nil means
-// JSON). A failure is a *poison.DecodeError: permanent, so the message is
+// JSON). A failure is poison.Decode's error (wrapping poison.ErrDecode): permanent, so the message is
 // poisoned on its first delivery instead of retried.
 func Decode[T any](codec Codec, msg *message.Message) (Message[T], error) {
 	if codec == nil {
@@ -75,7 +74,9 @@ func typeName[T any]() string {
 	return reflect.TypeFor[T]().String()
 }
 
-// Typed adapts fn to a Watermill handler that decodes each payload first.
+// Typed adapts fn to a Watermill handler that decodes each payload first,
+// for Pipeline.Handle (or a router of your own). A handler that produces
+// (Pipeline.HandleProducing) or a batch function calls Decode itself.
 func Typed[T any](codec Codec, fn func(ctx context.Context, m Message[T]) error) message.NoPublishHandlerFunc {
 	return func(msg *message.Message) error {
 		m, err := Decode[T](codec, msg)
@@ -86,34 +87,16 @@ func Typed[T any](codec Codec, fn func(ctx context.Context, m Message[T]) error)
 	}
 }
 
-// TypedProducing adapts fn, which returns messages to publish, to a
-// Watermill handler that decodes each payload first.
-func TypedProducing[T any](codec Codec, fn func(ctx context.Context, m Message[T]) ([]*message.Message, error)) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		m, err := Decode[T](codec, msg)
-		if err != nil {
-			return nil, err
-		}
-		return fn(msg.Context(), m)
-	}
-}
-
-// TypedTx adapts fn to a TxFunc that decodes each payload first.
-func TypedTx[T any](codec Codec, fn func(ctx context.Context, tx *sql.Tx, m Message[T], out message.Publisher) error) TxFunc {
-	return func(ctx context.Context, tx *sql.Tx, msg *message.Message, out message.Publisher) error {
+// TypedTx adapts fn to a TxFunc that decodes each payload first. TTx is
+// the transaction type of the handler's driver (TxConfig.DB).
+func TypedTx[T, TTx any](codec Codec, fn func(ctx context.Context, tx TTx, m Message[T], out message.Publisher) error) TxFunc[TTx] {
+	return func(ctx context.Context, tx TTx, msg *message.Message, out message.Publisher) error {
 		m, err := Decode[T](codec, msg)
 		if err != nil {
 			return err
 		}
 		return fn(ctx, tx, m, out)
 	}
-}
-
-// HandleTyped adds a handler of decoded messages to p: Typed, then
-// Pipeline.Handle. (Go methods take no type parameters, so it is a function
-// and not a method of Pipeline.)
-func HandleTyped[T any](p *Pipeline, name, topic string, sub message.Subscriber, codec Codec, fn func(ctx context.Context, m Message[T]) error) (Handlers, error) {
-	return p.Handle(name, topic, sub, Typed(codec, fn))
 }
 
 // NewMessage encodes body with codec (nil means JSON) into a new message

@@ -3,7 +3,6 @@ package pipeline
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -12,53 +11,6 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 )
-
-// A leader's timer is set early by the batcher's learned timer lateness, so
-// that the estimate must follow the lateness seen, stay within half of the
-// wait, and fall again when timers fire on time.
-func TestWakeLateFollowsTheTimers(t *testing.T) {
-	const wait = 2 * time.Millisecond
-	var avg time.Duration
-	for range 40 {
-		avg = wakeLate(avg, 300*time.Microsecond, wait)
-	}
-	if avg < 290*time.Microsecond || avg > 300*time.Microsecond {
-		t.Fatalf("after 40 timers 300µs late the estimate is %v, want about 300µs", avg)
-	}
-	for range 40 {
-		avg = wakeLate(avg, time.Nanosecond, wait)
-	}
-	if avg > 10*time.Microsecond {
-		t.Fatalf("after 40 timers on time the estimate is %v, want about 0", avg)
-	}
-	for range 40 {
-		avg = wakeLate(avg, 50*time.Millisecond, wait)
-	}
-	if avg != wait/2 {
-		t.Fatalf("timers 50ms late: the estimate is %v, want it capped at half the wait, %v", avg, wait/2)
-	}
-	// One late timer among punctual ones moves it by an eighth.
-	if got := wakeLate(0, 800*time.Microsecond, wait); got != 100*time.Microsecond {
-		t.Fatalf("one timer 800µs late: %v, want 100µs", got)
-	}
-}
-
-// When BEGIN took most of the wait, the timer is set for what is left, not
-// for less than nothing: it must fire, so that its lateness is learned and a
-// high estimate comes down again.
-func TestTimerForLeavesATimerToLearnFrom(t *testing.T) {
-	ms := time.Millisecond
-	for _, c := range []struct{ rest, early, want time.Duration }{
-		{2 * ms, 300 * time.Microsecond, 1700 * time.Microsecond},
-		{ms / 2, ms, ms / 2}, // BEGIN took 1.5ms of 2ms, the estimate is 1ms
-		{0, ms, 0},           // nothing left: no timer
-		{2 * ms, 0, 2 * ms},
-	} {
-		if got := timerFor(c.rest, c.early); got != c.want {
-			t.Errorf("timerFor(%v, %v) = %v, want %v", c.rest, c.early, got, c.want)
-		}
-	}
-}
 
 // fakeTxn is a transaction that claims every key and records its calls.
 type fakeTxn struct{ f *fakeDB }
@@ -88,6 +40,7 @@ func (t *fakeTxn) confirm(context.Context) error                       { return 
 func (t *fakeTxn) commit(context.Context) error                        { return nil }
 func (t *fakeTxn) rollback(context.Context) error                      { return nil }
 func (t *fakeTxn) probe(context.Context) error                         { return nil }
+func (t *fakeTxn) setLocal(context.Context, string) error              { return nil }
 func (t *fakeTxn) callBatch(context.Context, []*message.Message) error { return nil }
 func (t *fakeTxn) call(_ context.Context, msg *message.Message) error {
 	t.f.mu.Lock()
@@ -122,25 +75,5 @@ func TestEarlyBeginFailureIsTriedAgain(t *testing.T) {
 	}
 	if d.begins != 2 || len(d.committed) != 1 {
 		t.Fatalf("%d BEGINs, calls %v; want 2 BEGINs and m-1 run once", d.begins, d.committed)
-	}
-}
-
-// A high estimate of the timers' lateness comes down again even when BEGIN
-// takes most of the wait (the helper's case: BEGIN 11ms of a 20ms wait, the
-// estimate at its cap of 10ms).
-func TestLateEstimateComesDownWhenBeginIsSlow(t *testing.T) {
-	d := &fakeDB{beginTook: 11 * time.Millisecond}
-	b := fakeBatcher(d, 20*time.Millisecond)
-	b.late = 10 * time.Millisecond
-	for i := range 20 {
-		if err := b.handle(message.NewMessage(fmt.Sprint("m-", i), nil)); err != nil {
-			t.Fatal(err)
-		}
-	}
-	b.mu.Lock()
-	late := b.late
-	b.mu.Unlock()
-	if late > 5*time.Millisecond {
-		t.Fatalf("estimate %v after 20 batches, want it well below the 10ms it started at", late)
 	}
 }

@@ -1,7 +1,7 @@
 // Package poison names the failures that no retry can fix.
 //
-// A message is poison when its payload cannot be decoded (a *DecodeError,
-// returned by settle's typed handlers), when its dedupe key is unusable (a
+// A message is poison when its payload cannot be decoded (Decode, which
+// settle's typed handlers return), when its dedupe key is unusable (a
 // *dedupe.KeyError), or when the handler says so by returning
 // Permanent(err). Retrying such a message only burns attempts and delays the
 // messages behind it: settle's retry middleware returns it at once, and the

@@ -5,7 +5,7 @@ import (
 	"fmt"
 )
 
-// ErrDecode is wrapped by every *DecodeError.
+// ErrDecode is wrapped by the errors of Decode.
 var ErrDecode = errors.New("poison: payload cannot be decoded")
 
 // PermanentError marks an error that no retry can fix. Create it with
@@ -31,29 +31,12 @@ func (e *PermanentError) Unwrap() error { return e.Err }
 // Permanent reports true.
 func (e *PermanentError) Permanent() bool { return true }
 
-// DecodeError reports a payload that a codec could not decode. It is
-// permanent: the same bytes fail the same way every time.
-type DecodeError struct {
-	// Type names what the payload was decoded into, for the reason text.
-	Type string
-	Err  error
-}
-
-// Decode returns a *DecodeError for a failure to decode into typ.
-// Decode(typ, nil) is nil.
+// Decode marks a failure to decode a payload into typ as permanent: the
+// same bytes fail the same way every time. The error wraps ErrDecode and
+// err. Decode(typ, nil) is nil.
 func Decode(typ string, err error) error {
 	if err == nil {
 		return nil
 	}
-	return &DecodeError{Type: typ, Err: err}
+	return Permanent(fmt.Errorf("%w into %s: %w", ErrDecode, typ, err))
 }
-
-func (e *DecodeError) Error() string {
-	return fmt.Sprintf("%v into %s: %v", ErrDecode, e.Type, e.Err)
-}
-
-// Unwrap returns ErrDecode and the codec's error.
-func (e *DecodeError) Unwrap() []error { return []error{ErrDecode, e.Err} }
-
-// Permanent reports true.
-func (e *DecodeError) Permanent() bool { return true }

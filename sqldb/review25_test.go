@@ -17,11 +17,6 @@ import (
 	"github.com/settle-go/settle/sqldb/sqldbtest"
 )
 
-// pipelineRegistersMySQL: package pipeline still imports
-// go-sql-driver/mysql while it is rewritten on the sqldb seam. Set it to
-// false when that import is gone.
-const pipelineRegistersMySQL = true
-
 // TestImportingSettleRegistersNoDriver builds a program that imports
 // settle's packages and nothing else (testdata/nodrivers) and runs it: it
 // prints sql.Drivers(), which must be empty. A driver registered by an
@@ -40,9 +35,6 @@ func TestImportingSettleRegistersNoDriver(t *testing.T) {
 		{"with-pipeline", "pipeline"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			if c.tags == "pipeline" && pipelineRegistersMySQL {
-				t.Skip("package pipeline imports go-sql-driver/mysql until its rewrite on sqldb lands")
-			}
 			out, err := exec.CommandContext(t.Context(), goBin, "run", "-tags="+c.tags, "./testdata/nodrivers").CombinedOutput()
 			if err != nil {
 				t.Fatalf("go run ./testdata/nodrivers: %v\n%s", err, out)

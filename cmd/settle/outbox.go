@@ -34,8 +34,8 @@ func failedJSON(rows []outbox.FailedRow) []failedRowJSON {
 	out := make([]failedRowJSON, 0, len(rows))
 	for _, f := range rows {
 		j := failedRowJSON{Offset: f.Offset, UUID: f.UUID, Topic: f.Topic, Bytes: f.Bytes, Attempts: f.Attempts,
-			LastError: f.LastError, CreatedAt: f.CreatedAt, SetAside: f.IsSetAside()}
-		if f.IsSetAside() {
+			LastError: f.LastError, CreatedAt: f.CreatedAt, SetAside: !f.SetAsideAt.IsZero()}
+		if !f.SetAsideAt.IsZero() {
 			j.SetAsideAt = &f.SetAsideAt
 		} else if !f.NextAttemptAt.IsZero() {
 			j.NextAttemptAt = &f.NextAttemptAt
@@ -51,7 +51,7 @@ func writeFailedRows(w io.Writer, rows []outbox.FailedRow) error {
 	var b strings.Builder
 	for _, f := range rows {
 		state := "retrying, next attempt " + f.NextAttemptAt.Format(time.RFC3339)
-		if f.IsSetAside() {
+		if !f.SetAsideAt.IsZero() {
 			state = "set aside " + f.SetAsideAt.Format(time.RFC3339)
 		}
 		fmt.Fprintf(&b, "  offset %d  %s  attempts %d  %d bytes\n      topic %s  uuid %s\n      last error: %s\n",
@@ -129,8 +129,8 @@ func runOutboxRetry(e *env, args []string) (err error) {
 		return usagef(fs, name, "unexpected argument %q", pos[0])
 	case len(offsets) == 0 && *dest == "" && !*all:
 		return usagef(fs, name, "say which set-aside rows to re-queue: -offset N, -dest TOPIC, or -all")
-	case len(offsets) > outbox.MaxSelectionOffsets:
-		return usagef(fs, name, "-offset names %d rows, at most %d at a time", len(offsets), outbox.MaxSelectionOffsets)
+	case len(offsets) > maxOffsets:
+		return usagef(fs, name, "-offset names %d rows, at most %d at a time", len(offsets), maxOffsets)
 	}
 	d, ob, err := openOutbox(e, *dbURL, *driver, *topic, 0)
 	if err != nil {
@@ -150,8 +150,8 @@ func runOutboxRetry(e *env, args []string) (err error) {
 		// Exactly the rows read (and shown by the dry run), by offset: a
 		// selection of more rows than one read takes is re-queued a read's
 		// worth at a time, never more than was shown.
-		for i := 0; i < len(rows); i += outbox.MaxSelectionOffsets {
-			chunk := rows[i:min(i+outbox.MaxSelectionOffsets, len(rows))]
+		for i := 0; i < len(rows); i += maxOffsets {
+			chunk := rows[i:min(i+maxOffsets, len(rows))]
 			offs := make([]int64, len(chunk))
 			for j, r := range chunk {
 				offs[j] = r.Offset
@@ -188,3 +188,6 @@ func runOutboxRetry(e *env, args []string) (err error) {
 	_, err = fmt.Fprintf(e.stdout, "re-queued %d row(s) of outbox %s: relays forward them at their next batch, with a fresh count of attempts\n", requeued, *topic)
 	return err
 }
+
+// maxOffsets is the most offsets one outbox.Selection may name.
+const maxOffsets = 1000

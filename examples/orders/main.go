@@ -13,12 +13,11 @@
 //
 //	go run ./examples/orders -db 'postgres://postgres@127.0.0.1:5432/test?sslmode=disable' -amqp 'amqp://guest:guest@127.0.0.1:5672/'
 //
-// On a postgres:// URL settle runs on pgx: a pgxpool.Pool, the dedupe
-// store on it (dedupe.NewSQLStore on sqldb.Pgx), a transactional handler whose function
-// gets a pgx.Tx (Pipeline.HandlePgxTx), and an outbox on the pool
-// (outbox.New(sqldb.Pgx(pool), ...)): its publisher bound to that pgx.Tx
-// (TxPublisher) and its relay on the pool (NewRelay). On
-// mysql:// and sqlite:// it runs on database/sql.
+// On a postgres:// URL settle runs on pgx: a pgxpool.Pool named once as
+// sqldb.Pgx(pool), the dedupe store and the outbox on it, and a
+// transactional handler whose function gets a pgx.Tx (pipeline.HandleTx
+// with a TxConfig[pgx.Tx]), the outbox publisher bound to that pgx.Tx. On
+// mysql:// and sqlite:// the same code runs on database/sql (sqldb.Std).
 //
 // -db defaults to $SETTLE_POSTGRES_URL, else $SETTLE_MYSQL_URL, and -amqp to
 // $SETTLE_AMQP_URL: the variables the tests and the settle command read.

@@ -19,8 +19,8 @@ import (
 )
 
 // openDB opens the run's database. A postgres:// URL gets a pgxpool.Pool,
-// which settle uses directly (the pgx path: PgxStore, pgx transactional
-// handler, an outbox on sqldb.Pgx(pool)), and a *sql.DB over the same pool
+// which settle uses directly, through sqldb.Pgx (the store, the outbox and
+// the transactional handler on pgx.Tx), and a *sql.DB over the same pool
 // for the example's own bookkeeping (schema, counts): one pool, not two.
 // Other URLs get database/sql alone, and pool is nil.
 func openDB(ctx context.Context, u string) (db *sql.DB, d sqldb.Dialect, pool *pgxpool.Pool, err error) {
@@ -55,8 +55,8 @@ func chargedEvent(ctx context.Context, o orderPlaced) (*message.Message, error) 
 
 // chargePgx is the charge handler on pgx: the charge row and the "charged"
 // event commit in the handler's pgx.Tx, with the dedupe confirmation.
-func chargePgx(s *schema, topic string) pipeline.PgxTxFunc {
-	return pipeline.TypedPgxTx(nil, func(ctx context.Context, tx pgx.Tx, m pipeline.Message[orderPlaced], out message.Publisher) error {
+func chargePgx(s *schema, topic string) pipeline.TxFunc[pgx.Tx] {
+	return pipeline.TypedTx(nil, func(ctx context.Context, tx pgx.Tx, m pipeline.Message[orderPlaced], out message.Publisher) error {
 		if _, err := tx.Exec(ctx, "INSERT INTO "+s.charges+" (order_id, cents) VALUES ($1, $2)", m.Body.OrderID, m.Body.Cents); err != nil {
 			return err
 		}

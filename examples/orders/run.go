@@ -254,9 +254,9 @@ func run(parent context.Context, cfg config) (err error) {
 	// charge: once per order, in one transaction with the charge row and the
 	// "charged" event in the outbox.
 	if pool != nil {
-		_, err = p.HandlePgxTx("charge", topics.placed, br.sub, nil, pipeline.PgxTxConfig{DB: pool, Outbox: obPgx}, chargePgx(s, topics.charged))
+		_, err = pipeline.HandleTx(p, "charge", topics.placed, br.sub, pipeline.TxConfig[pgx.Tx]{DB: sqldb.Pgx(pool), Outbox: obPgx}, chargePgx(s, topics.charged))
 	} else {
-		_, err = p.HandleTx("charge", topics.placed, br.sub, nil, pipeline.TxConfig{DB: db, Outbox: obSQL},
+		_, err = pipeline.HandleTx(p, "charge", topics.placed, br.sub, pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(db, dialect), Outbox: obSQL},
 			pipeline.TypedTx(nil, func(ctx context.Context, tx *sql.Tx, m pipeline.Message[orderPlaced], out message.Publisher) error {
 				if _, err := tx.ExecContext(ctx, "INSERT INTO "+s.charges+" (order_id, cents) VALUES ("+s.ph(1)+", "+s.ph(2)+")", m.Body.OrderID, m.Body.Cents); err != nil {
 					return err
@@ -272,13 +272,13 @@ func run(parent context.Context, cfg config) (err error) {
 		return err
 	}
 	// email: a flaky mail server; one address always bounces.
-	if _, err := pipeline.HandleTyped(p, "email", topics.charged, br.sub, nil, func(ctx context.Context, m pipeline.Message[orderCharged]) error {
+	if _, err := p.Handle("email", topics.charged, br.sub, pipeline.Typed(nil, func(ctx context.Context, m pipeline.Message[orderCharged]) error {
 		var n int
 		_, _ = fmt.Sscanf(m.Body.OrderID, "A-%d", &n)
 		switch {
 		case bouncingMail(n):
 			return fmt.Errorf("smtp: 450 mailbox %s unavailable", m.Body.Email)
-		case flakyMail(n) && settle.Attempt(m.Message) == 1:
+		case flakyMail(n) && settle.SettlementFromContext(ctx).Attempt() == 1:
 			return errors.New("smtp: connection reset by peer")
 		}
 		if _, err := db.ExecContext(ctx, "INSERT INTO "+s.emails+" (order_id) VALUES ("+s.ph(1)+")", m.Body.OrderID); err != nil {
@@ -286,7 +286,7 @@ func run(parent context.Context, cfg config) (err error) {
 		}
 		emailed.Add(1)
 		return nil
-	}); err != nil {
+	})); err != nil {
 		return err
 	}
 

@@ -6,6 +6,7 @@ import (
 	"go/token"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"sort"
@@ -192,4 +193,24 @@ func repoRoot(t *testing.T) string {
 		t.Fatal(err)
 	}
 	return root
+}
+
+// TestLibraryLinksNoDriver: a program on settle's SQL packages links the
+// database driver it imports itself and no other (importing settle
+// registers none), and none of the benchmark harness's or the tests'
+// dependencies.
+func TestLibraryLinksNoDriver(t *testing.T) {
+	cmd := exec.Command("go", "list", "-deps", "./sqldb", "./dedupe", "./outbox", "./pipeline", "./middleware", "./amqpsub", "./amqpmarshal", "./poison", ".")
+	cmd.Dir = repoRoot(t)
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("go list: %v", err)
+	}
+	for _, dep := range strings.Fields(string(out)) {
+		for _, banned := range []string{"github.com/go-sql-driver/", "github.com/lib/pq", "modernc.org/sqlite", "github.com/riverqueue/", "github.com/anishathalye/porcupine", "go.uber.org/goleak", "github.com/jackc/pgx/v5/stdlib"} {
+			if strings.HasPrefix(dep, banned) {
+				t.Errorf("the library links %s", dep)
+			}
+		}
+	}
 }

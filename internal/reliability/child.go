@@ -349,7 +349,7 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 	fail := &failer{rnd: rand.New(rand.NewPCG(spec.Seed^0x5bd1e995, uint64(pid))), rate: spec.FailRate}
 	switch spec.Mode {
 	case ModeTx:
-		_, err = p.HandleTx("effect", spec.Topic, sub, nil, pipeline.TxConfig{DB: db},
+		_, err = pipeline.HandleTx(p, "effect", spec.Topic, sub, pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(db, dialect)},
 			func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 				st.set(phaseHandler)
 				// A read first, as handlers do before they write: at
@@ -377,8 +377,8 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 				return ctx.Err()
 			})
 	case ModeBatch:
-		_, err = p.HandleTx("effect", spec.Topic, sub, nil, pipeline.TxConfig{
-			DB:    db,
+		_, err = pipeline.HandleTx(p, "effect", spec.Topic, sub, pipeline.TxConfig[*sql.Tx]{
+			DB:    sqldb.Std(db, dialect),
 			Batch: pipeline.BatchConfig{MaxSize: spec.BatchSize, MaxWait: spec.BatchWait},
 		}, func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
 			// Called after the batch's claim statement, before its commit.

@@ -46,41 +46,22 @@ type Record struct {
 	parkedTo string
 	reason   error
 
-	firstAt   time.Time // start of the first attempt, from a durable store; zero: unknown
-	limit     int       // attempts allowed per handler and message; 0: none
-	attempt   int       // attempt number of the run in progress, from a durable count
-	counted   bool      // attempt was set by a durable count for this run
-	refused   bool      // a durable count refused to start the handler: attempts used up
-	deferred  bool      // this run was deferred: no attempt was made
-	permanent bool
-	durable   bool // a durable attempt count runs inside the retry middleware
+	firstAt     time.Time // start of the first attempt, from a durable store; zero: unknown
+	limit       int       // attempts allowed per handler and message; 0: none
+	storeCounts bool      // the retry middleware leaves counting to a store inside it
+	attempt     int       // attempt number of the run in progress, from a durable count
+	counted     bool      // attempt was set by a durable count for this run
+	refused     bool      // a durable count refused to start the handler: attempts used up
+	deferred    bool      // this run was deferred: no attempt was made
+	permanent   bool
 }
 
 type key struct{}
 
-// recordCtx is a context carrying a record, made in one allocation rather
-// than a record and a context.WithValue.
-type recordCtx struct {
-	context.Context
-	rec Record
-}
-
-// Value returns the record for its key and asks the parent for any other.
-func (c *recordCtx) Value(k any) any {
-	if _, ok := k.(key); ok {
-		return &c.rec
-	}
-	return c.Context.Value(k)
-}
-
-// String names the context (fmt, and context's own String of a child).
-func (c *recordCtx) String() string { return "settlement.Context" }
-
 // New returns ctx carrying a new record.
 func New(ctx context.Context, p propagation.TextMapPropagator) (context.Context, *Record) {
-	c := &recordCtx{Context: ctx}
-	c.rec.Propagator = p
-	return c, &c.rec
+	r := &Record{Propagator: p}
+	return context.WithValue(ctx, key{}, r), r
 }
 
 // Ensure returns ctx's record, or ctx carrying a new one when it has none
@@ -223,24 +204,27 @@ func (r *Record) BeginRun() {
 	r.mu.Unlock()
 }
 
-// SetLimit records the attempt limit (the retry middleware's MaxAttempts).
-func (r *Record) SetLimit(n int) {
+// SetLimit records the attempt limit (the retry middleware's MaxAttempts)
+// and whether the retry middleware leaves the count of attempts, and the
+// decision to start a run, to a store inside it (RetryConfig.StoreCounts).
+func (r *Record) SetLimit(n int, storeCounts bool) {
 	if r == nil {
 		return
 	}
 	r.mu.Lock()
-	r.limit = n
+	r.limit, r.storeCounts = n, storeCounts
 	r.mu.Unlock()
 }
 
-// Limit returns the attempt limit, 0 when none is set.
-func (r *Record) Limit() int {
+// Limit returns the attempt limit, 0 when none is set, and whether the retry
+// middleware that set it leaves the count to a store (see SetLimit).
+func (r *Record) Limit() (limit int, storeCounts bool) {
 	if r == nil {
-		return 0
+		return 0, false
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return r.limit
+	return r.limit, r.storeCounts
 }
 
 // Count records the durable attempt number of the run about to start (the
@@ -250,7 +234,7 @@ func (r *Record) Count(attempt int) {
 		return
 	}
 	r.mu.Lock()
-	r.attempt, r.counted, r.durable = attempt, true, true
+	r.attempt, r.counted = attempt, true
 	r.mu.Unlock()
 }
 
@@ -261,7 +245,7 @@ func (r *Record) Refuse(attempt int) {
 		return
 	}
 	r.mu.Lock()
-	r.attempt, r.refused, r.durable = attempt, true, true
+	r.attempt, r.refused = attempt, true
 	r.mu.Unlock()
 }
 
@@ -287,29 +271,6 @@ func (r *Record) SetAttempt(n int) {
 		r.attempt = n
 	}
 	r.mu.Unlock()
-}
-
-// MarkDurable records that a durable attempt count (a dedupe store) runs
-// inside the retry middleware, before the first run tells it so. The
-// pipeline sets it, so that the retry middleware leaves the decision to
-// start a run to the store.
-func (r *Record) MarkDurable() {
-	if r == nil {
-		return
-	}
-	r.mu.Lock()
-	r.durable = true
-	r.mu.Unlock()
-}
-
-// Durable reports whether a durable attempt count is known to run inside.
-func (r *Record) Durable() bool {
-	if r == nil {
-		return false
-	}
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.durable
 }
 
 // MarkPermanent records that the handler failed with an error no retry can

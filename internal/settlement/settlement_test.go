@@ -32,18 +32,19 @@ func TestRecord(t *testing.T) {
 	var nilRec *settlement.Record
 	nilRec.Defer()
 	nilRec.Count(3)
-	if nilRec.Deferred() || nilRec.Limit() != 0 {
+	if n, sc := nilRec.Limit(); nilRec.Deferred() || n != 0 || sc {
 		t.Fatal("a nil record recorded something")
 	}
 	_, r := settlement.New(context.Background(), nil)
-	r.SetLimit(3)
+	r.SetLimit(3, true)
 	r.Count(2)
 	r.Defer()
 	if o, _, _, _ := r.Snapshot(); o != settlement.Deferred || !r.Deferred() {
 		t.Fatalf("outcome %q after Defer", o)
 	}
 	r.BeginRun()
-	if a, counted, _ := r.Attempt(); r.Deferred() || counted || a != 0 || !r.Durable() || r.Limit() != 3 {
+	n, sc := r.Limit()
+	if a, counted, _ := r.Attempt(); r.Deferred() || counted || a != 0 || n != 3 || !sc {
 		t.Fatal("BeginRun kept the last run's state or lost the delivery's")
 	}
 }

@@ -31,7 +31,11 @@ func Run[TTx any](t *testing.T, open func(t *testing.T) sqldb.Driver[TTx]) {
 	t.Run("Isolation", func(t *testing.T) { t.Parallel(); isolation(t, open(t)) })
 	t.Run("Alive", func(t *testing.T) { t.Parallel(); alive(t, open(t)) })
 	t.Run("Listen", func(t *testing.T) { t.Parallel(); listen(t, open(t)) })
-	t.Run("MaxConns", func(t *testing.T) { t.Parallel(); maxConns(t, open(t)) })
+	t.Run("MaxConns", func(t *testing.T) {
+		if m := open(t).MaxConns(); m < 0 {
+			t.Fatalf("MaxConns %d", m)
+		}
+	})
 }
 
 // table creates a table of the test's own, (id INTEGER, v TEXT), and drops
@@ -323,11 +327,5 @@ func listen[TTx any](t *testing.T, d sqldb.Driver[TTx]) {
 	case <-done:
 	case <-time.After(10 * time.Second):
 		t.Fatal("Listen did not return when its context ended")
-	}
-}
-
-func maxConns[TTx any](t *testing.T, d sqldb.Driver[TTx]) {
-	if m := d.MaxConns(); m < 0 {
-		t.Fatalf("MaxConns %d", m)
 	}
 }
