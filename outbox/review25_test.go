@@ -40,9 +40,10 @@ func (l *errLog) all() []string {
 // A relay closed before it ran has stopped: a Run after Close returns at
 // once, with no statement on the database (which its owner may close right
 // after Close: here it is closed), and leaves no goroutine behind.
+//
+// Not parallel, nor its subtests: goleak sees every test's goroutines.
 func TestReview25RelayRunAfterCloseTouchesNothing(t *testing.T) {
-	t.Parallel()
-	forEach(t, []drv{sqliteDrv, postgresDrv, pgxDrv}, func(t *testing.T, e *env) {
+	inTurn(t, []drv{sqliteDrv, postgresDrv, pgxDrv}, func(t *testing.T, e *env) {
 		log := &errLog{}
 		var ob *obx
 		var closeDB func()
@@ -112,9 +113,10 @@ func dbURL(t *testing.T, e *env) string {
 // A relay whose context ends while it LISTENs returns, closes the LISTEN
 // connection (never hands it back to the pool, where the next user would
 // get a connection still listening) and leaves no goroutine behind.
+//
+// Not parallel, nor its subtests: goleak sees every test's goroutines.
 func TestReview25RelayCancelledMidListen(t *testing.T) {
-	t.Parallel()
-	forEach(t, postgresDrivers(), func(t *testing.T, e *env) {
+	inTurn(t, postgresDrivers(), func(t *testing.T, e *env) {
 		r, err := e.ob.NewRelay(e.pubsub, outbox.RelayConfig{PollInterval: time.Hour})
 		if err != nil {
 			t.Fatal(err)
@@ -160,4 +162,11 @@ func TestReview25RelayCancelledMidListen(t *testing.T) {
 			t.Fatal("a second Run succeeded")
 		}
 	})
+}
+
+// inTurn is forEach with the drivers one after the other.
+func inTurn(t *testing.T, ds []drv, fn func(t *testing.T, e *env)) {
+	for _, d := range ds {
+		t.Run(d.name, func(t *testing.T) { fn(t, setup(t, d)) })
+	}
 }
