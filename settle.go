@@ -22,11 +22,11 @@
 // sent. It also polls, so a message waited up to its poll interval. settle's
 // relay keeps a forwarded mark on each row, claims unmarked committed rows
 // with FOR UPDATE SKIP LOCKED, and wakes on commit (PostgreSQL
-// LISTEN/NOTIFY, or in process), polling only as a fallback. Of
-// watermill-sql, settle keeps the executor types that let one set of
-// statements run on database/sql and on pgx; package sqlitepubsub adds the
-// SQLite schema and offsets adapters that let watermill-sql itself run on
-// SQLite.
+// LISTEN/NOTIFY, or in process), polling only as a fallback. One set of
+// statements runs on database/sql and on pgx through package sqldb; package
+// sqlitepubsub adds the SQLite schema and offsets adapters that let
+// watermill-sql itself run on SQLite (only that package imports
+// watermill-sql).
 //
 // See docs/settlement.md for the outcomes and the order of the middleware,
 // and docs/outbox.md for the relay.

@@ -651,11 +651,11 @@ func ConfirmTx[TTx any](ctx context.Context, tx TTx) error {
 	if !ok {
 		return ErrNoClaim
 	}
-	s, err := txStore[TTx](st, "confirming in")
+	pool, err := txStore[TTx](st, "confirming in")
 	if err != nil {
 		return err
 	}
-	s = s.WithTx(tx)
+	s := pool.WithTx(tx)
 	ctx, cancel := st.bounded(ctx)
 	defer cancel()
 	// A renewal in flight is let finish rather than cancelled: cancelled,
@@ -664,6 +664,10 @@ func ConfirmTx[TTx any](ctx context.Context, tx TTx) error {
 	st.ren.pause(ctx)
 	st.stopRenew()
 	if err := s.Confirm(ctx, st.claim); err != nil {
+		if errors.Is(err, ErrClaimLost) && pool.holds(ctx, st.claim) {
+			// The claim is not lost: tx cannot see it.
+			return errors.New("dedupe: confirm in transaction: the transaction does not see the claim, which the store still holds: tx must be a transaction of the store's database (and table), begun after the claim was taken")
+		}
 		return fmt.Errorf("dedupe: confirm in transaction: %w", err)
 	}
 	st.confirmedInTx = true
@@ -673,9 +677,11 @@ func ConfirmTx[TTx any](ctx context.Context, tx TTx) error {
 // HoldTx hands the protection of the claim of the message being handled to
 // tx, the handler's own transaction. Call it from a handler behind the dedupe
 // middleware, with msg.Context(), right after beginning tx and before any
-// other statement in it; every pipeline transactional handler
-// does. The middleware's store must be the *SQLStore[TTx] of the driver tx
-// comes from; with another store HoldTx does nothing.
+// other statement in it; every pipeline transactional handler does. The
+// middleware's store must be the *SQLStore[TTx] of the driver tx comes from:
+// with a store that is not a SQLStore (a MemoryStore) HoldTx does nothing,
+// and with the SQLStore of another transaction type it returns an error
+// naming both types.
 //
 // On SQLite a transaction that writes holds the database's only write lock
 // until it ends, so the middleware's renewal, which runs on another

@@ -424,6 +424,22 @@ func (s *SQLStore[TTx]) update(ctx context.Context, op, query string, c Claim, a
 	return ErrClaimLost
 }
 
+// holds reports whether c is still the claim on its key, with a plain read
+// on the store's executor (a locking one could wait for the caller's
+// transaction, which may hold the row): for telling a claim that was lost
+// from one that a caller's transaction could not see.
+func (s *SQLStore[TTx]) holds(ctx context.Context, c Claim) bool {
+	q := strings.TrimSuffix(s.q.owner, " FOR UPDATE")
+	if q == "" {
+		q = "SELECT 1 FROM " + sqlkit.Quote(s.dialect, s.table) + " WHERE key = $1 AND state = 1 AND token = $2"
+		if s.dialect == sqldb.SQLite {
+			q = strings.NewReplacer("$1", "?", "$2", "?").Replace(q)
+		}
+	}
+	var one int
+	return s.queryRow(ctx, q, []any{[]byte(c.Key), c.Token}, &one) == nil
+}
+
 // Renew implements Store.
 func (s *SQLStore[TTx]) Renew(ctx context.Context, c Claim, ttl time.Duration) error {
 	if err := checkTTL(ttl); err != nil {

@@ -315,12 +315,20 @@ func (r *Relay) instruments() error {
 }
 
 // Run forwards until ctx is cancelled or Close is called, and returns nil
-// then. A relay runs once: a second Run returns an error.
+// then. A relay runs once: a second Run returns an error; Run after Close
+// returns nil at once, without a statement.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.started.CompareAndSwap(false, true) {
 		return errors.New("outbox: relay: Run called twice")
 	}
 	defer close(r.done)
+	select {
+	case <-r.closing:
+		// Closed before it ran (Close closes closing before it reads
+		// started, so a Close that did not wait for this Run is seen).
+		return nil
+	default:
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var wg sync.WaitGroup

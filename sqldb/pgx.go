@@ -16,20 +16,34 @@ import (
 // database/sql pool beside it, and the handlers' transactions are pgx.Tx.
 // The outbox's relay LISTENs on one connection of pool for as long as it
 // runs (closed, not returned, when it stops), so the pool must allow at
-// least two (with one the relay polls). settle does not close pool.
+// least two (with one the relay polls). settle does not close pool. Pgx(nil)
+// names the dialect only: its statements fail.
 func Pgx(pool *pgxpool.Pool) Driver[pgx.Tx] { return pgxDriver{pool: pool} }
 
 type pgxDriver struct{ pool *pgxpool.Pool }
 
-func (d pgxDriver) Dialect() Dialect      { return Postgres }
-func (d pgxDriver) DB() Executor          { return pgxExec{q: d.pool} }
+func (d pgxDriver) Dialect() Dialect { return Postgres }
+func (d pgxDriver) DB() Executor {
+	if d.pool == nil {
+		return failExec{errNilPool}
+	}
+	return pgxExec{q: d.pool}
+}
 func (d pgxDriver) Tx(tx pgx.Tx) Executor { return pgxExec{q: tx, tx: tx} }
-func (d pgxDriver) MaxConns() int         { return int(d.pool.Stat().MaxConns()) }
+func (d pgxDriver) MaxConns() int {
+	if d.pool == nil {
+		return 0
+	}
+	return int(d.pool.Stat().MaxConns())
+}
 
 // Begin maps opts onto pgx's: the isolation level (sql.LevelDefault is
 // the server's default) and read-only. setup rides in the BEGIN's round
 // trip: pgx sends a BeginQuery without arguments as one simple query.
 func (d pgxDriver) Begin(ctx context.Context, opts *sql.TxOptions, setup string) (pgx.Tx, error) {
+	if d.pool == nil {
+		return nil, errNilPool
+	}
 	var po pgx.TxOptions
 	if opts != nil {
 		switch opts.Isolation {
@@ -72,6 +86,9 @@ func (d pgxDriver) Rollback(ctx context.Context, tx pgx.Tx) error {
 }
 
 func (d pgxDriver) Listen(ctx context.Context, channel string, wake func()) error {
+	if d.pool == nil {
+		return errNilPool
+	}
 	c, err := d.pool.Acquire(ctx)
 	if err != nil {
 		return err

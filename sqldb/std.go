@@ -6,6 +6,7 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -14,26 +15,80 @@ import (
 // Std is the Driver of a database/sql pool whose database speaks dialect d:
 // PostgreSQL through pgx's stdlib driver, MySQL or MariaDB through
 // go-sql-driver/mysql, SQLite through modernc.org/sqlite. The handlers'
-// transactions are *sql.Tx. settle does not close db.
+// transactions are *sql.Tx. settle does not close db. Std(nil, d) names a
+// dialect only (for a tool that prints DDL): its statements fail, as do
+// those of a db whose driver settle knows as another dialect's.
 //
 // On PostgreSQL the outbox's relay LISTENs only when db's driver is pgx's
 // (it reaches the *pgx.Conn under a database/sql connection); with another
 // driver it polls.
 func Std(db *sql.DB, d Dialect) Driver[*sql.Tx] {
-	return stdDriver{db: db, dialect: d}
+	drv := stdDriver{db: db, dialect: d}
+	if db == nil {
+		drv.err = errNilPool
+	} else if pkg, got := driverDialect(db); got != "" && got != d {
+		drv.err = fmt.Errorf("sqldb: Std(db, %q): db's driver (%s) is %s's: pass sqldb.%s", string(d), pkg, got, dialectName[got])
+	}
+	return drv
 }
 
 type stdDriver struct {
 	db      *sql.DB
 	dialect Dialect
+	err     error // every statement's: a nil pool, or the wrong dialect
 }
 
-func (d stdDriver) Dialect() Dialect       { return d.dialect }
-func (d stdDriver) DB() Executor           { return stdExec{q: d.db} }
-func (d stdDriver) Tx(tx *sql.Tx) Executor { return stdExec{q: tx, tx: true} }
-func (d stdDriver) MaxConns() int          { return d.db.Stats().MaxOpenConnections }
+// driverPkgs are the database/sql drivers whose dialect Std knows, by
+// package path (so that sqldb imports none of them).
+var driverPkgs = map[string]Dialect{
+	"github.com/jackc/pgx/v5/stdlib": Postgres,
+	"github.com/lib/pq":              Postgres,
+	"github.com/go-sql-driver/mysql": MySQL,
+	"modernc.org/sqlite":             SQLite,
+	"github.com/mattn/go-sqlite3":    SQLite,
+}
+
+var dialectName = map[Dialect]string{Postgres: "Postgres", MySQL: "MySQL", SQLite: "SQLite"}
+
+// driverDialect is the package of db's driver type and its dialect, "" for
+// a driver Std does not know (one wrapped by another package, say) or a
+// *sql.DB that sql.Open did not make (its Driver panics).
+func driverDialect(db *sql.DB) (pkg string, d Dialect) {
+	defer func() { _ = recover() }()
+	t := reflect.TypeOf(db.Driver())
+	if t == nil {
+		return "", ""
+	}
+	if t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	return t.PkgPath(), driverPkgs[t.PkgPath()]
+}
+
+func (d stdDriver) Dialect() Dialect { return d.dialect }
+func (d stdDriver) DB() Executor {
+	if d.err != nil {
+		return failExec{d.err}
+	}
+	return stdExec{q: d.db}
+}
+func (d stdDriver) Tx(tx *sql.Tx) Executor {
+	if d.err != nil {
+		return failExec{d.err}
+	}
+	return stdExec{q: tx, tx: true}
+}
+func (d stdDriver) MaxConns() int {
+	if d.db == nil {
+		return 0
+	}
+	return d.db.Stats().MaxOpenConnections
+}
 
 func (d stdDriver) Begin(ctx context.Context, opts *sql.TxOptions, setup string) (*sql.Tx, error) {
+	if d.err != nil {
+		return nil, d.err
+	}
 	tx, err := d.db.BeginTx(ctx, opts)
 	if err != nil {
 		return nil, err
@@ -63,6 +118,9 @@ var errNoListen = fmt.Errorf("sqldb: the database/sql driver is not pgx (github.
 func (d stdDriver) Listen(ctx context.Context, channel string, wake func()) error {
 	if d.dialect != Postgres {
 		return fmt.Errorf("sqldb: LISTEN is PostgreSQL's: %w", errors.ErrUnsupported)
+	}
+	if d.err != nil {
+		return d.err
 	}
 	c, err := d.db.Conn(ctx)
 	if err != nil {
@@ -175,3 +233,23 @@ func (e stdExec) Alive(ctx context.Context) error {
 	_, err := e.q.ExecContext(ctx, "SELECT 1")
 	return err
 }
+
+// errNilPool is the error of every statement on Std(nil, d) or Pgx(nil),
+// drivers that only name a dialect (for printing DDL).
+var errNilPool = errors.New("sqldb: the driver's pool is nil (Std(nil, dialect) and Pgx(nil) only name a dialect, for printing DDL)")
+
+// failExec is the Executor of a driver that cannot run statements: each
+// returns err.
+type failExec struct{ err error }
+
+func (e failExec) Exec(context.Context, string, ...any) (int64, error)   { return 0, e.err }
+func (e failExec) QueryRow(context.Context, string, []any, ...any) error { return e.err }
+func (e failExec) Query(context.Context, string, []any, func(func(...any) error) error) error {
+	return e.err
+}
+func (e failExec) QueryRowEach(context.Context, string, [][]any, func(int) []any) ([]bool, error) {
+	return nil, e.err
+}
+func (e failExec) Columns(context.Context, string) (map[string]string, error) { return nil, e.err }
+func (e failExec) InTx() bool                                                 { return false }
+func (e failExec) Alive(context.Context) error                                { return e.err }

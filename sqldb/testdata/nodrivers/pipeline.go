@@ -1,0 +1,5 @@
+//go:build pipeline
+
+package main
+
+import _ "github.com/settle-go/settle/pipeline"
