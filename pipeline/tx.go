@@ -29,6 +29,10 @@ type TxFunc[TTx any] func(ctx context.Context, tx TTx, msg *message.Message, out
 type TxConfig[TTx any] struct {
 	// DB is the database of the handler's writes, the dedupe claims table
 	// and the outbox: sqldb.Std(db, dialect) or sqldb.Pgx(pool). Required.
+	// Behind the dedupe middleware its pool needs two connections per
+	// delivery in flight: the transaction, and the claim's renewal beside
+	// it (with one, each confirmation waits for the renewal's StoreTimeout;
+	// see docs/operating.md, "Database connections").
 	DB sqldb.Driver[TTx]
 	// Outbox, if set, gives the handler a publisher whose messages commit
 	// with its writes (outbox.Outbox.TxPublisher). It must be an outbox on
