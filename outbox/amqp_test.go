@@ -217,9 +217,9 @@ func TestRelayForwardsAroundRowsTheBrokerRefuses(t *testing.T) {
 			reader := sdkmetric.NewManualReader()
 			mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 			t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
-			startRelay(t, e, b.pub, outbox.RelayConfig{
+			startRelayOn(t, e.metered(t, mp), b.pub, outbox.RelayConfig{
 				PollInterval: 20 * time.Millisecond, RetryInterval: retry, MaxRetryInterval: maxRetry,
-				MaxAttempts: maxAttempts, AckDeadline: 30 * time.Second, MeterProvider: mp,
+				MaxAttempts: maxAttempts, AckDeadline: 30 * time.Second,
 			})
 			// Later transactions, while the bad rows are retried.
 			for i := range 5 {

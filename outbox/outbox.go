@@ -61,9 +61,11 @@ type Config struct {
 	// context of the publishing code into each message's metadata so that
 	// the trace continues after the relay (defaults to OTel's global
 	// propagator once the application has set one, and to W3C Trace
-	// Context and Baggage while it is OTel's no-op). It ignores
-	// settle.WithMeterProvider (the relay's metrics take
-	// RelayConfig.MeterProvider), settle.WithMessagingSystem (the outbox's
+	// Context and Baggage while it is OTel's no-op), and
+	// settle.WithMeterProvider, which records the relay's metrics
+	// (settle.outbox.forwarded, settle.outbox.failed, settle.outbox.pending,
+	// settle.outbox.lag and settle.outbox.set_aside; defaults to
+	// otel.GetMeterProvider()). It ignores settle.WithMessagingSystem (the outbox's
 	// spans say messaging.system "settle_outbox"), settle.WithLinkToProducer
 	// and settle.WithSettleWait.
 	Tracing []settle.Option

@@ -326,7 +326,7 @@ func TestCommitForwardsOnceWithTraceContext(t *testing.T) {
 			t.Fatalf("status before forwarding = %+v, %v; want 2 pending", st, err)
 		}
 		mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
-		n, err := e.ob.Forward(t.Context(), e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, MeterProvider: mp})
+		n, err := e.metered(t, mp).Forward(t.Context(), e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 		if err != nil || n != 2 {
 			t.Fatalf("Forward = %d, %v; want 2", n, err)
 		}
@@ -395,7 +395,7 @@ func TestRelayMetricsAndLag(t *testing.T) {
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
-	relay, err := e.ob.NewRelay(e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, MeterProvider: mp})
+	relay, err := e.metered(t, mp).NewRelay(e.pubsub, outbox.RelayConfig{PollInterval: 10 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -19,7 +19,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
@@ -100,10 +99,6 @@ type RelayConfig struct {
 	// CloseTimeout bounds Close's wait for the batch in progress. Defaults
 	// to 30s. Must be > 0.
 	CloseTimeout time.Duration
-	// MeterProvider records settle.outbox.forwarded, settle.outbox.failed,
-	// settle.outbox.pending, settle.outbox.lag and settle.outbox.set_aside.
-	// Defaults to the global provider.
-	MeterProvider metric.MeterProvider
 	// Logger defaults to the Outbox's logger.
 	Logger watermill.LoggerAdapter
 }
@@ -141,9 +136,6 @@ func (c *RelayConfig) setDefaults(o *core) {
 	}
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = 30 * time.Second
-	}
-	if c.MeterProvider == nil {
-		c.MeterProvider = otel.GetMeterProvider()
 	}
 	if c.Logger == nil {
 		c.Logger = o.cfg.Logger
@@ -277,7 +269,7 @@ func (o *core) newRelay(out message.Publisher, cfg RelayConfig) (*Relay, error) 
 }
 
 func (r *Relay) instruments() error {
-	meter := r.cfg.MeterProvider.Meter(telemetry.OutboxScope)
+	meter := r.o.tel.MeterProvider.Meter(telemetry.OutboxScope)
 	var err error
 	attrs := attribute.NewSet(attribute.String("settle.outbox.topic", r.o.cfg.Topic))
 	r.attrs = metric.WithAttributeSet(attrs)

@@ -50,8 +50,8 @@ func TestReviewRefusedRowMetricsAndAttempts(t *testing.T) {
 		reader := sdkmetric.NewManualReader()
 		mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 		t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
-		r := startRelay(t, e, b, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, RetryInterval: 30 * time.Millisecond,
-			MaxRetryInterval: 60 * time.Millisecond, MaxAttempts: maxAttempts, MeterProvider: mp})
+		r := startRelayOn(t, e.metered(t, mp), b, outbox.RelayConfig{PollInterval: 5 * time.Millisecond, RetryInterval: 30 * time.Millisecond,
+			MaxRetryInterval: 60 * time.Millisecond, MaxAttempts: maxAttempts})
 		e.publishTx(t, "refused", message.NewMessage("bad", []byte(`{}`)))
 		good := 0
 		deadline := time.Now().Add(60 * time.Second)

@@ -10,6 +10,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"go.opentelemetry.io/otel/metric"
+
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -297,4 +300,23 @@ func TestStatusCountsLiveRelaysAlways(t *testing.T) {
 			time.Sleep(20 * time.Millisecond)
 		}
 	})
+}
+
+// metered returns e's outbox (the same topic, on the same pool) with its
+// relay's metrics recorded by mp.
+func (e *env) metered(t *testing.T, mp metric.MeterProvider) *obx {
+	t.Helper()
+	cfg := e.ob.cfg
+	cfg.Tracing = append(append([]settle.Option(nil), cfg.Tracing...), settle.WithMeterProvider(mp))
+	return e.another(t, cfg)
+}
+
+// startRelayOn is startRelay on ob.
+func startRelayOn(t *testing.T, ob *obx, out message.Publisher, cfg outbox.RelayConfig) *outbox.Relay {
+	t.Helper()
+	r, err := ob.NewRelay(out, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return runUntilEnd(t, r, func(error) {})
 }

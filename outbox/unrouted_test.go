@@ -181,9 +181,9 @@ func startUnrouted(t *testing.T, c drv, out func(*testing.T) message.Publisher, 
 		u.want[m.UUID] = true
 		u.e.publishTx(t, u.good, m)
 	}
-	u.relay = startRelay(t, u.e, out(t), outbox.RelayConfig{
+	u.relay = startRelayOn(t, u.e.metered(t, mp), out(t), outbox.RelayConfig{
 		PollInterval: 20 * time.Millisecond, RetryInterval: 50 * time.Millisecond, MaxRetryInterval: 300 * time.Millisecond,
-		MaxAttempts: 3, AckDeadline: 30 * time.Second, Logger: log, MeterProvider: mp,
+		MaxAttempts: 3, AckDeadline: 30 * time.Second, Logger: log,
 	})
 	for i := range 5 {
 		m := message.NewMessage(fmt.Sprintf("after-%d-%s", i, watermill.NewUUID()), []byte(`{}`))

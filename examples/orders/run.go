@@ -193,7 +193,7 @@ func run(parent context.Context, cfg config) (err error) {
 	if err != nil {
 		return err
 	}
-	obCfg := outbox.Config{Topic: s.outboxTopic, Tracing: []settle.Option{settle.WithPropagators(propagation.TraceContext{}), settle.WithTracerProvider(tel.tp)}}
+	obCfg := outbox.Config{Topic: s.outboxTopic, Tracing: []settle.Option{settle.WithPropagators(propagation.TraceContext{}), settle.WithTracerProvider(tel.tp), settle.WithMeterProvider(tel.mp)}}
 	// One outbox, on the driver the example runs on; ob is what does not
 	// depend on the driver's transaction type.
 	var (
@@ -290,7 +290,7 @@ func run(parent context.Context, cfg config) (err error) {
 		return err
 	}
 
-	relayCfg := outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MeterProvider: tel.mp}
+	relayCfg := outbox.RelayConfig{PollInterval: 20 * time.Millisecond}
 	relay, err := ob.NewRelay(br.pub, relayCfg)
 	if err != nil {
 		return err
