@@ -10,15 +10,18 @@ import (
 
 // holdIn hands the claim in ctx to tx, the caller's transaction; see HoldTx.
 func holdIn[TTx any](ctx context.Context, tx TTx) error {
-	st, s, err := heldIn(ctx, tx, "holding a claim in")
+	st, ok := ctx.Value(heldCtxKey{}).(*held)
+	if !ok {
+		return ErrNoClaim
+	}
+	s, err := txStore[TTx](st, "holding a claim in")
 	if err != nil {
-		if st != nil {
-			if _, sql := st.store.(sqlBacked); !sql {
-				return nil // nothing to hand over: the renewal goes on beside
-			}
+		if _, sql := st.store.(sqlBacked); !sql {
+			return nil // nothing to hand over: the renewal goes on beside
 		}
 		return err
 	}
+	s = s.WithTx(tx)
 	switch s.dialect {
 	case sqldb.SQLite:
 		st.stopRenew()

@@ -612,23 +612,17 @@ func (s *SQLStore[TTx]) sqlDialect() sqldb.Dialect { return s.dialect }
 // transaction type.
 func (s *SQLStore[TTx]) txType() string { return reflect.TypeFor[TTx]().String() }
 
-// heldIn is the claim in ctx and the middleware's store, a *SQLStore[TTx],
-// bound to tx, for doing what in tx: ErrNoClaim (and no held) when ctx
-// carries no claim, an error naming the store when it is not a
-// *SQLStore[TTx].
-func heldIn[TTx any](ctx context.Context, tx TTx, doing string) (*held, *SQLStore[TTx], error) {
-	st, ok := ctx.Value(heldCtxKey{}).(*held)
-	if !ok {
-		return nil, nil, ErrNoClaim
-	}
+// txStore is the middleware's store of st as a *SQLStore[TTx], or an error
+// naming what it is, for doing what.
+func txStore[TTx any](st *held, doing string) (*SQLStore[TTx], error) {
 	if s, ok := st.store.(*SQLStore[TTx]); ok {
-		return st, s.WithTx(tx), nil
+		return s, nil
 	}
 	want := reflect.TypeFor[TTx]().String()
 	if sb, ok := st.store.(sqlBacked); ok {
-		return st, nil, fmt.Errorf("dedupe: %s a transaction of type %s needs the middleware's store to be a *dedupe.SQLStore[%s], not a *dedupe.SQLStore[%s] (the store and the transaction must come from the same sqldb.Driver)", doing, want, want, sb.txType())
+		return nil, fmt.Errorf("dedupe: %s a transaction of type %s needs the middleware's store to be a *dedupe.SQLStore[%s], not a *dedupe.SQLStore[%s] (the store and the transaction must come from the same sqldb.Driver)", doing, want, want, sb.txType())
 	}
-	return st, nil, fmt.Errorf("dedupe: %s a transaction of type %s needs the middleware's store to be a *dedupe.SQLStore[%s], not %T", doing, want, want, st.store)
+	return nil, fmt.Errorf("dedupe: %s a transaction of type %s needs the middleware's store to be a *dedupe.SQLStore[%s], not %T", doing, want, want, st.store)
 }
 
 // ErrNoClaim is returned by ConfirmTx when the context carries no claim of
@@ -653,10 +647,15 @@ var ErrNoClaim = errors.New("dedupe: no claim in the context (is the handler beh
 // store must be the *SQLStore[TTx] of the driver tx comes from, on the
 // same database: TTx is *sql.Tx with [sqldb.Std], pgx.Tx with [sqldb.Pgx].
 func ConfirmTx[TTx any](ctx context.Context, tx TTx) error {
-	st, s, err := heldIn(ctx, tx, "confirming in")
+	st, ok := ctx.Value(heldCtxKey{}).(*held)
+	if !ok {
+		return ErrNoClaim
+	}
+	s, err := txStore[TTx](st, "confirming in")
 	if err != nil {
 		return err
 	}
+	s = s.WithTx(tx)
 	ctx, cancel := st.bounded(ctx)
 	defer cancel()
 	// A renewal in flight is let finish rather than cancelled: cancelled,
