@@ -146,13 +146,9 @@ func NewPublisher(cfg PublisherConfig, logger watermill.LoggerAdapter) (*Publish
 // published. A message's context bounds the wait for a channel and for its
 // confirmation. While the connection is down Publish fails at once.
 func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
-	p.mu.Lock()
-	if p.closed {
-		p.mu.Unlock()
-		return errors.New("amqpsub: publisher is closed")
+	if err := p.enter(); err != nil {
+		return err
 	}
-	p.busy.Add(1)
-	p.mu.Unlock()
 	defer p.busy.Done()
 	if len(msgs) == 0 {
 		return nil
@@ -367,13 +363,9 @@ func (p *Publisher) forget(topic string) {
 // queue to go to: the publisher can be middleware.ParkConfig.Initializer.
 // It needs Config.AMQP.Queue.GenerateName.
 func (p *Publisher) SubscribeInitialize(topic string) (err error) {
-	p.mu.Lock()
-	if p.closed {
-		p.mu.Unlock()
-		return errors.New("amqpsub: publisher is closed")
+	if err := p.enter(); err != nil {
+		return err
 	}
-	p.busy.Add(1)
-	p.mu.Unlock()
 	defer p.busy.Done()
 	a := p.cfg.AMQP
 	if a.Queue.GenerateName == nil {
@@ -395,6 +387,19 @@ func (p *Publisher) SubscribeInitialize(topic string) (err error) {
 	if err := a.TopologyBuilder.BuildTopology(ch, params, a, p.logger); err != nil {
 		return fmt.Errorf("amqpsub: declare %q: %w", topic, err)
 	}
+	return nil
+}
+
+// enter counts a call of Publish or SubscribeInitialize in p.busy, which
+// Close waits for, or refuses it once p is closed. The caller calls
+// p.busy.Done when it returns.
+func (p *Publisher) enter() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return errors.New("amqpsub: publisher is closed")
+	}
+	p.busy.Add(1)
 	return nil
 }
 

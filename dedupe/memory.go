@@ -85,18 +85,7 @@ func (s *MemoryStore) Renew(ctx context.Context, c Claim, ttl time.Duration) err
 	if err := checkTTL(ttl); err != nil {
 		return err
 	}
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	now := s.now()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	e, err := s.owned(c)
-	if err != nil {
-		return err
-	}
-	e.expiresAt = now.Add(ttl)
-	return nil
+	return s.update(ctx, c, func(e *memEntry, now time.Time) { e.expiresAt = now.Add(ttl) })
 }
 
 // Confirm implements Store.
@@ -111,6 +100,15 @@ func (s *MemoryStore) Release(ctx context.Context, c Claim) error {
 
 // end moves the caller's claim to a confirmed or released state.
 func (s *MemoryStore) end(ctx context.Context, c Claim, to state) error {
+	return s.update(ctx, c, func(e *memEntry, now time.Time) {
+		e.state, e.token, e.expiresAt, e.updatedAt = to, "", time.Time{}, now
+	})
+}
+
+// update applies f, under s.mu, to the entry c still holds, with the time
+// read before the lock was taken; ErrClaimLost (through owned) when c no
+// longer holds it.
+func (s *MemoryStore) update(ctx context.Context, c Claim, f func(e *memEntry, now time.Time)) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -121,7 +119,7 @@ func (s *MemoryStore) end(ctx context.Context, c Claim, to state) error {
 	if err != nil {
 		return err
 	}
-	e.state, e.token, e.expiresAt, e.updatedAt = to, "", time.Time{}, now
+	f(e, now)
 	return nil
 }
 

@@ -33,13 +33,20 @@ func (o *core) tracer() trace.Tracer {
 // startCreate starts the span of writing msg into the outbox and writes its
 // context into msg's metadata.
 func (o *core) startCreate(topic string, msg *message.Message) trace.Span {
-	ctx, span := o.tracer().Start(msg.Context(), "create "+telemetry.ID(topic),
+	return o.startProducer(msg.Context(), "create", semconv.MessagingOperationTypeCreate, topic, msg, handlerOf(msg.Context()))
+}
+
+// startProducer starts the outbox's producer span of operation op (its
+// operation type opType) on msg to topic, under parent, with the attributes
+// extra first, and writes the span's context into msg's metadata.
+func (o *core) startProducer(parent context.Context, op string, opType attribute.KeyValue, topic string, msg *message.Message, extra []attribute.KeyValue) trace.Span {
+	ctx, span := o.tracer().Start(parent, op+" "+telemetry.ID(topic),
 		trace.WithSpanKind(trace.SpanKindProducer),
-		trace.WithAttributes(handlerOf(msg.Context())...),
+		trace.WithAttributes(extra...),
 		trace.WithAttributes(
 			semconv.MessagingSystemKey.String(messagingSystem),
-			semconv.MessagingOperationTypeCreate,
-			semconv.MessagingOperationName("create"),
+			opType,
+			semconv.MessagingOperationName(op),
 			semconv.MessagingDestinationName(telemetry.ID(topic)),
 			telemetry.MessageID(msg.UUID),
 			attribute.String("settle.outbox.topic", o.cfg.Topic),
@@ -74,18 +81,7 @@ func (p *tracedPublisher) Publish(topic string, msgs ...*message.Message) error 
 	spans := make([]trace.Span, len(msgs))
 	for i, m := range msgs {
 		parent := p.o.tel.Propagator.Extract(context.Background(), propagation.MapCarrier(m.Metadata))
-		ctx, span := p.o.tracer().Start(parent, "send "+telemetry.ID(topic),
-			trace.WithSpanKind(trace.SpanKindProducer),
-			trace.WithAttributes(
-				semconv.MessagingSystemKey.String(messagingSystem),
-				semconv.MessagingOperationTypeSend,
-				semconv.MessagingOperationName("send"),
-				semconv.MessagingDestinationName(telemetry.ID(topic)),
-				telemetry.MessageID(m.UUID),
-				attribute.String("settle.outbox.topic", p.o.cfg.Topic),
-			))
-		p.o.tel.Propagator.Inject(ctx, propagation.MapCarrier(m.Metadata))
-		spans[i] = span
+		spans[i] = p.o.startProducer(parent, "send", semconv.MessagingOperationTypeSend, topic, m, nil)
 	}
 	err := p.Publisher.Publish(topic, msgs...)
 	endSpans(spans, err)

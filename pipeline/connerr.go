@@ -150,7 +150,7 @@ const mysqlInvalidConnText = "invalid connection"
 // text; the test of this package checks it against the driver's own
 // variable.
 func mysqlInvalidConn(err error) bool {
-	for _, e := range errChain(err) {
+	for _, e := range sqlkit.Chain(err) {
 		if e.Error() == mysqlInvalidConnText && reflect.TypeOf(e) == plainErrorType {
 			return true
 		}
@@ -160,27 +160,3 @@ func mysqlInvalidConn(err error) bool {
 
 // plainErrorType is the concrete type of errors.New's errors.
 var plainErrorType = reflect.TypeOf(errors.New(""))
-
-// errChain is err and every error it wraps, depth first.
-func errChain(err error) []error {
-	var out []error
-	var walk func(error)
-	walk = func(e error) {
-		for e != nil {
-			out = append(out, e)
-			switch u := e.(type) {
-			case interface{ Unwrap() []error }:
-				for _, x := range u.Unwrap() {
-					walk(x)
-				}
-				return
-			case interface{ Unwrap() error }:
-				e = u.Unwrap()
-			default:
-				return
-			}
-		}
-	}
-	walk(err)
-	return out
-}

@@ -193,19 +193,21 @@ func (t *boundTxn) callCtx(ctx context.Context) (context.Context, context.Cancel
 
 func (t *boundTxn) claims() claimer { return boundClaimer{c: t.txn.claims(), t: t} }
 
-func (t *boundTxn) hold(ctx context.Context) error {
+// within runs op within the deadline of one call (timedOut names the
+// deadline in its error).
+func (t *boundTxn) within(ctx context.Context, op func(context.Context) error) error {
 	cctx, cancel := t.callCtx(ctx)
 	defer cancel()
-	return timedOut(cctx, t.txn.hold(cctx))
+	return timedOut(cctx, op(cctx))
 }
+
+func (t *boundTxn) hold(ctx context.Context) error { return t.within(ctx, t.txn.hold) }
 
 func (t *boundTxn) confirm(ctx context.Context) error {
 	if err := t.limit(ctx); err != nil {
 		return err
 	}
-	cctx, cancel := t.callCtx(ctx)
-	defer cancel()
-	return timedOut(cctx, t.txn.confirm(cctx))
+	return t.within(ctx, t.txn.confirm)
 }
 
 // limit sets the server-side limits left for after the handler's function
@@ -249,11 +251,7 @@ func (t *boundTxn) callBatch(ctx context.Context, msgs []*message.Message) error
 
 // probe is bounded like any call: a connection that cannot answer within
 // the deadline is taken as gone.
-func (t *boundTxn) probe(ctx context.Context) error {
-	cctx, cancel := t.callCtx(ctx)
-	defer cancel()
-	return timedOut(cctx, t.txn.probe(cctx))
-}
+func (t *boundTxn) probe(ctx context.Context) error { return t.within(ctx, t.txn.probe) }
 
 func (t *boundTxn) commit(ctx context.Context) error {
 	if err := t.limit(ctx); err != nil {
@@ -311,9 +309,7 @@ func (t *boundTxn) flushOutbox(ctx context.Context) error {
 	if err := t.limit(ctx); err != nil {
 		return err
 	}
-	cctx, cancel := t.callCtx(ctx)
-	defer cancel()
-	return timedOut(cctx, ob.flushOutbox(cctx))
+	return t.within(ctx, ob.flushOutbox)
 }
 
 // boundClaimer is the claims of a bounded transaction.

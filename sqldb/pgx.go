@@ -137,13 +137,10 @@ func (e pgxExec) Query(ctx context.Context, query string, args []any, each func(
 		return err
 	}
 	defer rows.Close()
-	for rows.Next() {
-		if err := each(rows.Scan); err != nil {
-			return err
-		}
-	}
-	rows.Close()
-	return rows.Err()
+	return eachRow(rows, each, func() error {
+		rows.Close() // pgx's Err is final once the rows are closed
+		return rows.Err()
+	})
 }
 
 func (e pgxExec) QueryRowEach(ctx context.Context, query string, args [][]any, dest func(i int) []any) ([]bool, error) {

@@ -121,3 +121,19 @@ func (e *SchemaError) Error() string {
 
 // Unwrap returns ErrSchema.
 func (e *SchemaError) Unwrap() error { return ErrSchema }
+
+// eachRow is Executor.Query's loop, for either driver's rows: each is called
+// with the scan of every row in turn; the first error it returns is the
+// result, and when the rows run out, done's (which reports what the driver
+// found while reading them).
+func eachRow(rows interface {
+	Next() bool
+	Scan(dest ...any) error
+}, each func(scan func(dest ...any) error) error, done func() error) error {
+	for rows.Next() {
+		if err := each(rows.Scan); err != nil {
+			return err
+		}
+	}
+	return done()
+}

@@ -183,15 +183,12 @@ func (e stdExec) Query(ctx context.Context, query string, args []any, each func(
 		return err
 	}
 	defer rows.Close()
-	for rows.Next() {
-		if err := each(rows.Scan); err != nil {
+	return eachRow(rows, each, func() error {
+		if err := rows.Err(); err != nil {
 			return err
 		}
-	}
-	if err := rows.Err(); err != nil {
-		return err
-	}
-	return rows.Close()
+		return rows.Close()
+	})
 }
 
 func (e stdExec) QueryRowEach(ctx context.Context, query string, args [][]any, dest func(i int) []any) ([]bool, error) {

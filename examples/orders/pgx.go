@@ -81,16 +81,8 @@ func placeOrderPgx(ctx context.Context, tracer trace.Tracer, pool *pgxpool.Pool,
 	if _, err := tx.Exec(ctx, "INSERT INTO "+s.orders+" (id, cents) VALUES ($1, $2)", o.OrderID, o.Cents); err != nil {
 		return nil, err
 	}
-	msg, err := pipeline.NewMessage("placed-"+o.OrderID, nil, o)
+	msg, err := publishPlaced(ctx, ob, tx, topic, o)
 	if err != nil {
-		return nil, err
-	}
-	msg.SetContext(ctx)
-	pub, err := ob.TxPublisher(tx)
-	if err != nil {
-		return nil, err
-	}
-	if err := pub.Publish(topic, msg); err != nil {
 		return nil, err
 	}
 	if err := tx.Commit(ctx); err != nil {

@@ -464,6 +464,24 @@ func (s *schema) counts(ctx context.Context) (charges, emails int, err error) {
 	return charges, emails, nil
 }
 
+// publishPlaced writes o's "placed" event to the outbox in tx, on either
+// driver: it is sent when tx commits.
+func publishPlaced[TTx any](ctx context.Context, ob *outbox.Outbox[TTx], tx TTx, topic string, o orderPlaced) (*message.Message, error) {
+	msg, err := pipeline.NewMessage("placed-"+o.OrderID, nil, o)
+	if err != nil {
+		return nil, err
+	}
+	msg.SetContext(ctx)
+	pub, err := ob.TxPublisher(tx)
+	if err != nil {
+		return nil, err
+	}
+	if err := pub.Publish(topic, msg); err != nil {
+		return nil, err
+	}
+	return msg, nil
+}
+
 func placeOrder(ctx context.Context, tracer trace.Tracer, db *sql.DB, ob *outbox.Outbox[*sql.Tx], s *schema, topic string, o orderPlaced) (*message.Message, error) {
 	ctx, span := tracer.Start(ctx, "place order", trace.WithAttributes(attribute.String("order.id", o.OrderID)))
 	defer span.End()
@@ -475,16 +493,8 @@ func placeOrder(ctx context.Context, tracer trace.Tracer, db *sql.DB, ob *outbox
 	if _, err := tx.ExecContext(ctx, "INSERT INTO "+s.orders+" (id, cents) VALUES ("+s.ph(1)+", "+s.ph(2)+")", o.OrderID, o.Cents); err != nil {
 		return nil, err
 	}
-	msg, err := pipeline.NewMessage("placed-"+o.OrderID, nil, o)
+	msg, err := publishPlaced(ctx, ob, tx, topic, o)
 	if err != nil {
-		return nil, err
-	}
-	msg.SetContext(ctx)
-	pub, err := ob.TxPublisher(tx)
-	if err != nil {
-		return nil, err
-	}
-	if err := pub.Publish(topic, msg); err != nil {
 		return nil, err
 	}
 	if err := tx.Commit(); err != nil {

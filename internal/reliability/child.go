@@ -179,39 +179,64 @@ func amqpConfig(url string) (amqp.Config, error) {
 	return cfg, nil
 }
 
-func childSetup(spec childSpec) (*sql.DB, sqldb.Dialect, *status, *sleeper, watermill.LoggerAdapter, error) {
+// child is what both roles open: the database, the status file, the
+// sleeper, the logger, and the broker's config with a publisher on it.
+type child struct {
+	db      *sql.DB
+	dialect sqldb.Dialect
+	st      *status
+	sl      *sleeper
+	logger  watermill.LoggerAdapter
+	amqp    amqp.Config
+	pub     *amqp.Publisher
+}
+
+func openChild(spec childSpec) (*child, error) {
 	db, dialect, err := sqlurl.Open(spec.DB)
 	if err != nil {
-		return nil, "", nil, nil, nil, err
+		return nil, err
 	}
 	st, err := openStatus(spec.StatusFile)
 	if err != nil {
 		_ = db.Close()
-		return nil, "", nil, nil, nil, err
+		return nil, err
 	}
-	sl := &sleeper{rnd: rand.New(rand.NewPCG(spec.Seed, uint64(os.Getpid()))), max: spec.MaxSleep}
-	return db, dialect, st, sl, watermill.NewStdLoggerWithOut(os.Stderr, false, false), nil
+	c := &child{
+		db:      db,
+		dialect: dialect,
+		st:      st,
+		sl:      &sleeper{rnd: rand.New(rand.NewPCG(spec.Seed, uint64(os.Getpid()))), max: spec.MaxSleep},
+		logger:  watermill.NewStdLoggerWithOut(os.Stderr, false, false),
+	}
+	if c.amqp, err = amqpConfig(spec.AMQP); err == nil {
+		c.pub, err = amqp.NewPublisher(c.amqp, c.logger)
+	}
+	if err != nil {
+		c.close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// close closes the publisher (if open), the status file and the database.
+func (c *child) close() {
+	if c.pub != nil {
+		_ = c.pub.Close()
+	}
+	c.st.close()
+	_ = c.db.Close()
 }
 
 // runRelay forwards the outbox to RabbitMQ. Its publisher reports the phases
 // around each publish and sleeps after the broker's confirmation, widening
 // the window in which a kill leaves a published row unmarked.
 func runRelay(ctx context.Context, spec childSpec) error {
-	db, dialect, st, sl, logger, err := childSetup(spec)
+	c, err := openChild(spec)
 	if err != nil {
 		return err
 	}
-	defer db.Close()
-	defer st.close()
-	cfg, err := amqpConfig(spec.AMQP)
-	if err != nil {
-		return err
-	}
-	pub, err := amqp.NewPublisher(cfg, logger)
-	if err != nil {
-		return err
-	}
-	defer pub.Close()
+	defer c.close()
+	db, dialect, st, sl, logger, pub := c.db, c.dialect, c.st, c.sl, c.logger, c.pub
 	ob, err := outbox.New(sqldb.Std(db, sqldb.Dialect(dialect)), outbox.Config{Topic: spec.OutboxTopic, Logger: logger})
 	if err != nil {
 		return err
@@ -250,21 +275,12 @@ func (p *phasePublisher) Close() error { return nil }
 // runConsumer consumes the campaign's topic with settle's stack and writes
 // one effect row per delivery that reaches the handler's success path.
 func runConsumer(ctx context.Context, spec childSpec) error {
-	db, dialect, st, sl, logger, err := childSetup(spec)
+	c, err := openChild(spec)
 	if err != nil {
 		return err
 	}
-	defer db.Close()
-	defer st.close()
-	cfg, err := amqpConfig(spec.AMQP)
-	if err != nil {
-		return err
-	}
-	pub, err := amqp.NewPublisher(cfg, logger)
-	if err != nil {
-		return err
-	}
-	defer pub.Close()
+	defer c.close()
+	db, dialect, st, sl, logger, cfg, pub := c.db, c.dialect, c.st, c.sl, c.logger, c.amqp, c.pub
 	var sub message.Subscriber
 	if spec.OneSubscription {
 		sub, err = amqpsub.NewSubscriber(amqpsub.Config{AMQP: cfg, InFlight: spec.BatchSize}, logger)

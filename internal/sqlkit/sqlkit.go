@@ -134,7 +134,7 @@ const mysqlPkg = "github.com/go-sql-driver/mysql"
 // (go-sql-driver/mysql's *MySQLError) in err's chain, and whether there is
 // one.
 func MySQLNumber(err error) (uint16, bool) {
-	for _, e := range chain(err) {
+	for _, e := range Chain(err) {
 		v := reflect.ValueOf(e)
 		if v.Kind() != reflect.Pointer || v.IsNil() {
 			continue
@@ -185,8 +185,9 @@ func Conflict(err error) bool {
 	return ok && c == 517
 }
 
-// chain is err and every error it wraps, depth first.
-func chain(err error) []error {
+// Chain is err and every error it wraps, depth first (an error with
+// Unwrap() []error is followed into each of its errors in turn).
+func Chain(err error) []error {
 	var out []error
 	var walk func(error)
 	walk = func(e error) {
