@@ -11,7 +11,7 @@
 //
 // The claims live in a table of the SQLite file (-db, default a temporary
 // file), so several processes sharing the file, or a PostgreSQL or MySQL
-// database with dedupe.Postgres or dedupe.MySQL, share them.
+// database (a store on sqldb.Std with sqldb.Postgres or sqldb.MySQL), share them.
 package main
 
 import (
