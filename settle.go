@@ -33,8 +33,6 @@
 package settle
 
 import (
-
-
 	"github.com/settle-go/settle/internal/settlement"
 )
 
