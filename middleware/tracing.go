@@ -84,18 +84,24 @@ type tracing struct {
 // Metrics: settle.settlements (by outcome and handler), settle.handler.duration
 // (seconds) and settle.retries (in-process retries).
 //
-// The settle span reports the router's settlement. When the chain returns
-// an error (the router nacks) or no messages for the router to publish (it
-// acks), nothing is left for the router to decide, and the span ends before
-// the middleware returns, on the delivery's own goroutine: router.Close
-// waits for it, so every such span has ended when Close returns, and a
-// tracer provider shut down right after exports it. Only when the router
-// still has to publish messages the chain returned does the span wait for
-// the router's ack or nack (Watermill tells of them only by closing
-// channels), on a goroutine of that delivery that ends with it or after the
-// settle wait; such a span can end just after Close returns. A middleware
-// inside this one that publishes the output itself (dedupe.Config.Publisher,
-// as pipeline does) leaves the router nothing to publish.
+// The settle span reports the router's settlement. It ends before the
+// router acks or nacks, on the delivery's own goroutine, which router.Close
+// waits for: so a tracer provider shut down right after Close exports it.
+// When the chain returns an error (the router nacks) or no messages for the
+// router to publish (it acks), nothing is left for the router to decide,
+// and the span ends before the middleware returns. When the router still
+// has to publish messages the chain returned, the span ends when that
+// publish returns (the router then acks, or nacks if it failed), provided
+// the router has TracePublished among its publisher decorators:
+//
+//	router.AddPublisherDecorators(middleware.TracePublished)
+//
+// Without it, such a span ends when the router acks or nacks, on a goroutine
+// of that delivery (or after the settle wait), which can be just after Close
+// returns; the middleware then reports the missing decorator once to the
+// OpenTelemetry error handler. A middleware inside this one that publishes
+// the output itself (dedupe.Config.Publisher, as pipeline does) leaves the
+// router nothing to publish and needs no decorator.
 // A middleware outside this one that changes what the chain returns is not
 // seen: the settle span names what the chain returned.
 func NewTracing(opts ...settle.Option) (message.HandlerMiddleware, error) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -14,6 +15,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric/noop"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
@@ -47,7 +50,7 @@ func TestNoRouterPublishedSettleSpanLostAtShutdown(t *testing.T) {
 		for r := range rounds {
 			exp := tracetest.NewInMemoryExporter()
 			tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(keep{exp}, sdktrace.WithBatchTimeout(time.Hour)))
-			settled := routerPublishesThenShutdown(t, tp, fmt.Sprintf("r%02d", r), nil)
+			settled := routerPublishesThenShutdown(t, tp, fmt.Sprintf("r%02d", r), nil, false)
 			got := map[string][]string{}
 			for _, s := range exp.GetSpans() {
 				if strings.HasPrefix(s.Name, "ack ") || strings.HasPrefix(s.Name, "nack ") {
@@ -70,7 +73,7 @@ func TestNoRouterPublishedSettleSpanLostAtShutdown(t *testing.T) {
 		t.Parallel()
 		recv := otlptest.New(t)
 		for r := range rounds {
-			settled := routerPublishesThenShutdown(t, recv.TracerProvider(t), fmt.Sprintf("o%02d", r), nil)
+			settled := routerPublishesThenShutdown(t, recv.TracerProvider(t), fmt.Sprintf("o%02d", r), nil, false)
 			got := map[string][]string{}
 			for _, s := range recv.Spans() {
 				if op, _ := otlptest.Attr(s, "messaging.operation.type"); op == "settle" {
@@ -99,7 +102,7 @@ func TestNoRouterPublishedSettleSpanLostAtShutdownAMQP(t *testing.T) {
 	for r := range 8 {
 		exp := tracetest.NewInMemoryExporter()
 		tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(keep{exp}, sdktrace.WithBatchTimeout(time.Hour)))
-		settled := routerPublishesThenShutdown(t, tp, fmt.Sprintf("a%02d", r), &amqpOut{pub: pub, prefix: prefix})
+		settled := routerPublishesThenShutdown(t, tp, fmt.Sprintf("a%02d", r), &amqpOut{pub: pub, prefix: prefix}, false)
 		got := map[string][]string{}
 		for _, s := range exp.GetSpans() {
 			if strings.HasPrefix(s.Name, "ack ") || strings.HasPrefix(s.Name, "nack ") {
@@ -132,6 +135,11 @@ func (o *amqpOut) Publish(topic string, msgs ...*message.Message) error {
 }
 
 func (*amqpOut) Close() error { return nil }
+
+// unclosed is a publisher whose Close leaves it open.
+type unclosed struct{ message.Publisher }
+
+func (unclosed) Close() error { return nil }
 
 // routerDid is what a settle span says the router did: its name, unless
 // settle.router_decision says otherwise.
@@ -205,10 +213,12 @@ func (p *failsOnce) Publish(topic string, msgs ...*message.Message) error {
 // routerPublishesThenShutdown runs a hand-built router whose handlers return
 // their output for the router to publish (to the in-process pubsub, or to
 // out), with the tracing middleware on tp, closes it while deliveries are in
-// flight, then shuts tp down at once. It returns what the router had done
+// flight, then shuts tp down at once. checkGoroutines checks that no
+// goroutine of the tracing middleware is left when Close returns (only
+// from a test that runs alone: the check sees every test's goroutines). It returns what the router had done
 // with each delivery when Close returned: message ID -> "ack" or "nack", one
 // entry per delivery.
-func routerPublishesThenShutdown(t *testing.T, tp *sdktrace.TracerProvider, prefix string, out message.Publisher) map[string][]string {
+func routerPublishesThenShutdown(t *testing.T, tp *sdktrace.TracerProvider, prefix string, out message.Publisher, checkGoroutines bool) map[string][]string {
 	t.Helper()
 	mw, err := middleware.NewTracing(settle.WithTracerProvider(tp), settle.WithMeterProvider(noop.NewMeterProvider()))
 	must(t, err)
@@ -237,7 +247,12 @@ func routerPublishesThenShutdown(t *testing.T, tp *sdktrace.TracerProvider, pref
 	)
 	errOnce := errors.New("fails once")
 	if out == nil {
-		out = pubsub
+		// The output goes to a pubsub of its own that the test closes: the
+		// router closes each handler's subscriber, and its publisher, while
+		// deliveries it started late may still publish.
+		outs := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+		defer func() { _ = outs.Close() }()
+		out = unclosed{outs}
 	}
 	for h := range handlers {
 		topic := fmt.Sprintf("%s-in-%d", prefix, h)
@@ -268,6 +283,11 @@ func routerPublishesThenShutdown(t *testing.T, tp *sdktrace.TracerProvider, pref
 	<-router.Running()
 	eventually(t, 10*time.Second, "handler runs", func() bool { return runs.Load() >= handlers*perHandler/3 })
 	must(t, router.Close())
+	if checkGoroutines {
+		if n := goroutinesIn("middleware.(*pending).await"); n > 0 {
+			t.Errorf("%d goroutines waiting for a settlement when router.Close returned", n)
+		}
+	}
 	settled := map[string][]string{}
 	mu.Lock()
 	for _, m := range deliveries {
@@ -298,4 +318,147 @@ func routerPublishesThenShutdown(t *testing.T, tp *sdktrace.TracerProvider, pref
 		return true
 	})
 	return settled
+}
+
+// No goroutine of the tracing middleware outlives router.Close on a router
+// with TracePublished: a handler's first deliveries start one to wait for
+// the router's ack (TracePublished may be missing), and TracePublished waits
+// for it to return before the router acks. Not parallel: it counts the
+// goroutines of the whole test binary.
+func TestNoSettleGoroutineOutlivesClose(t *testing.T) {
+	for r := range 10 {
+		tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(keep{tracetest.NewInMemoryExporter()}))
+		routerPublishesThenShutdown(t, tp, fmt.Sprintf("g%02d", r), nil, true)
+	}
+}
+
+// goroutinesIn counts the goroutines with fn on their stack.
+func goroutinesIn(fn string) int {
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			return strings.Count(string(buf[:n]), fn+"(")
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+}
+
+// errorHandler is an OpenTelemetry error handler that keeps what it is
+// given.
+type errorHandler struct {
+	mu   sync.Mutex
+	errs []error
+}
+
+func (h *errorHandler) Handle(err error) {
+	h.mu.Lock()
+	h.errs = append(h.errs, err)
+	h.mu.Unlock()
+}
+
+func (h *errorHandler) got() []error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]error(nil), h.errs...)
+}
+
+// A router whose handler returns output for the router to publish, without
+// TracePublished among its publisher decorators, is reported to the
+// OpenTelemetry error handler, once per tracing middleware however many
+// deliveries, naming the handler and the line to add; with it, nothing is
+// reported. Not parallel: it sets the global error handler.
+func TestMissingTracePublishedIsReported(t *testing.T) {
+	prev := otel.GetErrorHandler()
+	h := &errorHandler{}
+	otel.SetErrorHandler(h)
+	t.Cleanup(func() { otel.SetErrorHandler(prev) })
+	for _, decorated := range []bool{false, true} {
+		h.mu.Lock()
+		h.errs = nil
+		h.mu.Unlock()
+		tr := newTraced(t)
+		ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+		router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+		must(t, err)
+		if decorated {
+			router.AddPublisherDecorators(middleware.TracePublished)
+		}
+		router.AddHandler("orders", "in", ps, "out", ps, func(msg *message.Message) ([]*message.Message, error) {
+			return []*message.Message{message.NewMessage("out-"+msg.UUID, nil)}, nil
+		}).AddMiddleware(tr.mw)
+		const n = 20
+		for i := range n {
+			must(t, ps.Publish("in", message.NewMessage(fmt.Sprintf("m-%02d", i), nil)))
+		}
+		done := make(chan error, 1)
+		go func() { done <- router.Run(context.Background()) }()
+		<-router.Running()
+		eventually(t, 10*time.Second, "settle spans", func() bool {
+			c := 0
+			for _, s := range tr.rec.Ended() {
+				if s.Name() == "ack in" {
+					c++
+				}
+			}
+			return c == n
+		})
+		must(t, router.Close())
+		must(t, <-done)
+		must(t, ps.Close())
+		errs := h.got()
+		switch {
+		case decorated && len(errs) != 0:
+			t.Errorf("with TracePublished: %d errors reported, want none: %v", len(errs), errs)
+		case !decorated && len(errs) != 1:
+			t.Errorf("without TracePublished: %d errors reported, want 1: %v", len(errs), errs)
+		case !decorated && (!strings.Contains(errs[0].Error(), `"orders"`) || !strings.Contains(errs[0].Error(), "router.AddPublisherDecorators(middleware.TracePublished)")):
+			t.Errorf("without TracePublished, reported %q; want the handler and the line to add", errs[0])
+		}
+	}
+}
+
+// panicking is a router publisher that panics on its first publish.
+type panicking struct {
+	message.Publisher
+	once sync.Once
+}
+
+func (p *panicking) Publish(topic string, msgs ...*message.Message) error {
+	p.once.Do(func() { panic("publisher bug") })
+	return p.Publisher.Publish(topic, msgs...)
+}
+
+// A publish that panics: the router recovers and nacks, and the settle span,
+// ended by TracePublished as the panic goes through it, says so.
+func TestTracePublishedPanickingPublish(t *testing.T) {
+	t.Parallel()
+	tr := newTraced(t)
+	ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+	must(t, err)
+	router.AddPublisherDecorators(middleware.TracePublished)
+	router.AddHandler("h", "in", ps, "out", &panicking{Publisher: ps}, func(msg *message.Message) ([]*message.Message, error) {
+		return []*message.Message{message.NewMessage("out-"+msg.UUID, nil)}, nil
+	}).AddMiddleware(tr.mw)
+	must(t, ps.Publish("in", message.NewMessage("m-1", nil)))
+	done := make(chan error, 1)
+	go func() { done <- router.Run(context.Background()) }()
+	<-router.Running()
+	spans := tr.spans(t, 4) // process and settle, twice (the redelivery)
+	must(t, router.Close())
+	must(t, <-done)
+	must(t, ps.Close())
+	var decisions []string
+	for _, s := range spans {
+		if attr(s, "messaging.operation.type").AsString() == "settle" {
+			decisions = append(decisions, routerDid(s.Name(), attr(s, "settle.router_decision").AsString()))
+			if d := attr(s, "settle.router_decision").AsString(); d == "nack" && s.Status().Code != codes.Error {
+				t.Errorf("the nack after a panicking publish: status %v, want an error", s.Status())
+			}
+		}
+	}
+	if len(decisions) < 2 || decisions[0] != "nack" || decisions[1] != "ack" {
+		t.Errorf("settle spans say the router did %v, want nack (the panic), then ack", decisions)
+	}
 }
