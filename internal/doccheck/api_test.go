@@ -19,8 +19,12 @@ import (
 // on, and how many ways there are to add a handler. They count what `go doc`
 // shows a user: top-level functions, types, constants and variables, and
 // the methods of exported types; not struct fields or interface methods.
+//
+// maxExported: 230 at #25's close, plus 1 for middleware.TracePublished (the
+// publisher decorator that ends a router-published delivery's settle span
+// before router.Close returns).
 const (
-	maxExported    = 230
+	maxExported    = 231
 	maxHandlerWays = 8
 )
 
