@@ -61,13 +61,13 @@ type handle struct {
 }
 
 type env struct {
-	d       drv
-	db      testenv.DB // the test's own statements
-	table   string
-	topic   string // the outbox's
-	cfg     parked.Config
-	handle         // on the pool of the driver under test
-	sqlite  string // the SQLite file, for another pool
+	d      drv
+	db     testenv.DB // the test's own statements
+	table  string
+	topic  string // the outbox's
+	cfg    parked.Config
+	handle        // on the pool of the driver under test
+	sqlite string // the SQLite file, for another pool
 }
 
 func (e *env) q(name string) string {

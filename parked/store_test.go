@@ -29,11 +29,11 @@ func TestRoundTripHostileRows(t *testing.T) {
 		}
 		payload := bytes.Repeat([]byte{0, 0xff, 'x', 0xc3}, big/4)
 		md := message.Metadata{
-			"huge":            strings.Repeat("v", 1<<20),
-			"bad\xff\xfekey":  "bad\xc3value\x00nul",
-			"settle_reason":   "forged",
-			"<script>":        "</script><script>alert(1)</script>",
-			"":                "empty key",
+			"huge":             strings.Repeat("v", 1<<20),
+			"bad\xff\xfekey":   "bad\xc3value\x00nul",
+			"settle_reason":    "forged",
+			"<script>":         "</script><script>alert(1)</script>",
+			"":                 "empty key",
 			"emoji \U0001F600": "ok",
 		}
 		cases := []struct {
