@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math/rand/v2"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -115,6 +117,41 @@ func TestParkIdempotent(t *testing.T) {
 		e.park(t, p3)
 		if n, _ := e.Count(t.Context(), parked.Filter{UUID: "u-1"}); n != 2 {
 			t.Fatalf("rows of u-1 after a second handler parked it: %d, want 2", n)
+		}
+		e.checkGroups(t)
+	})
+}
+
+// Parks of the same messages racing on separate pools (a delivery parked
+// again on redelivery while the first park is in flight) make one row per
+// message, and the counts add each once.
+func TestConcurrentParks(t *testing.T) {
+	t.Parallel()
+	forEach(t, func(t *testing.T, d drv) {
+		e := setup(t, d, parked.Config{})
+		const workers, n = 4, 25
+		hs := make([]handle, workers)
+		for i := range hs {
+			hs[i] = e.another(t)
+		}
+		var wg sync.WaitGroup
+		for w, h := range hs {
+			wg.Go(func() {
+				for i := range n {
+					// Two kinds of error per message, so that a park
+					// again also moves rows between groups.
+					p := parkedMsg(fmt.Sprintf("m%d", i), "charge", fmt.Errorf("kind %d: %w", (i+w)%2, errBoom))
+					if err := h.Park(t.Context(), p); err != nil {
+						t.Error(err)
+						return
+					}
+					time.Sleep(time.Duration(rand.IntN(500)) * time.Microsecond)
+				}
+			})
+		}
+		wg.Wait()
+		if c, err := e.Count(t.Context(), parked.Filter{}); err != nil || c != n {
+			t.Fatalf("%d rows after %d workers parked the same %d messages, %v", c, workers, n, err)
 		}
 		e.checkGroups(t)
 	})
