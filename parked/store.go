@@ -125,7 +125,7 @@ type Message struct {
 type Group struct {
 	ID        string // stable id: a hash of handler, outcome, error type and text
 	Handler   string
-	ErrorType string // Go type of the innermost error, e.g. "*net.OpError"
+	ErrorType string // Go type of the innermost error, e.g. "*json.SyntaxError"
 	Text      string // the normalised error text
 	Outcome   settle.Outcome
 	Parked    int64 // rows in state parked
