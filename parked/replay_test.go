@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle"
@@ -230,12 +231,29 @@ func checkOnce(t *testing.T, out []outboxRow, want []string) {
 
 // A replay cancelled part-way and run again replays every message once:
 // the transactions it committed stay, the one it was in rolls back whole.
+// Half the replays are cancelled at a random time (in a transaction, or
+// between two), half right after a transaction committed (told by the
+// store's log).
 func TestReplayInterrupted(t *testing.T) {
 	t.Parallel()
 	forEach(t, func(t *testing.T, d drv) {
 		e := setup(t, d, parked.Config{})
+		var (
+			mu      sync.Mutex
+			cancel  context.CancelFunc
+			commits int
+			after   int
+		)
+		logged := e.openWith(t, e.db, parked.Config{Logger: commitLogger(func() {
+			mu.Lock()
+			defer mu.Unlock()
+			if commits++; commits == after {
+				cancel()
+			}
+		})})
+		parked.SetChunk(logged.api, 4)
 		parked.SetChunk(e.api, 4)
-		const n, iterations = 24, 6
+		const n, iterations = 24, 8
 		var want []string
 		interrupted := 0
 		for it := range iterations {
@@ -248,9 +266,23 @@ func TestReplayInterrupted(t *testing.T) {
 				want = append(want, replay.UUID(uuid, 1))
 			}
 			f := parked.Filter{Handler: handler}
-			ctx, cancel := context.WithTimeout(t.Context(), time.Duration(rand.IntN(40000))*time.Microsecond)
-			first, err := e.replay(ctx, f, parked.ReplayOptions{})
-			cancel()
+			var first parked.ReplayResult
+			var err error
+			if it%2 == 0 {
+				ctx, stop := context.WithTimeout(t.Context(), time.Duration(rand.IntN(40000))*time.Microsecond)
+				first, err = e.replay(ctx, f, parked.ReplayOptions{})
+				stop()
+			} else {
+				ctx, stop := context.WithCancel(t.Context())
+				mu.Lock()
+				cancel, commits, after = stop, 0, 1+rand.IntN(n/4-1)
+				mu.Unlock()
+				first, err = logged.replay(ctx, f, parked.ReplayOptions{})
+				stop()
+				if err == nil || first.Replayed != int64(4*after) {
+					t.Errorf("iteration %d: cancelled after %d transactions: %+v, %v; want %d replayed and the error", it, after, first, err, 4*after)
+				}
+			}
 			if err != nil {
 				interrupted++
 			}
@@ -266,4 +298,20 @@ func TestReplayInterrupted(t *testing.T) {
 		e.checkGroups(t)
 		t.Logf("%d of %d replays interrupted", interrupted, iterations)
 	})
+}
+
+// commitLogger calls committed at each transaction of a replay that
+// committed (the store logs it at debug level).
+type commitLogger func()
+
+func (l commitLogger) Error(string, error, watermill.LogFields) {}
+func (l commitLogger) Info(string, watermill.LogFields)         {}
+func (l commitLogger) Trace(string, watermill.LogFields)        {}
+func (l commitLogger) With(watermill.LogFields) watermill.LoggerAdapter {
+	return l
+}
+func (l commitLogger) Debug(msg string, _ watermill.LogFields) {
+	if msg == "parked: replayed" {
+		l()
+	}
 }
