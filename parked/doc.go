@@ -62,7 +62,7 @@
 //     handler, group or time window at volume.
 //   - Text columns hold valid UTF-8: invalid bytes and NUL in a handler,
 //     topic, reason or name read back as U+FFFD (the UUID, key, payload
-//     and metadata read back exactly). Handler and topic are kept to 700
+//     and metadata read back exactly). Handler and topic are kept to 600
 //     characters, the reason to 16 KiB.
 //   - A page of List does not move when rows are parked meanwhile, but a
 //     row parked again (its last failure moved) may show in two pages, or

@@ -45,6 +45,11 @@ func TestRoundTripHostileRows(t *testing.T) {
 		}{
 			{"huge", &message.Message{UUID: "u-huge", Payload: payload, Metadata: md}, nil},
 			{"no uuid", &message.Message{UUID: "", Payload: []byte("no uuid"), Metadata: message.Metadata{}}, nil},
+			{"long uuid and key", &message.Message{UUID: strings.Repeat("u\xff", 50000), Payload: []byte("x"), Metadata: message.Metadata{}}, func(p *settle.Parked) {
+				p.Key = strings.Repeat("order:\x00", 20000)
+				p.Handler = strings.Repeat("h\U0001F600", 2000) // cut to 600 characters
+				p.Topic = strings.Repeat("t\U0001F600", 300)
+			}},
 			{"markup reason", &message.Message{UUID: "u-<script>\xff", Payload: []byte{}, Metadata: message.Metadata{}}, func(p *settle.Parked) {
 				p.Cause = errors.New("<script>alert('x')</script> \xff\x00 failed")
 				p.Key = "key\xff\x00<b>"
@@ -53,13 +58,13 @@ func TestRoundTripHostileRows(t *testing.T) {
 			}},
 		}
 		for _, c := range cases {
-			p := settle.Parked{Message: c.msg, Outcome: settle.Poisoned, Cause: errBoom, Handler: "h " + c.name, Topic: "t",
+			p := settle.Parked{Message: c.msg, Outcome: settle.Poisoned, Cause: errBoom, Handler: "h " + c.name, Topic: "t " + c.name,
 				Attempts: 2, FirstFailure: time.UnixMicro(1_700_000_000_000_001), LastFailure: time.UnixMicro(1_700_000_000_500_002)}
 			if c.p != nil {
 				c.p(&p)
 			}
 			e.park(t, p)
-			page, err := e.List(t.Context(), parked.Query{Filter: parked.Filter{UUID: c.msg.UUID, Handler: p.Handler}})
+			page, err := e.List(t.Context(), parked.Query{Filter: parked.Filter{UUID: c.msg.UUID, Key: p.Key, Handler: p.Handler}})
 			if err != nil || len(page.Messages) != 1 {
 				t.Fatalf("%s: List by UUID = %d rows, %v; want 1", c.name, len(page.Messages), err)
 			}
@@ -74,7 +79,7 @@ func TestRoundTripHostileRows(t *testing.T) {
 				t.Errorf("%s: the row does not read back as parked: uuid %q (want %q), payload %d bytes equal=%v, metadata equal=%v",
 					c.name, m.UUID, c.msg.UUID, len(m.Payload), bytes.Equal(m.Payload, c.msg.Payload), maps.Equal(m.Metadata, c.msg.Metadata))
 			}
-			if m.Key != p.Key || m.Outcome != settle.Poisoned || m.Attempts != 2 || m.State != parked.StateParked || m.Topic != "t" ||
+			if m.Key != p.Key || m.Outcome != settle.Poisoned || m.Attempts != 2 || m.State != parked.StateParked || m.Topic != p.Topic ||
 				!m.FirstFailure.Equal(p.FirstFailure) || !m.LastFailure.Equal(p.LastFailure) || m.TraceID != p.TraceID {
 				t.Errorf("%s: row %+v", c.name, m)
 			}
