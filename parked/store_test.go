@@ -45,8 +45,10 @@ func TestRoundTripHostileRows(t *testing.T) {
 		}{
 			{"huge", &message.Message{UUID: "u-huge", Payload: payload, Metadata: md}, nil},
 			{"no uuid", &message.Message{UUID: "", Payload: []byte("no uuid"), Metadata: message.Metadata{}}, nil},
-			{"long uuid and key", &message.Message{UUID: strings.Repeat("u\xff", 50000), Payload: []byte("x"), Metadata: message.Metadata{}}, func(p *settle.Parked) {
-				p.Key = strings.Repeat("order:\x00", 20000)
+			// Incompressible, so that PostgreSQL cannot fit them in an
+			// index entry by compressing them.
+			{"long uuid and key", &message.Message{UUID: noise(20000), Payload: []byte("x"), Metadata: message.Metadata{}}, func(p *settle.Parked) {
+				p.Key = noise(30000)
 				p.Handler = strings.Repeat("h\U0001F600", 2000) // cut to 600 characters
 				p.Topic = strings.Repeat("t\U0001F600", 300)
 			}},
@@ -160,4 +162,13 @@ func TestConcurrentParks(t *testing.T) {
 		}
 		e.checkGroups(t)
 	})
+}
+
+// noise returns n random bytes.
+func noise(n int) string {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(rand.Uint32())
+	}
+	return string(b)
 }
