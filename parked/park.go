@@ -190,8 +190,9 @@ func (s *Store[TTx]) bumpGroups(ctx context.Context, ex sqldb.Executor, deltas m
 
 // brief is s for an error's text: valid UTF-8, at most 128 bytes.
 func brief(s string) string {
-	if c := cutBytes(clean(s), 128); len(c) < len(s) {
+	s = clean(s)
+	if c := cutBytes(s, 128); len(c) < len(s) {
 		return c + "…"
 	}
-	return clean(s)
+	return s
 }
