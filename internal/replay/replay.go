@@ -8,6 +8,8 @@ import (
 	"crypto/sha1"
 	"fmt"
 	"strconv"
+
+	"github.com/settle-go/settle"
 )
 
 // namespace is the UUID namespace of replayed messages' UUIDs.
@@ -28,3 +30,32 @@ func UUID(of string, n int) string {
 	u[8] = (u[8] & 0x3f) | 0x80 // RFC 4122 variant
 	return fmt.Sprintf("%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
 }
+
+// DropKeys are the metadata keys a replayed copy does not carry over from
+// the message it replays: settle's failure keys (settle_attempt and the
+// failure times would make the retry middleware count the old attempts
+// again, and the others describe a failure the replay leaves behind; the
+// outcome and the reason move to settle_replay_outcome and
+// settle_replay_reason), the keys the AMQP marshaler and the broker adapters
+// set on the consuming side (a republished copy is a new delivery), the
+// retry middleware's attempt mark (it vouches for one republished copy
+// only), and the headers RabbitMQ writes itself when it dead-letters a
+// message or counts a quorum queue's deliveries.
+var DropKeys = []string{
+	settle.MetaOutcome, settle.MetaReason, settle.MetaAttempt,
+	settle.MetaHandler, settle.MetaOriginalTopic, settle.MetaOriginalUUID,
+	settle.MetaFirstFailure, settle.MetaLastFailure,
+	settle.MetaRedelivered, settle.MetaDeliveryCount,
+	MetaAMQPHeaderTypes, MetaAttemptMark, MetaDroppedHeaders,
+	"x-death", "x-delivery-count",
+	"x-first-death-exchange", "x-first-death-queue", "x-first-death-reason",
+	"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason",
+}
+
+// Keys of other packages, spelled here so that a replay needs neither the
+// AMQP marshaler nor the parking middleware (a test checks they agree).
+const (
+	MetaAMQPHeaderTypes = "settle_amqp_header_types" // amqpmarshal.MetaHeaderTypes
+	MetaAttemptMark     = "settle_attempt_mark"      // middleware.MetaAttemptMark
+	MetaDroppedHeaders  = "settle_dropped_headers"   // internal/park.MetaDroppedHeaders
+)

@@ -3,6 +3,8 @@ package replay_test
 import (
 	"testing"
 
+	"github.com/settle-go/settle/amqpmarshal"
+	"github.com/settle-go/settle/internal/park"
 	"github.com/settle-go/settle/internal/replay"
 )
 
@@ -35,6 +37,21 @@ func TestUUID(t *testing.T) {
 			if len(id) != 36 || id[14] != '5' {
 				t.Errorf("UUID(%q, %d) = %s, want a version 5 UUID", of, n, id)
 			}
+		}
+	}
+}
+
+// The keys spelled in package replay are those of the packages that own
+// them.
+func TestKeysAgree(t *testing.T) {
+	t.Parallel()
+	for _, c := range [][2]string{
+		{replay.MetaAMQPHeaderTypes, amqpmarshal.MetaHeaderTypes},
+		{replay.MetaAttemptMark, park.MetaAttemptMark},
+		{replay.MetaDroppedHeaders, park.MetaDroppedHeaders},
+	} {
+		if c[0] != c[1] {
+			t.Errorf("replay spells %q, its owner %q", c[0], c[1])
 		}
 	}
 }
