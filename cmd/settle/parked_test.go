@@ -18,6 +18,7 @@ import (
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/replay"
+	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/parked"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -401,5 +402,30 @@ func TestParkedCommands(t *testing.T) {
 				t.Fatalf("purge -state parked: %v\n%v", st, r)
 			}
 		})
+	}
+}
+
+// The next-page command of a list repeats the flags given, but never a
+// password of -db: PostgreSQL here trusts the connection, so the command
+// runs with a password in its URL and prints the command with it redacted.
+func TestParkedNextPageHidesThePassword(t *testing.T) {
+	t.Parallel()
+	u := testenv.Require(t, testenv.PostgresURLEnv)
+	p := setupParked(t, u, nil)
+	for i := range 3 {
+		p.park(fmt.Sprintf("pw-%d", i), "charge", "orders", settle.DeadLettered, "declined", time.Now(), "{}", nil)
+	}
+	withPW := strings.Replace(u, "postgres@", "postgres:PWsecret@", 1)
+	if withPW == u {
+		t.Fatalf("cannot put a password into %s", redact(u))
+	}
+	r := mustRun(t, exitOK, "parked", "list", "-db", withPW, "-table", p.table, "-limit", "1", "-reason", "it's declined")
+	if strings.Contains(r.stdout+r.stderr, "PW") {
+		t.Fatalf("the password is printed:\n%v", r)
+	}
+	r = mustRun(t, exitOK, "parked", "list", "-db", withPW, "-table", p.table, "-limit", "1")
+	m := nextPage.FindStringSubmatch(r.stdout)
+	if m == nil || strings.Contains(r.stdout+r.stderr, "PW") || !strings.Contains(m[1], "postgres:xxxxx@") {
+		t.Fatalf("want a next-page command with the password redacted:\n%v", r)
 	}
 }
