@@ -239,8 +239,13 @@ func nextPageCommand(fs *flag.FlagSet, name, cursor string) string {
 			return
 		}
 		v := f.Value.String()
-		if f.Name == "db" {
+		switch f.Name {
+		case "db":
 			v = redact(v)
+		case "since", "until":
+			// An age means another time when the next page is asked for:
+			// the page goes on from the same window.
+			v = f.Value.(*timeFlag).t.UTC().Format(time.RFC3339Nano)
 		}
 		parts = append(parts, "-"+f.Name, shellQuote(v))
 	})
@@ -504,7 +509,7 @@ func runParkedReplay(e *env, args []string) (err error) {
 	if left := pre.Replayed - res.Replayed; left > 0 {
 		fmt.Fprintf(e.stdout, " (%d no longer parked when reached: replayed or archived meanwhile)", left)
 	}
-	fmt.Fprintln(e.stdout)
+	fmt.Fprintf(e.stdout, "\nthe application's outbox relay forwards them; settle outbox status -topic %s shows its backlog\n", safeLine(*ob))
 	return nil
 }
 
@@ -584,6 +589,7 @@ func runParkedPurge(e *env, args []string) (err error) {
 	fs := newFlagSet(name)
 	var p parkedFlags
 	p.register(fs, "id handler topic outcome group state reason uuid key since")
+	fs.Lookup("state").Usage = "delete rows in this state: parked, replayed or archived (default replayed and archived: parked rows are deleted only when named)"
 	var before timeFlag
 	fs.Var(&before, "before", "delete rows that last failed before this time: RFC 3339, or an age such as 30d (required)")
 	yes := fs.Bool("yes", false, "delete; without it, only count what would be deleted")
