@@ -63,6 +63,7 @@ var commands = []command{
 	{"parked replay", runParkedReplay},
 	{"parked archive", runParkedArchive},
 	{"parked purge", runParkedPurge},
+	{"parked schema", runParkedSchema},
 	{"trace", runTrace},
 }
 

@@ -650,3 +650,34 @@ func runParkedPurge(e *env, args []string) (err error) {
 	fmt.Fprintf(e.stdout, "deleted %d rows from %s\n", n, safeLine(*p.table))
 	return nil
 }
+
+func runParkedSchema(e *env, args []string) error {
+	const name = "parked schema"
+	fs := newFlagSet(name)
+	dialect := fs.String("dialect", "", "postgres, mysql or sqlite (required)")
+	table := fs.String("table", defaultParkedTable, "the parked-message table, optionally schema-qualified (its group counts go in TABLE_groups)")
+	pos, err := parse(e, fs, name, args)
+	if err != nil {
+		return err
+	}
+	switch {
+	case len(pos) > 0:
+		return usagef(fs, name, "unexpected argument %q", pos[0])
+	case *dialect == "":
+		return usagef(fs, name, "-dialect is required (postgres, mysql or sqlite)")
+	}
+	if err := checkDialect(*dialect); err != nil {
+		return usagef(fs, name, "%v", err)
+	}
+	d := schemaDatabase(*dialect)
+	defer d.Close()
+	s, err := d.newParked(parked.Config{Table: *table})
+	if err != nil {
+		return usagef(fs, name, "-table: %v", err)
+	}
+	schema, ok := s.(interface{ Schema() []string })
+	if !ok {
+		return fmt.Errorf("the parked store %T gives no schema", s)
+	}
+	return writeSQL(e.stdout, fmt.Sprintf("settle parked-message table %s (%s)", *table, *dialect), schema.Schema())
+}
