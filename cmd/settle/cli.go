@@ -83,7 +83,7 @@ var synopses = map[string]string{
 	"parked list":     "parked list -db URL [-driver pgx|sql] [-table T] [FILTERS] [-limit N] [-after CURSOR]",
 	"parked show":     "parked show -db URL [-driver pgx|sql] [-table T] ID",
 	"parked groups":   "parked groups -db URL [-driver pgx|sql] [-table T] [-handler H] [-outcome O] [-all]",
-	"parked replay":   "parked replay -db URL [-driver pgx|sql] [-table T] (FILTERS | -all) [-outbox T] [-to TOPIC] [-force] [-by WHO] [-yes]",
+	"parked replay":   "parked replay -db URL [-driver pgx|sql] [-table T] (FILTERS | -all) [-outbox T] [-to TOPIC] [-force] [-max-replays N] [-by WHO] [-yes]",
 	"parked archive":  "parked archive -db URL [-driver pgx|sql] [-table T] (FILTERS | -all) [-by WHO] [-yes]",
 	"parked purge":    "parked purge -db URL [-driver pgx|sql] [-table T] [FILTERS] [-state S] -before TIME [-yes]",
 	"trace":           "trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag KEY=VALUE]) [-svg FILE]",

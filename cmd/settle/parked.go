@@ -31,6 +31,9 @@ type parkedFlags struct {
 	ids                                                      int64List
 	handler, topic, outcome, group, state, reason, uuid, key string
 	since, until                                             timeFlag
+	// maxReplays is the loop guard (replay's -max-replays); 0 is the
+	// store's default.
+	maxReplays int
 }
 
 // register defines the flags of the store and the filters named in
@@ -108,7 +111,7 @@ func (p *parkedFlags) open(e *env) (*database, parkedStore, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	s, err := d.newParked(parked.Config{Table: *p.table})
+	s, err := d.newParked(parked.Config{Table: *p.table, MaxReplays: p.maxReplays})
 	if err != nil {
 		return nil, nil, errors.Join(fmt.Errorf("-table: %w", err), d.Close())
 	}
@@ -458,12 +461,16 @@ func runParkedReplay(e *env, args []string) (err error) {
 	ob := fs.String("outbox", defaultOutboxTopic, "write the copies through this outbox (outbox.Config.Topic), which the application's relay forwards")
 	to := fs.String("to", "", "send every copy to this topic instead of the topic each message was consumed from")
 	force := fs.Bool("force", false, "replay messages the loop guard refuses (replayed too often already, and failed again)")
+	fs.IntVar(&p.maxReplays, "max-replays", 3, "the loop guard: refuse a message replayed this many times already (the application's parked.Config.MaxReplays)")
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
 	}
 	if len(pos) > 0 {
 		return usagef(fs, name, "unexpected argument %q (use -id to select rows)", pos[0])
+	}
+	if p.maxReplays < 1 {
+		return usagef(fs, name, "-max-replays must be >= 1")
 	}
 	if err := c.selection(&p); err != nil {
 		return usagef(fs, name, "%v", err)

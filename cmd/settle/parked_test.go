@@ -368,6 +368,11 @@ func TestParkedCommands(t *testing.T) {
 			if count, _ := p.outboxRows(); len(count) != 5 {
 				t.Fatalf("the second replay wrote rows: %v", count)
 			}
+			// The application's loop guard, when it is not the default.
+			r = p.run(exitOK, "parked replay", "-uuid", guarded, "-max-replays", "4")
+			if !strings.Contains(r.stdout, "would replay 1 parked messages") || strings.Contains(r.stdout, "refused") {
+				t.Errorf("replay -max-replays 4 of a message replayed 3 times:\n%v", r)
+			}
 			// -force and -to.
 			other := shortName("other_")
 			r = p.run(exitOK, "parked replay", "-uuid", guarded, "-to", other, "-force", "-yes")
