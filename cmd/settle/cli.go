@@ -86,6 +86,7 @@ var synopses = map[string]string{
 	"parked replay":   "parked replay -db URL [-driver pgx|sql] [-table T] (FILTERS | -all) [-outbox T] [-to TOPIC] [-force] [-max-replays N] [-by WHO] [-yes]",
 	"parked archive":  "parked archive -db URL [-driver pgx|sql] [-table T] (FILTERS | -all) [-by WHO] [-yes]",
 	"parked purge":    "parked purge -db URL [-driver pgx|sql] [-table T] [FILTERS] [-state S] -before TIME [-yes]",
+	"parked schema":   "parked schema -dialect postgres|mysql|sqlite [-table T]",
 	"trace":           "trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag KEY=VALUE]) [-svg FILE]",
 }
 
