@@ -2,9 +2,9 @@
 // table, dead-letter and poison queues on RabbitMQ, the dedupe table and the
 // transactional outbox.
 //
-//	settle parked list    -db URL [-driver pgx|sql] [-table T] [FILTERS] [-limit N] [-after CURSOR]
-//	settle parked show    -db URL [-table T] ID
-//	settle parked groups  -db URL [-table T] [-handler H] [-outcome O] [-all]
+//	settle parked list    -db URL [-driver pgx|sql] [-table T] [FILTERS] [-limit N] [-after CURSOR] [-json]
+//	settle parked show    -db URL [-table T] [-json] ID
+//	settle parked groups  -db URL [-table T] [-handler H] [-outcome O] [-all] [-json]
 //	settle parked replay  -db URL [-table T] (FILTERS | -all) [-outbox T] [-to TOPIC]
 //	                      [-force] [-max-replays N] [-by WHO] [-yes]
 //	settle parked archive -db URL [-table T] (FILTERS | -all) [-by WHO] [-yes]

@@ -184,6 +184,7 @@ func runParkedList(e *env, args []string) (err error) {
 	p.register(fs, "id handler topic outcome group state reason uuid key since until")
 	limit := fs.Int("limit", 50, "list at most this many rows (1-1000)")
 	after := fs.String("after", "", "continue after the last row of a previous page: the cursor it printed")
+	asJSON := fs.Bool("json", false, `write JSON: {"messages": [...], "next": CURSOR}, without payloads`)
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
@@ -206,6 +207,16 @@ func runParkedList(e *env, args []string) (err error) {
 	page, err := s.List(e.ctx, parked.Query{Filter: f, Cursor: *after, Limit: *limit})
 	if err != nil {
 		return err
+	}
+	if *asJSON {
+		out := struct {
+			Messages []parkedJSON `json:"messages"`
+			Next     string       `json:"next,omitempty"`
+		}{Messages: []parkedJSON{}, Next: page.Next}
+		for _, m := range page.Messages {
+			out.Messages = append(out.Messages, toJSON(m, false))
+		}
+		return writeJSON(e.stdout, out)
 	}
 	if len(page.Messages) == 0 {
 		fmt.Fprintln(e.stderr, "no parked message matches")
@@ -271,6 +282,7 @@ func runParkedShow(e *env, args []string) (err error) {
 	fs := newFlagSet(name)
 	var p parkedFlags
 	p.register(fs, "")
+	asJSON := fs.Bool("json", false, "write JSON: the row, its metadata and its payload (payload_base64 when it is not UTF-8)")
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
@@ -293,6 +305,9 @@ func runParkedShow(e *env, args []string) (err error) {
 	}
 	if err != nil {
 		return err
+	}
+	if *asJSON {
+		return writeJSON(e.stdout, toJSON(m, true))
 	}
 	return writeParked(e.stdout, m)
 }
@@ -364,6 +379,7 @@ func runParkedGroups(e *env, args []string) (err error) {
 	var p parkedFlags
 	p.register(fs, "handler outcome")
 	all := fs.Bool("all", false, "list groups with no parked row left too (replayed or archived only)")
+	asJSON := fs.Bool("json", false, "write JSON (an array of groups)")
 	pos, err := parse(e, fs, name, args)
 	if err != nil {
 		return err
@@ -386,6 +402,14 @@ func runParkedGroups(e *env, args []string) (err error) {
 	}
 	if !*all {
 		groups = slices.DeleteFunc(groups, func(g parked.Group) bool { return g.Parked == 0 })
+	}
+	if *asJSON {
+		out := []groupJSON{}
+		for _, g := range groups {
+			out = append(out, groupJSON{ID: g.ID, Handler: g.Handler, Outcome: string(g.Outcome), ErrorType: g.ErrorType, Text: g.Text,
+				Parked: g.Parked, Total: g.Total, FirstSeen: jsonTime(g.FirstSeen), LastSeen: jsonTime(g.LastSeen)})
+		}
+		return writeJSON(e.stdout, out)
 	}
 	if len(groups) == 0 {
 		fmt.Fprintln(e.stderr, "no failure group matches")
@@ -687,4 +711,72 @@ func runParkedSchema(e *env, args []string) error {
 		return fmt.Errorf("the parked store %T gives no schema", s)
 	}
 	return writeSQL(e.stdout, fmt.Sprintf("settle parked-message table %s (%s)", *table, *dialect), schema.Schema())
+}
+
+// parkedJSON is a row as list -json and show -json write it. Times are
+// RFC 3339 UTC, omitted when unknown; the payload is text when it is UTF-8,
+// base64 otherwise, and only in show.
+type parkedJSON struct {
+	ID            int64             `json:"id"`
+	State         string            `json:"state"`
+	Outcome       string            `json:"outcome"`
+	Handler       string            `json:"handler"`
+	Topic         string            `json:"topic"`
+	UUID          string            `json:"uuid"`
+	Key           string            `json:"dedupe_key,omitempty"`
+	Group         string            `json:"group"`
+	Reason        string            `json:"reason"`
+	Attempts      int               `json:"attempts"`
+	FirstFailure  string            `json:"first_failure,omitempty"`
+	LastFailure   string            `json:"last_failure,omitempty"`
+	TraceID       string            `json:"trace_id,omitempty"`
+	Replays       int               `json:"replays"`
+	ReplayedAt    string            `json:"replayed_at,omitempty"`
+	ReplayedBy    string            `json:"replayed_by,omitempty"`
+	ArchivedAt    string            `json:"archived_at,omitempty"`
+	Metadata      map[string]string `json:"metadata,omitempty"`
+	PayloadBytes  *int              `json:"payload_bytes,omitempty"`
+	Payload       *string           `json:"payload,omitempty"`
+	PayloadBase64 []byte            `json:"payload_base64,omitempty"`
+}
+
+// jsonTime is t for JSON: RFC 3339 UTC, "" when zero.
+func jsonTime(t time.Time) string {
+	if t.IsZero() {
+		return ""
+	}
+	return t.UTC().Format(time.RFC3339Nano)
+}
+
+func toJSON(m parked.Message, full bool) parkedJSON {
+	j := parkedJSON{ID: m.ID, State: string(m.State), Outcome: string(m.Outcome), Handler: m.Handler, Topic: m.Topic,
+		UUID: m.UUID, Key: m.Key, Group: m.Group, Reason: m.Reason, Attempts: m.Attempts,
+		FirstFailure: jsonTime(m.FirstFailure), LastFailure: jsonTime(m.LastFailure), TraceID: m.TraceID,
+		Replays: m.Replays, ReplayedAt: jsonTime(m.ReplayedAt), ReplayedBy: m.ReplayedBy, ArchivedAt: jsonTime(m.ArchivedAt)}
+	if !full {
+		return j
+	}
+	j.Metadata = map[string]string(m.Metadata)
+	n := len(m.Payload)
+	j.PayloadBytes = &n
+	if utf8.Valid(m.Payload) {
+		s := string(m.Payload)
+		j.Payload = &s
+	} else {
+		j.PayloadBase64 = m.Payload
+	}
+	return j
+}
+
+// groupJSON is a failure group as groups -json writes it.
+type groupJSON struct {
+	ID        string `json:"id"`
+	Handler   string `json:"handler"`
+	Outcome   string `json:"outcome"`
+	ErrorType string `json:"error_type"`
+	Text      string `json:"text"`
+	Parked    int64  `json:"parked"`
+	Total     int64  `json:"total"`
+	FirstSeen string `json:"first_seen,omitempty"`
+	LastSeen  string `json:"last_seen,omitempty"`
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
@@ -314,6 +315,35 @@ func TestParkedCommands(t *testing.T) {
 			for _, want := range []string{`u-\x1b[2J-\u009b2J`, `evil\x1b]0;pwned\x07`, `t\u202eopic`, `<script>alert(1)</script>\x1b[2J\u009b31m`, `k\x1b[2J: v\u202e\x1b]0;title\x07`, "not UTF-8, hex", "ff fe 1b 5b 32 4a"} {
 				if !strings.Contains(r.stdout, want) {
 					t.Errorf("show of the hostile row does not say %q:\n%s", want, r.stdout)
+				}
+			}
+			// -json: the data whole, escaped only as JSON.
+			r = p.run(exitOK, "parked show", strconv.FormatInt(p.idOf(hostileUUID), 10), "-json")
+			assertSafe(t, "parked show -json", r.stdout)
+			var shown parkedJSON
+			if err := json.Unmarshal([]byte(r.stdout), &shown); err != nil {
+				t.Fatalf("show -json: %v\n%s", err, r.stdout)
+			}
+			if string(shown.PayloadBase64) != hostilePayload || shown.Payload != nil || shown.UUID != hostileUUID ||
+				shown.Metadata["k\x1b[2J"] != "v\u202e\x1b]0;title\x07" || !strings.HasPrefix(shown.Reason, "<script>alert(1)</script>\x1b[2J\u009b31m") {
+				t.Errorf("show -json of the hostile row: %+v", shown)
+			}
+			r = p.run(exitOK, "parked list", "-json", "-limit", "5")
+			var listed struct {
+				Messages []parkedJSON `json:"messages"`
+				Next     string       `json:"next"`
+			}
+			if err := json.Unmarshal([]byte(r.stdout), &listed); err != nil || len(listed.Messages) != 5 || listed.Next == "" || listed.Messages[0].Payload != nil {
+				t.Fatalf("list -json: %v %+v\n%s", err, listed, r.stdout)
+			}
+			r = p.run(exitOK, "parked groups", "-json")
+			var groups []groupJSON
+			if err := json.Unmarshal([]byte(r.stdout), &groups); err != nil || len(groups) != 3 {
+				t.Fatalf("groups -json: %v\n%s", err, r.stdout)
+			}
+			for _, g := range groups {
+				if g.ID == chargeGroup && (g.Parked != 6 || g.Handler != "charge" || g.LastSeen == "") {
+					t.Errorf("groups -json, the charge group: %+v", g)
 				}
 			}
 			p.run(exitFail, "parked show", "999999999")
