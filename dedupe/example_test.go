@@ -171,3 +171,50 @@ func ExampleScopedKey() {
 	// "order-17"
 	// "\x000:charge\x00order-17"
 }
+
+// Lookup answers "was order 17 charged by handler charge, after how many
+// attempts?" from the claims table, where the key is stored with its scope
+// and the times as microseconds; InFlight lists the claims held now.
+func ExampleSQLStore_Lookup() {
+	dir, _ := os.MkdirTemp("", "settle-example")
+	defer os.RemoveAll(dir)
+	db, err := sql.Open("sqlite", "file:"+filepath.Join(dir, "shop.db")+"?_pragma=busy_timeout(5000)&_txlock=immediate")
+	if err != nil {
+		panic(err)
+	}
+	defer db.Close()
+	ctx := context.Background()
+	store, err := dedupe.NewSQLStore(sqldb.Std(db, sqldb.SQLite), dedupe.SQLConfig{})
+	if err != nil {
+		panic(err)
+	}
+	for _, stmt := range store.Schema() {
+		if _, err := db.ExecContext(ctx, stmt); err != nil {
+			panic(err)
+		}
+	}
+	// Handler charge ran order-17 twice: the first run failed, the second
+	// was confirmed. It is running order-18 now.
+	key := dedupe.ScopedKey("charge", "order-17")
+	c, _ := store.Claim(ctx, key, time.Minute)
+	_ = store.Release(ctx, c)
+	c, _ = store.Claim(ctx, key, time.Minute)
+	_ = store.Confirm(ctx, c)
+	_, _ = store.Claim(ctx, dedupe.ScopedKey("charge", "order-18"), time.Minute)
+
+	st, found, err := store.Lookup(ctx, "charge", "order-17")
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println(found, st.State, "after", st.Attempts, "attempts")
+	_, found, _ = store.Lookup(ctx, "refund", "order-17")
+	fmt.Println("refund:", found)
+	held, _ := store.InFlight(ctx, 10)
+	for _, h := range held {
+		fmt.Println("in flight:", h.Scope, h.Key)
+	}
+	// Output:
+	// true confirmed after 2 attempts
+	// refund: false
+	// in flight: charge order-18
+}
