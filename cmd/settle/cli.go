@@ -56,6 +56,7 @@ var commands = []command{
 	{"outbox prune", runOutboxPrune},
 	{"outbox retry", runOutboxRetry},
 	{"trace", runTrace},
+	{"console", runConsole},
 }
 
 // synopses are the usage lines of the commands, after "settle ".
@@ -70,6 +71,7 @@ var synopses = map[string]string{
 	"outbox retry":  "outbox retry -db URL [-driver pgx|sql] [-topic T] (-offset N ... | -dest TOPIC | -all) [-yes] [-json]",
 	"outbox prune":  "outbox prune -db URL [-driver pgx|sql] [-topic T] -older-than AGE [-force] [-yes]",
 	"trace":         "trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag KEY=VALUE]) [-svg FILE]",
+	"console":       "console -db URL [-driver pgx|sql] [-addr 127.0.0.1:8080] [-token-file F] [-read-only] [-jaeger URL] [-table T] [-topic T] [-dedupe-table T]",
 }
 
 // usage is the usage of every command, or of those of one group ("dlq")

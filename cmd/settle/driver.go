@@ -7,6 +7,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net/http"
 	"strings"
 	"time"
 
@@ -64,6 +65,7 @@ type database struct {
 	pool      sqldb.Executor
 	newStore  func(dedupe.SQLConfig) (dedupeStore, error)
 	newOutbox func(outbox.Config) (outboxStore, error)
+	console   func(context.Context, consoleSetup) (http.Handler, error)
 	close     func() error
 }
 
@@ -87,6 +89,9 @@ func on[TTx any](db sqldb.Driver[TTx], driver string, closeDB func() error) *dat
 				return nil, err
 			}
 			return o, nil
+		},
+		console: func(ctx context.Context, setup consoleSetup) (http.Handler, error) {
+			return consoleOn(ctx, db, setup)
 		},
 		close: closeDB,
 	}
