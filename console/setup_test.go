@@ -199,7 +199,9 @@ func (c *client) do(method, path string, form url.Values, hdr map[string]string)
 	return resp, string(b)
 }
 
-func (c *client) get(path string) (*http.Response, string) { return c.do(http.MethodGet, path, nil, nil) }
+func (c *client) get(path string) (*http.Response, string) {
+	return c.do(http.MethodGet, path, nil, nil)
+}
 
 // getOK gets path and fails the test unless it answers 200.
 func (c *client) getOK(path string) string {
