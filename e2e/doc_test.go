@@ -1,1 +1,0 @@
-package e2e
