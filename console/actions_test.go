@@ -172,7 +172,7 @@ func TestReadOnly(t *testing.T) {
 	c := f.client(t)
 	for _, path := range []string{"/", "/messages", "/messages/" + strconv.FormatInt(id, 10)} {
 		body := c.getOK(path)
-		for _, bad := range []string{"/confirm", "/act", "Replay", "Archive", `type="checkbox"`} {
+		for _, bad := range []string{"/confirm", `"/act"`, "Replay…", "Replay selected", "Archive", `type="checkbox"`} {
 			if strings.Contains(body, bad) {
 				t.Errorf("read-only %s shows %q", path, bad)
 			}

@@ -2,7 +2,9 @@ package console_test
 
 import (
 	"context"
+	"crypto/rand"
 	"database/sql"
+	"encoding/hex"
 	"errors"
 	"html"
 	"io"
@@ -43,8 +45,8 @@ type fixture[TTx any] struct {
 func setup[TTx any](t *testing.T, db sqldb.Driver[TTx], mod func(*console.Config[TTx])) *fixture[TTx] {
 	t.Helper()
 	ctx := t.Context()
-	table, topic, dd := testenv.Name(t, "pk"), testenv.Name(t, "ob")[:40], testenv.Name(t, "dd")
-	ps, err := parked.New(db, parked.Config{Table: table[:min(len(table), 50)]})
+	table, topic, dd := uniq("pk"), uniq("ob"), uniq("dd")
+	ps, err := parked.New(db, parked.Config{Table: table})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -69,7 +71,7 @@ func setup[TTx any](t *testing.T, db sqldb.Driver[TTx], mod func(*console.Config
 		if db.Dialect() == sqldb.SQLite {
 			return // a file of the test's own
 		}
-		for _, name := range []string{table[:min(len(table), 50)], table[:min(len(table), 50)] + "_groups", topic, topic + "_relays", dd} {
+		for _, name := range []string{table, table + "_groups", topic, topic + "_relays", dd} {
 			q := `DROP TABLE IF EXISTS "` + name + `"`
 			if db.Dialect() == sqldb.MySQL {
 				q = "DROP TABLE IF EXISTS `" + name + "`"
@@ -239,4 +241,11 @@ func confirmForm(t *testing.T, page string) url.Values {
 		v.Add(m[1], html.UnescapeString(m[2]))
 	}
 	return v
+}
+
+// uniq returns prefix and random hex: a table name of the test's own.
+func uniq(prefix string) string {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	return prefix + "_console_" + hex.EncodeToString(b[:])
 }

@@ -2,6 +2,8 @@ package e2e_test
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"sync"
@@ -15,7 +17,6 @@ import (
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
-	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/parked"
@@ -55,7 +56,7 @@ type order struct {
 func newShop[TTx any](t *testing.T, db sqldb.Driver[TTx]) *shop[TTx] {
 	t.Helper()
 	ctx := t.Context()
-	table, topic, dd := testenv.Name(t, "pk")[:40], testenv.Name(t, "ob")[:40], testenv.Name(t, "dd")
+	table, topic, dd := uniq("pk"), uniq("ob"), uniq("dd")
 	s := &shop[TTx]{db: db, delivered: map[int]int{}, charged: map[int]int{}}
 	var err error
 	if s.parked, err = parked.New(db, parked.Config{Table: table}); err != nil {
@@ -87,7 +88,7 @@ func newShop[TTx any](t *testing.T, db sqldb.Driver[TTx]) *shop[TTx] {
 	}
 	p, err := pipeline.New(router, pipeline.Config{
 		Publisher: s.pubsub, Store: s.claims, ParkStore: s.parked, DisableTracing: true,
-		Retry: middleware.RetryConfig{MaxAttempts: 2, NoInProcessRetries: true, RedeliveryDelay: settle.NoDelay},
+		Retry:     middleware.RetryConfig{MaxAttempts: 2, NoInProcessRetries: true, RedeliveryDelay: settle.NoDelay},
 		BusyDelay: 10 * time.Millisecond, NackDelay: 10 * time.Millisecond,
 	})
 	if err != nil {
@@ -186,4 +187,11 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// uniq returns prefix and random hex: a table name of the test's own.
+func uniq(prefix string) string {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	return prefix + "_e2e_" + hex.EncodeToString(b[:])
 }
