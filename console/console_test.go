@@ -72,7 +72,7 @@ func TestSecurityHeaders(t *testing.T) {
 		if strings.Contains(csp, "unsafe") {
 			t.Errorf("%s: Content-Security-Policy %q allows something unsafe", path, csp)
 		}
-		for k, want := range map[string]string{"X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"} {
+		for k, want := range map[string]string{"X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"} {
 			if got := h.Get(k); got != want {
 				t.Errorf("%s: %s = %q, want %q", path, k, got, want)
 			}
