@@ -64,7 +64,7 @@ func replayGroup[TTx any](t *testing.T, db sqldb.Driver[TTx]) {
 	}
 	c := f.client(t)
 	page := c.getOK("/confirm?action=replay&group=" + url.QueryEscape(m.Group))
-	if !strings.Contains(page, `<strong id="count">3</strong>`) || !strings.Contains(page, "<td>orders</td><td class=\"num\">3</td>") {
+	if !strings.Contains(page, `<strong id="count">3</strong>`) || !strings.Contains(page, `<td class="mono">orders</td><td class="num">3</td>`) {
 		t.Fatalf("the confirmation does not say 3 messages to orders:\n%s", page)
 	}
 	if f.pending(t) != 0 || f.state(t, ids[0]) != parked.StateParked {

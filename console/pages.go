@@ -413,7 +413,7 @@ func (sel selection) filter() parked.Filter {
 func (sel selection) describe() string {
 	switch {
 	case sel.Group != "":
-		return "the parked messages of group " + sel.Group + " that failed last before " + sel.Until.UTC().Format("2006-01-02 15:04:05 UTC")
+		return "a group's parked messages"
 	case len(sel.IDs) == 1:
 		return "message " + strconv.FormatInt(sel.IDs[0], 10)
 	}
@@ -436,12 +436,25 @@ func (s *server[TTx]) confirm(w http.ResponseWriter, r *http.Request) {
 	data := struct {
 		Sel          selection
 		What         string
+		Group        *parked.Group
 		Until        string
 		Preview      parked.ReplayResult
 		Destinations []destination
 		Archive      int64
 		Nothing      bool
 	}{Sel: sel, What: sel.describe()}
+	if sel.Group != "" {
+		gs, err := s.cfg.Parked.Groups(r.Context(), parked.Filter{})
+		if err != nil {
+			s.fail(w, r, "reading the group", err)
+			return
+		}
+		for i := range gs {
+			if gs[i].ID == sel.Group {
+				data.Group = &gs[i]
+			}
+		}
+	}
 	if !sel.Until.IsZero() {
 		data.Until = sel.Until.UTC().Format(time.RFC3339Nano)
 	}

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -168,7 +169,11 @@ func (s *shop[TTx]) publish(t *testing.T, n int) {
 	t.Helper()
 	for i := 1; i <= n; i++ {
 		b, _ := json.Marshal(order{Order: i, Cents: 1000 + i})
-		if err := s.pubsub.Publish("orders", message.NewMessage(watermill.NewUUID(), b)); err != nil {
+		m := message.NewMessage(watermill.NewUUID(), b)
+		m.Metadata.Set("content_type", "application/json")
+		m.Metadata.Set("tenant", "acme")
+		m.Metadata.Set("traceparent", fmt.Sprintf("00-4bf92f3577b34da6a3ce929d0e0e47%02x-00f067aa0ba902%02x-01", i, i))
+		if err := s.pubsub.Publish("orders", m); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -226,11 +231,20 @@ func (s *shop[TTx]) parkCopies(t *testing.T, ch <-chan *message.Message) {
 			orig.UUID = m.UUID
 		}
 		attempts, _ := strconv.Atoi(m.Metadata.Get(settle.MetaAttempt))
+		for k, v := range m.Metadata {
+			if !strings.HasPrefix(k, "settle_") {
+				orig.Metadata.Set(k, v)
+			}
+		}
+		traceID := ""
+		if tp := strings.Split(m.Metadata.Get("traceparent"), "-"); len(tp) == 4 {
+			traceID = tp[1]
+		}
 		err := s.parked.Park(context.Background(), settle.Parked{
 			Message: orig, Outcome: settle.Outcome(m.Metadata.Get(settle.MetaOutcome)),
 			Cause: errors.New(m.Metadata.Get(settle.MetaReason)), Handler: m.Metadata.Get(settle.MetaHandler),
 			Topic: m.Metadata.Get(settle.MetaOriginalTopic), Attempts: attempts,
-			FirstFailure: at(settle.MetaFirstFailure), LastFailure: at(settle.MetaLastFailure),
+			FirstFailure: at(settle.MetaFirstFailure), LastFailure: at(settle.MetaLastFailure), TraceID: traceID,
 		})
 		if err != nil {
 			t.Errorf("parking %s: %v", m.UUID, err)
