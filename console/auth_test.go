@@ -50,7 +50,7 @@ func TestTokenRequired(t *testing.T) {
 	}
 	// A wrong login.
 	resp, body := c.do(http.MethodPost, "/login", url.Values{"token": {token[:len(token)-1]}}, nil)
-	if resp.StatusCode != http.StatusUnauthorized || len(resp.Cookies()) != 0 {
+	if resp.StatusCode != http.StatusUnauthorized || len(resp.Cookies()) != 0 || !strings.Contains(body, "not the token") {
 		t.Errorf("a wrong login: %s with %d cookies, want 401 and none", resp.Status, len(resp.Cookies()))
 	}
 	// A login from another site.
