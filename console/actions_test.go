@@ -163,13 +163,18 @@ func TestCrossSiteRefused(t *testing.T) {
 	}
 }
 
-// Read-only: no button, no confirmation page, every POST refused.
+// Read-only: no button, no confirmation page, every POST refused, even
+// one with a valid session and CSRF token.
 func TestReadOnly(t *testing.T) {
 	t.Parallel()
-	f := setup(t, sqlite(t), func(c *console.Config[*sqlTx]) { c.ReadOnly = true })
+	f := setup(t, sqlite(t), func(c *console.Config[*sqlTx]) { c.ReadOnly, c.Token = true, token })
 	id := f.park(t, parkSpec{Handler: "charge", Topic: "orders", Reason: "declined"})
 	m, _ := f.parked.Get(t.Context(), id)
 	c := f.client(t)
+	if resp, _ := c.do(http.MethodPost, "/login", url.Values{"token": {token}}, nil); resp.StatusCode != http.StatusSeeOther {
+		t.Fatalf("login: %s", resp.Status)
+	}
+	var csrf string
 	for _, path := range []string{"/", "/messages", "/messages/" + strconv.FormatInt(id, 10)} {
 		body := c.getOK(path)
 		for _, bad := range []string{"/confirm", `"/act"`, "Replay…", "Replay selected", "Archive", `type="checkbox"`} {
@@ -177,17 +182,17 @@ func TestReadOnly(t *testing.T) {
 				t.Errorf("read-only %s shows %q", path, bad)
 			}
 		}
-		if !strings.Contains(body, "read-only") {
+		if !strings.Contains(body, `class="badge ro"`) {
 			t.Errorf("read-only %s does not say so", path)
 		}
+		csrf = csrfOf(t, body) // the log-out form's
 	}
 	if resp, _ := c.get("/confirm?action=replay&group=" + url.QueryEscape(m.Group)); resp.StatusCode != http.StatusNotFound {
 		t.Errorf("read-only confirmation page: %s, want 404", resp.Status)
 	}
-	// Refused as read-only, before the CSRF token is even looked at.
 	for _, action := range []string{"replay", "archive"} {
-		form := url.Values{"action": {action}, "id": {strconv.FormatInt(id, 10)}, "csrf": {"irrelevant"}}
-		if resp, body := c.do(http.MethodPost, "/act", form, nil); resp.StatusCode != http.StatusForbidden || !strings.Contains(body, "read-only") {
+		form := url.Values{"action": {action}, "id": {strconv.FormatInt(id, 10)}, "csrf": {csrf}}
+		if resp, body := c.do(http.MethodPost, "/act", form, nil); resp.StatusCode != http.StatusForbidden || !strings.Contains(body, `id="error">the console is read-only`) {
 			t.Errorf("read-only POST %s: %s, want 403 saying read-only", action, resp.Status)
 		}
 	}
