@@ -82,7 +82,7 @@ func (s *Store[TTx]) Park(ctx context.Context, p settle.Parked) error {
 	}
 	md, err := mdcolumn.Encode(p.Message.Metadata)
 	if err != nil {
-		return fmt.Errorf("parked: Park: metadata of message %q: %w", clean(p.Message.UUID), err)
+		return fmt.Errorf("parked: Park: metadata of message %q: %w", brief(p.Message.UUID), err)
 	}
 	now := time.Now()
 	last := p.LastFailure
@@ -153,7 +153,7 @@ func (s *Store[TTx]) Park(ctx context.Context, p settle.Parked) error {
 		return s.addGroup(ctx, ex, g, handler, outcome, 1, 1, seen, l)
 	})
 	if err != nil {
-		return fmt.Errorf("parked: Park %q of handler %q: %w", clean(p.Message.UUID), handler, err)
+		return fmt.Errorf("parked: Park %q of handler %q: %w", brief(p.Message.UUID), brief(handler), err)
 	}
 	return nil
 }
@@ -186,4 +186,13 @@ func (s *Store[TTx]) bumpGroups(ctx context.Context, ex sqldb.Executor, deltas m
 		}
 	}
 	return nil
+}
+
+// brief is s for an error's text: valid UTF-8, at most 128 bytes.
+func brief(s string) string {
+	s = clean(s)
+	if c := cutBytes(s, 128); len(c) < len(s) {
+		return c + "…"
+	}
+	return s
 }

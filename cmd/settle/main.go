@@ -1,11 +1,22 @@
-// Command settle operates what settle leaves behind: dead-letter and poison
-// queues on RabbitMQ, the dedupe table and the transactional outbox.
+// Command settle operates what settle leaves behind: the parked-message
+// table, dead-letter and poison queues on RabbitMQ, the dedupe table and the
+// transactional outbox.
 //
+//	settle parked list    -db URL [-driver pgx|sql] [-table T] [FILTERS] [-limit N] [-after CURSOR]
+//	settle parked show    -db URL [-table T] ID
+//	settle parked groups  -db URL [-table T] [-handler H] [-outcome O] [-all]
+//	settle parked replay  -db URL [-table T] (FILTERS | -all) [-outbox T] [-to TOPIC]
+//	                      [-force] [-max-replays N] [-by WHO] [-yes]
+//	settle parked archive -db URL [-table T] (FILTERS | -all) [-by WHO] [-yes]
+//	settle parked purge   -db URL [-table T] [FILTERS] [-state S] -before TIME [-yes]
+//	settle parked schema  -dialect postgres|mysql|sqlite [-table T]
 //	settle dlq list     -queue Q [-json] [-limit N] [-force]
 //	settle dlq show     -queue Q [-json] [-force] ID
 //	settle dlq replay   -queue Q [-id ID ...] [-handler H] [-reason SUBSTR] [-all]
 //	                    [-to Q | -allow-topics T,... | -any-destination] [-force] [-yes]
 //	settle dedupe prune -db URL [-driver pgx|sql] [-table T] -older-than 7d [-force] [-yes]
+//	settle dedupe show  -db URL [-driver pgx|sql] [-table T] (-handler H | -scope S) -key KEY
+//	settle dedupe inflight -db URL [-driver pgx|sql] [-table T] [-limit N]
 //	settle dedupe schema -dialect postgres|mysql|sqlite [-table T]
 //	settle outbox schema -dialect postgres|mysql|sqlite [-topic T] [-upgrade]
 //	settle outbox status -db URL [-driver pgx|sql] [-topic T] [-stuck-after D] [-list N] [-json]
@@ -21,6 +32,13 @@
 // a service builds on it: on a postgres:// URL, sqldb.Pgx on a
 // pgxpool.Pool; -driver sql runs them on sqldb.Std over database/sql
 // instead, the only driver of mysql:// and sqlite://.
+//
+// The parked commands work on the parked-message table through
+// parked.Store: FILTERS are -id -handler -topic -outcome -group -state
+// -reason -uuid -key -since -until. parked replay writes each copy through
+// the outbox in the transaction that marks its row replayed, so a replay
+// run twice, at once or after an interruption publishes each message once.
+// dedupe show says in words what the claims table knows of one key.
 //
 // Every command that changes or deletes something is a dry run unless -yes
 // is given: it prints what it would do (how many rows or messages, and some
