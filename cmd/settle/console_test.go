@@ -42,6 +42,9 @@ func TestConsoleServes(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	url := "sqlite://" + filepath.Join(dir, "app.db")
+	if err := os.WriteFile(filepath.Join(dir, "app.db"), nil, 0o600); err != nil { // an empty file is an empty database
+		t.Fatal(err)
+	}
 	d, err := openDatabase(&env{ctx: t.Context(), getenv: func(string) string { return "" }}, url, driverAuto)
 	if err != nil {
 		t.Fatal(err)
