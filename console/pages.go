@@ -529,9 +529,10 @@ func (s *server[TTx]) act(w http.ResponseWriter, r *http.Request) {
 type bar struct {
 	Start        time.Time
 	Dead, Poison int64
-	X            int // left edge, px
-	HDead, HPoi  int // heights, px
-	YDead, YPoi  int // top edges, px
+	X            int    // left edge, px
+	Label        string // the hour, under some bars
+	HDead, HPoi  int    // heights, px
+	YDead, YPoi  int    // top edges, px
 }
 
 // activity shows the parked rows per hour by outcome.
@@ -571,6 +572,13 @@ func (s *server[TTx]) activity(w http.ResponseWriter, r *http.Request) {
 		}
 		b.YDead = height - b.HDead
 		b.YPoi = b.YDead - b.HPoi
+		if i%max(1, hours/8) == 0 {
+			if hours > 24 {
+				b.Label = b.Start.Format("Jan 2 15:04")
+			} else {
+				b.Label = b.Start.Format("15:04")
+			}
+		}
 	}
 	s.render(w, r, http.StatusOK, "activity", "Activity", struct {
 		Bars               []bar

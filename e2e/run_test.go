@@ -47,6 +47,7 @@ type shop[TTx any] struct {
 	// after the fix: deliveries on the topic, and runs of the handler that
 	// succeeded, per order
 	delivered, charged map[int]int
+	chargedUUID        map[int]string // the UUID of the message that charged the order
 }
 
 type order struct {
@@ -60,7 +61,7 @@ func newShop[TTx any](t *testing.T, db sqldb.Driver[TTx]) *shop[TTx] {
 	t.Helper()
 	ctx := t.Context()
 	table, topic, dd := uniq("pk"), uniq("ob"), uniq("dd")
-	s := &shop[TTx]{db: db, delivered: map[int]int{}, charged: map[int]int{}}
+	s := &shop[TTx]{db: db, delivered: map[int]int{}, charged: map[int]int{}, chargedUUID: map[int]string{}}
 	var err error
 	if s.parked, err = parked.New(db, parked.Config{Table: table}); err != nil {
 		t.Fatal(err)
@@ -107,6 +108,7 @@ func newShop[TTx any](t *testing.T, db sqldb.Driver[TTx]) *shop[TTx] {
 		}
 		s.mu.Lock()
 		s.charged[o.Order]++
+		s.chargedUUID[o.Order] = m.UUID
 		s.mu.Unlock()
 		return nil
 	})
