@@ -113,9 +113,9 @@ func eval[T any](t *testing.T, ctx context.Context, expr string) T {
 	return run(t, ctx, chromedp.Evaluate[T](expr))
 }
 
-// shoot saves a PNG of the page as docs/images/console-<name>.png when
+// screenshot saves a PNG of the page as docs/images/console-<name>.png when
 // -screenshots is set.
-func shoot(t *testing.T, ctx context.Context, name string) {
+func screenshot(t *testing.T, ctx context.Context, name string) {
 	t.Helper()
 	if *screenshots == "" {
 		return

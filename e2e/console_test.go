@@ -63,9 +63,32 @@ func groupOf[TTx any](t *testing.T, s *shop[TTx], outcome string) string {
 	return ""
 }
 
+// TestConsole runs the whole walk on PostgreSQL (where the screenshots
+// are taken) and on SQLite, in one browser.
 func TestConsole(t *testing.T) {
 	ctx := browser(t)
-	s := newShop(t, sqldb.Driver[*sqlTx](testenv.Postgres(t).Driver()))
+	for _, db := range []struct {
+		name  string
+		open  func(testing.TB) testenv.DB
+		shots bool
+	}{
+		{"postgres", testenv.Postgres, true},
+		{"sqlite", testenv.SQLite, false},
+	} {
+		t.Run(db.name, func(t *testing.T) {
+			shoot := func(t *testing.T, ctx context.Context, name string) {
+				if db.shots {
+					screenshot(t, ctx, name)
+				}
+			}
+			walk(t, ctx, db.open(t).Driver(), shoot)
+		})
+	}
+}
+
+// walk is the operator's walk through the console, over a real run on db.
+func walk(t *testing.T, ctx context.Context, db sqldb.Driver[*sqlTx], shoot func(*testing.T, context.Context, string)) {
+	s := newShop(t, db)
 	s.publish(t, orders)
 	base := serve(t, s, nil)
 	charge, poisoned := groupOf(t, s, "dead_lettered"), groupOf(t, s, "poisoned")
@@ -274,7 +297,9 @@ func TestConsole(t *testing.T) {
 	})
 
 	t.Run("token", func(t *testing.T) {
-		const token = "e2e-token-0123456789abcdef"
+		// A token of its own: cookies are per host, not per port, and a
+		// session of another console with the same token would be valid.
+		token := uniq("e2e-token")
 		sec := serve(t, s, func(c *console.Config[*sqlTx]) { c.Token = token })
 		do(t, ctx, chromedp.Navigate(sec+"/messages"), chromedp.WaitVisible(chromedp.CSS("input[name=token]")))
 		if u := run(t, ctx, chromedp.Location()); u != sec+"/login" {
