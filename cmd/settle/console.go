@@ -152,6 +152,9 @@ func runConsole(e *env, args []string) (err error) {
 	if err != nil {
 		return err
 	}
+	if token == "" {
+		h = loopbackHostOnly(h)
+	}
 
 	srv := &http.Server{
 		Handler:           h,
@@ -195,4 +198,24 @@ func runConsole(e *env, args []string) (err error) {
 		err = errors.Join(err, serr)
 	}
 	return err
+}
+
+// loopbackHostOnly refuses a request whose Host is not a loopback name or
+// address: without a token the console trusts whoever reaches it, and a
+// page of another site whose name was made to resolve to 127.0.0.1 (DNS
+// rebinding) would reach it, as its own origin, under that name.
+func loopbackHostOnly(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		host := r.Host
+		if hh, _, err := net.SplitHostPort(host); err == nil {
+			host = hh
+		}
+		host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
+		ip := net.ParseIP(host)
+		if !strings.EqualFold(host, "localhost") && (ip == nil || !ip.IsLoopback()) {
+			http.Error(w, "settle console: without a token it answers only to a loopback host name (localhost, 127.0.0.1, [::1])", http.StatusMisdirectedRequest)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
 }

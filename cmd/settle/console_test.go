@@ -5,6 +5,7 @@ import (
 	"context"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -37,7 +38,8 @@ func TestConsoleRefusesOpenAddressWithoutToken(t *testing.T) {
 }
 
 // settle console serves the console of a database until interrupted, with
-// the token of its file, which it never prints.
+// the token of its file, which it never prints; without a token, to
+// loopback host names only.
 func TestConsoleServes(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
@@ -61,14 +63,36 @@ func TestConsoleServes(t *testing.T) {
 	if err := os.WriteFile(tokenFile, []byte(token+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	t.Run("token", func(t *testing.T) {
+		serveConsole(t, []string{"-db", url, "-token-file", tokenFile, "-read-only"}, token, []request{
+			{"", "", http.StatusUnauthorized}, {"", "Bearer " + token, http.StatusOK},
+			{"evil.test", "Bearer " + token, http.StatusOK}, // the token, not the name, lets it in
+		})
+	})
+	t.Run("no token", func(t *testing.T) {
+		serveConsole(t, []string{"-db", url}, token, []request{
+			{"", "", http.StatusOK}, {"localhost", "", http.StatusOK}, {"evil.test", "", http.StatusMisdirectedRequest},
+		})
+	})
+}
 
+// request is a request to a console and the status it must get.
+type request struct {
+	host, auth string
+	want       int
+}
+
+// serveConsole runs settle console with args on 127.0.0.1, sends it the
+// requests, and interrupts it. secret must not be printed.
+func serveConsole(t *testing.T, args []string, secret string, reqs []request) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(t.Context())
 	outR, outW := io.Pipe()
 	var errOut strings.Builder
 	done := make(chan int, 1)
 	go func() {
 		code := runEnv(&env{ctx: ctx, stdout: outW, stderr: &errOut, getenv: func(string) string { return "" }},
-			[]string{"console", "-db", url, "-addr", "127.0.0.1:0", "-token-file", tokenFile, "-read-only"})
+			append([]string{"console", "-addr", "127.0.0.1:0"}, args...))
 		_ = outW.Close()
 		done <- code
 	}()
@@ -79,14 +103,14 @@ func TestConsoleServes(t *testing.T) {
 	}
 	go func() { _, _ = io.Copy(io.Discard, outR) }()
 	base := regexp.MustCompile(`http://127\.0\.0\.1:\d+`).FindString(line)
-	if base == "" || strings.Contains(line, token) || !strings.Contains(line, "read-only") {
-		t.Errorf("the first line %q: want the address, read-only, and no token", line)
+	if base == "" || strings.Contains(line, secret) {
+		t.Errorf("the first line %q: want the address, and no token", line)
 	}
-	for _, tc := range []struct {
-		auth string
-		want int
-	}{{"", http.StatusUnauthorized}, {"Bearer " + token, http.StatusOK}} {
+	for _, tc := range reqs {
 		req, _ := http.NewRequestWithContext(t.Context(), http.MethodGet, base+"/", nil)
+		if tc.host != "" {
+			req.Host = tc.host
+		}
 		if tc.auth != "" {
 			req.Header.Set("Authorization", tc.auth)
 		}
@@ -96,14 +120,14 @@ func TestConsoleServes(t *testing.T) {
 		}
 		_ = resp.Body.Close()
 		if resp.StatusCode != tc.want {
-			t.Errorf("GET / with %q: %s, want %d", tc.auth, resp.Status, tc.want)
+			t.Errorf("GET / (Host %q, Authorization %q): %s, want %d", tc.host, tc.auth, resp.Status, tc.want)
 		}
 	}
 	cancel()
 	if code := <-done; code != exitOK {
 		t.Errorf("settle console exited %d after the interrupt; stderr:\n%s", code, errOut.String())
 	}
-	if strings.Contains(errOut.String(), token) {
+	if strings.Contains(errOut.String(), secret) {
 		t.Error("stderr shows the token")
 	}
 }
@@ -125,4 +149,24 @@ func schemaOf(t *testing.T) []string {
 		t.Fatal(err)
 	}
 	return append(append(ps.Schema(), ob.Schema()...), dd.Schema()...)
+}
+
+// Without a token, a request under another host name (DNS rebinding: a
+// site whose name resolves to 127.0.0.1) is refused.
+func TestConsoleLoopbackHostOnly(t *testing.T) {
+	t.Parallel()
+	ok := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {})
+	h := loopbackHostOnly(ok)
+	for host, want := range map[string]int{
+		"127.0.0.1:8080": 200, "localhost:8080": 200, "LOCALHOST": 200, "[::1]:8080": 200, "127.3.4.5": 200,
+		"evil.test:8080": 421, "evil.test": 421, "10.0.0.1:8080": 421, "": 421, "localhost.evil.test": 421,
+	} {
+		req := httptest.NewRequest(http.MethodGet, "/", nil)
+		req.Host = host
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		if rec.Code != want {
+			t.Errorf("Host %q: %d, want %d", host, rec.Code, want)
+		}
+	}
 }
