@@ -29,8 +29,9 @@
 //     an HttpOnly, SameSite=Strict session cookie (a MAC of an expiry, never
 //     the token). Tokens are compared in constant time. Without a token the
 //     handler serves anyone who can reach it: `settle console` then listens
-//     on a loopback address only, and an application that mounts it must
-//     put its own authentication in front.
+//     on a loopback address only and answers only to a loopback host name
+//     (against DNS rebinding), and an application that mounts it must put
+//     its own authentication in front.
 //   - Config.ReadOnly hides every action and refuses every POST but the
 //     login.
 //   - Every action is a POST carrying a CSRF token derived from the session
@@ -40,7 +41,9 @@
 //     metadata are attacker-controlled and shown as text. Pages carry a
 //     Content-Security-Policy that allows only the console's own script and
 //     style sheet (served from the binary: no CDN, no external font), and
-//     forbid framing; responses are nosniff, no-store and no-referrer.
+//     forbid framing; responses are nosniff and no-store, and send a
+//     referrer to the console's own pages only (a link to Jaeger does not
+//     carry the console's address and filters).
 //   - No page and no log line shows the token or a database URL.
 //
 // # What it does not do
