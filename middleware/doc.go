@@ -46,6 +46,11 @@
 //	dd := dedupe.NewMiddleware(dedupe.Config{...})
 //	handler.AddMiddleware(tracing, poison, deadLetter, retry, dd) // outermost first
 //
+// When a handler returns messages for the router to publish (no
+// dedupe.Config.Publisher publishing them inside the stack), add
+// router.AddPublisherDecorators(middleware.TracePublished) too: the settle
+// span then ends before router.Close returns (see NewTracing).
+//
 // Set RetryConfig.StoreCounts exactly when the dedupe middleware runs inside
 // the retry middleware: the retry middleware cannot see what runs inside it
 // before a run, and StoreCounts is how it knows that the store counts the

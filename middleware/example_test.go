@@ -54,7 +54,8 @@ func ExampleNewRetry() {
 }
 
 // The tracing middleware, outermost, turns each delivery into a process span
-// and a settle span that ends when the message is really acked.
+// and a settle span for what the router does with it. With nothing left for
+// the router to publish, both have ended when the chain returns.
 func ExampleNewTracing() {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
@@ -66,13 +67,58 @@ func ExampleNewTracing() {
 	msg := message.NewMessage("m-1", nil)
 	_, _ = h(msg)
 	msg.Ack() // what the router does after the chain returns
-	for len(rec.Ended()) < 2 {
-		time.Sleep(time.Millisecond) // the settle span ends just after the ack
-	}
 	for _, s := range rec.Ended() {
 		fmt.Println(s.Name(), s.SpanKind())
 	}
 	// Output:
 	// process consumer
 	// ack client
+}
+
+// A router assembled by hand whose handler returns messages for the router
+// to publish: with TracePublished among its publisher decorators, the settle
+// span ends when the router's publish returns, before the router acks, so it
+// has ended when router.Close returns and a tracer provider shut down right
+// after exports it.
+func ExampleTracePublished() {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	tracing, err := middleware.NewTracing(settle.WithTracerProvider(tp))
+	if err != nil {
+		panic(err)
+	}
+	pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
+	defer pubsub.Close()
+	router, err := message.NewRouter(message.RouterConfig{}, nil)
+	if err != nil {
+		panic(err)
+	}
+	router.AddPublisherDecorators(middleware.TracePublished)
+	router.AddMiddleware(tracing)
+	router.AddHandler("ship", "orders", pubsub, "shipments", pubsub, func(msg *message.Message) ([]*message.Message, error) {
+		return []*message.Message{message.NewMessage("shipment-of-"+msg.UUID, nil)}, nil
+	})
+	shipments, err := pubsub.Subscribe(context.Background(), "shipments")
+	if err != nil {
+		panic(err)
+	}
+	if err := pubsub.Publish("orders", message.NewMessage("order-1", nil)); err != nil {
+		panic(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- router.Run(context.Background()) }()
+	(<-shipments).Ack()
+
+	if err := router.Close(); err != nil {
+		panic(err)
+	}
+	_ = tp.Shutdown(context.Background()) // a span ending after this is dropped
+	<-done
+	for _, s := range rec.Ended() {
+		fmt.Println(s.Name())
+	}
+	// Output:
+	// create shipments
+	// process orders
+	// ack orders
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -48,6 +49,7 @@ type tracing struct {
 	retries  metric.Int64Counter
 	producer trace.SpanStartOption
 	systemKV attribute.KeyValue
+	warned   atomic.Bool // the missing TracePublished was reported
 }
 
 // NewTracing returns the settlement tracing middleware. It must be the
@@ -82,18 +84,24 @@ type tracing struct {
 // Metrics: settle.settlements (by outcome and handler), settle.handler.duration
 // (seconds) and settle.retries (in-process retries).
 //
-// The settle span reports the router's settlement. When the chain returns
-// an error (the router nacks) or no messages for the router to publish (it
-// acks), nothing is left for the router to decide, and the span ends before
-// the middleware returns, on the delivery's own goroutine: router.Close
-// waits for it, so every such span has ended when Close returns, and a
-// tracer provider shut down right after exports it. Only when the router
-// still has to publish messages the chain returned does the span wait for
-// the router's ack or nack (Watermill tells of them only by closing
-// channels), on a goroutine of that delivery that ends with it or after the
-// settle wait; such a span can end just after Close returns. A middleware
-// inside this one that publishes the output itself (dedupe.Config.Publisher,
-// as pipeline does) leaves the router nothing to publish.
+// The settle span reports the router's settlement. It ends before the
+// router acks or nacks, on the delivery's own goroutine, which router.Close
+// waits for: so a tracer provider shut down right after Close exports it.
+// When the chain returns an error (the router nacks) or no messages for the
+// router to publish (it acks), nothing is left for the router to decide,
+// and the span ends before the middleware returns. When the router still
+// has to publish messages the chain returned, the span ends when that
+// publish returns (the router then acks, or nacks if it failed), provided
+// the router has TracePublished among its publisher decorators:
+//
+//	router.AddPublisherDecorators(middleware.TracePublished)
+//
+// Without it, such a span ends when the router acks or nacks, on a goroutine
+// of that delivery (or after the settle wait), which can be just after Close
+// returns; the middleware then reports the missing decorator once to the
+// OpenTelemetry error handler. A middleware inside this one that publishes
+// the output itself (dedupe.Config.Publisher, as pipeline does) leaves the
+// router nothing to publish and needs no decorator.
 // A middleware outside this one that changes what the chain returns is not
 // seen: the settle span names what the chain returned.
 func NewTracing(opts ...settle.Option) (message.HandlerMiddleware, error) {
@@ -170,7 +178,7 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 			defer func() {
 				if p := recover(); p != nil {
 					err = &PanicError{Value: p}
-					t.finish(msg, pctx, span, rec, d, start, err, 0, false)
+					t.finish(msg, pctx, span, rec, d, start, err, nil, false)
 					msg.SetContext(orig)
 					panic(p)
 				}
@@ -182,7 +190,7 @@ func (t *tracing) wrap(h message.HandlerFunc) message.HandlerFunc {
 			// middleware returns: give each message its create span now.
 			out.trace(produced)
 		}
-		t.finish(msg, pctx, span, rec, d, start, err, len(produced), out != nil)
+		t.finish(msg, pctx, span, rec, d, start, err, produced, out != nil)
 		msg.SetContext(orig)
 		return produced, err
 	}
@@ -200,6 +208,11 @@ type deliveryKey struct{ handler, topic string }
 // spanNames is what the spans of every delivery of one handler on one topic
 // share, built once: span names and attributes are the same for all.
 type spanNames struct {
+	// published says that TracePublished has seen the router publish the
+	// output of a delivery of this handler: its settle spans are ended
+	// there, and no goroutine need wait for the router's ack or nack.
+	published atomic.Bool
+
 	handler, topic     string
 	process, ack, nack string               // span names
 	ids                []attribute.KeyValue // messaging.system, settle.handler; full, so that an append copies
@@ -306,10 +319,10 @@ func TraceProduced(h message.HandlerFunc) message.HandlerFunc {
 }
 
 // finish decides the outcome, ends the process span and makes the settle
-// span. pctx carries the process span. produced is the number of messages
-// the chain returned for the router to publish; publishes says that the
-// router handler has a publisher.
-func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.Span, rec *settlement.Record, d *spanNames, start time.Time, err error, produced int, publishes bool) {
+// span. pctx carries the process span. produced is what the chain returned
+// for the router to publish; publishes says that the router handler has a
+// publisher.
+func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.Span, rec *settlement.Record, d *spanNames, start time.Time, err error, produced []*message.Message, publishes bool) {
 	o, retries, parkedTo, reason := rec.Snapshot()
 	outcome := settle.Outcome(o)
 	switch {
@@ -368,11 +381,13 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 		outcomeKey.String(string(outcome)),
 	)
 	_, settleSpan := t.tracer.Start(pctx, name, t.client, trace.WithAttributes(sattrs...))
-	if err == nil && produced > 0 && publishes {
+	s := settling{msg: msg, span: settleSpan, decided: op}
+	if err == nil && len(produced) > 0 && publishes && !s.settled() {
 		// The router publishes the handler's output after this middleware
-		// returns, then acks, or nacks when publishing failed: only its
-		// settlement tells which.
-		go settling{msg: msg, span: settleSpan, decided: op}.await(t.cfg.SettleWait)
+		// returns, then acks, or nacks when publishing failed: the span
+		// ends when that publish returns (TracePublished), or else when
+		// the router acks or nacks.
+		t.awaitPublish(s, d, produced)
 		return
 	}
 	// Nothing is left for the router to decide: it nacks an error and acks
@@ -380,7 +395,7 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 	// The span ends here, on the delivery's own goroutine, which
 	// router.Close waits for: so it has ended when Close returns, and a
 	// tracer provider shut down right after still exports it.
-	settling{msg: msg, span: settleSpan, decided: op}.endNow(err == nil && produced == 0)
+	s.endNow(err == nil && len(produced) == 0)
 }
 
 type metricKey struct {

@@ -257,17 +257,50 @@ func (p *gatedPublisher) Close() error { return nil }
 
 // When the router publishes a delivery's output after the chain returned,
 // the settle span waits for the router's settlement: it ends only once the
-// router has published and acked, and when publishing fails and the router
-// nacks instead, it says so in settle.router_decision, with error status.
-// One never settled within the settle wait ends with an error, once.
+// router has published, and when publishing fails and the router nacks
+// instead, it says so in settle.router_decision, with error status. One
+// never settled within the settle wait ends with an error, once. With
+// TracePublished among the router's publisher decorators, the span has
+// ended when the router's publish returns, before the router acks or nacks:
+// a decorator the test adds outermost sees it ended.
 func TestSettleSpanWaitsForTheRoutersPublish(t *testing.T) {
 	t.Parallel()
-	tr := newTraced(t, settle.WithSettleWait(200*time.Millisecond))
+	for _, decorated := range []bool{false, true} {
+		t.Run(map[bool]string{false: "alone", true: "TracePublished"}[decorated], func(t *testing.T) {
+			t.Parallel()
+			settleSpanWaitsForTheRoutersPublish(t, decorated)
+		})
+	}
+}
+
+func settleSpanWaitsForTheRoutersPublish(t *testing.T, decorated bool) {
+	tr := newTraced(t, settle.WithSettleWait(time.Second))
 	logger := watermill.NopLogger{}
 	ps := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
 	pub := &gatedPublisher{entered: make(chan string), release: make(chan error)}
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, logger)
 	must(t, err)
+	settleSpans := func() []sdktrace.ReadOnlySpan {
+		var out []sdktrace.ReadOnlySpan
+		for _, s := range tr.rec.Ended() {
+			if attr(s, "messaging.operation.type").AsString() == "settle" {
+				out = append(out, s)
+			}
+		}
+		return out
+	}
+	// endedAtReturn: the settle spans ended when each router publish
+	// returned, as the outermost publisher decorator saw.
+	endedAtReturn := make(chan int, 10)
+	if decorated {
+		router.AddPublisherDecorators(func(pub message.Publisher) (message.Publisher, error) {
+			return publishFunc{pub, func(topic string, msgs ...*message.Message) error {
+				err := pub.Publish(topic, msgs...)
+				endedAtReturn <- len(settleSpans())
+				return err
+			}}, nil
+		}, middleware.TracePublished)
+	}
 	router.AddHandler("h", "in", ps, "out", pub, func(msg *message.Message) ([]*message.Message, error) {
 		return []*message.Message{message.NewMessage("out-of-"+msg.UUID, nil)}, nil
 	}).AddMiddleware(tr.mw)
@@ -279,15 +312,6 @@ func TestSettleSpanWaitsForTheRoutersPublish(t *testing.T) {
 		must(t, <-done)
 		must(t, ps.Close())
 	})
-	settleSpans := func() []sdktrace.ReadOnlySpan {
-		var out []sdktrace.ReadOnlySpan
-		for _, s := range tr.rec.Ended() {
-			if attr(s, "messaging.operation.type").AsString() == "settle" {
-				out = append(out, s)
-			}
-		}
-		return out
-	}
 	step := func(n int, release error, wait time.Duration) sdktrace.ReadOnlySpan {
 		t.Helper()
 		select {
@@ -296,10 +320,15 @@ func TestSettleSpanWaitsForTheRoutersPublish(t *testing.T) {
 			t.Fatal("the router did not publish the output")
 		}
 		time.Sleep(wait) // give a wrongly eager settle span the chance to end
-		if got := len(settleSpans()); got != n-1 && wait < 200*time.Millisecond {
+		if got := len(settleSpans()); got != n-1 && wait < time.Second {
 			t.Fatalf("%d settle spans ended while the router was publishing, want %d", got, n-1)
 		}
 		pub.release <- release
+		if decorated {
+			if got := <-endedAtReturn; got != n {
+				t.Fatalf("%d settle spans had ended when the router's publish returned, want %d", got, n)
+			}
+		}
 		eventually(t, 5*time.Second, "the settle span", func() bool { return len(settleSpans()) >= n })
 		return settleSpans()[n-1]
 	}
@@ -318,17 +347,27 @@ func TestSettleSpanWaitsForTheRoutersPublish(t *testing.T) {
 	// A publish that outlasts the settle wait.
 	must(t, ps.Publish("in", message.NewMessage("m-2", nil)))
 	start := time.Now()
-	s = step(3, nil, 300*time.Millisecond)
-	if took := s.EndTime().Sub(start); took < 200*time.Millisecond {
+	s = step(3, nil, 1100*time.Millisecond)
+	if took := s.EndTime().Sub(start); took < time.Second {
 		t.Errorf("the settle span ended after %v, before the settle wait", took)
 	}
-	if s.Status().Code != codes.Error || s.Status().Description != "not acked or nacked within 200ms" {
-		t.Errorf("settle span status %v; want an error saying it was not settled within 200ms", s.Status())
+	if s.Status().Code != codes.Error || s.Status().Description != "not acked or nacked within 1s" {
+		t.Errorf("settle span status %v; want an error saying it was not settled within 1s", s.Status())
 	}
 	time.Sleep(30 * time.Millisecond)
 	if n := len(settleSpans()); n != 3 {
 		t.Errorf("%d settle spans after the late ack, want 3", n)
 	}
+}
+
+// publishFunc is a publisher whose Publish is a function.
+type publishFunc struct {
+	message.Publisher
+	publish func(topic string, msgs ...*message.Message) error
+}
+
+func (p publishFunc) Publish(topic string, msgs ...*message.Message) error {
+	return p.publish(topic, msgs...)
 }
 
 func TestProducerContextIsParentOrLink(t *testing.T) {

@@ -58,8 +58,11 @@
 //   - A row records the message as the parking middleware saw it; metadata
 //     forged by a producer is recorded as sent (a forged
 //     settle_replay_count makes the loop guard refuse the message sooner).
-//   - Reason searches are substring scans within the other filters: give a
-//     handler, group or time window at volume.
+//   - A page of List whose filter no index answers in order (a reason
+//     text, an outcome, or two of group, handler, topic and state) reads
+//     at most 5,000 rows for its rows, so it may come back short, or
+//     empty, with a Next that goes on further back. Count, Preview and
+//     Replay of such a filter read every row it could select.
 //   - Text columns hold valid UTF-8: invalid bytes and NUL in a handler,
 //     topic, reason or name read back as U+FFFD (the UUID, key, payload
 //     and metadata read back exactly). Handler and topic are kept to 600

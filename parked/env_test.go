@@ -57,6 +57,8 @@ type api interface {
 type handle struct {
 	api
 	replay func(context.Context, parked.Filter, parked.ReplayOptions) (parked.ReplayResult, error)
+	// relay makes a relay of the outbox replay writes to.
+	relay func(message.Publisher, outbox.RelayConfig) (*outbox.Relay, error)
 }
 
 type env struct {
@@ -165,7 +167,7 @@ func bind[TTx any](t testing.TB, d sqldb.Driver[TTx], cfg parked.Config, topic s
 	}
 	return handle{api: st, replay: func(ctx context.Context, f parked.Filter, o parked.ReplayOptions) (parked.ReplayResult, error) {
 		return st.Replay(ctx, ob, f, o)
-	}}
+	}, relay: ob.NewRelay}
 }
 
 // outboxRow is a row of the outbox table.

@@ -106,13 +106,15 @@ func (s *Store[TTx]) Park(ctx context.Context, p settle.Parked) error {
 	if payload == nil {
 		payload = []byte{}
 	}
-	token := newToken()
 	id := ident(p.Handler, park.Identity(p.Message))
 	row := []any{id, handler, cutRunes(clean(p.Topic), maxName), bytesOf(p.Message.UUID), bytesOf(p.Key), outcome, reason, g.id,
 		attempts, micros(first), micros(last), trace, payload, md, string(StateParked),
-		replaysOf(p.Message.Metadata.Get(settle.MetaReplayCount)), int64(0), "", int64(0), "", token, micros(now)}
+		replaysOf(p.Message.Metadata.Get(settle.MetaReplayCount)), int64(0), "", int64(0), "", "", micros(now)}
+	const tokenArg = 20 // row's token
 
 	err = s.inTx(ctx, func(_ TTx, ex sqldb.Executor) error {
+		token := newToken() // a fresh one for each run of the transaction
+		row[tokenArg] = token
 		if _, err := ex.Exec(ctx, s.q.insert, row...); err != nil {
 			return err
 		}

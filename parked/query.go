@@ -3,11 +3,14 @@ package parked
 import (
 	"cmp"
 	"context"
+	"database/sql"
 	"encoding/base64"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/mdcolumn"
@@ -150,10 +153,22 @@ func parseCursor(s string) (cursor, error) {
 	return cursor{last, id}, nil
 }
 
+// listScan bounds the rows one page of List reads to find its rows when
+// the filter has a condition no index orders (see List).
+const listScan = 5000
+
 // List returns one page of the rows q selects, newest last failure first,
 // then by descending ID: every field of a Message but Payload and Metadata
 // (nil; Get returns them). Pages are read by keyset (no OFFSET), so a page
 // far down costs what the first does.
+//
+// A filter that an index answers in order (one of Group, Handler, Topic or
+// State, with Since and Until; or UUID, Key or IDs) gives full pages. A
+// filter with more (a Reason, an Outcome, or two of Group, Handler, Topic
+// and State) reads at most 5,000 rows of the first one for a page, so that
+// a text that matches almost nothing does not read the whole table for
+// one page: such a page may hold fewer rows than the Limit, or none, and
+// still have a Next, which goes on with the rows after those read.
 func (s *Store[TTx]) List(ctx context.Context, q Query) (Page, error) {
 	if err := q.validate(); err != nil {
 		return Page{}, fmt.Errorf("parked: List: %w", err)
@@ -165,19 +180,33 @@ func (s *Store[TTx]) List(ctx context.Context, q Query) (Page, error) {
 	case limit < 0 || limit > maxLimit:
 		return Page{}, fmt.Errorf("parked: List: Query.Limit must be 0-%d, got %d", maxLimit, q.Limit)
 	}
-	b := s.q.build().sql("SELECT ", rowCols, " FROM ", s.q.t, " WHERE 1 = 1")
-	s.where(b, q.Filter)
+	var after *cursor
 	if q.Cursor != "" {
 		c, err := parseCursor(q.Cursor)
 		if err != nil {
 			return Page{}, fmt.Errorf("parked: List: %w", err)
 		}
-		if s.q.d == sqldb.Postgres {
-			b.sql(" AND (last_failure, id) < (").arg(c.last).sql(", ").arg(c.id).sql(")")
-		} else {
-			b.sql(" AND (last_failure < ").arg(c.last).sql(" OR (last_failure = ").arg(c.last).sql(" AND id < ").arg(c.id).sql("))")
+		after = &c
+	}
+	// The end of the rows this page may read, when the filter needs one.
+	var end *cursor
+	if prim, bounded := primary(q.Filter); bounded {
+		b := s.q.build().sql("SELECT last_failure, id FROM ", s.q.t, " WHERE 1 = 1")
+		s.where(b, prim)
+		s.keyset(b, after, "<")
+		b.sql(" ORDER BY last_failure DESC, id DESC LIMIT 1 OFFSET ").arg(s.scan - 1)
+		var c cursor
+		switch err := s.db.DB().QueryRow(ctx, b.String(), b.args, &c.last, &c.id); {
+		case err == nil:
+			end = &c
+		case !errors.Is(err, sql.ErrNoRows):
+			return Page{}, fmt.Errorf("parked: List: %w", err)
 		}
 	}
+	b := s.q.build().sql("SELECT ", rowCols, " FROM ", s.q.t, " WHERE 1 = 1")
+	s.where(b, q.Filter)
+	s.keyset(b, after, "<")
+	s.keyset(b, end, ">=")
 	b.sql(" ORDER BY last_failure DESC, id DESC LIMIT ").arg(limit + 1)
 	var page Page
 	err := s.db.DB().Query(ctx, b.String(), b.args, func(scan func(dest ...any) error) error {
@@ -191,15 +220,68 @@ func (s *Store[TTx]) List(ctx context.Context, q Query) (Page, error) {
 	if err != nil {
 		return Page{}, fmt.Errorf("parked: List: %w", err)
 	}
-	if len(page.Messages) > limit {
+	switch {
+	case len(page.Messages) > limit:
 		page.Messages = page.Messages[:limit]
-		end := page.Messages[limit-1]
-		page.Next = cursor{micros(end.LastFailure), end.ID}.String()
+		last := page.Messages[limit-1]
+		page.Next = cursor{micros(last.LastFailure), last.ID}.String()
+	case end != nil:
+		// Rows remain past those this page read.
+		page.Next = cursor{end.last, end.id}.String()
 	}
 	return page, nil
 }
 
-// Count returns the number of rows f selects.
+// keyset appends the condition that a row comes before (op "<": after, in
+// List's descending order) or not after (">=") c, if c is not nil.
+func (s *Store[TTx]) keyset(b *builder, c *cursor, op string) {
+	if c == nil {
+		return
+	}
+	if s.q.d == sqldb.Postgres {
+		b.sql(" AND (last_failure, id) ", op, " (").arg(c.last).sql(", ").arg(c.id).sql(")")
+		return
+	}
+	if op == "<" {
+		b.sql(" AND (last_failure < ").arg(c.last).sql(" OR (last_failure = ").arg(c.last).sql(" AND id < ").arg(c.id).sql("))")
+		return
+	}
+	b.sql(" AND (last_failure > ").arg(c.last).sql(" OR (last_failure = ").arg(c.last).sql(" AND id >= ").arg(c.id).sql("))")
+}
+
+// primary returns the part of f an index of the rows table answers in
+// List's order, and whether f has more than that (List then bounds the
+// rows a page reads). Point lookups (IDs, UUID, Key) need no bound.
+func primary(f Filter) (Filter, bool) {
+	if len(f.IDs) > 0 || f.UUID != "" || f.Key != "" {
+		return f, false
+	}
+	p := Filter{Since: f.Since, Until: f.Until}
+	switch {
+	case f.Group != "":
+		p.Group = f.Group
+	case f.Handler != "":
+		p.Handler = f.Handler
+	case f.Topic != "":
+		p.Topic = f.Topic
+	case f.State != "":
+		p.State = f.State
+	}
+	rest := f
+	rest.Group, rest.Handler, rest.Topic, rest.State = "", "", "", ""
+	rest.Since, rest.Until = time.Time{}, time.Time{}
+	n := 0
+	for _, set := range []bool{f.Group != "", f.Handler != "", f.Topic != "", f.State != ""} {
+		if set {
+			n++
+		}
+	}
+	return p, n > 1 || rest.Reason != "" || rest.Outcome != ""
+}
+
+// Count returns the number of rows f selects. It reads them (through an
+// index where f has one): at volume, the counts per failure group come
+// from Groups without reading rows.
 func (s *Store[TTx]) Count(ctx context.Context, f Filter) (int64, error) {
 	if err := f.validate(); err != nil {
 		return 0, fmt.Errorf("parked: Count: %w", err)

@@ -301,7 +301,7 @@ func (s *Store[TTx]) replayChunk(ctx context.Context, ob *outbox.Outbox[TTx], tx
 }
 
 // publish writes the copies of the rows marked through ob in tx, in ID
-// order, grouped by destination.
+// order.
 func (s *Store[TTx]) publish(ctx context.Context, ob *outbox.Outbox[TTx], tx TTx, marked map[int64]Message, opts ReplayOptions, now time.Time) error {
 	if len(marked) == 0 {
 		return nil

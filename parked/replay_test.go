@@ -11,9 +11,11 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/replay"
+	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/parked"
 )
 
@@ -314,4 +316,43 @@ func (l commitLogger) Debug(msg string, _ watermill.LogFields) {
 	if msg == "parked: replayed" {
 		l()
 	}
+}
+
+// Replay wakes the relays of its outbox in this process once it commits:
+// a relay that would not poll for an hour forwards the copies at once.
+func TestReplayWakesRelay(t *testing.T) {
+	t.Parallel()
+	forEach(t, func(t *testing.T, d drv) {
+		e := setup(t, d, parked.Config{})
+		for i := range 3 {
+			e.park(t, parkedMsg("m"+strconv.Itoa(i), "charge", errBoom))
+		}
+		broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
+		defer broker.Close()
+		msgs, err := broker.Subscribe(t.Context(), "orders")
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := e.relay(broker, outbox.RelayConfig{PollInterval: time.Hour})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(t.Context())
+		var wg sync.WaitGroup
+		wg.Go(func() { _ = r.Run(ctx) })
+		defer func() { cancel(); _ = r.Close(); wg.Wait() }()
+		<-r.Running()
+		time.Sleep(50 * time.Millisecond) // past the relay's first look
+		if res, err := e.replay(t.Context(), parked.Filter{}, parked.ReplayOptions{}); err != nil || res.Replayed != 3 {
+			t.Fatalf("Replay = %+v, %v", res, err)
+		}
+		for i := range 3 {
+			select {
+			case m := <-msgs:
+				m.Ack()
+			case <-time.After(10 * time.Second):
+				t.Fatalf("copy %d not forwarded 10s after the replay: the relay was not woken", i)
+			}
+		}
+	})
 }

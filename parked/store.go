@@ -235,6 +235,9 @@ type Store[TTx any] struct {
 	// chunk is the most rows of one transaction of Replay (replayChunk;
 	// tests make it small).
 	chunk int
+	// scan is the most rows a bounded page of List reads (listScan;
+	// tests make it smaller).
+	scan int
 }
 
 // New checks cfg and returns the store of db. It touches no database.
@@ -249,7 +252,7 @@ func New[TTx any](db sqldb.Driver[TTx], cfg Config) (*Store[TTx], error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	return &Store[TTx]{db: db, cfg: cfg, q: newStatements(db.Dialect(), cfg.Table), chunk: replayChunk}, nil
+	return &Store[TTx]{db: db, cfg: cfg, q: newStatements(db.Dialect(), cfg.Table), chunk: replayChunk, scan: listScan}, nil
 }
 
 // Schema returns the DDL of the store's tables and indexes, in the
