@@ -110,8 +110,13 @@ func TestPages(t *testing.T) {
 	if !strings.Contains(c.getOK("/messages/"+strconv.FormatInt(bin, 10)), "00 ff fe") {
 		t.Error("a binary payload is not shown as a hex dump")
 	}
-	if a := c.getOK("/activity"); !strings.Contains(a, "2 dead-lettered") || !strings.Contains(a, "1 poisoned") {
-		t.Error("the activity page does not count the rows of the last 24 hours")
+	for _, p := range []string{"/activity", "/activity?hours=72", "/activity?hours=168"} {
+		if a := c.getOK(p); !strings.Contains(a, "2 dead-lettered") || !strings.Contains(a, "1 poisoned") {
+			t.Errorf("%s does not count the rows", p)
+		}
+	}
+	if a := c.getOK("/activity?hours=168"); strings.Count(a, `class="dead"`) != 28 || !strings.Contains(a, "per 6 hours") {
+		t.Errorf("a week is not 28 bars of 6 hours")
 	}
 	if o := c.getOK("/outbox"); !strings.Contains(o, "nothing pending") {
 		t.Error("the outbox page does not say nothing is pending")

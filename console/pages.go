@@ -535,20 +535,32 @@ type bar struct {
 	YDead, YPoi  int    // top edges, px
 }
 
-// activity shows the parked rows per hour by outcome.
+// activity shows the parked rows per hour by outcome (per three or six
+// hours over three days or a week).
 func (s *server[TTx]) activity(w http.ResponseWriter, r *http.Request) {
 	hours := 24
 	if h, err := strconv.Atoi(r.URL.Query().Get("hours")); err == nil && h >= 1 && h <= 168 {
 		hours = h
 	}
+	// Two counts per bar: 24 bars of an hour, or at most 24 of three hours,
+	// or 28 of six.
+	per := 1
+	switch {
+	case hours > 72:
+		per = 6
+	case hours > 24:
+		per = 3
+	}
+	hours = (hours + per - 1) / per * per
+	span := time.Duration(per) * time.Hour
 	end := s.now().UTC().Truncate(time.Hour).Add(time.Hour)
-	bars := make([]bar, hours)
+	bars := make([]bar, hours/per)
 	var peak, dead, poison int64
 	for i := range bars {
 		b := &bars[i]
-		b.Start = end.Add(-time.Duration(hours-i) * time.Hour)
+		b.Start = end.Add(-time.Duration(len(bars)-i) * span)
 		for _, o := range []settle.Outcome{settle.DeadLettered, settle.Poisoned} {
-			n, err := s.cfg.Parked.Count(r.Context(), parked.Filter{Outcome: o, Since: b.Start, Until: b.Start.Add(time.Hour)})
+			n, err := s.cfg.Parked.Count(r.Context(), parked.Filter{Outcome: o, Since: b.Start, Until: b.Start.Add(span)})
 			if err != nil {
 				s.fail(w, r, "counting the messages", err)
 				return
@@ -562,7 +574,7 @@ func (s *server[TTx]) activity(w http.ResponseWriter, r *http.Request) {
 		peak = max(peak, b.Dead+b.Poison)
 	}
 	const height, width = 160, 720
-	step := width / hours
+	step := width / len(bars)
 	for i := range bars {
 		b := &bars[i]
 		b.X = i * step
@@ -572,7 +584,7 @@ func (s *server[TTx]) activity(w http.ResponseWriter, r *http.Request) {
 		}
 		b.YDead = height - b.HDead
 		b.YPoi = b.YDead - b.HPoi
-		if i%max(1, hours/8) == 0 {
+		if i%max(1, len(bars)/8) == 0 {
 			if hours > 24 {
 				b.Label = b.Start.Format("Jan 2 15:04")
 			} else {
@@ -582,12 +594,12 @@ func (s *server[TTx]) activity(w http.ResponseWriter, r *http.Request) {
 	}
 	s.render(w, r, http.StatusOK, "activity", "Activity", struct {
 		Bars               []bar
-		Hours              int
+		Hours, Per         int
 		Peak, Dead, Poison int64
 		Step, BarW, Height int
 		Width              int
 		From, To           time.Time
-	}{bars, hours, peak, dead, poison, step, max(1, step-2), height, width, end.Add(-time.Duration(hours) * time.Hour), end})
+	}{bars, hours, per, peak, dead, poison, step, max(1, step-2), height, width, end.Add(-time.Duration(hours) * time.Hour), end})
 }
 
 // outboxPage shows the outbox's backlog and its rows set aside.
