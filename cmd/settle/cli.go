@@ -65,6 +65,7 @@ var commands = []command{
 	{"parked purge", runParkedPurge},
 	{"parked schema", runParkedSchema},
 	{"trace", runTrace},
+	{"console", runConsole},
 }
 
 // synopses are the usage lines of the commands, after "settle ".
@@ -88,6 +89,7 @@ var synopses = map[string]string{
 	"parked purge":    "parked purge -db URL [-driver pgx|sql] [-table T] [FILTERS] [-state S] -before TIME [-yes]",
 	"parked schema":   "parked schema -dialect postgres|mysql|sqlite [-table T]",
 	"trace":           "trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag KEY=VALUE]) [-svg FILE]",
+	"console":         "console -db URL [-driver pgx|sql] [-addr 127.0.0.1:8080] [-token-file F] [-read-only] [-jaeger URL] [-table T] [-topic T] [-dedupe-table T]",
 }
 
 // parkedFiltersHelp says what FILTERS stands for in the synopses of the

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net/http"
 	"strings"
 	"time"
 
@@ -71,6 +72,7 @@ type database struct {
 	// replayParked replays rows of it through the outbox of a topic.
 	newParked    func(parked.Config) (parkedStore, error)
 	replayParked func(ctx context.Context, s parkedStore, outboxTopic string, f parked.Filter, opts parked.ReplayOptions) (parked.ReplayResult, error)
+	console      func(context.Context, consoleSetup) (http.Handler, error)
 	close        func() error
 }
 
@@ -97,6 +99,9 @@ func on[TTx any](db sqldb.Driver[TTx], driver string, closeDB func() error) *dat
 				return nil, err
 			}
 			return o, nil
+		},
+		console: func(ctx context.Context, setup consoleSetup) (http.Handler, error) {
+			return consoleOn(ctx, db, setup)
 		},
 		close: closeDB,
 	}

@@ -23,6 +23,8 @@
 //	settle outbox prune -db URL [-driver pgx|sql] [-topic T] -older-than 7d [-force] [-yes]
 //	settle outbox retry -db URL [-driver pgx|sql] [-topic T] (-offset N ... | -dest T | -all) [-yes]
 //	settle trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag K=V]) [-svg FILE]
+//	settle console -db URL [-driver pgx|sql] [-addr 127.0.0.1:8080] [-token-file F] [-read-only]
+//	                    [-jaeger URL] [-table T] [-topic T] [-dedupe-table T]
 //
 // -db defaults to $SETTLE_POSTGRES_URL, else $SETTLE_MYSQL_URL, and -amqp to
 // $SETTLE_AMQP_URL, the variables the tests and examples read. The
@@ -48,7 +50,10 @@
 // replay removes a message from the dead-letter queue only after the broker
 // has confirmed its republished copy, and refuses a selection that goes to
 // several destinations unless -to, -allow-topics or -any-destination says
-// where it may go. trace prints one trace from Jaeger's query API as a tree.
+// where it may go. trace prints one trace from Jaeger's query API as a tree. console serves
+// the web page of package console over the parked-message table, the outbox
+// and the claims; on a loopback address only unless a token is given
+// ($SETTLE_CONSOLE_TOKEN or -token-file).
 //
 // What came from outside (message headers and payloads, spans, servers'
 // errors) is printed with control characters escaped, and no message shows
