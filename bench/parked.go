@@ -277,11 +277,14 @@ SELECT UNHEX(SHA2(CONCAT(HEX(ident), '-` + strconv.Itoa(r) + `'), 256)), CONCAT(
 			return fmt.Errorf("doubling %d: %w", r, err)
 		}
 	}
+	// The group counts, recomputed from the rows in one pass.
 	g := table + "_groups"
-	if _, err := db.ExecContext(ctx, `UPDATE `+g+` SET
-	parked = (SELECT COUNT(*) FROM `+table+` t WHERE t.group_id = `+g+`.group_id AND t.state = 'parked'),
-	total = (SELECT COUNT(*) FROM `+table+` t WHERE t.group_id = `+g+`.group_id),
-	first_seen = (SELECT MIN(first_failure) FROM `+table+` t WHERE t.group_id = `+g+`.group_id)`); err != nil {
+	counts := `SELECT group_id, SUM(CASE WHEN state = 'parked' THEN 1 ELSE 0 END) AS p, COUNT(*) AS n, MIN(first_failure) AS f FROM ` + table + ` GROUP BY group_id`
+	recount := `UPDATE ` + g + ` SET parked = x.p, total = x.n, first_seen = x.f FROM (` + counts + `) x WHERE x.group_id = ` + g + `.group_id`
+	if d == sqldb.MySQL {
+		recount = `UPDATE ` + g + ` JOIN (` + counts + `) x ON x.group_id = ` + g + `.group_id SET ` + g + `.parked = x.p, ` + g + `.total = x.n, ` + g + `.first_seen = x.f`
+	}
+	if _, err := db.ExecContext(ctx, recount); err != nil {
 		return fmt.Errorf("group counts: %w", err)
 	}
 	analyze := "ANALYZE " + table
