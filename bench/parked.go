@@ -6,6 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -13,7 +16,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/console"
 	"github.com/settle-go/settle/internal/sqlurl"
+	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/parked"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -51,6 +56,7 @@ type parkedWorld struct {
 	id                               int64
 	deepCursor                       string
 	windowFrom, windowTo             time.Time
+	console                          http.Handler
 }
 
 const parkedHandlers = 20
@@ -105,6 +111,29 @@ var parkedQueries = []parkedQuery{
 		_, err := s.Get(ctx, w.id)
 		return err
 	}},
+	// The console's pages, whole: every query a page makes, and its HTML.
+	{"console: groups page", consolePage(func(*parkedWorld) string { return "/" })},
+	{"console: a handler's messages", consolePage(func(w *parkedWorld) string { return "/messages?handler=" + url.QueryEscape(w.handler) })},
+	{"console: a group's messages", consolePage(func(w *parkedWorld) string { return "/messages?group=" + url.QueryEscape(w.group) })},
+	{"console: reason search", consolePage(func(*parkedWorld) string { return "/messages?reason=" + url.QueryEscape("charge order 7:") })},
+	{"console: one message", consolePage(func(w *parkedWorld) string { return "/messages/" + strconv.FormatInt(w.id, 10) })},
+	{"console: replay a group, confirmation", consolePage(func(w *parkedWorld) string {
+		return "/confirm?action=replay&group=" + url.QueryEscape(w.group)
+	})},
+	{"console: activity, 24 hours", consolePage(func(*parkedWorld) string { return "/activity" })},
+}
+
+// consolePage times one GET of the console's handler, served in process.
+func consolePage(path func(*parkedWorld) string) func(context.Context, *parked.Store[*sql.Tx], *parkedWorld) error {
+	return func(ctx context.Context, _ *parked.Store[*sql.Tx], w *parkedWorld) error {
+		req := httptest.NewRequestWithContext(ctx, http.MethodGet, path(w), nil)
+		rec := httptest.NewRecorder()
+		w.console.ServeHTTP(rec, req)
+		if rec.Code != http.StatusOK {
+			return fmt.Errorf("GET %s: %d %s", req.URL, rec.Code, rec.Body.String())
+		}
+		return nil
+	}
 }
 
 func listQ(q func(*parkedWorld) parked.Query) func(context.Context, *parked.Store[*sql.Tx], *parkedWorld) error {
@@ -185,6 +214,23 @@ func parkedDB(ctx context.Context, name, url string, res *ParkedResults, doublin
 
 	w, err := parkedLookups(ctx, s, db, table)
 	if err != nil {
+		return out, err
+	}
+	drv := sqldb.Std(db, d)
+	ob, err := outbox.New(drv, outbox.Config{Topic: table + "_ob"})
+	if err != nil {
+		return out, err
+	}
+	if err := ob.InitSchema(ctx); err != nil {
+		return out, err
+	}
+	defer func() {
+		c, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		_, _ = db.ExecContext(c, "DROP TABLE IF EXISTS "+table+"_ob")
+		_, _ = db.ExecContext(c, "DROP TABLE IF EXISTS "+table+"_ob_relays")
+	}()
+	if w.console, err = console.New(console.Config[*sql.Tx]{Parked: s, Outbox: ob}); err != nil {
 		return out, err
 	}
 	for _, q := range parkedQueries {

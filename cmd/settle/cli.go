@@ -50,27 +50,54 @@ var commands = []command{
 	{"dlq show", runDLQShow},
 	{"dlq replay", runDLQReplay},
 	{"dedupe prune", runDedupePrune},
+	{"dedupe show", runDedupeShow},
+	{"dedupe inflight", runDedupeInFlight},
 	{"dedupe schema", runDedupeSchema},
 	{"outbox schema", runOutboxSchema},
 	{"outbox status", runOutboxStatus},
 	{"outbox prune", runOutboxPrune},
 	{"outbox retry", runOutboxRetry},
+	{"parked list", runParkedList},
+	{"parked show", runParkedShow},
+	{"parked groups", runParkedGroups},
+	{"parked replay", runParkedReplay},
+	{"parked archive", runParkedArchive},
+	{"parked purge", runParkedPurge},
+	{"parked schema", runParkedSchema},
 	{"trace", runTrace},
+	{"console", runConsole},
 }
 
 // synopses are the usage lines of the commands, after "settle ".
 var synopses = map[string]string{
-	"dlq list":      "dlq list -queue Q [-json] [-limit N] [-force]",
-	"dlq show":      "dlq show -queue Q [-json] [-force] ID",
-	"dlq replay":    "dlq replay -queue Q [-id ID ...] [-handler H] [-reason SUBSTR] [-all] [-to Q | -allow-topics T,... | -any-destination] [-force] [-yes]",
-	"dedupe prune":  "dedupe prune -db URL [-driver pgx|sql] [-table T] -older-than AGE [-force] [-yes]",
-	"dedupe schema": "dedupe schema -dialect postgres|mysql|sqlite [-table T]",
-	"outbox schema": "outbox schema -dialect postgres|mysql|sqlite [-topic T] [-upgrade]",
-	"outbox status": "outbox status -db URL [-driver pgx|sql] [-topic T] [-stuck-after D] [-list N] [-json]",
-	"outbox retry":  "outbox retry -db URL [-driver pgx|sql] [-topic T] (-offset N ... | -dest TOPIC | -all) [-yes] [-json]",
-	"outbox prune":  "outbox prune -db URL [-driver pgx|sql] [-topic T] -older-than AGE [-force] [-yes]",
-	"trace":         "trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag KEY=VALUE]) [-svg FILE]",
+	"dlq list":        "dlq list -queue Q [-json] [-limit N] [-force]",
+	"dlq show":        "dlq show -queue Q [-json] [-force] ID",
+	"dlq replay":      "dlq replay -queue Q [-id ID ...] [-handler H] [-reason SUBSTR] [-all] [-to Q | -allow-topics T,... | -any-destination] [-force] [-yes]",
+	"dedupe prune":    "dedupe prune -db URL [-driver pgx|sql] [-table T] -older-than AGE [-force] [-yes]",
+	"dedupe show":     "dedupe show -db URL [-driver pgx|sql] [-table T] (-handler H | -scope S) -key KEY",
+	"dedupe inflight": "dedupe inflight -db URL [-driver pgx|sql] [-table T] [-limit N]",
+	"dedupe schema":   "dedupe schema -dialect postgres|mysql|sqlite [-table T]",
+	"outbox schema":   "outbox schema -dialect postgres|mysql|sqlite [-topic T] [-upgrade]",
+	"outbox status":   "outbox status -db URL [-driver pgx|sql] [-topic T] [-stuck-after D] [-list N] [-json]",
+	"outbox retry":    "outbox retry -db URL [-driver pgx|sql] [-topic T] (-offset N ... | -dest TOPIC | -all) [-yes] [-json]",
+	"outbox prune":    "outbox prune -db URL [-driver pgx|sql] [-topic T] -older-than AGE [-force] [-yes]",
+	"parked list":     "parked list -db URL [-driver pgx|sql] [-table T] [FILTERS] [-limit N] [-after CURSOR]",
+	"parked show":     "parked show -db URL [-driver pgx|sql] [-table T] ID",
+	"parked groups":   "parked groups -db URL [-driver pgx|sql] [-table T] [-handler H] [-outcome O] [-all]",
+	"parked replay":   "parked replay -db URL [-driver pgx|sql] [-table T] (FILTERS | -all) [-outbox T] [-to TOPIC] [-force] [-max-replays N] [-by WHO] [-yes]",
+	"parked archive":  "parked archive -db URL [-driver pgx|sql] [-table T] (FILTERS | -all) [-by WHO] [-yes]",
+	"parked purge":    "parked purge -db URL [-driver pgx|sql] [-table T] [FILTERS] [-state S] -before TIME [-yes]",
+	"parked schema":   "parked schema -dialect postgres|mysql|sqlite [-table T]",
+	"trace":           "trace [-jaeger URL] (-id TRACE | -service S [-message UUID | -tag KEY=VALUE]) [-svg FILE]",
+	"console":         "console -db URL [-driver pgx|sql] [-addr 127.0.0.1:8080] [-token-file F] [-read-only] [-jaeger URL] [-table T] [-topic T] [-dedupe-table T]",
 }
+
+// parkedFiltersHelp says what FILTERS stands for in the synopses of the
+// parked commands.
+const parkedFiltersHelp = `FILTERS (of the parked commands; combined with AND): -id N[,N...] -handler H -topic T
+  -outcome dead_lettered|poisoned -group G -state parked|replayed|archived -reason TEXT
+  -uuid U -key K -since TIME -until TIME, where TIME is RFC 3339 or an age (2h, 7d)
+`
 
 // usage is the usage of every command, or of those of one group ("dlq")
 // when group is not empty.
@@ -81,6 +108,9 @@ func usage(group ...string) string {
 		if len(group) == 0 || strings.HasPrefix(c.name, group[0]+" ") {
 			b.WriteString("  settle " + synopses[c.name] + "\n")
 		}
+	}
+	if len(group) == 0 || group[0] == "parked" {
+		b.WriteString("\n" + parkedFiltersHelp)
 	}
 	b.WriteString("\n" + envHelp + "\n")
 	b.WriteString("Run 'settle <command> -h' for the flags of a command, 'settle <group> --help' for the commands of a group.\n")

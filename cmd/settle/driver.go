@@ -7,6 +7,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net/http"
 	"strings"
 	"time"
 
@@ -16,6 +17,7 @@ import (
 	"github.com/settle-go/settle/internal/settleenv"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/parked"
 	"github.com/settle-go/settle/sqldb"
 )
 
@@ -38,6 +40,8 @@ type dedupeStore interface {
 	Check(ctx context.Context) error
 	Prune(ctx context.Context, before time.Time) (int64, error)
 	Schema() []string
+	Lookup(ctx context.Context, scope, key string) (dedupe.KeyState, bool, error)
+	InFlight(ctx context.Context, limit int) ([]dedupe.KeyState, error)
 }
 
 // outboxStore is what the commands use of an outbox.Outbox, whatever its
@@ -64,16 +68,24 @@ type database struct {
 	pool      sqldb.Executor
 	newStore  func(dedupe.SQLConfig) (dedupeStore, error)
 	newOutbox func(outbox.Config) (outboxStore, error)
-	close     func() error
+	// newParked builds the parked-message store on the database;
+	// replayParked replays rows of it through the outbox of a topic.
+	newParked    func(parked.Config) (parkedStore, error)
+	replayParked func(ctx context.Context, s parkedStore, outboxTopic string, f parked.Filter, opts parked.ReplayOptions) (parked.ReplayResult, error)
+	console      func(context.Context, consoleSetup) (http.Handler, error)
+	close        func() error
 }
 
 // on is the database of db, reached through driver (driverPgx or
 // driverSQL) and closed by closeDB.
 func on[TTx any](db sqldb.Driver[TTx], driver string, closeDB func() error) *database {
+	newParked, replayParked := parkedOn(db)
 	return &database{
-		dialect: db.Dialect(),
-		driver:  driver,
-		pool:    db.DB(),
+		newParked:    newParked,
+		replayParked: replayParked,
+		dialect:      db.Dialect(),
+		driver:       driver,
+		pool:         db.DB(),
 		newStore: func(cfg dedupe.SQLConfig) (dedupeStore, error) {
 			s, err := dedupe.NewSQLStore(db, cfg)
 			if err != nil {
@@ -87,6 +99,9 @@ func on[TTx any](db sqldb.Driver[TTx], driver string, closeDB func() error) *dat
 				return nil, err
 			}
 			return o, nil
+		},
+		console: func(ctx context.Context, setup consoleSetup) (http.Handler, error) {
+			return consoleOn(ctx, db, setup)
 		},
 		close: closeDB,
 	}

@@ -3,13 +3,24 @@ package main
 import (
 	"bytes"
 	"context"
+	"os"
 	"strings"
 	"testing"
 
 	"github.com/settle-go/settle/internal/testenv"
 )
 
-func TestMain(m *testing.M) { testenv.Main(m) }
+// execMainEnv, set to 1 in the environment of the test binary, makes it
+// the settle command: the tests that need real processes (two replays at
+// once, a replay killed) run the test binary with a command line.
+const execMainEnv = "SETTLE_CMD_TEST_EXEC_MAIN"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(execMainEnv) == "1" {
+		main()
+	}
+	testenv.Main(m)
+}
 
 // result is what one run of the command produced.
 type result struct {

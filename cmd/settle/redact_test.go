@@ -84,6 +84,11 @@ func TestNoCommandPrintsAPassword(t *testing.T) {
 			run{nil, []string{"dedupe", "prune", "-db", u, "-older-than", "30d"}},
 			run{map[string]string{settleenv.PostgresURL: u}, []string{"outbox", "prune", "-older-than", "30d"}},
 			run{map[string]string{settleenv.MySQLURL: u}, []string{"dedupe", "prune", "-older-than", "30d"}},
+			run{nil, []string{"parked", "list", "-db", u}},
+			run{nil, []string{"parked", "replay", "-all", "-yes", "-db", u, "-driver", "sql"}},
+			run{map[string]string{settleenv.PostgresURL: u}, []string{"parked", "purge", "-before", "30d", "-yes"}},
+			run{nil, []string{"dedupe", "show", "-handler", "h", "-key", "k", "-db", u}},
+			run{map[string]string{settleenv.MySQLURL: u}, []string{"dedupe", "inflight"}},
 		)
 	}
 	for _, u := range amqpForms {
