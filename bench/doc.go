@@ -42,6 +42,7 @@ func renderDoc(res *Results) (string, error) {
 		"Summary":           summary(res),
 		"Stack":             stackTable(res.Stack),
 		"Attempts":          attemptsTable(res.Attempts),
+		"Parked":            parkedTable(res.Parked),
 		"StackN":            "–",
 		"BareAllocs":        "–",
 		"SettleExtraAllocs": "–",

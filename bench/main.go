@@ -44,6 +44,8 @@
 //   - attempts: the retry middleware's memory of failing messages, full at
 //     10,000 and 100,000 distinct messages: per-delivery latency, and the
 //     slowest successful delivery running beside them (no stall).
+//   - parked: the parked-message store's list and group pages on a table of
+//     a million rows (-quick: 131,072), on PostgreSQL and MariaDB.
 //
 // The servers are read from SETTLE_POSTGRES_URL, SETTLE_MYSQL_URL and
 // SETTLE_AMQP_URL, defaulting to the local services on 127.0.0.1.
@@ -68,7 +70,7 @@ import (
 )
 
 // sections in the order they run and appear in the document.
-var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "outbox", "growth", "attempts"}
+var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "outbox", "growth", "attempts", "parked"}
 
 type options struct {
 	quick    bool
@@ -187,6 +189,7 @@ type Results struct {
 	Outbox   *OutboxResults   `json:"outbox,omitempty"`
 	Growth   *GrowthResults   `json:"growth,omitempty"`
 	Attempts *AttemptsResults `json:"attempts,omitempty"`
+	Parked   *ParkedResults   `json:"parked,omitempty"`
 	Runs     map[string]RunAt `json:"runs"` // section -> when and how it ran
 }
 
@@ -231,6 +234,7 @@ func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		{"outbox", func() (err error) { res.Outbox, err = runOutbox(ctx, o, stderr); return }},
 		{"growth", func() (err error) { res.Growth, err = runGrowth(ctx, o, stderr); return }},
 		{"attempts", func() (err error) { res.Attempts, err = runAttempts(ctx, o, stderr); return }},
+		{"parked", func() (err error) { res.Parked, err = runParked(ctx, o, stderr); return }},
 	}
 	for _, s := range all {
 		if !o.only[s.name] {

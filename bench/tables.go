@@ -70,6 +70,8 @@ func sectionTables(res *Results, name string) string {
 		return growthTables(res.Growth)
 	case "attempts":
 		return attemptsTable(res.Attempts)
+	case "parked":
+		return parkedTable(res.Parked)
 	}
 	return ""
 }
