@@ -311,7 +311,8 @@ type pendingKey struct{ scope, uuid string }
 type pendingCopy struct {
 	info   Info
 	reason error
-	fails  int // publishes of the copy that failed
+	key    string // the dedupe key, which a redelivery parked without a run does not learn
+	fails  int    // publishes of the copy that failed
 }
 
 // ErrPublish is wrapped when the copy could not be published; the original
@@ -375,7 +376,7 @@ func (p *parker) failed(msg *message.Message, out []*message.Message, err error)
 	if !ok {
 		return out, err
 	}
-	return p.park(msg, pendingCopy{info: info, reason: err})
+	return p.park(msg, pendingCopy{info: info, reason: err, key: rec.Key()})
 }
 
 // again parks a redelivered message whose copy could not be published before.
@@ -400,7 +401,7 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 	// The record first: the copy on the topic is published only once the
 	// row is committed, and the original acked only after both.
 	if p.cfg.Store != nil {
-		if err := p.cfg.Store.Park(ctx, p.parked(msg, rec, info)); err != nil {
+		if err := p.cfg.Store.Park(ctx, p.parked(msg, pc.key, info)); err != nil {
 			return p.deferred(msg, pc, key, false, fields, fmt.Errorf("%s: %w: %w", p.cfg.Name, ErrStore, err))
 		}
 	}
@@ -427,7 +428,7 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 }
 
 // parked is what the store records of msg.
-func (p *parker) parked(msg *message.Message, rec *settlement.Record, info Info) settle.Parked {
+func (p *parker) parked(msg *message.Message, key string, info Info) settle.Parked {
 	ctx := msg.Context()
 	cause := info.Cause
 	if cause == nil {
@@ -443,7 +444,7 @@ func (p *parker) parked(msg *message.Message, rec *settlement.Record, info Info)
 		Cause:        cause,
 		Handler:      settlement.Scope(ctx),
 		Topic:        message.SubscribeTopicFromCtx(ctx),
-		Key:          rec.Key(),
+		Key:          key,
 		Attempts:     info.Attempt,
 		FirstFailure: info.FirstFailure,
 		LastFailure:  info.LastFailure,
