@@ -42,7 +42,9 @@ func parkedTable[TTx any](t testing.TB, d db[TTx]) (*parked.Store[TTx], string) 
 		d.exec(t, s)
 	}
 	t.Cleanup(func() {
-		for _, tbl := range []string{table + "_groups", table, table + "_off"} {
+		// The group counts and the rows, in either order of their
+		// dependency.
+		for _, tbl := range []string{table + "_groups", table, table + "_off", table + "_groups"} {
 			_, _ = d.sql.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+d.quote(tbl))
 		}
 	})

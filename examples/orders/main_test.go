@@ -54,6 +54,7 @@ func checkReport(t *testing.T, out string) {
 		"charges applied":     {"20"},
 		"e-mails sent":        {"19"},
 		"duplicates absorbed": {"4"},
+		"parked rows":         {"2"},
 	}
 	for label, nums := range want {
 		if got := row(t, out, label); strings.Join(got, " ") != strings.Join(nums, " ") {
