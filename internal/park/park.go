@@ -379,7 +379,7 @@ func (p *parker) failed(msg *message.Message, out []*message.Message, err error)
 	return p.park(msg, pendingCopy{info: info, reason: err, key: rec.Key()})
 }
 
-// again parks a redelivered message whose copy could not be published before.
+// again parks a redelivered message that could not be parked before.
 func (p *parker) again(msg *message.Message, pc pendingCopy) ([]*message.Message, error) {
 	return p.park(msg, pc) // the failure, its text and its times, are the ones recorded
 }

@@ -195,7 +195,7 @@ func (r *Record) Retried() {
 }
 
 // Defer records that the delivery is nacked without an attempt: the key is
-// busy, the store cannot answer, or a parked copy could not be published.
+// busy, the store cannot answer, or a message could not be parked.
 func (r *Record) Defer() {
 	if r == nil {
 		return
