@@ -338,8 +338,9 @@ func (b *broker) deleteQueues() {
 
 func newTopicNames(runID string) topicNames {
 	t := topicNames{placed: "orders.placed." + runID, charged: "orders.charged." + runID}
-	t.all = []string{t.placed, t.charged,
-		t.placed + ".dead_letter", t.placed + ".poison", t.charged + ".dead_letter", t.charged + ".poison"}
+	// No parking queues: the dead-lettered and poisoned messages are parked
+	// in a table (schema.parked).
+	t.all = []string{t.placed, t.charged}
 	return t
 }
 
@@ -369,11 +370,9 @@ func newBroker(amqpURL, runID string) (*broker, error) {
 		_ = pub.Close()
 		return nil, fmt.Errorf("rabbitmq: %w", err)
 	}
-	// Declare the queues now. The dead-letter and poison messages go to the
-	// parked-message store, not to queues; t.all also names the parking
-	// queues of earlier versions of this example, so that their leftovers
-	// are removed.
-	for _, q := range []string{t.placed, t.charged} {
+	// Declare the queues now, so that the first messages published to them
+	// are kept.
+	for _, q := range t.all {
 		if err := sub.SubscribeInitialize(q); err != nil {
 			_ = pub.Close()
 			_ = sub.Close()
