@@ -442,7 +442,8 @@ func seedOutbox(t *testing.T, db *sql.DB, ob *outbox.Outbox[*sql.Tx], topic stri
 	}
 }
 
-// waitForParked returns the row of handler with outcome within d, or fails.
+// waitForParked returns the row of handler with outcome, whole, within d,
+// or fails.
 func waitForParked(t *testing.T, store *parked.Store[*sql.Tx], handler string, outcome settle.Outcome, d time.Duration, logs func() string) parked.Message {
 	t.Helper()
 	deadline := time.Now().Add(d)
@@ -452,7 +453,11 @@ func waitForParked(t *testing.T, store *parked.Store[*sql.Tx], handler string, o
 			t.Fatal(err)
 		}
 		if len(page.Messages) > 0 {
-			return page.Messages[0]
+			m, err := store.Get(t.Context(), page.Messages[0].ID) // whole: List leaves out the payload
+			if err != nil {
+				t.Fatal(err)
+			}
+			return m
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("no %s row of %s within %v: the message was not parked\n%s", outcome, handler, d, logs())
