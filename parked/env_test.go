@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -58,16 +57,18 @@ type api interface {
 type handle struct {
 	api
 	replay func(context.Context, parked.Filter, parked.ReplayOptions) (parked.ReplayResult, error)
+	// relay makes a relay of the outbox replay writes to.
+	relay func(message.Publisher, outbox.RelayConfig) (*outbox.Relay, error)
 }
 
 type env struct {
-	d       drv
-	db      testenv.DB // the test's own statements
-	table   string
-	topic   string // the outbox's
-	cfg     parked.Config
-	handle         // on the pool of the driver under test
-	sqlite  string // the SQLite file, for another pool
+	d      drv
+	db     testenv.DB // the test's own statements
+	table  string
+	topic  string // the outbox's
+	cfg    parked.Config
+	handle        // on the pool of the driver under test
+	sqlite string // the SQLite file, for another pool
 }
 
 func (e *env) q(name string) string {
@@ -123,10 +124,18 @@ func setup(t *testing.T, d drv, cfg parked.Config) *env {
 // on a pgx pool of its own.
 func (e *env) open(t testing.TB, db testenv.DB) handle {
 	t.Helper()
+	return e.openWith(t, db, e.cfg)
+}
+
+// openWith is open with another configuration of the store (its table
+// kept).
+func (e *env) openWith(t testing.TB, db testenv.DB, cfg parked.Config) handle {
+	t.Helper()
+	cfg.Table = e.table
 	if e.d.pgx {
-		return bind(t, sqldb.Pgx(testenv.PgxPool(t)), e.cfg, e.topic)
+		return bind(t, sqldb.Pgx(testenv.PgxPool(t)), cfg, e.topic)
 	}
-	return bind(t, sqldb.Std(db.DB, db.Dialect), e.cfg, e.topic)
+	return bind(t, sqldb.Std(db.DB, db.Dialect), cfg, e.topic)
 }
 
 // another returns a handle on a pool of its own to the same database.
@@ -158,7 +167,7 @@ func bind[TTx any](t testing.TB, d sqldb.Driver[TTx], cfg parked.Config, topic s
 	}
 	return handle{api: st, replay: func(ctx context.Context, f parked.Filter, o parked.ReplayOptions) (parked.ReplayResult, error) {
 		return st.Replay(ctx, ob, f, o)
-	}}
+	}, relay: ob.NewRelay}
 }
 
 // outboxRow is a row of the outbox table.
@@ -287,5 +296,3 @@ func forEach(t *testing.T, fn func(t *testing.T, d drv)) {
 		})
 	}
 }
-
-var _ = filepath.Join

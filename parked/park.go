@@ -82,7 +82,7 @@ func (s *Store[TTx]) Park(ctx context.Context, p settle.Parked) error {
 	}
 	md, err := mdcolumn.Encode(p.Message.Metadata)
 	if err != nil {
-		return fmt.Errorf("parked: Park: metadata of message %q: %w", clean(p.Message.UUID), err)
+		return fmt.Errorf("parked: Park: metadata of message %q: %w", brief(p.Message.UUID), err)
 	}
 	now := time.Now()
 	last := p.LastFailure
@@ -106,13 +106,15 @@ func (s *Store[TTx]) Park(ctx context.Context, p settle.Parked) error {
 	if payload == nil {
 		payload = []byte{}
 	}
-	token := newToken()
 	id := ident(p.Handler, park.Identity(p.Message))
 	row := []any{id, handler, cutRunes(clean(p.Topic), maxName), bytesOf(p.Message.UUID), bytesOf(p.Key), outcome, reason, g.id,
 		attempts, micros(first), micros(last), trace, payload, md, string(StateParked),
-		replaysOf(p.Message.Metadata.Get(settle.MetaReplayCount)), int64(0), "", int64(0), "", token, micros(now)}
+		replaysOf(p.Message.Metadata.Get(settle.MetaReplayCount)), int64(0), "", int64(0), "", "", micros(now)}
+	const tokenArg = 20 // row's token
 
 	err = s.inTx(ctx, func(_ TTx, ex sqldb.Executor) error {
+		token := newToken() // a fresh one for each run of the transaction
+		row[tokenArg] = token
 		if _, err := ex.Exec(ctx, s.q.insert, row...); err != nil {
 			return err
 		}
@@ -153,7 +155,7 @@ func (s *Store[TTx]) Park(ctx context.Context, p settle.Parked) error {
 		return s.addGroup(ctx, ex, g, handler, outcome, 1, 1, seen, l)
 	})
 	if err != nil {
-		return fmt.Errorf("parked: Park %q of handler %q: %w", clean(p.Message.UUID), handler, err)
+		return fmt.Errorf("parked: Park %q of handler %q: %w", brief(p.Message.UUID), brief(handler), err)
 	}
 	return nil
 }
@@ -186,4 +188,13 @@ func (s *Store[TTx]) bumpGroups(ctx context.Context, ex sqldb.Executor, deltas m
 		}
 	}
 	return nil
+}
+
+// brief is s for an error's text: valid UTF-8, at most 128 bytes.
+func brief(s string) string {
+	s = clean(s)
+	if c := cutBytes(s, 128); len(c) < len(s) {
+		return c + "…"
+	}
+	return s
 }

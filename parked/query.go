@@ -36,11 +36,19 @@ func (s *Store[TTx]) where(b *builder, f Filter) {
 	if f.State != "" {
 		eq("state", string(f.State))
 	}
+	// A UUID or key is found by the index of its prefix, then compared
+	// whole.
+	bin := func(col, v string) {
+		if s.q.d == sqldb.Postgres {
+			b.sql(" AND ", s.q.prefix(col), " = substring(").arg(bytesOf(v)).sql("::bytea from 1 for " + strconv.Itoa(binPrefix) + ")")
+		}
+		eq(col, bytesOf(v))
+	}
 	if f.UUID != "" {
-		eq("uuid", bytesOf(f.UUID))
+		bin("uuid", f.UUID)
 	}
 	if f.Key != "" {
-		eq("dedupe_key", bytesOf(f.Key))
+		bin("dedupe_key", f.Key)
 	}
 	if f.Reason != "" {
 		if s.q.d == sqldb.SQLite {

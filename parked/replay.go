@@ -142,33 +142,60 @@ func (s *Store[TTx]) Replay(ctx context.Context, ob *outbox.Outbox[TTx], f Filte
 	opts.By = cutRunes(clean(opts.By), maxBy)
 	var after int64
 	for {
-		var chunk ReplayResult
-		var last int64
-		var done bool
+		var c chunk
 		err := s.inTx(ctx, func(tx TTx, ex sqldb.Executor) error {
-			var err error
-			chunk, last, done, err = s.replayChunk(ctx, ob, tx, ex, f, opts, after)
-			return err
+			c = chunk{after: after}
+			return s.replayChunk(ctx, ob, tx, ex, f, opts, &c)
 		})
-		if err != nil {
+		if err != nil && !(c.written && s.committed(ctx, c.marked, c.token)) {
 			return res, fmt.Errorf("parked: Replay: %w", err)
 		}
-		res.add(chunk)
-		if chunk.Replayed > 0 {
+		res.add(c.res)
+		if c.res.Replayed > 0 {
 			ob.Notify()
-			s.cfg.Logger.Debug("parked: replayed", watermill.LogFields{"rows": chunk.Replayed, "by": opts.By})
+			s.cfg.Logger.Debug("parked: replayed", watermill.LogFields{"rows": c.res.Replayed, "by": opts.By})
 		}
-		if done {
+		if err != nil {
+			// The commit went through, its answer was lost (the
+			// context ended while it ran): counted, and stopped there.
+			return res, fmt.Errorf("parked: Replay: %w", err)
+		}
+		if c.done {
 			return res, nil
 		}
-		after = last
+		after = c.last
 	}
 }
 
-// replayChunk replays the next rows of f after id after, in tx. It returns
-// what it did, the last id it selected, and whether there are no more.
-func (s *Store[TTx]) replayChunk(ctx context.Context, ob *outbox.Outbox[TTx], tx TTx, ex sqldb.Executor, f Filter, opts ReplayOptions, after int64) (ReplayResult, int64, bool, error) {
-	var res ReplayResult
+// chunk is one transaction of a replay.
+type chunk struct {
+	after   int64 // the rows after this id
+	res     ReplayResult
+	last    int64 // the last id selected
+	done    bool  // no rows after last
+	token   string
+	marked  []int64 // the rows that carry token
+	written bool    // every statement ran: only the commit was left
+}
+
+// committed reports whether the rows ids carry token, that is whether a
+// transaction whose commit returned an error did commit. It asks on a
+// context of its own: the replay's may be what ended.
+func (s *Store[TTx]) committed(ctx context.Context, ids []int64, token string) bool {
+	if len(ids) == 0 {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	b := s.q.build().sql("SELECT COUNT(*) FROM ", s.q.t, " WHERE id IN ").in(ids).sql(" AND token = ").arg(token)
+	var n int
+	return s.db.DB().QueryRow(ctx, b.String(), b.args, &n) == nil && n == len(ids)
+}
+
+// replayChunk replays the next rows of f after c.after, in tx, and says
+// what it did in c.
+func (s *Store[TTx]) replayChunk(ctx context.Context, ob *outbox.Outbox[TTx], tx TTx, ex sqldb.Executor, f Filter, opts ReplayOptions, c *chunk) error {
+	res := &c.res
 	size := "octet_length(payload) + octet_length(metadata)"
 	switch s.q.d {
 	case sqldb.MySQL:
@@ -176,47 +203,49 @@ func (s *Store[TTx]) replayChunk(ctx context.Context, ob *outbox.Outbox[TTx], tx
 	case sqldb.SQLite:
 		size = "length(payload) + length(CAST(metadata AS BLOB))"
 	}
-	b := s.q.build().sql("SELECT id, state, replay_count, topic, ", size, " FROM ", s.q.t, " WHERE id > ").arg(after)
+	b := s.q.build().sql("SELECT id, state, replay_count, topic, ", size, " FROM ", s.q.t, " WHERE id > ").arg(c.after)
 	s.where(b, f)
-	b.sql(" ORDER BY id LIMIT ").arg(replayChunk)
+	b.sql(" ORDER BY id LIMIT ").arg(s.chunk)
 	var cands []candidate
 	err := ex.Query(ctx, b.String(), b.args, func(scan func(dest ...any) error) error {
-		var c candidate
+		var cd candidate
 		var state string
-		if err := scan(&c.id, &state, &c.replays, &c.topic, &c.size); err != nil {
+		if err := scan(&cd.id, &state, &cd.replays, &cd.topic, &cd.size); err != nil {
 			return err
 		}
-		c.state = State(state)
-		cands = append(cands, c)
+		cd.state = State(state)
+		cands = append(cands, cd)
 		return nil
 	})
 	if err != nil {
-		return res, 0, false, err
+		return err
 	}
 	if len(cands) == 0 {
-		return res, after, true, nil
+		c.last, c.done = c.after, true
+		return nil
 	}
 	// Cut the chunk at its byte bound: the rows after it come in the next.
-	done := len(cands) < replayChunk
+	done := len(cands) < s.chunk
 	var bytes int64
-	for i, c := range cands {
-		if bytes += c.size; i > 0 && bytes > replayChunkBytes {
+	for i, cd := range cands {
+		if bytes += cd.size; i > 0 && bytes > replayChunkBytes {
 			cands, done = cands[:i], false
 			break
 		}
 	}
-	last := cands[len(cands)-1].id
+	c.last, c.done = cands[len(cands)-1].id, done
 
 	var ids []int64
-	for _, c := range cands {
-		if ok, _ := s.eligible(c, opts); ok {
-			ids = append(ids, c.id)
+	for _, cd := range cands {
+		if ok, _ := s.eligible(cd, opts); ok {
+			ids = append(ids, cd.id)
 		}
 	}
 	marked := map[int64]Message{}
 	if len(ids) > 0 {
 		now := time.Now()
 		token := newToken()
+		c.token = token
 		u := s.q.build().sql("UPDATE ", s.q.t, " SET state = ").arg(string(StateReplayed)).
 			sql(", replay_count = replay_count + 1, replayed_at = ").arg(micros(now)).
 			sql(", replayed_by = ").arg(opts.By).sql(", token = ").arg(token).sql(", updated_at = ").arg(micros(now)).
@@ -228,7 +257,7 @@ func (s *Store[TTx]) replayChunk(ctx context.Context, ob *outbox.Outbox[TTx], tx
 			u.sql(" AND topic <> ''")
 		}
 		if _, err := ex.Exec(ctx, u.String(), u.args...); err != nil {
-			return res, 0, false, fmt.Errorf("marking rows replayed: %w", err)
+			return fmt.Errorf("marking rows replayed: %w", err)
 		}
 		// What the UPDATE wrote decides, not how many rows it reports.
 		r := s.q.build().sql("SELECT ", rowCols, ", payload, metadata FROM ", s.q.t, " WHERE id IN ").in(ids).sql(" AND token = ").arg(token).sql(" ORDER BY id")
@@ -236,14 +265,15 @@ func (s *Store[TTx]) replayChunk(ctx context.Context, ob *outbox.Outbox[TTx], tx
 			m, err := scanRow(scan, true)
 			if err == nil {
 				marked[m.ID] = m
+				c.marked = append(c.marked, m.ID)
 			}
 			return err
 		})
 		if err != nil {
-			return res, 0, false, fmt.Errorf("reading back the rows marked: %w", err)
+			return fmt.Errorf("reading back the rows marked: %w", err)
 		}
 		if err := s.publish(ctx, ob, tx, marked, opts, now); err != nil {
-			return res, 0, false, err
+			return err
 		}
 		deltas := map[string]groupDelta{}
 		for _, m := range marked {
@@ -252,25 +282,26 @@ func (s *Store[TTx]) replayChunk(ctx context.Context, ob *outbox.Outbox[TTx], tx
 			deltas[m.Group] = d
 		}
 		if err := s.bumpGroups(ctx, ex, deltas); err != nil {
-			return res, 0, false, err
+			return err
 		}
 	}
-	for _, c := range cands {
-		if m, ok := marked[c.id]; ok {
+	for _, cd := range cands {
+		if m, ok := marked[cd.id]; ok {
 			res.add(ReplayResult{Replayed: 1, Destinations: map[string]int64{destination(m.Topic, opts): 1}})
 			continue
 		}
-		if _, refused := s.eligible(c, opts); refused {
+		if _, refused := s.eligible(cd, opts); refused {
 			res.Refused++
 		} else {
 			res.Skipped++
 		}
 	}
-	return res, last, done, nil
+	c.written = true
+	return nil
 }
 
 // publish writes the copies of the rows marked through ob in tx, in ID
-// order, grouped by destination.
+// order.
 func (s *Store[TTx]) publish(ctx context.Context, ob *outbox.Outbox[TTx], tx TTx, marked map[int64]Message, opts ReplayOptions, now time.Time) error {
 	if len(marked) == 0 {
 		return nil

@@ -11,10 +11,11 @@ import (
 )
 
 // Bounds on the text columns, in characters, that every dialect's columns
-// take (MySQL's VARCHARs; an index on (handler, last_failure, id) must fit
-// in InnoDB's 3072 bytes). Longer values are cut.
+// take (MySQL's VARCHARs; an index entry of (handler, last_failure, id)
+// must fit in InnoDB's 3072 bytes and PostgreSQL's 2704). Longer values are
+// cut.
 const (
-	maxName   = 700      // handler, topic
+	maxName   = 600      // handler, topic
 	maxBy     = 255      // replayed_by, archived_by
 	maxTrace  = 64       // trace_id
 	maxReason = 16 << 10 // reason, in bytes
@@ -156,8 +157,8 @@ func newStatements(d sqldb.Dialect, table string) statements {
 			`CREATE INDEX IF NOT EXISTS ` + idx("topic") + ` ON ` + t + ` (topic, last_failure, id)`,
 			`CREATE INDEX IF NOT EXISTS ` + idx("state") + ` ON ` + t + ` (state, last_failure, id)`,
 			`CREATE INDEX IF NOT EXISTS ` + idx("changed") + ` ON ` + t + ` (state, updated_at)`,
-			`CREATE INDEX IF NOT EXISTS ` + idx("uuid") + ` ON ` + t + ` (uuid)`,
-			`CREATE INDEX IF NOT EXISTS ` + idx("key") + ` ON ` + t + ` (dedupe_key)`,
+			`CREATE INDEX IF NOT EXISTS ` + idx("uuid") + ` ON ` + t + ` (` + s.prefix("uuid") + `)`,
+			`CREATE INDEX IF NOT EXISTS ` + idx("key") + ` ON ` + t + ` (` + s.prefix("dedupe_key") + `)`,
 			s.createGroups,
 			`CREATE INDEX IF NOT EXISTS ` + gidx("seen") + ` ON ` + g + ` (last_seen)`,
 			`CREATE INDEX IF NOT EXISTS ` + gidx("handler") + ` ON ` + g + ` (handler, last_seen)`,
@@ -174,8 +175,8 @@ ON CONFLICT (group_id) DO UPDATE SET parked = ` + g + `.parked + excluded.parked
 		s.createRows = "CREATE TABLE IF NOT EXISTS " + t + ` (
 	id            BIGINT       NOT NULL AUTO_INCREMENT PRIMARY KEY,
 	ident         BINARY(32)   NOT NULL,
-	handler       VARCHAR(700) NOT NULL,
-	topic         VARCHAR(700) NOT NULL,
+	handler       VARCHAR(600) NOT NULL,
+	topic         VARCHAR(600) NOT NULL,
 	uuid          LONGBLOB     NOT NULL,
 	dedupe_key    LONGBLOB     NOT NULL,
 	outcome       VARCHAR(32)  NOT NULL,
@@ -202,12 +203,12 @@ ON CONFLICT (group_id) DO UPDATE SET parked = ` + g + `.parked + excluded.parked
 	KEY ` + idx("topic") + ` (topic, last_failure, id),
 	KEY ` + idx("state") + ` (state, last_failure, id),
 	KEY ` + idx("changed") + ` (state, updated_at),
-	KEY ` + idx("uuid") + ` (uuid(255)),
-	KEY ` + idx("key") + ` (dedupe_key(255))
+	KEY ` + idx("uuid") + ` (uuid(` + strconv.Itoa(binPrefix) + `)),
+	KEY ` + idx("key") + ` (dedupe_key(` + strconv.Itoa(binPrefix) + `))
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin`
 		s.createGroups = "CREATE TABLE IF NOT EXISTS " + g + ` (
 	group_id   VARCHAR(32)  NOT NULL PRIMARY KEY,
-	handler    VARCHAR(700) NOT NULL,
+	handler    VARCHAR(600) NOT NULL,
 	error_type VARCHAR(255) NOT NULL,
 	norm_text  TEXT         NOT NULL,
 	outcome    VARCHAR(32)  NOT NULL,
@@ -234,6 +235,21 @@ ON DUPLICATE KEY UPDATE parked = parked + VALUES(parked), total = total + VALUES
 	s.groupBump = `UPDATE ` + g + ` SET parked = parked + ` + s.ph(1) + `, total = total + ` + s.ph(2) + ` WHERE group_id = ` + s.ph(3)
 	s.groupDrop = `DELETE FROM ` + g + ` WHERE group_id = ` + s.ph(1) + ` AND total <= 0`
 	return s
+}
+
+// binPrefix is how many bytes of a UUID or key their indexes hold: a
+// value of any length is stored, but an index entry is bounded (PostgreSQL
+// refuses a row whose entry is over 2704 bytes).
+const binPrefix = 255
+
+// prefix is the indexed expression of the binary column col: its first
+// binPrefix bytes on PostgreSQL, the column itself on SQLite (whose index
+// entries have no bound; MySQL's key takes a prefix length instead).
+func (s statements) prefix(col string) string {
+	if s.d == sqldb.Postgres {
+		return "substring(" + col + " from 1 for " + strconv.Itoa(binPrefix) + ")"
+	}
+	return col
 }
 
 // ph is the i-th placeholder (from 1) of a statement.

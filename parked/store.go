@@ -125,7 +125,7 @@ type Message struct {
 type Group struct {
 	ID        string // stable id: a hash of handler, outcome, error type and text
 	Handler   string
-	ErrorType string // Go type of the innermost error, e.g. "*net.OpError"
+	ErrorType string // Go type of the innermost error, e.g. "*json.SyntaxError"
 	Text      string // the normalised error text
 	Outcome   settle.Outcome
 	Parked    int64 // rows in state parked
@@ -232,6 +232,9 @@ type Store[TTx any] struct {
 	db  sqldb.Driver[TTx]
 	cfg Config
 	q   statements
+	// chunk is the most rows of one transaction of Replay (replayChunk;
+	// tests make it small).
+	chunk int
 }
 
 // New checks cfg and returns the store of db. It touches no database.
@@ -246,7 +249,7 @@ func New[TTx any](db sqldb.Driver[TTx], cfg Config) (*Store[TTx], error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	return &Store[TTx]{db: db, cfg: cfg, q: newStatements(db.Dialect(), cfg.Table)}, nil
+	return &Store[TTx]{db: db, cfg: cfg, q: newStatements(db.Dialect(), cfg.Table), chunk: replayChunk}, nil
 }
 
 // Schema returns the DDL of the store's tables and indexes, in the

@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math/rand/v2"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -29,11 +31,11 @@ func TestRoundTripHostileRows(t *testing.T) {
 		}
 		payload := bytes.Repeat([]byte{0, 0xff, 'x', 0xc3}, big/4)
 		md := message.Metadata{
-			"huge":            strings.Repeat("v", 1<<20),
-			"bad\xff\xfekey":  "bad\xc3value\x00nul",
-			"settle_reason":   "forged",
-			"<script>":        "</script><script>alert(1)</script>",
-			"":                "empty key",
+			"huge":             strings.Repeat("v", 1<<20),
+			"bad\xff\xfekey":   "bad\xc3value\x00nul",
+			"settle_reason":    "forged",
+			"<script>":         "</script><script>alert(1)</script>",
+			"":                 "empty key",
 			"emoji \U0001F600": "ok",
 		}
 		cases := []struct {
@@ -43,6 +45,13 @@ func TestRoundTripHostileRows(t *testing.T) {
 		}{
 			{"huge", &message.Message{UUID: "u-huge", Payload: payload, Metadata: md}, nil},
 			{"no uuid", &message.Message{UUID: "", Payload: []byte("no uuid"), Metadata: message.Metadata{}}, nil},
+			// Incompressible, so that PostgreSQL cannot fit them in an
+			// index entry by compressing them.
+			{"long uuid and key", &message.Message{UUID: noise(20000), Payload: []byte("x"), Metadata: message.Metadata{}}, func(p *settle.Parked) {
+				p.Key = noise(30000)
+				p.Handler = strings.Repeat("h\U0001F600", 2000) // cut to 600 characters
+				p.Topic = strings.Repeat("t\U0001F600", 300)
+			}},
 			{"markup reason", &message.Message{UUID: "u-<script>\xff", Payload: []byte{}, Metadata: message.Metadata{}}, func(p *settle.Parked) {
 				p.Cause = errors.New("<script>alert('x')</script> \xff\x00 failed")
 				p.Key = "key\xff\x00<b>"
@@ -51,13 +60,13 @@ func TestRoundTripHostileRows(t *testing.T) {
 			}},
 		}
 		for _, c := range cases {
-			p := settle.Parked{Message: c.msg, Outcome: settle.Poisoned, Cause: errBoom, Handler: "h " + c.name, Topic: "t",
+			p := settle.Parked{Message: c.msg, Outcome: settle.Poisoned, Cause: errBoom, Handler: "h " + c.name, Topic: "t " + c.name,
 				Attempts: 2, FirstFailure: time.UnixMicro(1_700_000_000_000_001), LastFailure: time.UnixMicro(1_700_000_000_500_002)}
 			if c.p != nil {
 				c.p(&p)
 			}
 			e.park(t, p)
-			page, err := e.List(t.Context(), parked.Query{Filter: parked.Filter{UUID: c.msg.UUID, Handler: p.Handler}})
+			page, err := e.List(t.Context(), parked.Query{Filter: parked.Filter{UUID: c.msg.UUID, Key: p.Key, Handler: p.Handler}})
 			if err != nil || len(page.Messages) != 1 {
 				t.Fatalf("%s: List by UUID = %d rows, %v; want 1", c.name, len(page.Messages), err)
 			}
@@ -72,7 +81,7 @@ func TestRoundTripHostileRows(t *testing.T) {
 				t.Errorf("%s: the row does not read back as parked: uuid %q (want %q), payload %d bytes equal=%v, metadata equal=%v",
 					c.name, m.UUID, c.msg.UUID, len(m.Payload), bytes.Equal(m.Payload, c.msg.Payload), maps.Equal(m.Metadata, c.msg.Metadata))
 			}
-			if m.Key != p.Key || m.Outcome != settle.Poisoned || m.Attempts != 2 || m.State != parked.StateParked || m.Topic != "t" ||
+			if m.Key != p.Key || m.Outcome != settle.Poisoned || m.Attempts != 2 || m.State != parked.StateParked || m.Topic != p.Topic ||
 				!m.FirstFailure.Equal(p.FirstFailure) || !m.LastFailure.Equal(p.LastFailure) || m.TraceID != p.TraceID {
 				t.Errorf("%s: row %+v", c.name, m)
 			}
@@ -118,4 +127,48 @@ func TestParkIdempotent(t *testing.T) {
 		}
 		e.checkGroups(t)
 	})
+}
+
+// Parks of the same messages racing on separate pools (a delivery parked
+// again on redelivery while the first park is in flight) make one row per
+// message, and the counts add each once.
+func TestConcurrentParks(t *testing.T) {
+	t.Parallel()
+	forEach(t, func(t *testing.T, d drv) {
+		e := setup(t, d, parked.Config{})
+		const workers, n = 4, 25
+		hs := make([]handle, workers)
+		for i := range hs {
+			hs[i] = e.another(t)
+		}
+		var wg sync.WaitGroup
+		for w, h := range hs {
+			wg.Go(func() {
+				for i := range n {
+					// Two kinds of error per message, so that a park
+					// again also moves rows between groups.
+					p := parkedMsg(fmt.Sprintf("m%d", i), "charge", fmt.Errorf("kind %d: %w", (i+w)%2, errBoom))
+					if err := h.Park(t.Context(), p); err != nil {
+						t.Error(err)
+						return
+					}
+					time.Sleep(time.Duration(rand.IntN(500)) * time.Microsecond)
+				}
+			})
+		}
+		wg.Wait()
+		if c, err := e.Count(t.Context(), parked.Filter{}); err != nil || c != n {
+			t.Fatalf("%d rows after %d workers parked the same %d messages, %v", c, workers, n, err)
+		}
+		e.checkGroups(t)
+	})
+}
+
+// noise returns n random bytes.
+func noise(n int) string {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(rand.Uint32())
+	}
+	return string(b)
 }
