@@ -632,3 +632,43 @@ func TestParkedStoreOutageDefersThroughRabbitMQ(t *testing.T) {
 		t.Fatalf("%d messages left on the queue", depth)
 	}
 }
+
+// hangingStore is a parked store behind a silent network partition: each
+// Park waits until its context ends.
+type hangingStore struct{ calls, deadlines atomic.Int64 }
+
+func (s *hangingStore) Park(ctx context.Context, _ settle.Parked) error {
+	s.calls.Add(1)
+	<-ctx.Done()
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		s.deadlines.Add(1)
+	}
+	return ctx.Err()
+}
+
+// A Park that does not return has Config.StoreTimeout as its deadline: the
+// delivery is deferred within it, again and again, never held for good
+// and never acked.
+func TestParkedStoreCallHasADeadline(t *testing.T) {
+	t.Parallel()
+	store := &hangingStore{}
+	h := &parkHarness{ps: gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, watermill.NopLogger{})}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	must(t, err)
+	h.router = router
+	p, err := pipeline.New(router, pipeline.Config{Publisher: h.ps, ParkStore: store, Retry: fastRetry(),
+		StoreTimeout: 20 * time.Millisecond, NackDelay: time.Millisecond, DisableTracing: true})
+	must(t, err)
+	_, err = p.Handle(parkHandler, parkTopic, h.ps, func(msg *message.Message) error {
+		h.runs.add(parkHandler, msg.UUID)
+		return fail(msg)
+	})
+	must(t, err)
+	h.run(t)
+	msg := amqpOrder("poison", "26")
+	must(t, h.ps.Publish(parkTopic, msg))
+	waitLong(t, "three Parks ended by their deadline", func() bool { return store.deadlines.Load() >= 3 })
+	if n := h.runs.get(parkHandler, msg.UUID); n != 1 {
+		t.Fatalf("handler ran %d times; want 1 (the deferred redeliveries are parked without a run)", n)
+	}
+}

@@ -59,8 +59,9 @@ type Config struct {
 	// middlewares; see there for the order (the record, then the copy on
 	// DeadLetterTopic or PoisonTopic when set, then the ack) and for a
 	// record that cannot be written (the delivery is deferred, not an
-	// attempt). When it has a Check(context.Context) error method (a
-	// parked.Store does: its tables), New calls it, as for Store.
+	// attempt). Each Park has StoreTimeout as its deadline. When it has a
+	// Check(context.Context) error method (a parked.Store does: its
+	// tables), New calls it, as for Store.
 	ParkStore settle.ParkStore
 	// Store keeps dedupe claims: a dedupe.MemoryStore for one process, a
 	// dedupe.SQLStore to share them between processes. Nil turns dedupe
@@ -80,8 +81,8 @@ type Config struct {
 	// StoreTimeout bounds each call to the dedupe store
 	// (dedupe.Config.StoreTimeout) and each call settle makes in a
 	// transactional handler's transaction (TxConfig.CallTimeout, when that
-	// is not set): a database that does not answer within it defers the
-	// delivery instead of holding it. Defaults to ClaimTimeout/2, and at
+	// is not set), and each Park of ParkStore: a database that does not
+	// answer within it defers the delivery instead of holding it. Defaults to ClaimTimeout/2, and at
 	// least 1s. Must be 0 or >= 10ms.
 	StoreTimeout time.Duration
 	// BusyDelay is how long a delivery whose key another worker holds waits
@@ -226,6 +227,9 @@ func New(router *message.Router, cfg Config) (*Pipeline, error) {
 			return nil, fmt.Errorf("pipeline: Config.ParkStore: %w", err)
 		}
 	}
+	if cfg.ParkStore != nil {
+		cfg.ParkStore = parkWithin{store: cfg.ParkStore, timeout: cfg.storeTimeout()}
+	}
 	p := &Pipeline{router: router, cfg: cfg}
 	var err error
 	// Handlers with the dedupe middleware have their runs counted by its
@@ -335,6 +339,21 @@ func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, sto
 		mws = append(mws, detachProduced)
 	}
 	return mws, nil
+}
+
+// parkWithin bounds each Park of a parked-message store by timeout, so that
+// a database that does not answer defers the delivery within it instead of
+// holding it (Config.StoreTimeout). A Park that timed out after its commit
+// is parked again on redelivery, which the store keeps as one row.
+type parkWithin struct {
+	store   settle.ParkStore
+	timeout time.Duration
+}
+
+func (p parkWithin) Park(ctx context.Context, m settle.Parked) error {
+	ctx, cancel := context.WithTimeout(ctx, p.timeout)
+	defer cancel()
+	return p.store.Park(ctx, m)
 }
 
 // checkStore checks a store that can check itself (a SQLStore: its claims
