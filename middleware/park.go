@@ -102,8 +102,8 @@ type ParkConfig struct {
 	// RabbitMQ and never read back. Defaults to 64 KiB.
 	// Must be 0 or >= 16 KiB.
 	MaxMetadataBytes int
-	// Logger defaults to watermill.NopLogger. Publish failures are logged at
-	// most once per 5 seconds.
+	// Logger defaults to watermill.NopLogger. Failures to park (a Park or a
+	// publish that failed) are logged at most once per 5 seconds.
 	Logger watermill.LoggerAdapter
 }
 

@@ -168,6 +168,7 @@ const (
 	byPipelineHandle parkAssembly = "pipeline.Handle"
 	byPipelineTopics parkAssembly = "pipeline.Handle+topics" // the store beside the parking topics
 	byHandleTx       parkAssembly = "pipeline.HandleTx"
+	byOneStatement   parkAssembly = "pipeline.HandleTx+OneStatement" // the key claimed in the transaction
 	byHandleBatchTx  parkAssembly = "pipeline.HandleBatchTx"
 	byHandBuilt      parkAssembly = "hand-built"
 )
@@ -242,8 +243,8 @@ func newParkHarness[TTx any](t *testing.T, d db[TTx], a parkAssembly, store sett
 			h.runs.add(parkHandler, msg.UUID)
 			return fail(msg)
 		})
-	case byHandleTx:
-		_, err = pipeline.HandleTx(p, parkHandler, parkTopic, h.ps, pipeline.TxConfig[TTx]{DB: d.Driver},
+	case byHandleTx, byOneStatement:
+		_, err = pipeline.HandleTx(p, parkHandler, parkTopic, h.ps, pipeline.TxConfig[TTx]{DB: d.Driver, OneStatement: a == byOneStatement},
 			func(_ context.Context, _ TTx, msg *message.Message, _ message.Publisher) error {
 				h.runs.add(parkHandler, msg.UUID)
 				return fail(msg)
@@ -276,7 +277,7 @@ func TestParkedStoreRecordsEachParkedMessage(t *testing.T) {
 }
 
 func recordsEachParkedMessage[TTx any](t *testing.T, d db[TTx]) {
-	for _, a := range []parkAssembly{byPipelineHandle, byPipelineTopics, byHandleTx, byHandleBatchTx, byHandBuilt} {
+	for _, a := range []parkAssembly{byPipelineHandle, byPipelineTopics, byHandleTx, byOneStatement, byHandleBatchTx, byHandBuilt} {
 		t.Run(string(a), func(t *testing.T) {
 			st, _ := parkedTable(t, d)
 			h := newParkHarness(t, d, a, st)
