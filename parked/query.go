@@ -199,7 +199,9 @@ func (s *Store[TTx]) List(ctx context.Context, q Query) (Page, error) {
 	return page, nil
 }
 
-// Count returns the number of rows f selects.
+// Count returns the number of rows f selects. It reads them (through an
+// index where f has one): at volume, the counts per failure group come
+// from Groups without reading rows.
 func (s *Store[TTx]) Count(ctx context.Context, f Filter) (int64, error) {
 	if err := f.validate(); err != nil {
 		return 0, fmt.Errorf("parked: Count: %w", err)

@@ -108,7 +108,8 @@ func (s *Store[TTx]) Prune(ctx context.Context, before time.Time) (int64, error)
 // which must be set, and returns how many it deleted. It deletes parked
 // rows only when f.State is StateParked: a purge of parked rows is asked for
 // by name; with f.State "" it deletes the replayed and archived rows f
-// selects. It deletes as Prune does.
+// selects. It deletes as Prune does. With f.State set, Count(ctx, f) counts
+// what it would delete.
 func (s *Store[TTx]) Purge(ctx context.Context, f Filter) (int64, error) {
 	if f.Until.IsZero() {
 		return 0, errors.New("parked: Purge: Filter.Until must be set (rows whose last failure is before it are purged)")
