@@ -11,8 +11,12 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
@@ -124,7 +128,8 @@ func TestParkingWritesTheRowBeforeTheCopyAndTheAck(t *testing.T) {
 	must(t, err)
 	dd, err := dedupe.NewMiddleware(dedupe.Config{Store: dedupe.NewMemoryStore(), Key: dedupe.MetadataKey("order_id", "order:")})
 	must(t, err)
-	tr, err := middleware.NewTracing(settle.WithTracerProvider(sdktrace.NewTracerProvider()), settle.WithPropagators(propagation.TraceContext{}))
+	spans := tracetest.NewSpanRecorder()
+	tr, err := middleware.NewTracing(settle.WithTracerProvider(sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))), settle.WithPropagators(propagation.TraceContext{}))
 	must(t, err)
 	cause := poison.Permanent(errors.New("card expired"))
 	in := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 4}, nil)
@@ -174,6 +179,28 @@ func TestParkingWritesTheRowBeforeTheCopyAndTheAck(t *testing.T) {
 	if !errors.Is(p.Cause, cause) || p.Handler != "charge" || p.Topic != "orders" || p.Key != "order:17" || p.Attempts != 1 ||
 		p.TraceID != "4bf92f3577b34da6a3ce929d0e0e4736" || p.FirstFailure.IsZero() || p.LastFailure.Before(p.FirstFailure) {
 		t.Errorf("Park got %+v", p)
+	}
+	// Each Park is an internal span "park orders" under its delivery's
+	// process span: the failed one with error status.
+	process := map[trace.SpanID]bool{}
+	var parks []sdktrace.ReadOnlySpan
+	for _, sp := range spans.Ended() {
+		switch sp.Name() {
+		case "process orders":
+			process[sp.SpanContext().SpanID()] = true
+		case "park orders":
+			parks = append(parks, sp)
+		}
+	}
+	if len(parks) != 2 {
+		t.Fatalf("%d park spans; want 2", len(parks))
+	}
+	for i, want := range []codes.Code{codes.Error, codes.Unset} {
+		sp := parks[i]
+		if !process[sp.Parent().SpanID()] || sp.SpanKind() != trace.SpanKindInternal || sp.Status().Code != want ||
+			!slices.Contains(sp.Attributes(), attribute.String("settle.outcome", "poisoned")) {
+			t.Errorf("park span %d: parent a process span %v, kind %v, status %v, attributes %v", i, process[sp.Parent().SpanID()], sp.SpanKind(), sp.Status(), sp.Attributes())
+		}
 	}
 }
 

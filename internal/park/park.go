@@ -401,7 +401,7 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 	// The record first: the copy on the topic is published only once the
 	// row is committed, and the original acked only after both.
 	if p.cfg.Store != nil {
-		if err := p.cfg.Store.Park(ctx, p.parked(msg, pc.key, info)); err != nil {
+		if err := record(ctx, p.cfg.Store, p.parked(msg, pc.key, info)); err != nil {
 			return p.deferred(msg, pc, key, false, fields, fmt.Errorf("%s: %w: %w", p.cfg.Name, ErrStore, err))
 		}
 	}
@@ -496,6 +496,39 @@ func (p *parker) declare() error {
 		return fmt.Errorf("%w: %w", ErrDeclare, err)
 	}
 	return nil
+}
+
+// record writes the row of pk in store inside an internal span "park
+// <topic>" (topic: the one the message was consumed from), a child of the
+// delivery's span (if the delivery is traced), so that the trace shows
+// where the message went when no copy is published.
+func record(ctx context.Context, store settle.ParkStore, pk settle.Parked) error {
+	parent := trace.SpanFromContext(ctx)
+	if !parent.SpanContext().IsValid() {
+		return store.Park(ctx, pk)
+	}
+	var ids []attribute.KeyValue
+	if s := settlement.FromContext(ctx); s != nil {
+		ids = s.SpanAttributes
+	}
+	name := "park"
+	if pk.Topic != "" {
+		name += " " + telemetry.ID(pk.Topic)
+	}
+	ctx, span := parent.TracerProvider().Tracer(telemetry.MiddlewareScope).Start(ctx, name,
+		trace.WithSpanKind(trace.SpanKindInternal),
+		trace.WithAttributes(ids...),
+		trace.WithAttributes(
+			semconv.MessagingDestinationName(telemetry.ID(pk.Topic)),
+			telemetry.MessageID(pk.Message.UUID),
+			attribute.String("settle.outcome", string(pk.Outcome)),
+		))
+	defer span.End()
+	err := store.Park(ctx, pk)
+	if err != nil {
+		telemetry.RecordError(span, err)
+	}
+	return err
 }
 
 // publish sends the copy inside a producer span that is a child of the
