@@ -69,7 +69,11 @@ type tracing struct {
 //     the consumers of the handler's output continue the same trace (see
 //     TraceProduced when the output is published inside the chain);
 //   - a producer span "send <topic>" under it for a dead-letter or poison
-//     copy, whose context the copy carries.
+//     copy, whose context the copy carries;
+//   - an internal span "park <topic>" under it for the row a parked-message
+//     store (ParkConfig.Store) writes of a dead-lettered or poisoned
+//     message, with settle.outcome and, when the row could not be written,
+//     error status.
 //
 // Every one of them has messaging.system, messaging.destination.name,
 // messaging.message.id and settle.handler; on a create or send span the
