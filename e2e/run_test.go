@@ -5,10 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -91,7 +88,7 @@ func newShop[TTx any](t *testing.T, db sqldb.Driver[TTx]) *shop[TTx] {
 		t.Fatal(err)
 	}
 	p, err := pipeline.New(router, pipeline.Config{
-		Publisher: s.pubsub, Store: s.claims, DisableTracing: true,
+		Publisher: s.pubsub, Store: s.claims, DisableTracing: true, ParkStore: s.parked,
 		Retry:     middleware.RetryConfig{MaxAttempts: 2, NoInProcessRetries: true, RedeliveryDelay: settle.NoDelay},
 		BusyDelay: 10 * time.Millisecond, NackDelay: 10 * time.Millisecond,
 	})
@@ -120,18 +117,6 @@ func newShop[TTx any](t *testing.T, db sqldb.Driver[TTx]) *shop[TTx] {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The parking middleware publishes each copy to the parking topics;
-	// parkCopies records them in the parked store. (When the pipeline
-	// parks into a settle.ParkStore itself, pipeline.Config's store
-	// replaces this.)
-	var copies []<-chan *message.Message
-	for _, topic := range []string{"orders.dead_letter", "orders.poison"} {
-		ch, err := s.pubsub.Subscribe(ctx, topic)
-		if err != nil {
-			t.Fatal(err)
-		}
-		copies = append(copies, ch)
-	}
 	relay, err := s.outbox.NewRelay(s.pubsub, outbox.RelayConfig{PollInterval: 50 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
@@ -140,9 +125,6 @@ func newShop[TTx any](t *testing.T, db sqldb.Driver[TTx]) *shop[TTx] {
 	var wg sync.WaitGroup
 	wg.Go(func() { _ = router.Run(rctx) })
 	wg.Go(func() { _ = relay.Run(rctx) })
-	for _, ch := range copies {
-		wg.Go(func() { s.parkCopies(t, ch) })
-	}
 	wg.Go(func() {
 		for m := range raw {
 			var o order
@@ -218,41 +200,4 @@ func uniq(prefix string) string {
 	var b [6]byte
 	_, _ = rand.Read(b[:])
 	return prefix + "_e2e_" + hex.EncodeToString(b[:])
-}
-
-// parkCopies parks each dead-letter or poison copy of ch in the store, as
-// its settle_ metadata describes it, and acks it once the row is written.
-func (s *shop[TTx]) parkCopies(t *testing.T, ch <-chan *message.Message) {
-	for m := range ch {
-		at := func(k string) time.Time {
-			v, _ := time.Parse(time.RFC3339Nano, m.Metadata.Get(k))
-			return v
-		}
-		orig := message.NewMessage(m.Metadata.Get(settle.MetaOriginalUUID), m.Payload)
-		if orig.UUID == "" {
-			orig.UUID = m.UUID
-		}
-		attempts, _ := strconv.Atoi(m.Metadata.Get(settle.MetaAttempt))
-		for k, v := range m.Metadata {
-			if !strings.HasPrefix(k, "settle_") {
-				orig.Metadata.Set(k, v)
-			}
-		}
-		traceID := ""
-		if tp := strings.Split(m.Metadata.Get("traceparent"), "-"); len(tp) == 4 {
-			traceID = tp[1]
-		}
-		err := s.parked.Park(context.Background(), settle.Parked{
-			Message: orig, Outcome: settle.Outcome(m.Metadata.Get(settle.MetaOutcome)),
-			Cause: errors.New(m.Metadata.Get(settle.MetaReason)), Handler: m.Metadata.Get(settle.MetaHandler),
-			Topic: m.Metadata.Get(settle.MetaOriginalTopic), Attempts: attempts,
-			FirstFailure: at(settle.MetaFirstFailure), LastFailure: at(settle.MetaLastFailure), TraceID: traceID,
-		})
-		if err != nil {
-			t.Errorf("parking %s: %v", m.UUID, err)
-			m.Nack()
-			continue
-		}
-		m.Ack()
-	}
 }
