@@ -316,7 +316,7 @@ func payloadText(p []byte) (kind, text string) {
 	if len(p) > maxShown {
 		cut = fmt.Sprintf("\n… %d more bytes not shown", len(p)-maxShown)
 	}
-	if len(p) <= 4*maxShown && json.Valid(p) {
+	if len(p) <= 4*maxShown && json.Valid(p) && indentedSize(p) <= maxIndented {
 		var b bytes.Buffer
 		if err := json.Indent(&b, p, "", "  "); err == nil {
 			if b.Len() > maxShown {
@@ -330,6 +330,47 @@ func payloadText(p []byte) (kind, text string) {
 		return "text", shortenBytes(shown) + cut
 	}
 	return "binary", hex.Dump(shown[:min(len(shown), 16<<10)]) + cut
+}
+
+// maxIndented is the most bytes json.Indent may write for a payload page.
+const maxIndented = 16 * maxShown
+
+// indentedSize bounds the size of p (valid JSON) indented by two spaces a
+// level: every bracket and comma starts a line indented as deep as the
+// deepest level, and every colon gains a space. Deep nesting multiplies
+// the payload (44 KB of "[[[…0,0,0…]]]" is 590 MiB indented), so the page
+// does not indent a payload past maxIndented.
+func indentedSize(p []byte) int {
+	depth, deepest, lines, colons := 0, 0, 0, 0
+	inString, escaped := false, false
+	for _, c := range p {
+		if inString {
+			switch {
+			case escaped:
+				escaped = false
+			case c == '\\':
+				escaped = true
+			case c == '"':
+				inString = false
+			}
+			continue
+		}
+		switch c {
+		case '"':
+			inString = true
+		case '[', '{':
+			depth++
+			deepest = max(deepest, depth)
+			lines += 2
+		case ']', '}':
+			depth--
+		case ',':
+			lines++
+		case ':':
+			colons++
+		}
+	}
+	return len(p) + colons + lines*(1+2*deepest)
 }
 
 // shortenBytes returns the first maxShown bytes as a string, cut on a rune
