@@ -153,6 +153,9 @@ func runConsole(e *env, args []string) (err error) {
 		return err
 	}
 
+	if token == "" {
+		h = loopbackOnly(h)
+	}
 	srv := &http.Server{
 		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
@@ -195,4 +198,28 @@ func runConsole(e *env, args []string) (err error) {
 		err = errors.Join(err, serr)
 	}
 	return err
+}
+
+// loopbackOnly serves the requests addressed to a loopback name or address
+// only. A console without a token listens on loopback so that no one else
+// reaches it, but a web page whose host name its author then points at
+// 127.0.0.1 (DNS rebinding) is of the same origin as the console for the
+// browser: its requests carry its own name in Host and Origin, and it can
+// read the pages and post their forms.
+func loopbackOnly(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		host := r.Host
+		if hh, _, err := net.SplitHostPort(host); err == nil {
+			host = hh
+		}
+		host = strings.ToLower(strings.TrimSuffix(host, "."))
+		ip := net.ParseIP(strings.Trim(host, "[]"))
+		if host == "localhost" || strings.HasSuffix(host, ".localhost") || ip != nil && ip.IsLoopback() {
+			h.ServeHTTP(w, r)
+			return
+		}
+		w.Header().Set("Content-Security-Policy", "default-src 'none'; frame-ancestors 'none'")
+		w.Header().Set("Cache-Control", "no-store")
+		http.Error(w, "settle console: without a token, only requests to localhost or a loopback address are served (this one names another host)", http.StatusMisdirectedRequest)
+	})
 }
