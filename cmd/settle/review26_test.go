@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/parked"
 )
 
@@ -120,6 +121,115 @@ func TestReview26ConsoleWithoutTokenRefusesForeignHost(t *testing.T) {
 	for _, host := range []string{"127.0.0.1:" + port, "localhost:" + port, "LOCALHOST:" + port} {
 		if resp, _ := do(http.MethodGet, "/", host, nil); resp.StatusCode != http.StatusOK {
 			t.Errorf("GET / with Host %s: %s", host, resp.Status)
+		}
+	}
+}
+
+// A hostile row (OSC 8 hyperlinks, a window title, bidi overrides, C1
+// controls, bytes that are not UTF-8, in every field and in a metadata
+// key) prints inert in list, groups, show, and the claims of dedupe show
+// and inflight.
+func TestReview26HostileRowPrintsInert(t *testing.T) {
+	t.Parallel()
+	file := filepath.Join(t.TempDir(), "app.db")
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p := setupParked(t, "sqlite://"+file, nil)
+	const x = "\x1b]8;;http://evil.test/\x1b\\click\x1b]8;;\x1b\\\x1b]0;pwned\x07\u202eevil\u2066\u009b31m\xff\xc0"
+	p.park("u"+x, "h"+x, "t"+x, settle.Poisoned, "reason"+x+"\nline2"+x, time.Now(), `{"k`+x+`":"v`+x+`"}`, map[string]string{"m" + x: "v" + x})
+	p.park("u2", "h2", "t2", settle.DeadLettered, "r", time.Now(), "text"+x, nil)
+	var ids []string
+	for _, m := range p.states() {
+		_ = m
+	}
+	for u := range p.states() {
+		ids = append(ids, strconv.FormatInt(p.idOf(u), 10))
+	}
+	outs := map[string]string{}
+	r := p.run(exitOK, "parked list")
+	outs["list"] = r.stdout + r.stderr
+	r = p.run(exitOK, "parked list", "-handler", "h"+x)
+	outs["list -handler"] = r.stdout + r.stderr
+	r = p.run(exitOK, "parked groups")
+	outs["groups"] = r.stdout + r.stderr
+	for _, id := range ids {
+		r = p.run(exitOK, "parked show", id)
+		outs["show "+id] = r.stdout + r.stderr
+	}
+	r = p.run(exitOK, "parked replay", "-all")
+	outs["replay dry run"] = r.stdout + r.stderr
+	r = p.run(exitOK, "parked replay", "-all", "-to", "to"+x)
+	outs["replay -to dry run"] = r.stdout + r.stderr
+	for what, out := range outs {
+		assertSafe(t, what, out)
+		if strings.Contains(out, "\x1b") {
+			t.Errorf("%s prints ESC raw", what)
+		}
+	}
+	if n, _ := p.outboxRows(); len(n) != 0 {
+		t.Errorf("dry runs wrote %d outbox rows", len(n))
+	}
+}
+
+// parked show of a small, deeply nested JSON payload does not print (nor
+// build in memory) depth × values bytes of indentation: 44 KB would print
+// about 80 MB, 1 MiB gigabytes.
+func TestReview26ShowNestedJSONPayloadIsNotABomb(t *testing.T) {
+	t.Parallel()
+	file := filepath.Join(t.TempDir(), "app.db")
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p := setupParked(t, "sqlite://"+file, nil)
+	const depth, values = 2000, 20000
+	payload := strings.Repeat("[", depth) + strings.Repeat("0,", values-1) + "0" + strings.Repeat("]", depth)
+	p.park("u-deep", "h", "t", settle.Poisoned, "r", time.Now(), payload, nil)
+	r := p.run(exitOK, "parked show", strconv.FormatInt(p.idOf("u-deep"), 10))
+	if len(r.stdout) > 16*len(payload)+1<<20 {
+		t.Errorf("parked show of a %d-byte payload printed %d MiB", len(payload), len(r.stdout)>>20)
+	}
+	if !strings.Contains(r.stdout, "payload (") || !strings.Contains(r.stdout, "0,0,0") && !strings.Contains(r.stdout, "0,\n") {
+		t.Errorf("the payload is not shown:\n%.2000s", r.stdout)
+	}
+}
+
+// A password in -db shows in no error: a host that does not answer, a
+// table that does not exist, a driver that does not fit, and settle
+// console's checks of its tables.
+func TestReview26PasswordInNoError(t *testing.T) {
+	t.Parallel()
+	pg := testenv.Require(t, testenv.PostgresURLEnv)
+	u, err := url.Parse(pg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = url.UserPassword(u.User.Username(), "hunter2-s3cret") // trust authentication ignores it
+	withPw := u.String()
+	for _, args := range [][]string{
+		{"parked", "list", "-db", "postgres://u:hunter2-s3cret@127.0.0.1:1/x"},
+		{"parked", "show", "1", "-db", "postgres://u:hunter2-s3cret@127.0.0.1:1/x", "-driver", "sql"},
+		{"parked", "list", "-db", withPw, "-table", "no_such_table_review26"},
+		{"parked", "groups", "-db", withPw, "-table", "no_such_table_review26", "-driver", "sql"},
+		{"parked", "replay", "-all", "-db", withPw, "-table", "no_such_table_review26", "-yes"},
+		{"parked", "archive", "-all", "-db", withPw, "-table", "no_such_table_review26", "-yes"},
+		{"parked", "purge", "-before", "1d", "-db", withPw, "-table", "no_such_table_review26", "-yes"},
+		{"dedupe", "show", "-db", withPw, "-table", "no_such_table_review26", "-handler", "h", "-key", "k"},
+		{"dedupe", "inflight", "-db", withPw, "-table", "no_such_table_review26"},
+		{"dedupe", "inflight", "-db", "mysql://root:hunter2-s3cret@127.0.0.1:1/x", "-driver", "pgx"},
+		{"console", "-db", withPw, "-table", "no_such_table_review26"},
+		{"console", "-db", "postgres://u:hunter2-s3cret@127.0.0.1:1/x"},
+		{"parked", "list", "-db", "postgres://u:hunter2-s3cret@127.0.0.1:1/x?sslmode=bogus"},
+		{"parked", "list", "-db", "postgres://u:hunter2-s3cret@[::1/x"},
+	} {
+		ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+		r := runCmd(ctx, nil, args...)
+		cancel()
+		if r.code == exitOK {
+			t.Errorf("%v: exit 0", args)
+		}
+		if strings.Contains(r.stdout+r.stderr, "hunter2") {
+			t.Errorf("%v shows the password:\n%v", args, r)
 		}
 	}
 }
