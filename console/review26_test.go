@@ -4,13 +4,20 @@ package console_test
 // SQLite store through an httptest server.
 
 import (
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/base64"
 	"net/http"
 	"net/url"
 	"regexp"
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/settle-go/settle/console"
 	"github.com/settle-go/settle/parked"
@@ -254,6 +261,82 @@ func TestReview26HeadersOnEveryAnswer(t *testing.T) {
 		}
 		if loc := resp.Header.Get("Location"); loc != "" && !strings.HasPrefix(loc, "/console") {
 			t.Logf("%s %s: redirected to %q, out of the base path", tc.method, tc.path, loc)
+		}
+	}
+}
+
+// A page of any site can make the operator's browser POST to the console
+// (a form, no-cors): the refusal is logged with the request's path, which
+// the attacker chose and may hold %0a. A log line must stay one line.
+func TestReview26RefusalLogsOneLine(t *testing.T) {
+	t.Parallel()
+	var log syncBuffer
+	f := setup(t, sqlite(t), func(c *console.Config[*sqlTx]) {
+		c.Logger = watermill.NewStdLoggerWithOut(&log, false, false)
+	})
+	c := f.client(t)
+	forged := "/act" + url.PathEscape("\n[watermill] 2026/12/02 07:00:00.000000 console.go:1: \tlevel=INFO  msg=\"console: replay\" ids=1000 ")
+	resp, _ := c.do(http.MethodPost, forged, url.Values{"x": {"y"}}, map[string]string{"Origin": "http://evil.test", "Sec-Fetch-Site": "cross-site"})
+	if resp.StatusCode != http.StatusForbidden {
+		t.Fatalf("the cross-site POST: %s", resp.Status)
+	}
+	out := log.String()
+	if !strings.Contains(out, "refused") {
+		t.Fatalf("the refusal is not logged:\n%s", out)
+	}
+	if n := strings.Count(strings.TrimSpace(out), "\n") + 1; n != 1 {
+		t.Errorf("one refusal logged %d lines:\n%s", n, out)
+	}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// Whoever knows the token can mint a session (the key derives from it);
+// one whose expiry has passed, with a good MAC, is refused.
+func TestReview26ExpiredSessionRefused(t *testing.T) {
+	t.Parallel()
+	f := setup(t, sqlite(t), func(c *console.Config[*sqlTx]) { c.Token = token })
+	k := hmac.New(sha256.New, []byte("settle console session key"))
+	k.Write([]byte(token))
+	key := k.Sum(nil)
+	mint := func(exp int64) string {
+		n := "AAAAAAAAAAAAAAAAAAAAAAAA"
+		e := strconv.FormatInt(exp, 10)
+		m := hmac.New(sha256.New, key)
+		for _, p := range []string{"session", n, e} {
+			m.Write([]byte(p))
+			m.Write([]byte{0})
+		}
+		return n + "." + e + "." + base64.RawURLEncoding.EncodeToString(m.Sum(nil))
+	}
+	for _, tc := range []struct {
+		exp  int64
+		want int
+	}{{time.Now().Add(time.Hour).Unix(), http.StatusOK}, {time.Now().Add(-time.Second).Unix(), http.StatusUnauthorized}} {
+		req, _ := http.NewRequestWithContext(t.Context(), http.MethodGet, f.srv.URL+"/", nil)
+		req.AddCookie(&http.Cookie{Name: "settle_console_session", Value: mint(tc.exp)})
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = resp.Body.Close()
+		if resp.StatusCode != tc.want {
+			t.Errorf("a session expiring at %d: %s, want %d", tc.exp, resp.Status, tc.want)
 		}
 	}
 }
