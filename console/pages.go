@@ -117,7 +117,7 @@ func (s *server[TTx]) render(w http.ResponseWriter, r *http.Request, code int, p
 // refuse answers a request the console will not serve.
 func (s *server[TTx]) refuse(w http.ResponseWriter, r *http.Request, code int, msg string) {
 	if r.Method != http.MethodGet {
-		s.cfg.Logger.Info("console: refused", watermill.LogFields{"method": r.Method, "path": shorten(r.URL.Path, 100), "status": code, "why": msg})
+		s.cfg.Logger.Info("console: refused", watermill.LogFields{"method": r.Method, "path": shorten(r.URL.EscapedPath(), 100), "status": code, "why": msg})
 	}
 	s.render(w, r, code, "error", http.StatusText(code), msg)
 }
