@@ -254,7 +254,7 @@ func TestReview26HeadersOnEveryAnswer(t *testing.T) {
 			t.Errorf("%s %s (%s): CSP %q, nosniff %q", tc.method, tc.path, resp.Status, h.Get("Content-Security-Policy"), h.Get("X-Content-Type-Options"))
 		}
 		if resp.StatusCode != http.StatusOK && h.Get("Cache-Control") != "no-store" {
-			t.Logf("%s %s (%s): Cache-Control %q", tc.method, tc.path, resp.Status, h.Get("Cache-Control"))
+			t.Errorf("%s %s (%s): Cache-Control %q", tc.method, tc.path, resp.Status, h.Get("Cache-Control"))
 		}
 		if strings.Contains(body, "package console") || strings.Contains(body, token) {
 			t.Errorf("%s %s: serves source or the token", tc.method, tc.path)
