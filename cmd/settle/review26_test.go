@@ -140,9 +140,6 @@ func TestReview26HostileRowPrintsInert(t *testing.T) {
 	p.park("u"+x, "h"+x, "t"+x, settle.Poisoned, "reason"+x+"\nline2"+x, time.Now(), `{"k`+x+`":"v`+x+`"}`, map[string]string{"m" + x: "v" + x})
 	p.park("u2", "h2", "t2", settle.DeadLettered, "r", time.Now(), "text"+x, nil)
 	var ids []string
-	for _, m := range p.states() {
-		_ = m
-	}
 	for u := range p.states() {
 		ids = append(ids, strconv.FormatInt(p.idOf(u), 10))
 	}
@@ -166,6 +163,18 @@ func TestReview26HostileRowPrintsInert(t *testing.T) {
 		if strings.Contains(out, "\x1b") {
 			t.Errorf("%s prints ESC raw", what)
 		}
+	}
+	// Without -yes nothing changes: rows and outbox.
+	p.run(exitOK, "parked archive", "-all")
+	p.run(exitOK, "parked purge", "-before", "0s", "-state", "parked")
+	p.run(exitOK, "parked replay", "-all", "-force")
+	for u, st := range p.states() {
+		if st != parked.StateParked {
+			t.Errorf("%q is %s after dry runs", u, st)
+		}
+	}
+	if len(p.states()) != 2 {
+		t.Errorf("%d rows after dry runs, want 2", len(p.states()))
 	}
 	if n, _ := p.outboxRows(); len(n) != 0 {
 		t.Errorf("dry runs wrote %d outbox rows", len(n))
