@@ -108,7 +108,7 @@ func TestReview26ConsoleWithoutTokenRefusesForeignHost(t *testing.T) {
 	if resp.StatusCode == http.StatusOK || strings.Contains(body, "4111") {
 		t.Errorf("GET with Host %s: %s, the payload shown: %v", evil, resp.Status, strings.Contains(body, "4111"))
 	}
-	resp, body = do(http.MethodGet, "/confirm?action=archive&id="+sid, evil, nil)
+	_, body = do(http.MethodGet, "/confirm?action=archive&id="+sid, evil, nil)
 	if m := regexp.MustCompile(`name="csrf" value="([^"]+)"`).FindStringSubmatch(body); m != nil {
 		resp, _ = do(http.MethodPost, "/act", evil, url.Values{"csrf": {m[1]}, "action": {"archive"}, "id": {sid}})
 		t.Logf("POST /act with Host %s: %s", evil, resp.Status)
