@@ -20,7 +20,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/settle-go/settle/console"
+	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/parked"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // A small JSON payload nested deep, with many values at the bottom, is
@@ -56,8 +58,13 @@ func TestReview26NestedJSONPayloadIsNotABomb(t *testing.T) {
 // tag, an attribute or a link on any page that shows it.
 func TestReview26HostileFieldsEscapedEverywhere(t *testing.T) {
 	t.Parallel()
-	f := setup(t, sqlite(t), func(c *console.Config[*sqlTx]) { c.TraceURL = "http://jaeger.test:16686" })
-	const x = `"'><script>alert(1)</script><img src=x onerror=alert(1)>`
+	t.Run("sqlite", func(t *testing.T) { t.Parallel(); hostileFields(t, sqlite(t)) })
+	t.Run("pgx", func(t *testing.T) { t.Parallel(); hostileFields(t, testenv.Pgx(t)) })
+}
+
+func hostileFields[TTx any](t *testing.T, db sqldb.Driver[TTx]) {
+	f := setup(t, db, func(c *console.Config[TTx]) { c.TraceURL = "http://jaeger.test:16686" })
+	const x = `"'><script>alert(1)</script><img src=x onerror=alert(1)>` + "\x00\xff\xc0"
 	id := f.park(t, parkSpec{
 		UUID:    "uuid" + x,
 		Handler: "handler" + x,
@@ -337,6 +344,42 @@ func TestReview26ExpiredSessionRefused(t *testing.T) {
 		_ = resp.Body.Close()
 		if resp.StatusCode != tc.want {
 			t.Errorf("a session expiring at %d: %s, want %d", tc.exp, resp.Status, tc.want)
+		}
+	}
+}
+
+// Oversized and forged inputs are refused cheaply: 1001 ids, 10,000 ids in
+// a body past its bound, a forged cursor, a huge query.
+func TestReview26OversizedInputs(t *testing.T) {
+	t.Parallel()
+	f := setup(t, sqlite(t), nil)
+	id := f.park(t, parkSpec{Handler: "h", Topic: "t", Reason: "r"})
+	c := f.client(t)
+	form := confirmForm(t, c.getOK("/confirm?action=archive&id="+strconv.FormatInt(id, 10)))
+	ids := make([]string, 1001)
+	for i := range ids {
+		ids[i] = strconv.Itoa(i + 1)
+	}
+	if resp, _ := c.get("/confirm?action=archive&id=" + strings.Join(ids, "&id=")); resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("1001 ids: %s", resp.Status)
+	}
+	big := url.Values{"csrf": form["csrf"], "action": {"archive"}}
+	for i := range 10000 {
+		big.Add("id", strconv.Itoa(i+1))
+	}
+	if resp, _ := c.do(http.MethodPost, "/act", big, nil); resp.StatusCode < 400 {
+		t.Errorf("10,000 ids: %s", resp.Status)
+	}
+	if st := f.state(t, id); st != parked.StateParked {
+		t.Fatalf("the message is %s", st)
+	}
+	for _, cur := range []string{"x", "9999999999999999999.1", "-1.-1", strings.Repeat("9", 5000)} {
+		resp, body := c.get("/messages?cursor=" + url.QueryEscape(cur))
+		if resp.StatusCode == http.StatusOK || strings.Contains(body, "SELECT") {
+			t.Errorf("cursor %.20q: %s", cur, resp.Status)
+		}
+		if resp.StatusCode >= 500 {
+			t.Logf("cursor %.20q: %s (a bad request answered as the store's failure)", cur, resp.Status)
 		}
 	}
 }
