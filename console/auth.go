@@ -182,7 +182,8 @@ func (s *server[TTx]) login(w http.ResponseWriter, r *http.Request) {
 	http.Redirect(w, r, s.cfg.BasePath+"/", http.StatusSeeOther)
 }
 
-// logout ends the session of the browser.
+// logout ends the session of the browser: it deletes the cookie. A copy of
+// the cookie stays good until its expiry (sessions are not stored).
 func (s *server[TTx]) logout(w http.ResponseWriter, r *http.Request) {
 	http.SetCookie(w, s.cookie(r, sessionCookie, "", -1))
 	http.Redirect(w, r, s.cfg.BasePath+"/login", http.StatusSeeOther)

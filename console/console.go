@@ -247,6 +247,12 @@ func staticHandler(fsys fs.FS) http.Handler {
 			http.NotFound(w, r)
 			return
 		}
+		if _, err := fs.Stat(fsys, r.URL.Path); err != nil {
+			// Here, not in the file server: it drops Cache-Control
+			// from its errors, no-store included.
+			http.NotFound(w, r)
+			return
+		}
 		w.Header().Set("Cache-Control", "max-age=300")
 		files.ServeHTTP(w, r)
 	})

@@ -29,9 +29,10 @@
 //     an HttpOnly, SameSite=Strict session cookie (a MAC of an expiry, never
 //     the token). Tokens are compared in constant time. Without a token the
 //     handler serves anyone who can reach it: `settle console` then listens
-//     on a loopback address only and answers only to a loopback host name
-//     (against DNS rebinding), and an application that mounts it must put
-//     its own authentication in front.
+//     on a loopback address only and serves requests addressed to a
+//     loopback name only (a web page of a name pointed at 127.0.0.1, DNS
+//     rebinding, is of the console's origin for the browser), and an
+//     application that mounts it must put its own authentication in front.
 //   - Config.ReadOnly hides every action and refuses every POST but the
 //     login.
 //   - Every action is a POST carrying a CSRF token derived from the session

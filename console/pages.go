@@ -117,7 +117,7 @@ func (s *server[TTx]) render(w http.ResponseWriter, r *http.Request, code int, p
 // refuse answers a request the console will not serve.
 func (s *server[TTx]) refuse(w http.ResponseWriter, r *http.Request, code int, msg string) {
 	if r.Method != http.MethodGet {
-		s.cfg.Logger.Info("console: refused", watermill.LogFields{"method": r.Method, "path": shorten(r.URL.Path, 100), "status": code, "why": msg})
+		s.cfg.Logger.Info("console: refused", watermill.LogFields{"method": r.Method, "path": shorten(r.URL.EscapedPath(), 100), "status": code, "why": msg})
 	}
 	s.render(w, r, code, "error", http.StatusText(code), msg)
 }
@@ -316,7 +316,7 @@ func payloadText(p []byte) (kind, text string) {
 	if len(p) > maxShown {
 		cut = fmt.Sprintf("\n… %d more bytes not shown", len(p)-maxShown)
 	}
-	if len(p) <= 4*maxShown && json.Valid(p) {
+	if len(p) <= 4*maxShown && json.Valid(p) && indentedSize(p) <= maxIndented {
 		var b bytes.Buffer
 		if err := json.Indent(&b, p, "", "  "); err == nil {
 			if b.Len() > maxShown {
@@ -330,6 +330,47 @@ func payloadText(p []byte) (kind, text string) {
 		return "text", shortenBytes(shown) + cut
 	}
 	return "binary", hex.Dump(shown[:min(len(shown), 16<<10)]) + cut
+}
+
+// maxIndented is the most bytes json.Indent may write for a payload page.
+const maxIndented = 16 * maxShown
+
+// indentedSize bounds the size of p (valid JSON) indented by two spaces a
+// level: every bracket and comma starts a line indented as deep as the
+// deepest level, and every colon gains a space. Deep nesting multiplies
+// the payload (44 KB of "[[[…0,0,0…]]]" is 590 MiB indented), so the page
+// does not indent a payload past maxIndented.
+func indentedSize(p []byte) int {
+	depth, deepest, lines, colons := 0, 0, 0, 0
+	inString, escaped := false, false
+	for _, c := range p {
+		if inString {
+			switch {
+			case escaped:
+				escaped = false
+			case c == '\\':
+				escaped = true
+			case c == '"':
+				inString = false
+			}
+			continue
+		}
+		switch c {
+		case '"':
+			inString = true
+		case '[', '{':
+			depth++
+			deepest = max(deepest, depth)
+			lines += 2
+		case ']', '}':
+			depth--
+		case ',':
+			lines++
+		case ':':
+			colons++
+		}
+	}
+	return len(p) + colons + lines*(1+2*deepest)
 }
 
 // shortenBytes returns the first maxShown bytes as a string, cut on a rune

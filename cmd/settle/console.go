@@ -152,10 +152,10 @@ func runConsole(e *env, args []string) (err error) {
 	if err != nil {
 		return err
 	}
-	if token == "" {
-		h = loopbackHostOnly(h)
-	}
 
+	if token == "" {
+		h = loopbackOnly(h)
+	}
 	srv := &http.Server{
 		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
@@ -200,22 +200,26 @@ func runConsole(e *env, args []string) (err error) {
 	return err
 }
 
-// loopbackHostOnly refuses a request whose Host is not a loopback name or
-// address: without a token the console trusts whoever reaches it, and a
-// page of another site whose name was made to resolve to 127.0.0.1 (DNS
-// rebinding) would reach it, as its own origin, under that name.
-func loopbackHostOnly(h http.Handler) http.Handler {
+// loopbackOnly serves the requests addressed to a loopback name or address
+// only. A console without a token listens on loopback so that no one else
+// reaches it, but a web page whose host name its author then points at
+// 127.0.0.1 (DNS rebinding) is of the same origin as the console for the
+// browser: its requests carry its own name in Host and Origin, and it can
+// read the pages and post their forms.
+func loopbackOnly(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		host := r.Host
 		if hh, _, err := net.SplitHostPort(host); err == nil {
 			host = hh
 		}
-		host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
-		ip := net.ParseIP(host)
-		if !strings.EqualFold(host, "localhost") && (ip == nil || !ip.IsLoopback()) {
-			http.Error(w, "settle console: without a token it answers only to a loopback host name (localhost, 127.0.0.1, [::1])", http.StatusMisdirectedRequest)
+		host = strings.ToLower(strings.TrimSuffix(host, "."))
+		ip := net.ParseIP(strings.Trim(host, "[]"))
+		if host == "localhost" || strings.HasSuffix(host, ".localhost") || ip != nil && ip.IsLoopback() {
+			h.ServeHTTP(w, r)
 			return
 		}
-		h.ServeHTTP(w, r)
+		w.Header().Set("Content-Security-Policy", "default-src 'none'; frame-ancestors 'none'")
+		w.Header().Set("Cache-Control", "no-store")
+		http.Error(w, "settle console: without a token, only requests to localhost or a loopback address are served (this one names another host)", http.StatusMisdirectedRequest)
 	})
 }

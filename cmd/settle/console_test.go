@@ -156,7 +156,7 @@ func schemaOf(t *testing.T) []string {
 func TestConsoleLoopbackHostOnly(t *testing.T) {
 	t.Parallel()
 	ok := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {})
-	h := loopbackHostOnly(ok)
+	h := loopbackOnly(ok)
 	for host, want := range map[string]int{
 		"127.0.0.1:8080": 200, "localhost:8080": 200, "LOCALHOST": 200, "[::1]:8080": 200, "127.3.4.5": 200,
 		"evil.test:8080": 421, "evil.test": 421, "10.0.0.1:8080": 421, "": 421, "localhost.evil.test": 421,

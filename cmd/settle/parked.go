@@ -354,13 +354,54 @@ func writeParked(w io.Writer, m parked.Message) error {
 	return err
 }
 
+// jsonIndentedSize bounds the size of p (valid JSON) indented by two
+// spaces a level: every bracket and comma starts a line indented as deep as
+// the deepest level, and every colon gains a space. Deep nesting multiplies
+// a payload: 44 KB of "[[[…0,0,0…]]]" is 83 MB indented. (The console
+// bounds its pages the same way.)
+func jsonIndentedSize(p []byte) int {
+	depth, deepest, lines, colons := 0, 0, 0, 0
+	inString, escaped := false, false
+	for _, c := range p {
+		if inString {
+			switch {
+			case escaped:
+				escaped = false
+			case c == '\\':
+				escaped = true
+			case c == '"':
+				inString = false
+			}
+			continue
+		}
+		switch c {
+		case '"':
+			inString = true
+		case '[', '{':
+			depth++
+			deepest = max(deepest, depth)
+			lines += 2
+		case ']', '}':
+			depth--
+		case ',':
+			lines++
+		case ':':
+			colons++
+		}
+	}
+	return len(p) + colons + lines*(1+2*deepest)
+}
+
 // payloadText renders a payload for a terminal.
 func payloadText(p []byte) string {
 	var b bytes.Buffer
 	switch {
 	case len(p) > 0 && json.Valid(p):
 		fmt.Fprintf(&b, "payload (%d bytes, JSON):\n", len(p))
-		if err := json.Indent(&b, p, "", "  "); err != nil {
+		if jsonIndentedSize(p) > max(16<<20, 8*len(p)) {
+			// Nested too deep to indent: as it is.
+			b.Write(p)
+		} else if err := json.Indent(&b, p, "", "  "); err != nil {
 			b.Write(p)
 		}
 		// json.Indent copies strings as they are: escape what a terminal
