@@ -120,6 +120,9 @@ const (
 	// MetaReplayReason is the MetaReason of the replayed copy: why the
 	// message failed before it was replayed.
 	MetaReplayReason = "settle_replay_reason"
+	// MetaReplayedBy names who asked for the replay (parked's
+	// ReplayOptions.By), when someone was named.
+	MetaReplayedBy = "settle_replayed_by"
 )
 
 // NoDelay, given to a delay field of a settle configuration whose zero value

@@ -1,8 +1,6 @@
 package main
 
 import (
-	"crypto/sha1"
-	"fmt"
 	"strconv"
 	"time"
 
@@ -10,6 +8,7 @@ import (
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/amqpmarshal"
+	"github.com/settle-go/settle/internal/replay"
 )
 
 // failureKeys are the keys of a parked copy that must not reach the
@@ -34,24 +33,9 @@ var brokerKeys = []string{
 	"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason",
 }
 
-// replayNamespace is the UUID namespace of replayed messages' UUIDs.
-var replayNamespace = [16]byte{0x6b, 0x1e, 0x0c, 0x5d, 0x93, 0x3a, 0x4f, 0x27, 0x8e, 0x54, 0x2f, 0x61, 0x0b, 0x7a, 0xc4, 0x19}
-
 // replayUUID returns the UUID of the n-th replay of the parked message with
-// UUID of: a name-based (version 5) UUID, so that replaying the same copy
-// twice (a replay interrupted between the publish and the removal from the
-// dead-letter queue, then run again) gives both copies the same UUID and
-// the dedupe middleware runs the handler once.
-func replayUUID(of string, n int) string {
-	h := sha1.New()
-	h.Write(replayNamespace[:])
-	h.Write([]byte(of + "/replay/" + strconv.Itoa(n)))
-	var u [16]byte
-	copy(u[:], h.Sum(nil))
-	u[6] = (u[6] & 0x0f) | 0x50 // version 5
-	u[8] = (u[8] & 0x3f) | 0x80 // RFC 4122 variant
-	return fmt.Sprintf("%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
-}
+// UUID of (internal/replay: package parked's Replay derives the same).
+func replayUUID(of string, n int) string { return replay.UUID(of, n) }
 
 // replayCopy returns the publishing that replays delivery d (decoded as e)
 // and its new UUID. Headers keep their AMQP types; the body and properties
