@@ -47,19 +47,22 @@ const (
 	// handler was not run.
 	Duplicate Outcome = "duplicate"
 	// Deferred: not settled now, and no attempt spent: another worker holds
-	// a live claim on the key, the dedupe store cannot answer, or a parked
-	// copy could not be published. Nacked after a delay so it is redelivered
+	// a live claim on the key, the dedupe store cannot answer, or a message
+	// could not be parked (its row not written, or its copy not published).
+	// Nacked after a delay so it is redelivered
 	// later; never acked, since that would lose the work.
 	Deferred Outcome = "deferred"
 	// Retry: the handler ran and failed, and attempts remain. Nacked after a
 	// backoff.
 	Retry Outcome = "retry"
-	// DeadLettered: attempts are exhausted. A copy was published to the
-	// dead-letter topic, then the original was acked.
+	// DeadLettered: attempts are exhausted. The message was recorded in the
+	// parked-message store and/or a copy published to the dead-letter
+	// topic, then the original was acked.
 	DeadLettered Outcome = "dead_lettered"
 	// Poisoned: the payload cannot be decoded or the handler returned a
-	// permanent error. A copy was published to the poison topic, then the
-	// original was acked; it is never retried.
+	// permanent error. The message was recorded in the parked-message store
+	// and/or a copy published to the poison topic, then the original was
+	// acked; it is never retried.
 	Poisoned Outcome = "poisoned"
 )
 

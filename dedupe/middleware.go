@@ -258,11 +258,14 @@ func networked(s Store) bool {
 
 func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		key, err := messageKey(msg, m.cfg.Key, m.cfg.Scope)
+		key, own, err := messageKey(msg, m.cfg.Key, m.cfg.Scope)
 		if err != nil {
 			return nil, fmt.Errorf("dedupe: key of message %s: %w", msg.UUID, err)
 		}
 		orig := msg.Context()
+		// The key as the key function gave it, for a parking middleware
+		// outside that records the message.
+		settlement.FromContext(orig).SetKey(own)
 		claim, err := m.claim(orig, key)
 		if err == nil && claim.Result == Acquired && orig.Err() != nil {
 			err = m.giveBack(orig, claim)

@@ -74,19 +74,20 @@ func ScopedKey(scope, key string) string {
 
 // messageKey derives the stored key of msg: keyFn's key in scope's scope,
 // validated.
-func messageKey(msg *message.Message, keyFn KeyFunc, scope ScopeFunc) (string, error) {
-	key, err := keyFn(msg)
+// key is keyFn's own (unscoped) key.
+func messageKey(msg *message.Message, keyFn KeyFunc, scope ScopeFunc) (stored, key string, err error) {
+	key, err = keyFn(msg)
 	if err != nil {
-		return "", err
+		return "", "", err
 	}
 	if err := validateKey(key); err != nil {
-		return "", err
+		return "", "", err
 	}
-	key = ScopedKey(scope(msg), key)
-	if err := validateKey(key); err != nil {
-		return "", err
+	stored = ScopedKey(scope(msg), key)
+	if err := validateKey(stored); err != nil {
+		return "", "", err
 	}
-	return key, nil
+	return stored, key, nil
 }
 
 // MessageKey returns the key under which the dedupe middleware (and
@@ -100,5 +101,6 @@ func MessageKey(msg *message.Message, keyFn KeyFunc, scope ScopeFunc) (string, e
 	if scope == nil {
 		scope = HandlerScope
 	}
-	return messageKey(msg, keyFn, scope)
+	stored, _, err := messageKey(msg, keyFn, scope)
+	return stored, err
 }

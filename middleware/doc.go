@@ -8,12 +8,15 @@
 // of the handler have failed returns an *ExhaustedError. An attempt is one
 // run of one handler on one message: a delivery deferred by trouble in
 // settle's own dependencies (a busy key, a dedupe store that cannot answer, a
-// parked copy that could not be published) is not one.
+// message that could not be parked) is not one.
 //
-// NewPoison and NewDeadLetter take one ParkConfig. The poison parking copies
-// a message that failed permanently to the poison topic; the dead-letter
-// parking copies a message out of attempts to the dead-letter topic; each
-// acks the original once its copy is stored, and defers it otherwise.
+// NewPoison and NewDeadLetter take one ParkConfig. The poison parking parks
+// a message that failed permanently; the dead-letter parking parks a
+// message out of attempts. Parking is a row in a parked-message store
+// (ParkConfig.Store: a parked.Store in the application's database, which
+// gets the message whole), a copy on a parking topic (Publisher and Topic),
+// or both; each acks the original once the row is committed and the copy
+// stored, in that order, and defers it otherwise.
 // "Stored" is the broker's word: the publisher must wait for the broker's
 // confirmation (a watermill-amqp Publisher without Publish.ConfirmDelivery
 // is refused, ErrUnconfirmedPublisher), and the parking topic is declared
@@ -40,8 +43,9 @@
 // from its first message on, when it follows this contract:
 //
 //	tracing := middleware.NewTracing(...)
-//	poison := middleware.NewPoison(parking)          // parking.Topic: the poison topic
-//	deadLetter := middleware.NewDeadLetter(parking)  // parking.Topic: the dead-letter topic
+//	parking := middleware.ParkConfig{Store: parkedStore} // and/or Publisher, Topic, Initializer
+//	poison := middleware.NewPoison(parking)          // parking.Topic: the poison topic, if any
+//	deadLetter := middleware.NewDeadLetter(parking)  // parking.Topic: the dead-letter topic, if any
 //	retry := middleware.NewRetry(middleware.RetryConfig{StoreCounts: true, ...})
 //	dd := dedupe.NewMiddleware(dedupe.Config{...})
 //	handler.AddMiddleware(tracing, poison, deadLetter, retry, dd) // outermost first
@@ -50,6 +54,16 @@
 // dedupe.Config.Publisher publishing them inside the stack), add
 // router.AddPublisherDecorators(middleware.TracePublished) too: the settle
 // span then ends before router.Close returns (see NewTracing).
+//
+// With ParkConfig.Store, each parked message is recorded there before its
+// copy (if a topic is set) and before the ack: Store.Park gets the original
+// message whole, the error that parked it, the handler (its scope: a
+// pipeline's competing subscriptions name#2... are one handler), the topic,
+// the dedupe key the dedupe middleware inside wrote on the settlement record,
+// the attempts, the first and last failure and the trace id of the
+// delivery's span. A Park that fails defers the delivery as a failed
+// publish does; the redelivery is parked again (Park is called again, and
+// the store keeps one row per message and handler).
 //
 // Set RetryConfig.StoreCounts exactly when the dedupe middleware runs inside
 // the retry middleware: the retry middleware cannot see what runs inside it
@@ -70,14 +84,15 @@
 //     outcome retry, and whether a failure was permanent; after each run it
 //     reads the attempt the store counted (or its refusal), and whether the
 //     run was deferred.
-//   - The dedupe middleware reads MaxAttempts and, for an acquired claim,
-//     writes its durable attempt count (or a refusal past MaxAttempts), the
+//   - The dedupe middleware writes the message's key (as its key function
+//     gave it), reads MaxAttempts and, for an acquired claim, writes its
+//     durable attempt count (or a refusal past MaxAttempts), the
 //     time of the first attempt, a duplicate, or a deferral (busy key, store
 //     unavailable).
 //   - The parking middlewares read, after the delivery has returned, whether
 //     it was deferred (nothing is parked then), whether the failure was
-//     permanent (poison) and the attempt number; they write where the copy
-//     went, or a deferral when it could not be published.
+//     permanent (poison), the attempt number and the key; they write where
+//     the copy went, or a deferral when the message could not be parked.
 //
 // When a piece is missing or out of its place:
 //

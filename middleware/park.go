@@ -17,12 +17,32 @@ import (
 )
 
 // ParkConfig configures the two parking middlewares, NewPoison and
-// NewDeadLetter: where the copies of the messages they park go.
+// NewDeadLetter: where the messages they park go. That is a parked-message
+// store (Store), a parking topic (Publisher and Topic), or both; at least
+// one of them is required.
 type ParkConfig struct {
-	// Publisher publishes the parked copies. Required. Poison and
-	// dead-letter parking may share one. The original is acked once
-	// Publish returns nil, so Publish must return only when the broker has
-	// stored the copy. On RabbitMQ use amqpsub.Publisher, which also fails
+	// Store records each parked message, whole (payload and metadata, not
+	// bounded as a copy on a topic is), with its handler, topic, dedupe key,
+	// outcome, cause, attempts, first and last failure and trace id:
+	// usually a parked.Store on the application's database, where operators
+	// find, group and replay failures. Optional when Publisher and Topic
+	// are set; required without them. Poison and dead-letter parking may
+	// share one.
+	//
+	// The order is: the record is written (Park returns nil only once it is
+	// committed), then the copy is published when Topic is set, then the
+	// original is acked. A Park that fails defers the delivery as a failed
+	// publish does (see NackDelay and PendingMessages): the message is
+	// nacked, not counted as an attempt, and parked again on redelivery,
+	// so Park is called again for a message whose copy could not be
+	// published after its record was written (a parked.Store keeps one row
+	// per message and handler). Park is given the delivery's context.
+	Store settle.ParkStore
+	// Publisher publishes the parked copies. Required with Topic, and
+	// without Store; Publisher and Topic are set together or not at all.
+	// Poison and dead-letter parking may share one. The original is acked
+	// once Publish returns nil, so Publish must return only when the broker
+	// has stored the copy. On RabbitMQ use amqpsub.Publisher, which also fails
 	// a copy the broker routed to no queue (amqpsub.ErrUnroutable). A
 	// watermill-amqp Publisher must have Publish.ConfirmDelivery (or
 	// Publish.Transactional) set, and one without is refused
@@ -30,8 +50,8 @@ type ParkConfig struct {
 	// logged when the middleware is built: it reports a copy RabbitMQ
 	// routed nowhere as published.
 	Publisher message.Publisher
-	// Topic receives the parked copies. Required. Poison and dead-letter
-	// parking may share one; settle_outcome tells the two kinds apart.
+	// Topic receives the parked copies. Required with Publisher, and
+	// without Store. Poison and dead-letter parking may share one; settle_outcome tells the two kinds apart.
 	// With a watermill-amqp Publisher, a Topic RabbitMQ can never declare
 	// (longer than 255 bytes, or starting with "amq.") is refused: every
 	// copy would fail and its message, deferred at the head of its queue,
@@ -51,14 +71,14 @@ type ParkConfig struct {
 	// (ErrNoInitializer): without it every copy sent to a queue nobody had
 	// declared was dropped, confirmed, and its original acked.
 	Initializer message.SubscribeInitializer
-	// NackDelay is how long a message whose copy could not be published is
-	// held before it is nacked, so that an unreachable topic does not turn
+	// NackDelay is how long a message that could not be parked (its copy
+	// not published, or Store.Park failed) is held before it is nacked, so that an unreachable topic does not turn
 	// into a hot redelivery loop. Such a delivery is deferred: it is not an
 	// attempt. Defaults to 1s when zero; settle.NoDelay nacks at once. Must
 	// be >= 0 or settle.NoDelay.
 	NackDelay time.Duration
-	// PendingMessages bounds how many messages whose copy could not be
-	// published the middleware remembers, so that their redelivery is parked
+	// PendingMessages bounds how many messages that could not be parked the
+	// middleware remembers, so that their redelivery is parked
 	// at once, without running the handler again. Defaults to 10000. Must be
 	// >= 1.
 	PendingMessages int
@@ -129,12 +149,19 @@ func (c *ParkConfig) setDefaults() {
 // validate reports the first invalid field.
 func (c ParkConfig) validate() error {
 	switch {
+	case c.Store == nil && c.Publisher == nil && c.Topic == "":
+		return errors.New("middleware: ParkConfig.Store, or ParkConfig.Publisher and ParkConfig.Topic, is required: parking needs somewhere to put a message")
+	case c.Publisher == nil && c.Topic != "":
+		return errors.New("middleware: ParkConfig.Publisher is required with a Topic")
+	case c.Publisher == nil && c.Store == nil:
+		return errors.New("middleware: ParkConfig.Publisher is required without a Store")
 	case c.Publisher == nil:
-		return errors.New("middleware: ParkConfig.Publisher is required")
+		// The store alone: nothing of the topic's applies.
+		return c.validateDelays()
 	case amqpcheck.Unconfirmed(c.Publisher):
 		return fmt.Errorf("middleware: ParkConfig.Publisher: %w", ErrUnconfirmedPublisher)
 	case c.Topic == "":
-		return errors.New("middleware: ParkConfig.Topic is required")
+		return errors.New("middleware: ParkConfig.Topic is required with a Publisher")
 	case c.Initializer == nil && amqpcheck.WatermillAMQP(c.Publisher):
 		return ErrNoInitializer
 	case amqpcheck.WatermillAMQP(c.Publisher) && (len(c.Topic) > 255 || strings.HasPrefix(c.Topic, "amq.")):
@@ -142,6 +169,14 @@ func (c ParkConfig) validate() error {
 		// would fail, and its message, deferred at the head of its queue,
 		// hold the messages behind it for good.
 		return fmt.Errorf("middleware: ParkConfig.Topic %q (%d bytes): RabbitMQ refuses a name longer than 255 bytes or starting with \"amq.\"", shortName(c.Topic), len(c.Topic))
+	}
+	return c.validateDelays()
+}
+
+// validateDelays reports the first invalid field of those that do not
+// depend on where the messages go.
+func (c ParkConfig) validateDelays() error {
+	switch {
 	case c.NackDelay < 0 && c.NackDelay != settle.NoDelay:
 		return fmt.Errorf("middleware: ParkConfig.NackDelay must be >= 0 or settle.NoDelay, got %v", c.NackDelay)
 	case c.MaxMetadataBytes != 0 && c.MaxMetadataBytes < minMetadata:
@@ -169,12 +204,16 @@ func (c ParkConfig) park(name string, match func(*message.Message, *settlement.R
 	if err := c.validate(); err != nil {
 		return nil, err
 	}
-	if amqpcheck.WatermillAMQP(c.Publisher) {
+	if c.Publisher != nil && amqpcheck.WatermillAMQP(c.Publisher) {
 		c.Logger.Error(name+": parking through watermill-amqp's Publisher: a copy that RabbitMQ routes to no queue cannot be detected, "+
 			"and its original would be acked; publish the copies with amqpsub.NewPublisher", errReturnsUnseen,
 			watermill.LogFields{"topic": c.Topic})
 	}
+	if c.Publisher == nil {
+		c.Initializer = nil // no topic to declare
+	}
 	return park.Middleware(park.Config{
+		Store:       c.Store,
 		Publisher:   c.Publisher,
 		Topic:       c.Topic,
 		Initializer: c.Initializer,
@@ -192,12 +231,15 @@ func (c ParkConfig) park(name string, match func(*message.Message, *settlement.R
 // unusable dedupe key, an error marked poison.Permanent) is copied to the
 // poison topic with settle_outcome "poisoned", the error as settle_reason and
 // the original topic, handler and UUID, and the original is acked. It is
-// never retried, and its handler is never run again for it.
+// never retried, and its handler is never run again for it. With
+// ParkConfig.Store, the message is recorded there first (outcome poisoned,
+// the error as its cause), beside the copy or instead of it.
 //
-// If the copy cannot be published, the delivery is deferred: nacked after
-// NackDelay, not counted as an attempt, and parked again on redelivery
-// without running the handler (see ParkConfig.PendingMessages). Nothing is
-// acked that is not stored somewhere a person can find it.
+// If the record cannot be written or the copy cannot be published, the
+// delivery is deferred: nacked after NackDelay, not counted as an attempt,
+// and parked again on redelivery without running the handler (see
+// ParkConfig.PendingMessages). Nothing is acked that is not stored somewhere
+// a person can find it.
 //
 // Place it outermost of settle's middleware after tracing; other errors pass
 // through it unchanged.
@@ -207,7 +249,7 @@ func NewPoison(cfg ParkConfig) (message.HandlerMiddleware, error) {
 			return park.Info{}, false
 		}
 		now := time.Now()
-		return park.Info{Outcome: settle.Poisoned, Reason: err.Error(), Attempt: attemptOf(msg, rec), FirstFailure: now, LastFailure: now}, true
+		return park.Info{Outcome: settle.Poisoned, Reason: err.Error(), Cause: err, Attempt: attemptOf(msg, rec), FirstFailure: now, LastFailure: now}, true
 	})
 }
 
@@ -216,11 +258,14 @@ func NewPoison(cfg ParkConfig) (message.HandlerMiddleware, error) {
 // it) is copied to the dead-letter topic with settle_outcome
 // "dead_lettered", the last failure as settle_reason, the original topic,
 // handler and UUID, the attempt count and the first and last failure times,
-// and the original is acked.
+// and the original is acked. With ParkConfig.Store, the message is recorded
+// there first (outcome dead_lettered, the last failure as its cause),
+// beside the copy or instead of it.
 //
-// If the copy cannot be published, the delivery is deferred: nacked after
-// NackDelay, not counted as an attempt, and parked again on redelivery
-// without running the handler. Other errors pass through unchanged.
+// If the record cannot be written or the copy cannot be published, the
+// delivery is deferred: nacked after NackDelay, not counted as an attempt,
+// and parked again on redelivery without running the handler. Other errors
+// pass through unchanged.
 func NewDeadLetter(cfg ParkConfig) (message.HandlerMiddleware, error) {
 	return cfg.park("deadletter", func(_ *message.Message, _ *settlement.Record, err error) (park.Info, bool) {
 		var ex *ExhaustedError
@@ -230,6 +275,7 @@ func NewDeadLetter(cfg ParkConfig) (message.HandlerMiddleware, error) {
 		return park.Info{
 			Outcome:      settle.DeadLettered,
 			Reason:       ex.Err.Error(),
+			Cause:        ex.Err,
 			Attempt:      ex.Attempts,
 			FirstFailure: ex.FirstFailure,
 			LastFailure:  ex.LastFailure,

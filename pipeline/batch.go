@@ -648,7 +648,11 @@ func (b *batcher) keyOf(j *job) (key string, err error) {
 			err = &middleware.PanicError{Value: p, Stack: debug.Stack()}
 		}
 	}()
-	return dedupe.MessageKey(j.msg, b.f.key, b.f.scope)
+	key, err = dedupe.MessageKey(j.msg, b.f.key, b.f.scope)
+	if err == nil {
+		recordKey(j.ctx, j.msg, b.f.key)
+	}
+	return key, err
 }
 
 // call runs fn for one job, turning a panic into that job's error: the

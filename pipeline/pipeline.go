@@ -42,11 +42,26 @@ type Config struct {
 	// Publisher when it implements it; else nothing is declared.
 	ParkInitializer message.SubscribeInitializer
 	// DeadLetterTopic receives messages whose attempts are exhausted.
-	// Defaults to "<subscribed topic>.dead_letter" per handler.
+	// Defaults to "<subscribed topic>.dead_letter" per handler; with
+	// ParkStore there is no default, and dead-lettered messages go to the
+	// store only unless it is set.
 	DeadLetterTopic string
 	// PoisonTopic receives messages that fail permanently. Defaults to
-	// "<subscribed topic>.poison" per handler. It may equal DeadLetterTopic.
+	// "<subscribed topic>.poison" per handler; with ParkStore there is no
+	// default, and poisoned messages go to the store only unless it is set.
+	// It may equal DeadLetterTopic.
 	PoisonTopic string
+	// ParkStore, when set, records every message the pipeline's handlers
+	// dead-letter or poison (plain, transactional and batch handlers alike),
+	// whole, before the original is acked: usually a parked.Store on the
+	// application's database, where operators find, group and replay
+	// failures. It is middleware.ParkConfig.Store of both parking
+	// middlewares; see there for the order (the record, then the copy on
+	// DeadLetterTopic or PoisonTopic when set, then the ack) and for a
+	// record that cannot be written (the delivery is deferred, not an
+	// attempt). When it has a Check(context.Context) error method (a
+	// parked.Store does: its tables), New calls it, as for Store.
+	ParkStore settle.ParkStore
 	// Store keeps dedupe claims: a dedupe.MemoryStore for one process, a
 	// dedupe.SQLStore to share them between processes. Nil turns dedupe
 	// off for plain handlers. HandleTx and HandleBatchTx take it when their
@@ -206,6 +221,11 @@ func New(router *message.Router, cfg Config) (*Pipeline, error) {
 	if err := checkStore(cfg.Store); err != nil {
 		return nil, err
 	}
+	if c, ok := cfg.ParkStore.(interface{ Check(context.Context) error }); ok {
+		if err := checkNow(c.Check); err != nil {
+			return nil, fmt.Errorf("pipeline: Config.ParkStore: %w", err)
+		}
+	}
 	p := &Pipeline{router: router, cfg: cfg}
 	var err error
 	// Handlers with the dedupe middleware have their runs counted by its
@@ -240,10 +260,10 @@ func (noDeclarer) SubscribeInitialize(string) error { return nil }
 // store overrides cfg.Store when not nil.
 func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, store dedupe.Store, noDedupe bool) ([]message.HandlerMiddleware, error) {
 	dlTopic, poisonTopic := p.cfg.DeadLetterTopic, p.cfg.PoisonTopic
-	if dlTopic == "" {
+	if dlTopic == "" && p.cfg.ParkStore == nil {
 		dlTopic = topic + ".dead_letter"
 	}
-	if poisonTopic == "" {
+	if poisonTopic == "" && p.cfg.ParkStore == nil {
 		poisonTopic = topic + ".poison"
 	}
 	initr := p.cfg.ParkInitializer
@@ -255,14 +275,18 @@ func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, sto
 		// is its declarer, and is checked when the handler is added.
 		initr = noDeclarer{}
 	}
-	parking := middleware.ParkConfig{Publisher: p.cfg.Publisher, Initializer: initr, NackDelay: p.cfg.NackDelay, Logger: p.cfg.Logger}
-	parking.Topic = poisonTopic
-	ps, err := middleware.NewPoison(parking)
+	parking := func(topic string) middleware.ParkConfig {
+		c := middleware.ParkConfig{Store: p.cfg.ParkStore, NackDelay: p.cfg.NackDelay, Logger: p.cfg.Logger}
+		if topic != "" {
+			c.Publisher, c.Topic, c.Initializer = p.cfg.Publisher, topic, initr
+		}
+		return c
+	}
+	ps, err := middleware.NewPoison(parking(poisonTopic))
 	if err != nil {
 		return nil, err
 	}
-	parking.Topic = dlTopic
-	dl, err := middleware.NewDeadLetter(parking)
+	dl, err := middleware.NewDeadLetter(parking(dlTopic))
 	if err != nil {
 		return nil, err
 	}

@@ -388,6 +388,7 @@ func runTxOnce(ctx context.Context, f txFlow, msg *message.Message) (lost bool, 
 		if err != nil {
 			return false, fmt.Errorf("pipeline: key of message %s: %w", msg.UUID, err)
 		}
+		recordKey(ctx, msg, f.key)
 		c, err := t.claims().ClaimConfirmed(ctx, key)
 		switch {
 		case lostOnce(err):
@@ -499,4 +500,20 @@ func unavailable(ctx context.Context, delay time.Duration, err error) error {
 	settlement.FromContext(ctx).Defer()
 	settlement.Sleep(ctx, delay)
 	return fmt.Errorf("%w: %w", dedupe.ErrUnavailable, err)
+}
+
+// recordKey writes msg's key as keyFn gives it (the UUID when keyFn is nil;
+// not the stored, scoped form) on the delivery's settlement record in ctx,
+// for a parking middleware outside that records the message, as the dedupe
+// middleware does for the keys it claims. Called once dedupe.MessageKey
+// has accepted the key.
+func recordKey(ctx context.Context, msg *message.Message, keyFn dedupe.KeyFunc) {
+	key := msg.UUID
+	if keyFn != nil {
+		var err error
+		if key, err = keyFn(msg); err != nil {
+			return
+		}
+	}
+	settlement.FromContext(ctx).SetKey(key)
 }

@@ -29,6 +29,7 @@ import (
 	"github.com/settle-go/settle/amqpmarshal"
 	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/parked"
 	"github.com/settle-go/settle/sqldb"
 )
 
@@ -167,10 +168,11 @@ func tableNames(runID string) []string {
 	return []string{
 		"orders_claims_" + runID, "orders_" + runID, "orders_charges_" + runID, "orders_emails_" + runID,
 		"orders_outbox_" + runID, "orders_outbox_" + runID + "_relays",
+		"orders_parked_" + runID, "orders_parked_" + runID + "_groups",
 	}
 }
 
-var leftoverTable = regexp.MustCompile(`^(?:orders|orders_claims|orders_charges|orders_emails|orders_outbox)_(` + runIDPattern + `)(?:_relays)?$`)
+var leftoverTable = regexp.MustCompile(`^(?:orders|orders_claims|orders_charges|orders_emails|orders_outbox|orders_parked)_(` + runIDPattern + `)(?:_relays|_groups)?$`)
 
 // leftovers are the tables and queues earlier runs did not remove.
 type leftovers struct {
@@ -244,6 +246,7 @@ type schema struct {
 	orders      string
 	charges     string
 	emails      string
+	parked      string // the parked-message store's table (and its _groups)
 	outboxTopic string
 }
 
@@ -255,6 +258,7 @@ func newSchema(ctx context.Context, db *sql.DB, d sqldb.Dialect, runID string) (
 		orders:      t[1],
 		charges:     t[2],
 		emails:      t[3],
+		parked:      t[6],
 		outboxTopic: "orders_outbox_" + runID,
 	}
 	// A real service runs these in its migrations.
@@ -262,7 +266,11 @@ func newSchema(ctx context.Context, db *sql.DB, d sqldb.Dialect, runID string) (
 	if err != nil {
 		return nil, err
 	}
-	ddl := claims.Schema()
+	parkedStore, err := parked.New(sqldb.Std(db, d), parked.Config{Table: s.parked})
+	if err != nil {
+		return nil, err
+	}
+	ddl := append(claims.Schema(), parkedStore.Schema()...)
 	ddl = append(ddl,
 		"CREATE TABLE "+s.orders+" (id VARCHAR(64) PRIMARY KEY, cents INTEGER NOT NULL)",
 		"CREATE TABLE "+s.charges+" (order_id VARCHAR(64) PRIMARY KEY, cents INTEGER NOT NULL)",
@@ -287,7 +295,9 @@ func (s *schema) ph(n int) string {
 func (s *schema) drop() {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	for _, t := range []string{s.claims, s.orders, s.charges, s.emails} {
+	// The parked table and its group counts, in either order of their
+	// dependency.
+	for _, t := range []string{s.claims, s.orders, s.charges, s.emails, s.parked + "_groups", s.parked, s.parked + "_groups"} {
 		_, _ = s.db.ExecContext(ctx, "DROP TABLE IF EXISTS "+t)
 	}
 }
@@ -328,8 +338,9 @@ func (b *broker) deleteQueues() {
 
 func newTopicNames(runID string) topicNames {
 	t := topicNames{placed: "orders.placed." + runID, charged: "orders.charged." + runID}
-	t.all = []string{t.placed, t.charged,
-		t.placed + ".dead_letter", t.placed + ".poison", t.charged + ".dead_letter", t.charged + ".poison"}
+	// No parking queues: the dead-lettered and poisoned messages are parked
+	// in a table (schema.parked).
+	t.all = []string{t.placed, t.charged}
 	return t
 }
 
@@ -359,8 +370,8 @@ func newBroker(amqpURL, runID string) (*broker, error) {
 		_ = pub.Close()
 		return nil, fmt.Errorf("rabbitmq: %w", err)
 	}
-	// Declare the queues now, so that copies published to the dead-letter
-	// and poison topics are kept even though nothing consumes them here.
+	// Declare the queues now, so that the first messages published to them
+	// are kept.
 	for _, q := range t.all {
 		if err := sub.SubscribeInitialize(q); err != nil {
 			_ = pub.Close()

@@ -1,8 +1,10 @@
 // Command orders is settle's main example: an order pipeline that places
 // orders through the transactional outbox, charges each order exactly once in
 // a transactional handler even when the broker delivers it twice, e-mails a
-// confirmation through a flaky handler that retries and, for one order, ends
-// on the dead-letter topic, and sends a malformed message to the poison topic.
+// confirmation through a flaky handler that retries and, for one order, gives
+// up (dead-lettered), and gets a malformed message (poisoned). Both are
+// parked in a table of the same database (package parked), where an operator
+// finds, groups and replays them (settle parked, settle console).
 //
 // With no flags it runs on the embedded default, Watermill's GoChannel and a
 // SQLite file, with no server:

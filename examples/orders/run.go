@@ -27,6 +27,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/parked"
 	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -184,11 +185,25 @@ func run(parent context.Context, cfg config) (err error) {
 	}()
 
 	// On PostgreSQL settle runs on the pgx pool; elsewhere on database/sql.
-	var store dedupe.Store
+	// The dead-lettered and poisoned messages are parked in a table of the
+	// same database, where settle parked and the console find them.
+	var (
+		store       dedupe.Store
+		parkedStore interface {
+			settle.ParkStore
+			Count(context.Context, parked.Filter) (int64, error)
+		}
+	)
 	if pool != nil {
 		store, err = dedupe.NewSQLStore(sqldb.Pgx(pool), dedupe.SQLConfig{Table: s.claims})
+		if err == nil {
+			parkedStore, err = parked.New(sqldb.Pgx(pool), parked.Config{Table: s.parked})
+		}
 	} else {
 		store, err = dedupe.NewSQLStore(sqldb.Std(db, dialect), dedupe.SQLConfig{Table: s.claims})
+		if err == nil {
+			parkedStore, err = parked.New(sqldb.Std(db, dialect), parked.Config{Table: s.parked})
+		}
 	}
 	if err != nil {
 		return err
@@ -232,6 +247,7 @@ func run(parent context.Context, cfg config) (err error) {
 	p, err := pipeline.New(router, pipeline.Config{
 		Publisher:    br.pub,
 		Store:        store,
+		ParkStore:    parkedStore, // instead of dead-letter and poison topics
 		ClaimTimeout: 5 * time.Second,
 		BusyDelay:    100 * time.Millisecond,
 		Retry: middleware.RetryConfig{
@@ -337,9 +353,10 @@ func run(parent context.Context, cfg config) (err error) {
 			return errors.Join(what, stopErr, err)
 		}
 		charges, emails, err := s.counts(fctx)
+		rows, perr := parkedStore.Count(fctx, parked.Filter{})
 		fwd, failed := relay.Counts()
-		report(cfg.Out, counts, charges, emails, fwd, failed)
-		return errors.Join(what, stopErr, err)
+		report(cfg.Out, counts, charges, emails, rows, fwd, failed)
+		return errors.Join(what, stopErr, err, perr)
 	}
 
 	// Place the orders: each in a transaction of its own, with its row and
@@ -441,8 +458,15 @@ func run(parent context.Context, cfg config) (err error) {
 	if err != nil {
 		return err
 	}
+	rows, err := parkedStore.Count(ctx, parked.Filter{})
+	if err != nil {
+		return err
+	}
 	fwd, failed := relay.Counts()
-	report(cfg.Out, counts, charges, emails, fwd, failed)
+	report(cfg.Out, counts, charges, emails, rows, fwd, failed)
+	if rows != int64(1+want.bounced) {
+		return fmt.Errorf("%d parked rows, want %d (the malformed message and the bounced e-mails)", rows, 1+want.bounced)
+	}
 	if charges != cfg.Orders {
 		return fmt.Errorf("%d charges for %d orders", charges, cfg.Orders)
 	}
@@ -521,7 +545,7 @@ func (c outcomeCounts) get(handler string, o settle.Outcome) int {
 	return int(c[handler][o])
 }
 
-func report(out io.Writer, c outcomeCounts, charges, emails int, forwarded, failed int64) {
+func report(out io.Writer, c outcomeCounts, charges, emails int, parkedRows, forwarded, failed int64) {
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
 	handlers := make([]string, 0, len(c))
 	for h := range c {
@@ -543,6 +567,7 @@ func report(out io.Writer, c outcomeCounts, charges, emails int, forwarded, fail
 	fmt.Fprintf(tw, "charges applied\t%d\t\t\t\n", charges)
 	fmt.Fprintf(tw, "e-mails sent\t%d\t\t\t\n", emails)
 	fmt.Fprintf(tw, "duplicates absorbed\t%d\t\t\t\n", c.get("charge", settle.Duplicate)+c.get("email", settle.Duplicate))
+	fmt.Fprintf(tw, "parked rows\t%d\t\t\t\n", parkedRows)
 	fmt.Fprintf(tw, "outbox messages forwarded\t%d\t\t\t\n", forwarded)
 	if failed > 0 {
 		fmt.Fprintf(tw, "outbox forwards failed\t%d\t\t\t\n", failed)

@@ -18,9 +18,11 @@ import (
 	_ "github.com/jackc/pgx/v5/stdlib"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/otlptest"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/parked"
 	"github.com/settle-go/settle/sqldb"
 )
 
@@ -116,7 +118,8 @@ func run(t *testing.T, dir string, env []string, line string) {
 // and PostgreSQL. A good sign-up, one whose payload is not JSON (poison) and
 // one whose e-mail always fails (dead-lettered after its attempts): the
 // good one is recorded and its e-mail sent through the outbox and the
-// relay, in one trace; the two copies are on their queues; SIGTERM stops
+// relay, in one trace; the two others are parked, a row each in the
+// program's parked-message table, and no copy is on a queue; SIGTERM stops
 // the router and the relay, and the program exits 0.
 //
 // The program parks through the publisher settle recommends on RabbitMQ
@@ -287,15 +290,34 @@ func TestGettingStartedService(t *testing.T) {
 		}
 	}
 
-	// The copies: the poison one at once, the dead letter after five
-	// attempts and one redelivery.
-	poisonCopy := waitForMessage(t, conn, signedUp+".poison", 60*time.Second, logs)
-	deadCopy := waitForMessage(t, conn, welcome+".dead_letter", 90*time.Second, logs)
-	if got := fmt.Sprint(poisonCopy.Headers["settle_outcome"]); got != "poisoned" || string(poisonCopy.Body) != `{"email": not json` {
-		t.Errorf("poison copy: settle_outcome %q, body %q", got, poisonCopy.Body)
+	// The parked rows: the poison one at once, the dead letter after five
+	// attempts and one redelivery; the message whole in each.
+	store, err := parked.New(sqldb.Std(appDB, sqldb.Postgres), parked.Config{})
+	if err != nil {
+		t.Fatal(err)
 	}
-	if got := fmt.Sprint(deadCopy.Headers["settle_outcome"]); got != "dead_lettered" || !strings.Contains(string(deadCopy.Body), "bob@example.invalid") {
-		t.Errorf("dead letter: settle_outcome %q, body %q", got, deadCopy.Body)
+	poisonRow := waitForParked(t, store, "welcome", settle.Poisoned, 60*time.Second, logs)
+	deadRow := waitForParked(t, store, "send-email", settle.DeadLettered, 90*time.Second, logs)
+	if poisonRow.UUID != "signup-bad" || string(poisonRow.Payload) != `{"email": not json` || poisonRow.Topic != signedUp {
+		t.Errorf("poisoned row: uuid %q, topic %q, payload %q", poisonRow.UUID, poisonRow.Topic, poisonRow.Payload)
+	}
+	if !strings.Contains(string(deadRow.Payload), "bob@example.invalid") || deadRow.Attempts != 5 || deadRow.TraceID == "" {
+		t.Errorf("dead-lettered row: payload %q, %d attempts, trace %q", deadRow.Payload, deadRow.Attempts, deadRow.TraceID)
+	}
+	if n, err := store.Count(t.Context(), parked.Filter{}); err != nil || n != 2 {
+		t.Errorf("%d parked rows (%v); want 2", n, err)
+	}
+	for _, q := range []string{signedUp + ".poison", welcome + ".dead_letter"} {
+		// A channel per queue: a passive declaration of a queue that does
+		// not exist (as here) closes it.
+		qch, err := conn.Channel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st, err := qch.QueueDeclarePassive(q, true, false, false, false, nil); err == nil && st.Messages > 0 {
+			t.Errorf("%d copies on %s; the program parks in its table only", st.Messages, q)
+		}
+		_ = qch.Close()
 	}
 	var welcomes int
 	if err := pg.QueryRowContext(t.Context(), "SELECT count(*) FROM "+schema+".welcomes").Scan(&welcomes); err != nil {
@@ -420,25 +442,22 @@ func seedOutbox(t *testing.T, db *sql.DB, ob *outbox.Outbox[*sql.Tx], topic stri
 	}
 }
 
-// waitForMessage gets one message from queue within d, or fails.
-func waitForMessage(t *testing.T, conn *amqp091.Connection, queue string, d time.Duration, logs func() string) amqp091.Delivery {
+// waitForParked returns the row of handler with outcome within d, or fails.
+func waitForParked(t *testing.T, store *parked.Store[*sql.Tx], handler string, outcome settle.Outcome, d time.Duration, logs func() string) parked.Message {
 	t.Helper()
 	deadline := time.Now().Add(d)
 	for {
-		// A channel per try: a Get on a queue that does not exist closes it.
-		ch, err := conn.Channel()
+		page, err := store.List(t.Context(), parked.Query{Filter: parked.Filter{Handler: handler, Outcome: outcome}})
 		if err != nil {
 			t.Fatal(err)
 		}
-		m, ok, err := ch.Get(queue, true)
-		_ = ch.Close()
-		if err == nil && ok {
-			return m
+		if len(page.Messages) > 0 {
+			return page.Messages[0]
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("no message on %s within %v (%v): the copy was lost\n%s", queue, d, err, logs())
+			t.Fatalf("no %s row of %s within %v: the message was not parked\n%s", outcome, handler, d, logs())
 		}
-		time.Sleep(100 * time.Millisecond)
+		time.Sleep(200 * time.Millisecond)
 	}
 }
 

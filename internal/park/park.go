@@ -1,7 +1,8 @@
-// Package park publishes a copy of a failed message to a dead-letter or
-// poison topic, with metadata saying why, and acks the original only when the
-// copy is stored. The poison and dead-letter parking middlewares are both
-// built on it.
+// Package park records a failed message in a parked-message store and
+// publishes a copy of it to a dead-letter or poison topic, with metadata
+// saying why (either or both), and acks the original only when the record
+// is committed and the copy stored. The poison and dead-letter parking
+// middlewares are both built on it.
 package park
 
 import (
@@ -36,6 +37,7 @@ import (
 type Info struct {
 	Outcome      settle.Outcome
 	Reason       string
+	Cause        error     // the error Reason is the text of (settle.Parked.Cause)
 	Attempt      int       // 0 if unknown
 	FirstFailure time.Time // zero: unknown, the copy carries no first-failure time
 	LastFailure  time.Time // zero: the time of parking
@@ -253,8 +255,12 @@ func droppedText(count, total int, names []string) string {
 	return b.String()
 }
 
-// Config configures a parking middleware.
+// Config configures a parking middleware: Store, or Publisher and Topic, or
+// all three.
 type Config struct {
+	// Store, when not nil, records each parked message before its copy is
+	// published and its original acked.
+	Store     settle.ParkStore
 	Publisher message.Publisher
 	Topic     string
 	// Initializer, when not nil, declares Topic before every copy is
@@ -305,12 +311,17 @@ type pendingKey struct{ scope, uuid string }
 type pendingCopy struct {
 	info   Info
 	reason error
-	fails  int // publishes of the copy that failed
+	key    string // the dedupe key, which a redelivery parked without a run does not learn
+	fails  int    // publishes of the copy that failed
 }
 
 // ErrPublish is wrapped when the copy could not be published; the original
 // is then nacked.
 var ErrPublish = errors.New("publishing the parked copy failed; message nacked")
+
+// ErrStore is wrapped when the parked-message store could not record the
+// message; the original is then nacked.
+var ErrStore = errors.New("recording the message in the parked-message store failed; message nacked")
 
 type parker struct {
 	cfg     Config
@@ -365,10 +376,10 @@ func (p *parker) failed(msg *message.Message, out []*message.Message, err error)
 	if !ok {
 		return out, err
 	}
-	return p.park(msg, pendingCopy{info: info, reason: err})
+	return p.park(msg, pendingCopy{info: info, reason: err, key: rec.Key()})
 }
 
-// again parks a redelivered message whose copy could not be published before.
+// again parks a redelivered message that could not be parked before.
 func (p *parker) again(msg *message.Message, pc pendingCopy) ([]*message.Message, error) {
 	return p.park(msg, pc) // the failure, its text and its times, are the ones recorded
 }
@@ -378,31 +389,81 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 	rec := settlement.FromContext(ctx)
 	key := pendingKey{settlement.Scope(ctx), Identity(msg)}
 	info := pc.info
-	minimal := pc.fails >= MinimalAfter
-	cp := CopyWithin(msg, info, Limits{MaxMetadata: p.cfg.MaxMetadata, Minimal: minimal})
-	perr := p.declare()
-	declared := perr == nil
-	if declared {
-		perr = publish(ctx, p.cfg.Publisher, p.cfg.Topic, cp)
+	if info.LastFailure.IsZero() {
+		// The time of parking, the same for the record and every copy of
+		// it.
+		info.LastFailure = time.Now()
+		pc.info.LastFailure = info.LastFailure
 	}
 	fields := watermill.LogFields{
 		"message_uuid": msg.UUID, "topic": p.cfg.Topic, "outcome": string(info.Outcome), "attempt": info.Attempt,
 	}
-	if perr == nil {
-		p.pending.Delete(key)
-		rec.Park(string(info.Outcome), p.cfg.Topic, pc.reason)
-		if minimal {
-			p.cfg.Logger.Error(p.cfg.Name+": message parked with a minimal copy, without the original's metadata", ErrMinimal,
-				fields.Add(watermill.LogFields{"failed_publishes": pc.fails}))
+	// The record first: the copy on the topic is published only once the
+	// row is committed, and the original acked only after both.
+	if p.cfg.Store != nil {
+		if err := p.cfg.Store.Park(ctx, p.parked(msg, pc.key, info)); err != nil {
+			return p.deferred(msg, pc, key, false, fields, fmt.Errorf("%s: %w: %w", p.cfg.Name, ErrStore, err))
 		}
-		p.cfg.Logger.Info(p.cfg.Name+": message parked", fields.Add(watermill.LogFields{"reason": cut(info.Reason, MaxReason)}))
-		return nil, nil
 	}
+	minimal := pc.fails >= MinimalAfter
+	if p.cfg.Publisher != nil {
+		cp := CopyWithin(msg, info, Limits{MaxMetadata: p.cfg.MaxMetadata, Minimal: minimal})
+		perr := p.declare()
+		declared := perr == nil
+		if declared {
+			perr = publish(ctx, p.cfg.Publisher, p.cfg.Topic, cp)
+		}
+		if perr != nil {
+			return p.deferred(msg, pc, key, declared, fields, fmt.Errorf("%s: %w: topic %q: %w", p.cfg.Name, ErrPublish, p.cfg.Topic, perr))
+		}
+	}
+	p.pending.Delete(key)
+	rec.Park(string(info.Outcome), p.cfg.Topic, pc.reason)
+	if minimal && p.cfg.Publisher != nil {
+		p.cfg.Logger.Error(p.cfg.Name+": message parked with a minimal copy, without the original's metadata", ErrMinimal,
+			fields.Add(watermill.LogFields{"failed_publishes": pc.fails}))
+	}
+	p.cfg.Logger.Info(p.cfg.Name+": message parked", fields.Add(watermill.LogFields{"reason": cut(info.Reason, MaxReason)}))
+	return nil, nil
+}
+
+// parked is what the store records of msg.
+func (p *parker) parked(msg *message.Message, key string, info Info) settle.Parked {
+	ctx := msg.Context()
+	cause := info.Cause
+	if cause == nil {
+		cause = errors.New(info.Reason)
+	}
+	var traceID string
+	if sc := trace.SpanContextFromContext(ctx); sc.IsValid() {
+		traceID = sc.TraceID().String()
+	}
+	return settle.Parked{
+		Message:      msg,
+		Outcome:      info.Outcome,
+		Cause:        cause,
+		Handler:      settlement.Scope(ctx),
+		Topic:        message.SubscribeTopicFromCtx(ctx),
+		Key:          key,
+		Attempts:     info.Attempt,
+		FirstFailure: info.FirstFailure,
+		LastFailure:  info.LastFailure,
+		TraceID:      traceID,
+	}
+}
+
+// deferred remembers a message that could not be parked, so that its
+// redelivery is parked again without running anything inside, and defers
+// its delivery: it is nacked after NackDelay, not an attempt. published
+// says whether the failure was a publish of the copy where the topic could
+// be declared, which counts towards the minimal copy.
+func (p *parker) deferred(msg *message.Message, pc pendingCopy, key pendingKey, published bool, fields watermill.LogFields, err error) ([]*message.Message, error) {
+	ctx := msg.Context()
 	p.pending.Update(key, func(old pendingCopy, found bool) pendingCopy {
 		if found && !old.info.FirstFailure.IsZero() {
 			pc.info.FirstFailure = old.info.FirstFailure
 		}
-		if declared {
+		if published {
 			// Only a publish that failed where the topic could be declared
 			// counts towards the minimal copy: a broker that cannot be
 			// reached says nothing of the copy.
@@ -410,10 +471,10 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 		}
 		return pc
 	})
-	rec.Defer()
-	p.log.Error(p.cfg.Name+": could not publish parked copy; nacking, not counted as an attempt", perr, fields)
+	settlement.FromContext(ctx).Defer()
+	p.log.Error(p.cfg.Name+": could not park the message; nacking, not counted as an attempt", err, fields)
 	Sleep(ctx, p.cfg.NackDelay)
-	return nil, errors.Join(pc.reason, fmt.Errorf("%s: %w: topic %q: %w", p.cfg.Name, ErrPublish, p.cfg.Topic, perr))
+	return nil, errors.Join(pc.reason, err)
 }
 
 // ErrMinimal is logged when a message is parked with a minimal copy.

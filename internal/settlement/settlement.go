@@ -45,6 +45,7 @@ type Record struct {
 	retries  int
 	parkedTo string
 	reason   error
+	key      string // the dedupe key, as the key function gave it
 
 	firstAt     time.Time // start of the first attempt, from a durable store; zero: unknown
 	limit       int       // attempts allowed per handler and message; 0: none
@@ -159,6 +160,30 @@ func (r *Record) Park(o, topic string, reason error) {
 	r.mu.Unlock()
 }
 
+// SetKey records the delivery's dedupe key for its handler, as the key
+// function gave it (not the stored, scoped form): the dedupe middleware, or
+// a transactional handler that claims its keys itself, writes it once the
+// key is known, and a parking middleware outside reads it for the parked
+// record.
+func (r *Record) SetKey(key string) {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	r.key = key
+	r.mu.Unlock()
+}
+
+// Key returns what SetKey recorded, "" if nothing.
+func (r *Record) Key() string {
+	if r == nil {
+		return ""
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.key
+}
+
 // Retried counts one in-process retry of a failed handler run.
 func (r *Record) Retried() {
 	if r == nil {
@@ -170,7 +195,7 @@ func (r *Record) Retried() {
 }
 
 // Defer records that the delivery is nacked without an attempt: the key is
-// busy, the store cannot answer, or a parked copy could not be published.
+// busy, the store cannot answer, or a message could not be parked.
 func (r *Record) Defer() {
 	if r == nil {
 		return
