@@ -1,0 +1,198 @@
+package parked_test
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/settle-go/settle/parked"
+)
+
+// errOrder is a failure whose text carries an id: its group is the same
+// whatever the id.
+type errOrder struct {
+	kind string
+	id   int
+}
+
+func (e errOrder) Error() string { return fmt.Sprintf("%s: order %d failed", e.kind, e.id) }
+
+// TestReview26Storm parks the same messages from two pools (moving them
+// between failure groups), while replays, archives and prunes run on pools
+// of their own: every replayed row has one copy in the outbox, and the
+// group counts are the rows'.
+func TestReview26Storm(t *testing.T) {
+	t.Parallel()
+	forEach(t, func(t *testing.T, d drv) {
+		e := setup(t, d, parked.Config{})
+		const msgs, rounds = 30, 40
+		parkers := []handle{e.handle, e.another(t)}
+		rep, arc, pru := e.another(t), e.another(t), e.another(t)
+		parked.SetChunk(rep.api, 4)
+		var replayed atomic.Int64
+		var wg sync.WaitGroup
+		for w, p := range parkers {
+			wg.Go(func() {
+				rnd := rand.New(rand.NewPCG(uint64(w), 7))
+				for i := range rounds * 3 {
+					m := parkedMsg("m"+strconv.Itoa(rnd.IntN(msgs)), "charge", errOrder{[]string{"declined", "timeout"}[rnd.IntN(2)], i})
+					if err := p.Park(t.Context(), m); err != nil {
+						t.Errorf("park: %v", err)
+						return
+					}
+				}
+			})
+		}
+		wg.Go(func() {
+			for range rounds {
+				r, err := rep.replay(t.Context(), parked.Filter{}, parked.ReplayOptions{By: "ops"})
+				if err != nil {
+					t.Errorf("replay: %v", err)
+					return
+				}
+				replayed.Add(r.Replayed)
+			}
+		})
+		wg.Go(func() {
+			rnd := rand.New(rand.NewPCG(9, 9))
+			for range rounds {
+				ids := []int64{int64(rnd.IntN(msgs*3) + 1), int64(rnd.IntN(msgs*3) + 1)}
+				if _, err := arc.Archive(t.Context(), parked.Filter{IDs: ids}, "ops"); err != nil {
+					t.Errorf("archive: %v", err)
+					return
+				}
+			}
+		})
+		wg.Go(func() {
+			for range rounds {
+				if _, err := pru.Prune(t.Context(), time.Now().Add(time.Hour)); err != nil {
+					t.Errorf("prune: %v", err)
+					return
+				}
+			}
+		})
+		wg.Wait()
+		if t.Failed() {
+			return
+		}
+		if got := int64(len(e.outboxRows(t))); got != replayed.Load() {
+			t.Errorf("%d copies in the outbox, replays reported %d", got, replayed.Load())
+		}
+		e.checkGroups(t)
+		gs, err := e.Groups(t.Context(), parked.Filter{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(gs) > 2 {
+			t.Errorf("%d groups, want at most 2 (declined, timeout): %+v", len(gs), gs)
+		}
+	})
+}
+
+// TestReview26ParkRacingPrune parks again messages whose rows were
+// replayed (a redelivery of the original) while prunes delete those rows:
+// Park must not fail (a failed Park defers the delivery and holds the
+// messages behind it), and the counts stay the rows'.
+func TestReview26ParkRacingPrune(t *testing.T) {
+	t.Parallel()
+	forEach(t, func(t *testing.T, d drv) {
+		e := setup(t, d, parked.Config{})
+		const n = 40
+		p, r, pr := e.another(t), e.another(t), e.another(t)
+		var wg sync.WaitGroup
+		stop := make(chan struct{})
+		var failures atomic.Int64
+		var first atomic.Value
+		wg.Go(func() {
+			for range 15 {
+				for i := range n {
+					if err := p.Park(t.Context(), parkedMsg("m"+strconv.Itoa(i), "charge", errBoom)); err != nil {
+						failures.Add(1)
+						first.CompareAndSwap(nil, err.Error())
+					}
+				}
+			}
+			close(stop)
+		})
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if _, err := r.replay(t.Context(), parked.Filter{}, parked.ReplayOptions{}); err != nil {
+					t.Errorf("replay: %v", err)
+					return
+				}
+			}
+		})
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if _, err := pr.Prune(t.Context(), time.Now().Add(time.Hour)); err != nil {
+					t.Errorf("prune: %v", err)
+					return
+				}
+			}
+		})
+		wg.Wait()
+		if f := failures.Load(); f > 0 {
+			t.Errorf("%d of %d Parks failed racing a prune, first: %v", f, 15*n, first.Load())
+		}
+		e.checkGroups(t)
+	})
+}
+
+// TestReview26ParkWhileRowPruned makes the window of the race above wide
+// on PostgreSQL (a trigger sleeps after Park's INSERT, which does nothing
+// for a row already there): a prune deletes the replayed row in that
+// window, and Park must still record the message.
+func TestReview26ParkWhileRowPruned(t *testing.T) {
+	t.Parallel()
+	for _, d := range drivers() {
+		if d.name != "postgres" && !d.pgx {
+			continue
+		}
+		t.Run(d.name, func(t *testing.T) {
+			t.Parallel()
+			e := setup(t, d, parked.Config{})
+			e.park(t, parkedMsg("m1", "charge", errBoom))
+			if r, err := e.replay(t.Context(), parked.Filter{}, parked.ReplayOptions{}); err != nil || r.Replayed != 1 {
+				t.Fatalf("replay: %+v, %v", r, err)
+			}
+			fn := e.table + "_slow"
+			for _, s := range []string{
+				`CREATE FUNCTION ` + fn + `() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(0.5); RETURN NULL; END $$`,
+				`CREATE TRIGGER ` + fn + ` AFTER INSERT ON ` + e.q(e.table) + ` FOR EACH STATEMENT EXECUTE FUNCTION ` + fn + `()`,
+			} {
+				if _, err := e.db.ExecContext(t.Context(), s); err != nil {
+					t.Fatal(err)
+				}
+			}
+			t.Cleanup(func() { _, _ = e.db.ExecContext(t.Context(), `DROP FUNCTION IF EXISTS `+fn+` CASCADE`) })
+			pr := e.another(t)
+			done := make(chan error, 1)
+			go func() { done <- e.Park(t.Context(), parkedMsg("m1", "charge", errBoom)) }()
+			time.Sleep(150 * time.Millisecond)
+			if n, err := pr.Prune(t.Context(), time.Now().Add(time.Hour)); err != nil || n != 1 {
+				t.Fatalf("prune: %d, %v", n, err)
+			}
+			if err := <-done; err != nil {
+				t.Fatalf("Park racing a prune of its row: %v (the delivery is deferred for nothing)", err)
+			}
+			if n, err := e.Count(t.Context(), parked.Filter{State: parked.StateParked}); err != nil || n != 1 {
+				t.Errorf("parked rows = %d, %v; want the message parked again", n, err)
+			}
+			e.checkGroups(t)
+		})
+	}
+}
