@@ -1,6 +1,7 @@
 package parked_test
 
 import (
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"strconv"
@@ -194,5 +195,36 @@ func TestReview26ParkWhileRowPruned(t *testing.T) {
 			}
 			e.checkGroups(t)
 		})
+	}
+}
+
+// TestReview26GroupsOfIDsInOtherForms: one bug is one group, whatever the
+// form of the ids in its errors' text: prefixed ids (Stripe's ch_…,
+// ord_17), ULIDs, KSUIDs and other base-32/62 ids. Each pair differs only
+// by an id and must share a group.
+func TestReview26GroupsOfIDsInOtherForms(t *testing.T) {
+	t.Parallel()
+	for _, c := range [][2]string{
+		{"charge ord_17: card declined", "charge ord_18: card declined"},
+		{"charge ch_3NkXyZ2eZvKYlo2C1abcDEFg: card declined", "charge ch_9QpLmN4rTsUvWx5Y7zAbCdEf: card declined"},
+		{"order 01HGW2N7ZJ8Q5V3X9K4M6P0R1S not found", "order 01HGW2P3AB7C6D5E4F3G2H1J0K not found"},
+		{"event 2ZkNxR4pQwL8mT3vY6bH1cJ9sDf not found", "event 2ZkNy7hGfT5rE4wQ1aZ8xC3vBnM not found"},
+	} {
+		a, _, ta := parked.GroupOf("charge", "dead_lettered", errors.New(c[0]))
+		b, _, tb := parked.GroupOf("charge", "dead_lettered", errors.New(c[1]))
+		if a != b {
+			t.Errorf("%q and %q are two groups (%q, %q); want one", c[0], c[1], ta, tb)
+		}
+	}
+	// Words with digits are not ids: these stay apart.
+	for _, c := range [][2]string{
+		{"utf8mb4_bin collation refused", "utf8mb3_bin collation refused"},
+		{"decode: unknown field amount2", "decode: unknown field amount3"},
+	} {
+		a, _, _ := parked.GroupOf("charge", "dead_lettered", errors.New(c[0]))
+		b, _, _ := parked.GroupOf("charge", "dead_lettered", errors.New(c[1]))
+		if a == b {
+			t.Errorf("%q and %q are one group; want two", c[0], c[1])
+		}
 	}
 }
