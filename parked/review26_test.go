@@ -1,8 +1,13 @@
 package parked_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/settle-go/settle/internal/sqlurl"
+	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/sqldb"
 	"math/rand/v2"
 	"strconv"
 	"sync"
@@ -30,9 +35,14 @@ func TestReview26Storm(t *testing.T) {
 	t.Parallel()
 	forEach(t, func(t *testing.T, d drv) {
 		e := setup(t, d, parked.Config{})
+		storm(t, e, []handle{e.handle, e.another(t)}, e.another(t), e.another(t), e.another(t))
+	})
+}
+
+// storm runs the storm of TestReview26Storm on the handles given.
+func storm(t *testing.T, e *env, parkers []handle, rep, arc, pru handle) {
+	{
 		const msgs, rounds = 30, 40
-		parkers := []handle{e.handle, e.another(t)}
-		rep, arc, pru := e.another(t), e.another(t), e.another(t)
 		parked.SetChunk(rep.api, 4)
 		var replayed atomic.Int64
 		var wg sync.WaitGroup
@@ -91,6 +101,42 @@ func TestReview26Storm(t *testing.T) {
 		if len(gs) > 2 {
 			t.Errorf("%d groups, want at most 2 (declined, timeout): %+v", len(gs), gs)
 		}
+	}
+}
+
+// TestReview26StormSerializable runs the storm on PostgreSQL pools whose
+// sessions default to SERIALIZABLE (set in the URL, as an application
+// may), through database/sql and pgx.
+func TestReview26StormSerializable(t *testing.T) {
+	t.Parallel()
+	u := testenv.Require(t, testenv.PostgresURLEnv) + "&options=-c%20default_transaction_isolation%3Dserializable"
+	stdOpen := func(t testing.TB) testenv.DB {
+		db, dialect, err := sqlurl.Open(u)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = db.Close() })
+		return testenv.DB{DB: db, Dialect: dialect}
+	}
+	t.Run("std", func(t *testing.T) {
+		t.Parallel()
+		d := drv{name: "postgres-serializable", open: stdOpen}
+		e := setup(t, d, parked.Config{})
+		storm(t, e, []handle{e.handle, e.another(t)}, e.another(t), e.another(t), e.another(t))
+	})
+	t.Run("pgx", func(t *testing.T) {
+		t.Parallel()
+		d := drv{name: "postgres-serializable", open: stdOpen}
+		e := setup(t, d, parked.Config{})
+		pool := func() handle {
+			p, err := pgxpool.New(context.Background(), u)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(p.Close)
+			return bind(t, sqldb.Pgx(p), e.cfg, e.topic)
+		}
+		storm(t, e, []handle{pool(), pool()}, pool(), pool(), pool())
 	})
 }
 
