@@ -274,3 +274,90 @@ func TestReview26GroupsOfIDsInOtherForms(t *testing.T) {
 		}
 	}
 }
+
+// TestReview26ReplayKilledAtTheServer kills the connection of a replay
+// at the server (pg_terminate_backend, MariaDB's KILL) while its third
+// chunk writes its copies (a trigger on the outbox makes that slow), then
+// runs the replay again: every row is replayed, each with one copy.
+func TestReview26ReplayKilledAtTheServer(t *testing.T) {
+	t.Parallel()
+	for _, d := range drivers() {
+		if d.name != "postgres" && d.name != "mysql" && !d.pgx {
+			continue
+		}
+		t.Run(d.name, func(t *testing.T) {
+			t.Parallel()
+			e := setup(t, d, parked.Config{})
+			const n = 20
+			for i := range n {
+				e.park(t, parkedMsg("k"+strconv.Itoa(i), "charge", errBoom))
+			}
+			r := e.another(t)
+			parked.SetChunk(r.api, 5)
+			trg := e.topic + "_slow"
+			var ddl []string
+			if e.db.Dialect == sqldb.MySQL {
+				ddl = []string{"CREATE TRIGGER " + trg + " AFTER INSERT ON " + e.q(e.topic) + " FOR EACH ROW SET @settle_review = SLEEP(0.1)"}
+			} else {
+				ddl = []string{
+					`CREATE FUNCTION ` + trg + `() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(0.1); RETURN NULL; END $$`,
+					`CREATE TRIGGER ` + trg + ` AFTER INSERT ON ` + e.q(e.topic) + ` FOR EACH ROW EXECUTE FUNCTION ` + trg + `()`,
+				}
+				t.Cleanup(func() { _, _ = e.db.ExecContext(context.Background(), `DROP FUNCTION IF EXISTS `+trg+` CASCADE`) })
+			}
+			for _, s := range ddl {
+				if _, err := e.db.ExecContext(t.Context(), s); err != nil {
+					t.Fatal(err)
+				}
+			}
+			done := make(chan error, 1)
+			go func() {
+				_, err := r.replay(t.Context(), parked.Filter{}, parked.ReplayOptions{})
+				done <- err
+			}()
+			// Chunks of 5 copies at 0.1 s each: the third runs from 1 s.
+			time.Sleep(1200 * time.Millisecond)
+			var killed int
+			like := "%" + e.topic + "%"
+			for deadline := time.Now().Add(5 * time.Second); killed == 0 && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+				if e.db.Dialect == sqldb.MySQL {
+					var id int64
+					err := e.db.QueryRowContext(t.Context(), "SELECT id FROM information_schema.processlist WHERE info LIKE ? AND info NOT LIKE '%processlist%' AND id <> CONNECTION_ID() LIMIT 1", like).Scan(&id)
+					if err != nil {
+						continue
+					}
+					if _, err := e.db.ExecContext(t.Context(), "KILL "+strconv.FormatInt(id, 10)); err != nil {
+						t.Fatal(err)
+					}
+					killed = 1
+				} else if err := e.db.QueryRowContext(t.Context(), "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE query ILIKE $1 AND query NOT ILIKE '%pg_stat_activity%' AND state = 'active' AND pid <> pg_backend_pid()", like).Scan(&killed); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if killed != 1 {
+				t.Fatalf("killed %d connections, want 1", killed)
+			}
+			first := <-done
+			t.Logf("the killed replay returned: %v", first)
+			if _, err := e.db.ExecContext(t.Context(), "DROP TRIGGER "+trg+map[bool]string{true: "", false: " ON " + e.q(e.topic)}[e.db.Dialect == sqldb.MySQL]); err != nil {
+				t.Fatal(err)
+			}
+			res, err := r.replay(t.Context(), parked.Filter{}, parked.ReplayOptions{})
+			if err != nil {
+				t.Fatalf("replay again: %v", err)
+			}
+			rows := e.outboxRows(t)
+			seen := map[string]int{}
+			for _, row := range rows {
+				seen[row.Metadata["settle_replay_of"]]++
+			}
+			if len(seen) != n || len(rows) != n {
+				t.Errorf("%d copies of %d messages after the second replay (%+v); want %d, one each", len(rows), len(seen), res, n)
+			}
+			if c, err := e.Count(t.Context(), parked.Filter{State: parked.StateReplayed}); err != nil || c != n {
+				t.Errorf("%d rows replayed, %v; want %d", c, err, n)
+			}
+			e.checkGroups(t)
+		})
+	}
+}
