@@ -10,6 +10,7 @@ import (
 	"github.com/settle-go/settle/sqldb"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -360,4 +361,32 @@ func TestReview26ReplayKilledAtTheServer(t *testing.T) {
 			e.checkGroups(t)
 		})
 	}
+}
+
+// TestReview26OneUncopyableRowStopsNoReplay parks three messages, the
+// second consumed from a topic whose name the outbox cannot hold (over
+// 255 characters on MariaDB, whose outbox topic is a VARCHAR(255)), and
+// replays them all: the other two must go back, whatever becomes of the
+// second (refused, skipped or reported); a replay that fails on it every
+// time leaves every row behind it parked for ever.
+func TestReview26OneUncopyableRowStopsNoReplay(t *testing.T) {
+	t.Parallel()
+	forEach(t, func(t *testing.T, d drv) {
+		e := setup(t, d, parked.Config{})
+		for i, topic := range []string{"orders", strings.Repeat("t", 300), "orders"} {
+			p := parkedMsg("u"+strconv.Itoa(i), "charge", errBoom)
+			p.Topic = topic
+			e.park(t, p)
+		}
+		res, err := e.replay(t.Context(), parked.Filter{}, parked.ReplayOptions{})
+		t.Logf("replay: %+v, %v", res, err)
+		got := map[string]bool{}
+		for _, r := range e.outboxRows(t) {
+			got[r.Metadata["settle_replay_of"]] = true
+		}
+		if !got["u0"] || !got["u2"] {
+			t.Errorf("copies of %v; want u0 and u2 replayed whatever becomes of u1 (replay: %+v, %v)", got, res, err)
+		}
+		e.checkGroups(t)
+	})
 }
