@@ -215,8 +215,9 @@ type ReplayResult struct {
 	Refused int64
 	// Skipped is the number of selected rows not in state parked (a
 	// concurrent replay or archive took them first, or they were never
-	// parked), and of parked rows with no topic when ReplayOptions.Topic
-	// is not set.
+	// parked), of parked rows with no topic when ReplayOptions.Topic
+	// is not set, and on MySQL of parked rows whose destination topic is
+	// longer than the outbox's topic column takes (255 characters).
 	Skipped int64
 	// Destinations counts the copies per destination topic.
 	Destinations map[string]int64
