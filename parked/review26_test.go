@@ -1,10 +1,13 @@
 package parked_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/sqldb"
@@ -389,4 +392,73 @@ func TestReview26OneUncopyableRowStopsNoReplay(t *testing.T) {
 		}
 		e.checkGroups(t)
 	})
+}
+
+// TestReview26ReplayHostileMessages replays messages with hostile bytes
+// everywhere (invalid UTF-8 and NUL in metadata keys and values, 10,000
+// entries, a UUID of 100 KB, forged settle_ keys): each copy in the
+// outbox carries the original's payload and metadata exactly, less the
+// keys Replay sets.
+func TestReview26ReplayHostileMessages(t *testing.T) {
+	t.Parallel()
+	forEach(t, func(t *testing.T, d drv) {
+		e := setup(t, d, parked.Config{})
+		many := message.Metadata{}
+		for i := range 10000 {
+			many["k\xff"+strconv.Itoa(i)] = "v\x00" + strconv.Itoa(i)
+		}
+		msgs := map[string]*message.Message{
+			"hostile\xff\x00": {UUID: "hostile\xff\x00", Payload: []byte{0, 0xff, 0xfe}, Metadata: message.Metadata{
+				"bad\xff\xfekey": "bad\xc3value\x00nul", "": "empty", "<script>": "</script>",
+				"settle_replay_of": "forged", "settle_replayed_by": "forged", "settle_replay_count": "x"}},
+			"many": {UUID: "many", Payload: []byte("p"), Metadata: many},
+			"long": {UUID: noise(100 << 10), Payload: []byte("p"), Metadata: message.Metadata{"a": "b"}},
+		}
+		for k, m := range msgs {
+			delete(msgs, k)
+			msgs[m.UUID] = m
+		}
+		for _, m := range msgs {
+			e.park(t, settle.Parked{Message: m, Outcome: settle.Poisoned, Cause: errBoom, Handler: "h\xff\x00", Topic: "orders\xff", LastFailure: time.Now()})
+		}
+		res, err := e.replay(t.Context(), parked.Filter{}, parked.ReplayOptions{By: "ops\xff\x00"})
+		if err != nil || res.Replayed != int64(len(msgs)) {
+			t.Fatalf("replay: %+v, %v", res, err)
+		}
+		rows := e.outboxRows(t)
+		if len(rows) != len(msgs) {
+			t.Fatalf("%d copies, want %d", len(rows), len(msgs))
+		}
+		for _, r := range rows {
+			of := r.Metadata["settle_replay_of"]
+			m, ok := msgs[of]
+			if !ok {
+				t.Errorf("copy %q replays %q, no message of that UUID", brief(r.UUID), brief(of))
+				continue
+			}
+			if !bytes.Equal(r.Payload, m.Payload) {
+				t.Errorf("copy of %q: payload %q, want %q", brief(of), r.Payload, m.Payload)
+			}
+			for k, v := range m.Metadata {
+				if strings.HasPrefix(k, "settle_") {
+					continue
+				}
+				if r.Metadata[k] != v {
+					t.Errorf("copy of %q: metadata %q = %q, want %q", brief(of), k, r.Metadata[k], v)
+					break
+				}
+			}
+			if r.Metadata["settle_replay_count"] != "1" || r.Metadata["settle_replayed_by"] == "forged" || len(r.UUID) > 200 {
+				t.Errorf("copy of %q: replay keys %q %q, uuid of %d bytes", brief(of), r.Metadata["settle_replay_count"], r.Metadata["settle_replayed_by"], len(r.UUID))
+			}
+		}
+		e.checkGroups(t)
+	})
+}
+
+func brief(s string) string {
+	if len(s) > 40 {
+		return s[:40] + "…"
+	}
+	return s
 }
