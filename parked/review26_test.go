@@ -462,3 +462,40 @@ func brief(s string) string {
 	}
 	return s
 }
+
+// TestReview26ReasonWildcardsAndTies: a reason search takes % _ \ and !
+// as plain characters, and pages of rows whose last failures are the same
+// microsecond cover each row once.
+func TestReview26ReasonWildcardsAndTies(t *testing.T) {
+	t.Parallel()
+	forEach(t, func(t *testing.T, d drv) {
+		e := setup(t, d, parked.Config{})
+		at := time.UnixMicro(1_800_000_000_000_000)
+		reasons := []string{"50% off", "50 off", "a_b", "axb", `back\slash`, `backslash`, "x!y", "x!!y", "Case", "case"}
+		for i, r := range reasons {
+			p := parkedMsg("r"+strconv.Itoa(i), "charge", errors.New(r))
+			p.LastFailure = at
+			e.park(t, p)
+		}
+		for _, c := range []struct {
+			q    string
+			want int64
+		}{{"50%", 1}, {"%", 1}, {"a_b", 1}, {"_", 1}, {`\`, 1}, {`k\s`, 1}, {"x!y", 1}, {"!!", 1}, {"!", 2}, {"Case", 1}} {
+			if n, err := e.Count(t.Context(), parked.Filter{Reason: c.q}); err != nil || n != c.want {
+				t.Errorf("reason %q: %d rows, %v; want %d", c.q, n, err, c.want)
+			}
+		}
+		seen := map[int64]int{}
+		for _, m := range e.all(t, parked.Filter{}) {
+			seen[m.ID]++
+		}
+		if len(seen) != len(reasons) {
+			t.Errorf("pages cover %d rows, want %d", len(seen), len(reasons))
+		}
+		for id, n := range seen {
+			if n != 1 {
+				t.Errorf("row %d in %d pages", id, n)
+			}
+		}
+	})
+}
