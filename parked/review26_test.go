@@ -83,6 +83,16 @@ func storm(t *testing.T, e *env, parkers []handle, rep, arc, pru handle) {
 			}
 		})
 		wg.Go(func() {
+			rnd := rand.New(rand.NewPCG(5, 5))
+			for range rounds {
+				ids := []int64{int64(rnd.IntN(msgs*3) + 1), int64(rnd.IntN(msgs*3) + 1)}
+				if _, err := pru.Purge(t.Context(), parked.Filter{IDs: ids, State: parked.StateParked, Until: time.Now().Add(time.Hour)}); err != nil {
+					t.Errorf("purge: %v", err)
+					return
+				}
+			}
+		})
+		wg.Go(func() {
 			for range rounds {
 				if _, err := pru.Prune(t.Context(), time.Now().Add(time.Hour)); err != nil {
 					t.Errorf("prune: %v", err)
