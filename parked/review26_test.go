@@ -3,6 +3,7 @@ package parked_test
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -540,4 +541,21 @@ func TestReview26ReplayOfTwoHandlersRows(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestReview26StormSQLitePlainDSN runs the storm on SQLite pools opened
+// as a user may open them, on a plain file name (deferred transactions,
+// no busy timeout), each pool a *sql.DB of its own.
+func TestReview26StormSQLitePlainDSN(t *testing.T) {
+	t.Parallel()
+	e := setup(t, drv{name: "sqlite", open: testenv.SQLite}, parked.Config{})
+	pool := func() handle {
+		db, err := sql.Open("sqlite", "file:"+e.sqlite+"?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = db.Close() })
+		return bind(t, sqldb.Std(db, sqldb.SQLite), e.cfg, e.topic)
+	}
+	storm(t, e, []handle{pool(), pool()}, pool(), pool(), pool())
 }
