@@ -321,6 +321,15 @@ func (s *Store[TTx]) runTx(ctx context.Context, fn func(tx TTx, ex sqldb.Executo
 		return err
 	}
 	defer func() { _ = s.db.Rollback(context.WithoutCancel(ctx), tx) }()
+	if s.db.Dialect() == sqldb.SQLite {
+		// Take the write lock first, as _txlock=immediate would: a
+		// deferred transaction that has read cannot wait for the lock
+		// when it comes to write (SQLite answers SQLITE_BUSY at once),
+		// but its first statement waits out the busy timeout.
+		if _, err := s.db.Tx(tx).Exec(ctx, s.q.takeLock); err != nil {
+			return err
+		}
+	}
 	if err := fn(tx, s.db.Tx(tx)); err != nil {
 		return err
 	}
