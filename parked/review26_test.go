@@ -559,3 +559,55 @@ func TestReview26StormSQLitePlainDSN(t *testing.T) {
 	}
 	storm(t, e, []handle{pool(), pool()}, pool(), pool(), pool())
 }
+
+// TestReview26ReplayOfTheLargestRow parks on MariaDB the largest message
+// its max_allowed_packet takes (found by halving), then a small one, and
+// replays both with a long ReplayOptions.By: the row was parked, so its
+// copy (a little larger: the replay keys) must go, or at least not stop
+// the replay of the rows behind it.
+func TestReview26ReplayOfTheLargestRow(t *testing.T) {
+	t.Parallel()
+	if os.Getenv("SETTLE_REVIEW_HOLES") == "" {
+		t.Skip("slow (a dozen parks of 16 MiB): set SETTLE_REVIEW_HOLES=1 to run it")
+	}
+	e := setup(t, drv{name: "mysql", open: testenv.MySQL}, parked.Config{})
+	var packet int
+	if err := e.db.QueryRowContext(t.Context(), "SELECT @@max_allowed_packet").Scan(&packet); err != nil {
+		t.Fatal(err)
+	}
+	lo, hi := packet-64<<10, packet // lo parks, hi does not
+	p := func(n int) error {
+		m := message.NewMessage("big", bytes.Repeat([]byte{'x'}, n))
+		return e.Park(t.Context(), settle.Parked{Message: m, Outcome: settle.Poisoned, Cause: errBoom, Handler: "h", Topic: "orders", LastFailure: time.Now()})
+	}
+	if err := p(hi); err == nil {
+		t.Skip("the server takes a row of max_allowed_packet bytes")
+	}
+	for hi-lo > 16 {
+		mid := (lo + hi) / 2
+		if err := p(mid); err == nil {
+			// Parked: drop it, for the next size.
+			if _, err := e.db.ExecContext(t.Context(), "DELETE FROM "+e.q(e.table)); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := e.db.ExecContext(t.Context(), "DELETE FROM "+e.q(e.table+"_groups")); err != nil {
+				t.Fatal(err)
+			}
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	if err := p(lo); err != nil {
+		t.Fatal(err)
+	}
+	e.park(t, parkedMsg("small", "h", errBoom))
+	res, err := e.replay(t.Context(), parked.Filter{}, parked.ReplayOptions{By: strings.Repeat("o", 255)})
+	got := map[string]bool{}
+	for _, r := range e.outboxRows(t) {
+		got[r.Metadata["settle_replay_of"]] = true
+	}
+	if !got["small"] {
+		t.Errorf("a parked row of %d bytes of payload stops the replay of the rows after it: %+v, %v", lo, res, err)
+	}
+}
