@@ -313,10 +313,10 @@ func TestReview26ReplayKilledAtTheServer(t *testing.T) {
 			trg := e.topic + "_slow"
 			var ddl []string
 			if e.db.Dialect == sqldb.MySQL {
-				ddl = []string{"CREATE TRIGGER " + trg + " AFTER INSERT ON " + e.q(e.topic) + " FOR EACH ROW SET @settle_review = SLEEP(0.1)"}
+				ddl = []string{"CREATE TRIGGER " + trg + " AFTER INSERT ON " + e.q(e.topic) + " FOR EACH ROW SET @settle_review = SLEEP(0.3)"}
 			} else {
 				ddl = []string{
-					`CREATE FUNCTION ` + trg + `() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(0.1); RETURN NULL; END $$`,
+					`CREATE FUNCTION ` + trg + `() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(0.3); RETURN NULL; END $$`,
 					`CREATE TRIGGER ` + trg + ` AFTER INSERT ON ` + e.q(e.topic) + ` FOR EACH ROW EXECUTE FUNCTION ` + trg + `()`,
 				}
 				t.Cleanup(func() { _, _ = e.db.ExecContext(context.Background(), `DROP FUNCTION IF EXISTS `+trg+` CASCADE`) })
@@ -331,14 +331,17 @@ func TestReview26ReplayKilledAtTheServer(t *testing.T) {
 				_, err := r.replay(t.Context(), parked.Filter{}, parked.ReplayOptions{})
 				done <- err
 			}()
-			// Chunks of 5 copies at 0.1 s each: the third runs from 1 s.
-			time.Sleep(1200 * time.Millisecond)
+			// Chunks of 5 copies at 0.3 s each: once the first committed,
+			// kill the connection writing copies.
 			var killed int
 			like := "%" + e.topic + "%"
-			for deadline := time.Now().Add(5 * time.Second); killed == 0 && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+			for deadline := time.Now().Add(60 * time.Second); killed == 0 && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+				if c, err := e.Count(t.Context(), parked.Filter{State: parked.StateReplayed}); err != nil || c < 5 {
+					continue
+				}
 				if e.db.Dialect == sqldb.MySQL {
 					var id int64
-					err := e.db.QueryRowContext(t.Context(), "SELECT id FROM information_schema.processlist WHERE info LIKE ? AND info NOT LIKE '%processlist%' AND id <> CONNECTION_ID() LIMIT 1", like).Scan(&id)
+					err := e.db.QueryRowContext(t.Context(), "SELECT id FROM information_schema.processlist WHERE (info LIKE ? OR info LIKE '%settle_review%') AND info NOT LIKE '%processlist%' AND id <> CONNECTION_ID() LIMIT 1", like).Scan(&id)
 					if err != nil {
 						continue
 					}
