@@ -113,6 +113,22 @@ var normRules = []struct {
 		}
 		return m // a number, for the rule after
 	}},
+	// Ids of other forms: a short prefix and '_' before a run with a
+	// digit (ord_17, Stripe's ch_3Nk…), and runs of 12 or more letters
+	// and digits with at least 3 digits (ULIDs, KSUIDs, base-62 ids).
+	{regexp.MustCompile(`\b([A-Za-z]{1,16})_[A-Za-z0-9]*[0-9][A-Za-z0-9]*\b`), `${1}_<id>`, nil},
+	{regexp.MustCompile(`\b[A-Za-z0-9]{12,}\b`), "", func(m string) string {
+		digits := 0
+		for _, r := range m {
+			if r >= '0' && r <= '9' {
+				digits++
+			}
+		}
+		if digits >= 3 && digits < len(m) {
+			return "<id>"
+		}
+		return m
+	}},
 	// Numbers, signed, decimal or with an exponent, standing alone (not
 	// part of a word such as utf8 or sha256).
 	{regexp.MustCompile(`(^|[^\w.])[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?\b`), `$1<n>`, nil},

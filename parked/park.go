@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
+	"database/sql"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -115,17 +116,26 @@ func (s *Store[TTx]) Park(ctx context.Context, p settle.Parked) error {
 	err = s.inTx(ctx, func(_ TTx, ex sqldb.Executor) error {
 		token := newToken() // a fresh one for each run of the transaction
 		row[tokenArg] = token
-		if _, err := ex.Exec(ctx, s.q.insert, row...); err != nil {
-			return err
-		}
 		var (
 			rowID                    int64
 			state, oldGroup, written string
 			oldAttempts              int
 			oldFirst, oldLast        int64
 		)
-		if err := ex.QueryRow(ctx, s.q.find, []any{id}, &rowID, &state, &oldGroup, &written, &oldAttempts, &oldFirst, &oldLast); err != nil {
-			return fmt.Errorf("reading back the row: %w", err)
+		// PostgreSQL's ON CONFLICT DO NOTHING locks no row: the row it
+		// found may be deleted (a prune) before find locks it. Then the
+		// message has no row any more, and the insert is run again.
+		for try := 1; ; try++ {
+			if _, err := ex.Exec(ctx, s.q.insert, row...); err != nil {
+				return err
+			}
+			err := ex.QueryRow(ctx, s.q.find, []any{id}, &rowID, &state, &oldGroup, &written, &oldAttempts, &oldFirst, &oldLast)
+			if err == nil {
+				break
+			}
+			if !errors.Is(err, sql.ErrNoRows) || try == 3 {
+				return fmt.Errorf("reading back the row: %w", err)
+			}
 		}
 		seen := micros(first)
 		if seen == 0 {

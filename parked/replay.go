@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strconv"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -25,6 +26,10 @@ const (
 	replayChunkBytes = 16 << 20
 )
 
+// maxOutboxTopicMySQL is the longest topic, in characters, an outbox on
+// MySQL holds (its topic column is a VARCHAR(255)).
+const maxOutboxTopicMySQL = 255
+
 // candidate is a row a replay selected, as it was when selected.
 type candidate struct {
 	id      int64
@@ -38,6 +43,11 @@ type candidate struct {
 // destination, and within the loop guard unless forced.
 func (s *Store[TTx]) eligible(c candidate, opts ReplayOptions) (ok, refused bool) {
 	if c.state != StateParked || opts.Topic == "" && c.topic == "" {
+		return false, false
+	}
+	if s.q.d == sqldb.MySQL && utf8.RuneCountInString(destination(c.topic, opts)) > maxOutboxTopicMySQL {
+		// The outbox's topic column could not take the copy: writing it
+		// would fail the chunk, and every replay selecting the row.
 		return false, false
 	}
 	if !opts.Force && c.replays >= s.cfg.MaxReplays {

@@ -56,6 +56,10 @@ type statements struct {
 	groupBump string
 	// groupDrop deletes a group left with no row. Args: group_id.
 	groupDrop string
+	// takeLock is a write that changes nothing, the first statement of a
+	// transaction on SQLite, so that it holds the database's write lock
+	// from its start.
+	takeLock string
 	// lock is appended to a read that decides a write: " FOR UPDATE", or
 	// "" on SQLite, whose transactions take the database's write lock
 	// when they begin.
@@ -233,6 +237,7 @@ ON DUPLICATE KEY UPDATE parked = parked + VALUES(parked), total = total + VALUES
 		`, first_failure = ` + s.ph(5) + `, last_failure = ` + s.ph(6) + `, trace_id = ` + s.ph(7) + `, updated_at = ` + s.ph(8) +
 		` WHERE id = ` + s.ph(9)
 	s.groupBump = `UPDATE ` + g + ` SET parked = parked + ` + s.ph(1) + `, total = total + ` + s.ph(2) + ` WHERE group_id = ` + s.ph(3)
+	s.takeLock = `UPDATE ` + g + ` SET parked = parked WHERE 1 = 0`
 	s.groupDrop = `DELETE FROM ` + g + ` WHERE group_id = ` + s.ph(1) + ` AND total <= 0`
 	return s
 }

@@ -215,8 +215,9 @@ type ReplayResult struct {
 	Refused int64
 	// Skipped is the number of selected rows not in state parked (a
 	// concurrent replay or archive took them first, or they were never
-	// parked), and of parked rows with no topic when ReplayOptions.Topic
-	// is not set.
+	// parked), of parked rows with no topic when ReplayOptions.Topic
+	// is not set, and on MySQL of parked rows whose destination topic is
+	// longer than the outbox's topic column takes (255 characters).
 	Skipped int64
 	// Destinations counts the copies per destination topic.
 	Destinations map[string]int64
@@ -323,6 +324,15 @@ func (s *Store[TTx]) runTx(ctx context.Context, fn func(tx TTx, ex sqldb.Executo
 		return err
 	}
 	defer func() { _ = s.db.Rollback(context.WithoutCancel(ctx), tx) }()
+	if s.db.Dialect() == sqldb.SQLite {
+		// Take the write lock first, as _txlock=immediate would: a
+		// deferred transaction that has read cannot wait for the lock
+		// when it comes to write (SQLite answers SQLITE_BUSY at once),
+		// but its first statement waits out the busy timeout.
+		if _, err := s.db.Tx(tx).Exec(ctx, s.q.takeLock); err != nil {
+			return err
+		}
+	}
 	if err := fn(tx, s.db.Tx(tx)); err != nil {
 		return err
 	}
