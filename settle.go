@@ -14,6 +14,11 @@
 //   - middleware: bounded retry, poison and dead-letter parking, and tracing;
 //   - outbox: the transactional outbox and settle's own relay;
 //   - pipeline: the whole stack assembled in the right order;
+//   - parked: the parked-message store, where every dead-lettered or
+//     poisoned message is recorded before its ack, grouped by cause, and
+//     replayed once through the outbox;
+//   - console: a web page over the parked messages, the outbox and the
+//     claims in flight;
 //   - sqlitepubsub: watermill-sql's own Publisher and Subscriber on SQLite.
 //
 // The outbox is not Watermill's SQL forwarder. That forwarder relays from an
