@@ -21,6 +21,7 @@ import (
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/jsonsize"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/parked"
 )
@@ -316,7 +317,7 @@ func payloadText(p []byte) (kind, text string) {
 	if len(p) > maxShown {
 		cut = fmt.Sprintf("\n… %d more bytes not shown", len(p)-maxShown)
 	}
-	if len(p) <= 4*maxShown && json.Valid(p) && indentedSize(p) <= maxIndented {
+	if len(p) <= 4*maxShown && json.Valid(p) && jsonsize.IndentedSize(p) <= maxIndented {
 		var b bytes.Buffer
 		if err := json.Indent(&b, p, "", "  "); err == nil {
 			if b.Len() > maxShown {
@@ -332,46 +333,11 @@ func payloadText(p []byte) (kind, text string) {
 	return "binary", hex.Dump(shown[:min(len(shown), 16<<10)]) + cut
 }
 
-// maxIndented is the most bytes json.Indent may write for a payload page.
+// maxIndented is the most bytes json.Indent may write for a payload page:
+// deep nesting multiplies a payload (44 KB of "[[[…0,0,0…]]]" is 590 MiB
+// indented), so the page does not indent one whose jsonsize.IndentedSize is
+// larger.
 const maxIndented = 16 * maxShown
-
-// indentedSize bounds the size of p (valid JSON) indented by two spaces a
-// level: every bracket and comma starts a line indented as deep as the
-// deepest level, and every colon gains a space. Deep nesting multiplies
-// the payload (44 KB of "[[[…0,0,0…]]]" is 590 MiB indented), so the page
-// does not indent a payload past maxIndented.
-func indentedSize(p []byte) int {
-	depth, deepest, lines, colons := 0, 0, 0, 0
-	inString, escaped := false, false
-	for _, c := range p {
-		if inString {
-			switch {
-			case escaped:
-				escaped = false
-			case c == '\\':
-				escaped = true
-			case c == '"':
-				inString = false
-			}
-			continue
-		}
-		switch c {
-		case '"':
-			inString = true
-		case '[', '{':
-			depth++
-			deepest = max(deepest, depth)
-			lines += 2
-		case ']', '}':
-			depth--
-		case ',':
-			lines++
-		case ':':
-			colons++
-		}
-	}
-	return len(p) + colons + lines*(1+2*deepest)
-}
 
 // shortenBytes returns the first maxShown bytes as a string, cut on a rune
 // boundary.

@@ -245,6 +245,19 @@ func parse(e *env, fs *flag.FlagSet, name string, args []string) ([]string, erro
 	}
 }
 
+// parseFlags is parse for a command that takes no positional argument: one
+// is a usage error.
+func parseFlags(e *env, fs *flag.FlagSet, name string, args []string) error {
+	pos, err := parse(e, fs, name, args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return usagef(fs, name, "unexpected argument %q", pos[0])
+	}
+	return nil
+}
+
 func usagef(fs *flag.FlagSet, name, format string, args ...any) error {
 	return &usageError{msg: fmt.Sprintf(format, args...), usage: flagUsage(fs, name)}
 }
@@ -282,11 +295,4 @@ func parseAge(v string) (time.Duration, error) {
 		d += r
 	}
 	return d, nil
-}
-
-// ageFlag defines a flag of type age.
-func ageFlag(fs *flag.FlagSet, name, usage string) *time.Duration {
-	var a age
-	fs.Var(&a, name, usage)
-	return (*time.Duration)(&a)
 }

@@ -88,13 +88,10 @@ func runConsole(e *env, args []string) (err error) {
 	by := fs.String("by", "console", "who replays and archives, as recorded on the rows")
 	tlsCert := fs.String("tls-cert", "", "serve HTTPS with this certificate file (and -tls-key)")
 	tlsKey := fs.String("tls-key", "", "the key file of -tls-cert")
-	pos, err := parse(e, fs, name, args)
-	if err != nil {
+	if err := parseFlags(e, fs, name, args); err != nil {
 		return err
 	}
 	switch {
-	case len(pos) > 0:
-		return usagef(fs, name, "unexpected argument %q", pos[0])
 	case *stuckAfter <= 0:
 		return usagef(fs, name, "-stuck-after must be > 0")
 	case *maxReplays < 1:

@@ -18,81 +18,46 @@ import (
 func runDedupePrune(e *env, args []string) (err error) {
 	const name = "dedupe prune"
 	fs := newFlagSet(name)
-	dbURL, driver := dbFlag(fs), driverFlag(fs)
-	table := fs.String("table", defaultDedupeTable, "the dedupe table")
-	olderThan := ageFlag(fs, "older-than", "remove confirmed and released keys last touched longer ago than this, e.g. 7d or 36h (required; at least "+shortAge(pruneFloor)+" without -force)")
+	db := dedupeFlags(fs)
 	var pf pruneFlags
-	pf.register(fs)
-	pos, err := parse(e, fs, name, args)
-	if err != nil {
+	pf.register(fs, "confirmed and released keys last touched")
+	if err := pf.parse(e, fs, name, args, whyDedupeFloor); err != nil {
 		return err
 	}
-	switch {
-	case len(pos) > 0:
-		return usagef(fs, name, "unexpected argument %q", pos[0])
-	case *olderThan <= 0:
-		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 7d)")
-	}
-	if err := pf.checkFloor(e, *olderThan, whyDedupeFloor); err != nil {
-		return err
-	}
-	d, err := openDatabase(e, *dbURL, *driver)
+	d, store, err := openStore(e, *db.url, *db.driver, "-table", dedupeTable(*db.table))
 	if err != nil {
 		return err
 	}
 	defer func() { err = errors.Join(err, d.Close()) }()
-	store, err := d.newStore(dedupe.SQLConfig{Table: *table})
-	if err != nil {
-		return fmt.Errorf("-table: %w", err)
-	}
 	if err := store.Check(e.ctx); err != nil {
-		return fmt.Errorf("prune %s: %w", *table, err)
+		return fmt.Errorf("prune %s: %w", *db.table, err)
 	}
-	cutoff := time.Now().Add(-*olderThan)
+	cutoff := time.Now().Add(-pf.olderThan)
 	at := cutoff.UTC().Format(time.RFC3339)
 	n, sample, err := d.prunableKeys(e.ctx, store, cutoff)
 	if err != nil {
-		return fmt.Errorf("count the keys to prune in %s: %w", *table, err)
+		return fmt.Errorf("count the keys to prune in %s: %w", *db.table, err)
 	}
 	if !pf.yes {
-		fmt.Fprintf(e.stdout, "would delete %d keys from %s (confirmed or released, last touched before %s)", n, *table, at)
-		if n > 0 {
-			fmt.Fprintf(e.stdout, "; the oldest:\n")
-			if err := writeSample(e.stdout, []string{"KEY", "STATE", "LAST TOUCHED"}, sample); err != nil {
-				return err
-			}
-		} else {
-			fmt.Fprintln(e.stdout)
-		}
-		fmt.Fprintln(e.stdout, "dry run: nothing deleted (add -yes to delete)")
-		return nil
+		fmt.Fprintf(e.stdout, "would delete %d keys from %s (confirmed or released, last touched before %s)", n, *db.table, at)
+		return writeDryRun(e.stdout, n > 0, []string{"KEY", "STATE", "LAST TOUCHED"}, sample)
 	}
-	fmt.Fprintf(e.stdout, "deleting %d keys from %s (confirmed or released, last touched before %s)\n", n, *table, at)
+	fmt.Fprintf(e.stdout, "deleting %d keys from %s (confirmed or released, last touched before %s)\n", n, *db.table, at)
 	n, err = store.Prune(e.ctx, cutoff)
 	if err != nil {
-		return fmt.Errorf("prune %s (%d rows removed before the error): %w", *table, n, err)
+		return fmt.Errorf("prune %s (%d rows removed before the error): %w", *db.table, n, err)
 	}
-	fmt.Fprintf(e.stdout, "pruned %d rows from %s (keys settled before %s)\n", n, *table, at)
+	fmt.Fprintf(e.stdout, "pruned %d rows from %s (keys settled before %s)\n", n, *db.table, at)
 	return nil
 }
 
 func runDedupeSchema(e *env, args []string) error {
 	const name = "dedupe schema"
 	fs := newFlagSet(name)
-	dialect := fs.String("dialect", "", "postgres, mysql or sqlite (required)")
+	dialect := dialectFlag(fs)
 	table := fs.String("table", defaultDedupeTable, "the dedupe table, optionally schema-qualified")
-	pos, err := parse(e, fs, name, args)
-	if err != nil {
+	if err := parseSchema(e, fs, name, args, dialect); err != nil {
 		return err
-	}
-	switch {
-	case len(pos) > 0:
-		return usagef(fs, name, "unexpected argument %q", pos[0])
-	case *dialect == "":
-		return usagef(fs, name, "-dialect is required (postgres, mysql or sqlite)")
-	}
-	if err := checkDialect(*dialect); err != nil {
-		return usagef(fs, name, "%v", err)
 	}
 	d := schemaDatabase(*dialect)
 	defer d.Close()
@@ -107,21 +72,11 @@ func runDedupeSchema(e *env, args []string) error {
 func runOutboxSchema(e *env, args []string) error {
 	const name = "outbox schema"
 	fs := newFlagSet(name)
-	dialect := fs.String("dialect", "", "postgres, mysql or sqlite (required)")
+	dialect := dialectFlag(fs)
 	topic := fs.String("topic", defaultOutboxTopic, "the outbox topic (outbox.Config.Topic)")
 	upgrade := fs.Bool("upgrade", false, "print the statements that upgrade an outbox table of an earlier settle version (see docs/outbox.md, Upgrading)")
-	pos, err := parse(e, fs, name, args)
-	if err != nil {
+	if err := parseSchema(e, fs, name, args, dialect); err != nil {
 		return err
-	}
-	switch {
-	case len(pos) > 0:
-		return usagef(fs, name, "unexpected argument %q", pos[0])
-	case *dialect == "":
-		return usagef(fs, name, "-dialect is required (postgres, mysql or sqlite)")
-	}
-	if err := checkDialect(*dialect); err != nil {
-		return usagef(fs, name, "%v", err)
 	}
 	d := schemaDatabase(*dialect)
 	defer d.Close()
@@ -142,31 +97,24 @@ var errOutboxUnhealthy = errors.New("outbox is not healthy")
 func runOutboxStatus(e *env, args []string) (err error) {
 	const name = "outbox status"
 	fs := newFlagSet(name)
-	dbURL, driver := dbFlag(fs), driverFlag(fs)
-	topic := fs.String("topic", defaultOutboxTopic, "the outbox topic (outbox.Config.Topic)")
+	db := outboxFlags(fs)
 	stuckAfter := fs.Duration("stuck-after", defaultStuckAfter, "a pending row older than this is old: with a live relay, the relay is stuck or passes it over")
 	asJSON := fs.Bool("json", false, "write JSON")
 	list := fs.Int("list", 10, "list up to this many rows that failed (retrying or set aside), oldest first; 0 lists none")
-	pos, err := parse(e, fs, name, args)
-	if err != nil {
+	if err := parseFlags(e, fs, name, args); err != nil {
 		return err
 	}
 	switch {
-	case len(pos) > 0:
-		return usagef(fs, name, "unexpected argument %q", pos[0])
 	case *stuckAfter <= 0:
 		return usagef(fs, name, "-stuck-after must be > 0")
 	case *list < 0 || *list > 10000:
 		return usagef(fs, name, "-list must be 0-10000")
 	}
-	d, ob, err := openOutbox(e, *dbURL, *driver, *topic, *stuckAfter)
+	d, ob, err := db.openOutbox(e, *stuckAfter)
 	if err != nil {
 		return err
 	}
 	defer func() { err = errors.Join(err, d.Close()) }()
-	if err := ob.Check(e.ctx); err != nil {
-		return err
-	}
 	st, err := ob.Status(e.ctx)
 	if err != nil {
 		return err
@@ -190,10 +138,10 @@ func runOutboxStatus(e *env, args []string) (err error) {
 			ForwardedSince int64           `json:"forwarded_since"`
 			Explain        string          `json:"explain"`
 			Failed         []failedRowJSON `json:"failed"`
-		}{*topic, string(st.State), st.Pending, st.Lag.Seconds(), st.OldestOffset, st.Retrying, st.SetAside, st.LiveRelays, st.ForwardedSince, st.Explain(), failedJSON(failed)})
+		}{*db.topic, string(st.State), st.Pending, st.Lag.Seconds(), st.OldestOffset, st.Retrying, st.SetAside, st.LiveRelays, st.ForwardedSince, st.Explain(), failedJSON(failed)})
 	} else {
 		_, err = fmt.Fprintf(e.stdout, "topic:   %s\nstate:   %s\npending: %d\nlag:     %s\nretrying:  %d\nset aside: %d\nrelays:  %d alive\n%s\n",
-			*topic, st.State, st.Pending, st.Lag.Round(time.Millisecond), st.Retrying, st.SetAside, st.LiveRelays, outboxText(st.Explain()))
+			*db.topic, st.State, st.Pending, st.Lag.Round(time.Millisecond), st.Retrying, st.SetAside, st.LiveRelays, outboxText(st.Explain()))
 		if err == nil && len(failed) > 0 {
 			if _, err = fmt.Fprintf(e.stdout, "failed rows (oldest first, at most %d; `settle outbox retry` re-queues those set aside):\n", *list); err == nil {
 				err = writeFailedRows(e.stdout, failed)
@@ -212,41 +160,26 @@ func runOutboxStatus(e *env, args []string) (err error) {
 func runOutboxPrune(e *env, args []string) (err error) {
 	const name = "outbox prune"
 	fs := newFlagSet(name)
-	dbURL, driver := dbFlag(fs), driverFlag(fs)
-	topic := fs.String("topic", defaultOutboxTopic, "the outbox topic (outbox.Config.Topic)")
-	olderThan := ageFlag(fs, "older-than", "remove rows forwarded longer ago than this, e.g. 7d or 36h (required; at least "+shortAge(pruneFloor)+" without -force)")
+	db := outboxFlags(fs)
 	var pf pruneFlags
-	pf.register(fs)
-	pos, err := parse(e, fs, name, args)
-	if err != nil {
+	pf.register(fs, "rows forwarded")
+	if err := pf.parse(e, fs, name, args, whyOutboxFloor); err != nil {
 		return err
 	}
-	switch {
-	case len(pos) > 0:
-		return usagef(fs, name, "unexpected argument %q", pos[0])
-	case *olderThan <= 0:
-		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 7d)")
-	}
-	if err := pf.checkFloor(e, *olderThan, whyOutboxFloor); err != nil {
-		return err
-	}
-	d, ob, err := openOutbox(e, *dbURL, *driver, *topic, 0)
+	d, ob, err := db.openOutbox(e, 0)
 	if err != nil {
 		return err
 	}
 	defer func() { err = errors.Join(err, d.Close()) }()
-	if err := ob.Check(e.ctx); err != nil {
-		return err
-	}
-	before := time.Now().Add(-*olderThan)
-	if err := d.outboxPrunePreview(e, ob, *topic, *olderThan, before, pf.yes); err != nil || !pf.yes {
+	before := time.Now().Add(-pf.olderThan)
+	if err := d.outboxPrunePreview(e, ob, *db.topic, pf.olderThan, before, pf.yes); err != nil || !pf.yes {
 		return err
 	}
 	n, err := ob.Prune(e.ctx, before)
 	if err != nil {
-		return fmt.Errorf("prune outbox %s (%d rows removed before the error): %w", *topic, n, err)
+		return fmt.Errorf("prune outbox %s (%d rows removed before the error): %w", *db.topic, n, err)
 	}
-	fmt.Fprintf(e.stdout, "pruned %d rows from outbox %s (forwarded more than %s ago)\n", n, *topic, *olderThan)
+	fmt.Fprintf(e.stdout, "pruned %d rows from outbox %s (forwarded more than %s ago)\n", n, *db.topic, pf.olderThan)
 	return nil
 }
 
@@ -264,18 +197,56 @@ func dbFlag(fs *flag.FlagSet) *string {
 	return fs.String("db", "", "database URL: postgres://, mysql:// or sqlite:///path (default $"+settleenv.PostgresURL+", else $"+settleenv.MySQLURL+")")
 }
 
-// openOutbox opens the database at dbURL through driver and the outbox of
-// topic on it. The caller closes the database.
-func openOutbox(e *env, dbURL, driver, topic string, stuckAfter time.Duration) (*database, outboxStore, error) {
-	d, err := openDatabase(e, dbURL, driver)
-	if err != nil {
-		return nil, nil, err
+// storeFlags are the flags that name a store on a database: -db, -driver,
+// and -table (dedupeFlags) or -topic (outboxFlags).
+type storeFlags struct {
+	url, driver  *string
+	table, topic *string
+}
+
+// dedupeFlags defines the flags of the dedupe commands that read the table.
+func dedupeFlags(fs *flag.FlagSet) storeFlags {
+	return storeFlags{url: dbFlag(fs), driver: driverFlag(fs), table: fs.String("table", defaultDedupeTable, "the dedupe table")}
+}
+
+// outboxFlags defines the flags of the outbox commands that read the table.
+func outboxFlags(fs *flag.FlagSet) storeFlags {
+	return storeFlags{url: dbFlag(fs), driver: driverFlag(fs), topic: fs.String("topic", defaultOutboxTopic, "the outbox topic (outbox.Config.Topic)")}
+}
+
+// openDedupe opens the database and the dedupe store of -table, and checks
+// the table. The caller closes the database.
+func (f storeFlags) openDedupe(e *env) (*database, dedupeStore, error) {
+	return openChecked(e, *f.url, *f.driver, "-table", dedupeTable(*f.table))
+}
+
+// openOutbox opens the database and the outbox of -topic, and checks the
+// outbox's tables. The caller closes the database.
+func (f storeFlags) openOutbox(e *env, stuckAfter time.Duration) (*database, outboxStore, error) {
+	return openChecked(e, *f.url, *f.driver, "-topic", func(d *database) (outboxStore, error) {
+		return d.newOutbox(outbox.Config{Topic: *f.topic, StuckAfter: stuckAfter})
+	})
+}
+
+// parseSchema is parseFlags for a schema command, whose -dialect (dialect)
+// is required and checked.
+func parseSchema(e *env, fs *flag.FlagSet, name string, args []string, dialect *string) error {
+	if err := parseFlags(e, fs, name, args); err != nil {
+		return err
 	}
-	ob, err := d.newOutbox(outbox.Config{Topic: topic, StuckAfter: stuckAfter})
-	if err != nil {
-		return nil, nil, errors.Join(fmt.Errorf("-topic: %w", err), d.Close())
+	if *dialect == "" {
+		return usagef(fs, name, "-dialect is required (postgres, mysql or sqlite)")
 	}
-	return d, ob, nil
+	if err := checkDialect(*dialect); err != nil {
+		return usagef(fs, name, "%v", err)
+	}
+	return nil
+}
+
+// dialectFlag defines the -dialect flag of the schema commands (see
+// parseSchema).
+func dialectFlag(fs *flag.FlagSet) *string {
+	return fs.String("dialect", "", "postgres, mysql or sqlite (required)")
 }
 
 // checkDialect checks a -dialect value.

@@ -15,20 +15,16 @@ import (
 func runDedupeShow(e *env, args []string) (err error) {
 	const name = "dedupe show"
 	fs := newFlagSet(name)
-	dbURL, driver := dbFlag(fs), driverFlag(fs)
-	table := fs.String("table", defaultDedupeTable, "the dedupe table")
+	db := dedupeFlags(fs)
 	handler := fs.String("handler", "", "the handler whose key it is (its scope, dedupe.HandlerScope)")
 	scope := fs.String("scope", "", "the shared scope of the key (dedupe.SharedScope's name) instead of a handler's; -scope '' for keys stored without a scope")
 	key := fs.String("key", "", "the key (required): the message UUID, or what the key function returned")
-	pos, err := parse(e, fs, name, args)
-	if err != nil {
+	if err := parseFlags(e, fs, name, args); err != nil {
 		return err
 	}
 	scopeSet := false
 	fs.Visit(func(f *flag.Flag) { scopeSet = scopeSet || f.Name == "scope" })
 	switch {
-	case len(pos) > 0:
-		return usagef(fs, name, "unexpected argument %q", pos[0])
 	case *key == "":
 		return usagef(fs, name, "-key is required")
 	case *handler != "" && scopeSet:
@@ -43,25 +39,18 @@ func runDedupeShow(e *env, args []string) (err error) {
 			whose = "no scope"
 		}
 	}
-	d, err := openDatabase(e, *dbURL, *driver)
+	d, store, err := db.openDedupe(e)
 	if err != nil {
 		return err
 	}
 	defer func() { err = errors.Join(err, d.Close()) }()
-	store, err := d.newStore(dedupe.SQLConfig{Table: *table})
-	if err != nil {
-		return fmt.Errorf("-table: %w", err)
-	}
-	if err := store.Check(e.ctx); err != nil {
-		return err
-	}
 	st, found, err := store.Lookup(e.ctx, sc, *key)
 	if err != nil {
 		return err
 	}
 	subject := fmt.Sprintf("key %s of %s", strconv.Quote(*key), whose)
 	if !found {
-		return fmt.Errorf("%s: no record in %s: never claimed, or pruned since (settle dedupe prune deletes settled keys)", subject, *table)
+		return fmt.Errorf("%s: no record in %s: never claimed, or pruned since (settle dedupe prune deletes settled keys)", subject, *db.table)
 	}
 	return writeKeyState(e.stdout, subject, st, time.Now())
 }
@@ -119,37 +108,25 @@ func ago(now, t time.Time) string {
 func runDedupeInFlight(e *env, args []string) (err error) {
 	const name = "dedupe inflight"
 	fs := newFlagSet(name)
-	dbURL, driver := dbFlag(fs), driverFlag(fs)
-	table := fs.String("table", defaultDedupeTable, "the dedupe table")
+	db := dedupeFlags(fs)
 	limit := fs.Int("limit", 50, "list at most this many claims (1-10000)")
-	pos, err := parse(e, fs, name, args)
-	if err != nil {
+	if err := parseFlags(e, fs, name, args); err != nil {
 		return err
 	}
-	switch {
-	case len(pos) > 0:
-		return usagef(fs, name, "unexpected argument %q", pos[0])
-	case *limit < 1 || *limit > 10000:
+	if *limit < 1 || *limit > 10000 {
 		return usagef(fs, name, "-limit must be 1-10000")
 	}
-	d, err := openDatabase(e, *dbURL, *driver)
+	d, store, err := db.openDedupe(e)
 	if err != nil {
 		return err
 	}
 	defer func() { err = errors.Join(err, d.Close()) }()
-	store, err := d.newStore(dedupe.SQLConfig{Table: *table})
-	if err != nil {
-		return fmt.Errorf("-table: %w", err)
-	}
-	if err := store.Check(e.ctx); err != nil {
-		return err
-	}
 	claims, err := store.InFlight(e.ctx, *limit)
 	if err != nil {
 		return err
 	}
 	if len(claims) == 0 {
-		fmt.Fprintf(e.stdout, "no claim held in %s\n", safeLine(*table))
+		fmt.Fprintf(e.stdout, "no claim held in %s\n", safeLine(*db.table))
 		return nil
 	}
 	now := time.Now()

@@ -15,13 +15,11 @@ func runDLQList(e *env, args []string) (err error) {
 	f.register(fs)
 	asJSON := fs.Bool("json", false, "write JSON (an array of objects) instead of a table")
 	limit := fs.Int("limit", defaultListLimit, "list at most this many messages; 0 lists all (each is held in memory until the end)")
-	pos, err := parse(e, fs, name, args)
+	pos, err := f.parse(e, fs, name, args)
 	if err != nil {
 		return err
 	}
 	switch {
-	case f.queue == "":
-		return usagef(fs, name, "-queue is required")
 	case len(pos) > 0:
 		return usagef(fs, name, "unexpected argument %q", pos[0])
 	case *limit < 0:
@@ -63,14 +61,11 @@ func runDLQShow(e *env, args []string) error {
 	var f amqpFlags
 	f.register(fs)
 	asJSON := fs.Bool("json", false, "write JSON (an array of the matching messages)")
-	pos, err := parse(e, fs, name, args)
+	pos, err := f.parse(e, fs, name, args)
 	if err != nil {
 		return err
 	}
-	switch {
-	case f.queue == "":
-		return usagef(fs, name, "-queue is required")
-	case len(pos) != 1:
+	if len(pos) != 1 {
 		return usagef(fs, name, "want exactly one message UUID, got %d arguments", len(pos))
 	}
 	id := pos[0]

@@ -29,6 +29,15 @@ func (f *amqpFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&f.force, "force", false, "read a queue that counts deliveries (a quorum queue), although every message read counts as a delivery and a delivery limit may drop or dead-letter it")
 }
 
+// parse is parse for a dlq command: -queue is required.
+func (f *amqpFlags) parse(e *env, fs *flag.FlagSet, name string, args []string) ([]string, error) {
+	pos, err := parse(e, fs, name, args)
+	if err == nil && f.queue == "" {
+		err = usagef(fs, name, "-queue is required")
+	}
+	return pos, err
+}
+
 // dlqSession reads a queue with basic.get and manual acknowledgement. Every
 // message it got and did not ack is held by its channel, so the next get
 // returns the next message, and is handed back to the queue, in its place,

@@ -109,6 +109,48 @@ func on[TTx any](db sqldb.Driver[TTx], driver string, closeDB func() error) *dat
 
 func (d *database) Close() error { return d.close() }
 
+// checker is a store whose tables can be checked: a dedupe store, an
+// outbox, a parked-message store.
+type checker interface {
+	Check(ctx context.Context) error
+}
+
+// openStore opens the database at dbURL through driver (openDatabase) and
+// builds a store on it with build; an error of build is one of the flag
+// named flagName (the store's -table or -topic). The caller closes the
+// database.
+func openStore[S checker](e *env, dbURL, driver, flagName string, build func(*database) (S, error)) (*database, S, error) {
+	var none S
+	d, err := openDatabase(e, dbURL, driver)
+	if err != nil {
+		return nil, none, err
+	}
+	s, err := build(d)
+	if err != nil {
+		return nil, none, errors.Join(fmt.Errorf("%s: %w", flagName, err), d.Close())
+	}
+	return d, s, nil
+}
+
+// openChecked is openStore, then a check of the store's tables (a missing
+// table is an error that says how to create it). The caller closes the
+// database.
+func openChecked[S checker](e *env, dbURL, driver, flagName string, build func(*database) (S, error)) (*database, S, error) {
+	d, s, err := openStore(e, dbURL, driver, flagName, build)
+	if err != nil {
+		return nil, s, err
+	}
+	if err := s.Check(e.ctx); err != nil {
+		return nil, s, errors.Join(err, d.Close())
+	}
+	return d, s, nil
+}
+
+// dedupeTable builds the dedupe store of table, for openStore.
+func dedupeTable(table string) func(*database) (dedupeStore, error) {
+	return func(d *database) (dedupeStore, error) { return d.newStore(dedupe.SQLConfig{Table: table}) }
+}
+
 // openDatabase opens and pings the database at flagURL (or the one the
 // environment names) through driver (a -driver value). The caller closes it.
 func openDatabase(e *env, flagURL, driver string) (*database, error) {

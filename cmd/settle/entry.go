@@ -33,10 +33,23 @@ type entry struct {
 	// Metadata is all of the message's metadata, as settle's AMQP marshaler
 	// decodes the headers.
 	Metadata map[string]string `json:"metadata"`
-	// Payload is the body when it is UTF-8 text; PayloadBase64 otherwise.
+	payloadJSON
+	PayloadBytes int `json:"payload_bytes"`
+}
+
+// payloadJSON is a message's body in JSON output: Payload when it is UTF-8
+// text, PayloadBase64 otherwise.
+type payloadJSON struct {
 	Payload       *string `json:"payload,omitempty"`
 	PayloadBase64 []byte  `json:"payload_base64,omitempty"`
-	PayloadBytes  int     `json:"payload_bytes"`
+}
+
+func newPayloadJSON(p []byte) payloadJSON {
+	if utf8.Valid(p) {
+		s := string(p)
+		return payloadJSON{Payload: &s}
+	}
+	return payloadJSON{PayloadBase64: p}
 }
 
 // decode reads a delivery the way a settle consumer with the AMQP marshaler
@@ -61,23 +74,18 @@ func decode(m amqpmarshal.Marshaler, d amqp091.Delivery) (entry, error) {
 		FirstFailure:  md.Get(settle.MetaFirstFailure),
 		LastFailure:   md.Get(settle.MetaLastFailure),
 		Metadata:      map[string]string(md),
+		payloadJSON:   newPayloadJSON(msg.Payload),
 		PayloadBytes:  len(msg.Payload),
 	}
 	if n, err := strconv.Atoi(md.Get(settle.MetaAttempt)); err == nil {
 		e.Attempts = n
-	}
-	if utf8.Valid(msg.Payload) {
-		s := string(msg.Payload)
-		e.Payload = &s
-	} else {
-		e.PayloadBase64 = msg.Payload
 	}
 	return e, nil
 }
 
 // listView is an entry without its payload, for list -json.
 func (e entry) listView() entry {
-	e.Payload, e.PayloadBase64 = nil, nil
+	e.payloadJSON = payloadJSON{}
 	return e
 }
 

@@ -87,59 +87,36 @@ func outboxText(s string) string {
 // comma-separated offsets.
 type offsetList []int64
 
-func (l *offsetList) String() string {
-	parts := make([]string, len(*l))
-	for i, o := range *l {
-		parts[i] = strconv.FormatInt(o, 10)
-	}
-	return strings.Join(parts, ",")
-}
+func (l *offsetList) String() string { return (*int64List)(l).String() }
 
 func (l *offsetList) Set(v string) error {
-	for _, p := range strings.Split(v, ",") {
-		if p = strings.TrimSpace(p); p == "" {
-			continue
-		}
-		n, err := strconv.ParseInt(p, 10, 64)
-		if err != nil || n <= 0 {
-			return fmt.Errorf("%q is not a row offset (a positive integer)", p)
-		}
-		*l = append(*l, n)
-	}
-	return nil
+	return appendPositive((*[]int64)(l), v, "a row offset (a positive integer)")
 }
 
 func runOutboxRetry(e *env, args []string) (err error) {
 	const name = "outbox retry"
 	fs := newFlagSet(name)
-	dbURL, driver := dbFlag(fs), driverFlag(fs)
-	topic := fs.String("topic", defaultOutboxTopic, "the outbox topic (outbox.Config.Topic)")
+	db := outboxFlags(fs)
 	var offsets offsetList
 	fs.Var(&offsets, "offset", "re-queue the set-aside row with this offset (repeatable, or comma-separated)")
 	dest := fs.String("dest", "", "re-queue the set-aside rows to this destination topic")
 	all := fs.Bool("all", false, "re-queue every set-aside row (when neither -offset nor -dest is given)")
 	yes := fs.Bool("yes", false, "re-queue them; without it, only show what would be re-queued")
 	asJSON := fs.Bool("json", false, "write JSON")
-	pos, err := parse(e, fs, name, args)
-	if err != nil {
+	if err := parseFlags(e, fs, name, args); err != nil {
 		return err
 	}
 	switch {
-	case len(pos) > 0:
-		return usagef(fs, name, "unexpected argument %q", pos[0])
 	case len(offsets) == 0 && *dest == "" && !*all:
 		return usagef(fs, name, "say which set-aside rows to re-queue: -offset N, -dest TOPIC, or -all")
 	case len(offsets) > maxOffsets:
 		return usagef(fs, name, "-offset names %d rows, at most %d at a time", len(offsets), maxOffsets)
 	}
-	d, ob, err := openOutbox(e, *dbURL, *driver, *topic, 0)
+	d, ob, err := db.openOutbox(e, 0)
 	if err != nil {
 		return err
 	}
 	defer func() { err = errors.Join(err, d.Close()) }()
-	if err := ob.Check(e.ctx); err != nil {
-		return err
-	}
 	sel := outbox.Selection{Offsets: offsets, Topic: *dest, SetAsideOnly: true, Limit: 10000}
 	rows, err := ob.Failed(e.ctx, sel)
 	if err != nil {
@@ -169,10 +146,10 @@ func runOutboxRetry(e *env, args []string) (err error) {
 			DryRun   bool            `json:"dry_run"`
 			Rows     []failedRowJSON `json:"rows"`
 			Requeued int64           `json:"requeued"`
-		}{*topic, !*yes, failedJSON(rows), requeued})
+		}{*db.topic, !*yes, failedJSON(rows), requeued})
 	}
 	if len(rows) == 0 {
-		_, err = fmt.Fprintf(e.stdout, "no set-aside row of outbox %s matches\n", *topic)
+		_, err = fmt.Fprintf(e.stdout, "no set-aside row of outbox %s matches\n", *db.topic)
 		return err
 	}
 	if err := writeFailedRows(e.stdout, rows); err != nil {
@@ -182,10 +159,10 @@ func runOutboxRetry(e *env, args []string) (err error) {
 		fmt.Fprintf(e.stderr, "note: at most %d rows are read at a time; more may be set aside (run the command again after this one)\n", sel.Limit)
 	}
 	if !*yes {
-		_, err = fmt.Fprintf(e.stdout, "dry run: %d set-aside row(s) of outbox %s would be re-queued; run again with -yes to re-queue them\n", len(rows), *topic)
+		_, err = fmt.Fprintf(e.stdout, "dry run: %d set-aside row(s) of outbox %s would be re-queued; run again with -yes to re-queue them\n", len(rows), *db.topic)
 		return err
 	}
-	_, err = fmt.Fprintf(e.stdout, "re-queued %d row(s) of outbox %s: relays forward them at their next batch, with a fresh count of attempts\n", requeued, *topic)
+	_, err = fmt.Fprintf(e.stdout, "re-queued %d row(s) of outbox %s: relays forward them at their next batch, with a fresh count of attempts\n", requeued, *db.topic)
 	return err
 }
 

@@ -19,6 +19,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/jsonsize"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/parked"
 )
@@ -107,18 +108,9 @@ func (p *parkedFlags) selects() bool {
 // open opens the database and the store, and checks the store's tables.
 // The caller closes the database.
 func (p *parkedFlags) open(e *env) (*database, parkedStore, error) {
-	d, err := openDatabase(e, *p.db, *p.driver)
-	if err != nil {
-		return nil, nil, err
-	}
-	s, err := d.newParked(parked.Config{Table: *p.table, MaxReplays: p.maxReplays})
-	if err != nil {
-		return nil, nil, errors.Join(fmt.Errorf("-table: %w", err), d.Close())
-	}
-	if err := s.Check(e.ctx); err != nil {
-		return nil, nil, errors.Join(err, d.Close())
-	}
-	return d, s, nil
+	return openChecked(e, *p.db, *p.driver, "-table", func(d *database) (parkedStore, error) {
+		return d.newParked(parked.Config{Table: *p.table, MaxReplays: p.maxReplays})
+	})
 }
 
 // int64List is a repeatable flag of row ids; each value may hold
@@ -134,13 +126,19 @@ func (l *int64List) String() string {
 }
 
 func (l *int64List) Set(v string) error {
+	return appendPositive((*[]int64)(l), v, "a row id (a positive number)")
+}
+
+// appendPositive appends to l the comma-separated positive numbers of v, a
+// value of a repeatable flag such as -id; what says what one is.
+func appendPositive(l *[]int64, v, what string) error {
 	for _, f := range strings.Split(v, ",") {
 		if f = strings.TrimSpace(f); f == "" {
 			continue
 		}
 		n, err := strconv.ParseInt(f, 10, 64)
 		if err != nil || n <= 0 {
-			return fmt.Errorf("%q is not a row id (a positive number)", f)
+			return fmt.Errorf("%q is not %s", f, what)
 		}
 		*l = append(*l, n)
 	}
@@ -185,14 +183,10 @@ func runParkedList(e *env, args []string) (err error) {
 	limit := fs.Int("limit", 50, "list at most this many rows (1-1000)")
 	after := fs.String("after", "", "continue after the last row of a previous page: the cursor it printed")
 	asJSON := fs.Bool("json", false, `write JSON: {"messages": [...], "next": CURSOR}, without payloads`)
-	pos, err := parse(e, fs, name, args)
-	if err != nil {
+	if err := parseFlags(e, fs, name, args); err != nil {
 		return err
 	}
-	switch {
-	case len(pos) > 0:
-		return usagef(fs, name, "unexpected argument %q", pos[0])
-	case *limit < 1 || *limit > 1000:
+	if *limit < 1 || *limit > 1000 {
 		return usagef(fs, name, "-limit must be 1-1000")
 	}
 	f, err := p.filter()
@@ -354,51 +348,13 @@ func writeParked(w io.Writer, m parked.Message) error {
 	return err
 }
 
-// jsonIndentedSize bounds the size of p (valid JSON) indented by two
-// spaces a level: every bracket and comma starts a line indented as deep as
-// the deepest level, and every colon gains a space. Deep nesting multiplies
-// a payload: 44 KB of "[[[…0,0,0…]]]" is 83 MB indented. (The console
-// bounds its pages the same way.)
-func jsonIndentedSize(p []byte) int {
-	depth, deepest, lines, colons := 0, 0, 0, 0
-	inString, escaped := false, false
-	for _, c := range p {
-		if inString {
-			switch {
-			case escaped:
-				escaped = false
-			case c == '\\':
-				escaped = true
-			case c == '"':
-				inString = false
-			}
-			continue
-		}
-		switch c {
-		case '"':
-			inString = true
-		case '[', '{':
-			depth++
-			deepest = max(deepest, depth)
-			lines += 2
-		case ']', '}':
-			depth--
-		case ',':
-			lines++
-		case ':':
-			colons++
-		}
-	}
-	return len(p) + colons + lines*(1+2*deepest)
-}
-
 // payloadText renders a payload for a terminal.
 func payloadText(p []byte) string {
 	var b bytes.Buffer
 	switch {
 	case len(p) > 0 && json.Valid(p):
 		fmt.Fprintf(&b, "payload (%d bytes, JSON):\n", len(p))
-		if jsonIndentedSize(p) > max(16<<20, 8*len(p)) {
+		if jsonsize.IndentedSize(p) > max(16<<20, 8*len(p)) {
 			// Nested too deep to indent: as it is.
 			b.Write(p)
 		} else if err := json.Indent(&b, p, "", "  "); err != nil {
@@ -421,12 +377,8 @@ func runParkedGroups(e *env, args []string) (err error) {
 	p.register(fs, "handler outcome")
 	all := fs.Bool("all", false, "list groups with no parked row left too (replayed or archived only)")
 	asJSON := fs.Bool("json", false, "write JSON (an array of groups)")
-	pos, err := parse(e, fs, name, args)
-	if err != nil {
+	if err := parseFlags(e, fs, name, args); err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return usagef(fs, name, "unexpected argument %q", pos[0])
 	}
 	f, err := p.filter()
 	if err != nil {
@@ -504,6 +456,30 @@ func defaultBy(e *env) string {
 	return user + "@" + host
 }
 
+// parse parses the command line of a command that changes rows (p's
+// filters, c's flags, and the -max-replays of replay) and returns the filter
+// of the rows it names: filters or -all, not both; no positional argument.
+func (c *changeFlags) parse(e *env, fs *flag.FlagSet, name string, args []string, p *parkedFlags) (parked.Filter, error) {
+	pos, err := parse(e, fs, name, args)
+	if err != nil {
+		return parked.Filter{}, err
+	}
+	switch {
+	case len(pos) > 0:
+		return parked.Filter{}, usagef(fs, name, "unexpected argument %q (use -id to select rows)", pos[0])
+	case fs.Lookup("max-replays") != nil && p.maxReplays < 1:
+		return parked.Filter{}, usagef(fs, name, "-max-replays must be >= 1")
+	}
+	if err := c.selection(p); err != nil {
+		return parked.Filter{}, usagef(fs, name, "%v", err)
+	}
+	f, err := p.filter()
+	if err != nil {
+		return parked.Filter{}, usagef(fs, name, "%v", err)
+	}
+	return f, nil
+}
+
 // selection checks that the command names rows: filters or -all, not both.
 func (c *changeFlags) selection(p *parkedFlags) error {
 	switch {
@@ -527,22 +503,9 @@ func runParkedReplay(e *env, args []string) (err error) {
 	to := fs.String("to", "", "send every copy to this topic instead of the topic each message was consumed from")
 	force := fs.Bool("force", false, "replay messages the loop guard refuses (replayed too often already, and failed again)")
 	fs.IntVar(&p.maxReplays, "max-replays", 3, "the loop guard: refuse a message replayed this many times already (the application's parked.Config.MaxReplays)")
-	pos, err := parse(e, fs, name, args)
+	f, err := c.parse(e, fs, name, args, &p)
 	if err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return usagef(fs, name, "unexpected argument %q (use -id to select rows)", pos[0])
-	}
-	if p.maxReplays < 1 {
-		return usagef(fs, name, "-max-replays must be >= 1")
-	}
-	if err := c.selection(&p); err != nil {
-		return usagef(fs, name, "%v", err)
-	}
-	f, err := p.filter()
-	if err != nil {
-		return usagef(fs, name, "%v", err)
 	}
 	d, s, err := p.open(e)
 	if err != nil {
@@ -618,19 +581,9 @@ func runParkedArchive(e *env, args []string) (err error) {
 	var c changeFlags
 	c.register(fs, "archive")
 	c.registerBy(fs, e)
-	pos, err := parse(e, fs, name, args)
+	f, err := c.parse(e, fs, name, args, &p)
 	if err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return usagef(fs, name, "unexpected argument %q (use -id to select rows)", pos[0])
-	}
-	if err := c.selection(&p); err != nil {
-		return usagef(fs, name, "%v", err)
-	}
-	f, err := p.filter()
-	if err != nil {
-		return usagef(fs, name, "%v", err)
 	}
 	d, s, err := p.open(e)
 	if err != nil {
@@ -665,14 +618,10 @@ func runParkedPurge(e *env, args []string) (err error) {
 	var before timeFlag
 	fs.Var(&before, "before", "delete rows that last failed before this time: RFC 3339, or an age such as 30d (required)")
 	yes := fs.Bool("yes", false, "delete; without it, only count what would be deleted")
-	pos, err := parse(e, fs, name, args)
-	if err != nil {
+	if err := parseFlags(e, fs, name, args); err != nil {
 		return err
 	}
-	switch {
-	case len(pos) > 0:
-		return usagef(fs, name, "unexpected argument %q", pos[0])
-	case before.t.IsZero():
+	if before.t.IsZero() {
 		return usagef(fs, name, "-before is required (e.g. 30d: rows that last failed more than 30 days ago)")
 	}
 	f, err := p.filter()
@@ -726,20 +675,10 @@ func runParkedPurge(e *env, args []string) (err error) {
 func runParkedSchema(e *env, args []string) error {
 	const name = "parked schema"
 	fs := newFlagSet(name)
-	dialect := fs.String("dialect", "", "postgres, mysql or sqlite (required)")
+	dialect := dialectFlag(fs)
 	table := fs.String("table", defaultParkedTable, "the parked-message table, optionally schema-qualified (its group counts go in TABLE_groups)")
-	pos, err := parse(e, fs, name, args)
-	if err != nil {
+	if err := parseSchema(e, fs, name, args, dialect); err != nil {
 		return err
-	}
-	switch {
-	case len(pos) > 0:
-		return usagef(fs, name, "unexpected argument %q", pos[0])
-	case *dialect == "":
-		return usagef(fs, name, "-dialect is required (postgres, mysql or sqlite)")
-	}
-	if err := checkDialect(*dialect); err != nil {
-		return usagef(fs, name, "%v", err)
 	}
 	d := schemaDatabase(*dialect)
 	defer d.Close()
@@ -758,27 +697,26 @@ func runParkedSchema(e *env, args []string) error {
 // RFC 3339 UTC, omitted when unknown; the payload is text when it is UTF-8,
 // base64 otherwise, and only in show.
 type parkedJSON struct {
-	ID            int64             `json:"id"`
-	State         string            `json:"state"`
-	Outcome       string            `json:"outcome"`
-	Handler       string            `json:"handler"`
-	Topic         string            `json:"topic"`
-	UUID          string            `json:"uuid"`
-	Key           string            `json:"dedupe_key,omitempty"`
-	Group         string            `json:"group"`
-	Reason        string            `json:"reason"`
-	Attempts      int               `json:"attempts"`
-	FirstFailure  string            `json:"first_failure,omitempty"`
-	LastFailure   string            `json:"last_failure,omitempty"`
-	TraceID       string            `json:"trace_id,omitempty"`
-	Replays       int               `json:"replays"`
-	ReplayedAt    string            `json:"replayed_at,omitempty"`
-	ReplayedBy    string            `json:"replayed_by,omitempty"`
-	ArchivedAt    string            `json:"archived_at,omitempty"`
-	Metadata      map[string]string `json:"metadata,omitempty"`
-	PayloadBytes  *int              `json:"payload_bytes,omitempty"`
-	Payload       *string           `json:"payload,omitempty"`
-	PayloadBase64 []byte            `json:"payload_base64,omitempty"`
+	ID           int64             `json:"id"`
+	State        string            `json:"state"`
+	Outcome      string            `json:"outcome"`
+	Handler      string            `json:"handler"`
+	Topic        string            `json:"topic"`
+	UUID         string            `json:"uuid"`
+	Key          string            `json:"dedupe_key,omitempty"`
+	Group        string            `json:"group"`
+	Reason       string            `json:"reason"`
+	Attempts     int               `json:"attempts"`
+	FirstFailure string            `json:"first_failure,omitempty"`
+	LastFailure  string            `json:"last_failure,omitempty"`
+	TraceID      string            `json:"trace_id,omitempty"`
+	Replays      int               `json:"replays"`
+	ReplayedAt   string            `json:"replayed_at,omitempty"`
+	ReplayedBy   string            `json:"replayed_by,omitempty"`
+	ArchivedAt   string            `json:"archived_at,omitempty"`
+	Metadata     map[string]string `json:"metadata,omitempty"`
+	PayloadBytes *int              `json:"payload_bytes,omitempty"`
+	payloadJSON
 }
 
 // jsonTime is t for JSON: RFC 3339 UTC, "" when zero.
@@ -800,12 +738,7 @@ func toJSON(m parked.Message, full bool) parkedJSON {
 	j.Metadata = map[string]string(m.Metadata)
 	n := len(m.Payload)
 	j.PayloadBytes = &n
-	if utf8.Valid(m.Payload) {
-		s := string(m.Payload)
-		j.Payload = &s
-	} else {
-		j.PayloadBase64 = m.Payload
-	}
+	j.payloadJSON = newPayloadJSON(m.Payload)
 	return j
 }
 

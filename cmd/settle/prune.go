@@ -33,14 +33,30 @@ const pruneFloor = 24 * time.Hour
 // pruneSample is how many of the rows a prune would delete it shows.
 const pruneSample = 5
 
-// pruneFlags are the flags of the prune commands besides -older-than.
+// pruneFlags are the flags of the prune commands.
 type pruneFlags struct {
+	olderThan  time.Duration
 	yes, force bool
 }
 
-func (p *pruneFlags) register(fs *flag.FlagSet) {
+// register defines -older-than, -yes and -force; what is what -older-than
+// removes ("rows forwarded").
+func (p *pruneFlags) register(fs *flag.FlagSet, what string) {
+	fs.Var((*age)(&p.olderThan), "older-than", "remove "+what+" longer ago than this, e.g. 7d or 36h (required; at least "+shortAge(pruneFloor)+" without -force)")
 	fs.BoolVar(&p.yes, "yes", false, "delete; without it, only count and show what would be deleted")
 	fs.BoolVar(&p.force, "force", false, fmt.Sprintf("accept an -older-than below the floor of %s", shortAge(pruneFloor)))
+}
+
+// parse is parseFlags for a prune command: -older-than is required, and
+// checked against the floor (checkFloor, with why).
+func (p *pruneFlags) parse(e *env, fs *flag.FlagSet, name string, args []string, why string) error {
+	if err := parseFlags(e, fs, name, args); err != nil {
+		return err
+	}
+	if p.olderThan <= 0 {
+		return usagef(fs, name, "-older-than is required and must be > 0 (e.g. 7d)")
+	}
+	return p.checkFloor(e, p.olderThan, why)
 }
 
 // checkFloor refuses a retention below pruneFloor unless -force is given,
@@ -151,6 +167,22 @@ func stateName(s int) string {
 }
 
 // writeSample writes rows under a header, indented, aligned.
+// writeDryRun ends the first line of a prune's dry run: with the oldest
+// rows it would delete (rows, under header) when it would delete any, then
+// says that nothing was deleted.
+func writeDryRun(w io.Writer, deletes bool, header []string, rows [][3]string) error {
+	if deletes {
+		fmt.Fprintf(w, "; the oldest:\n")
+		if err := writeSample(w, header, rows); err != nil {
+			return err
+		}
+	} else {
+		fmt.Fprintln(w)
+	}
+	fmt.Fprintln(w, "dry run: nothing deleted (add -yes to delete)")
+	return nil
+}
+
 func writeSample(w io.Writer, header []string, rows [][3]string) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "  "+strings.Join(header, "\t"))
@@ -180,6 +212,7 @@ func (d *database) outboxPrunePreview(e *env, ob outboxStore, topic string, olde
 		return nil
 	}
 	fmt.Fprintf(e.stdout, "would delete %s", what)
+	var sample [][3]string
 	if n > 0 {
 		cols, order := `"uuid", "topic", "forwarded_at"::text`, `"forwarded_at"`
 		switch d.dialect {
@@ -188,7 +221,6 @@ func (d *database) outboxPrunePreview(e *env, ob outboxStore, topic string, olde
 		case sqldb.SQLite:
 			cols = `"uuid", "topic", "forwarded_at"`
 		}
-		var sample [][3]string
 		err := d.sampleSelection(e.ctx, sel, cols, order, func(scan func(...any) error) error {
 			var id, to, at string
 			if err := scan(&id, &to, &at); err != nil {
@@ -200,13 +232,6 @@ func (d *database) outboxPrunePreview(e *env, ob outboxStore, topic string, olde
 		if err != nil {
 			return fmt.Errorf("read the rows to prune in outbox %s: %w", topic, err)
 		}
-		fmt.Fprintf(e.stdout, "; the oldest:\n")
-		if err := writeSample(e.stdout, []string{"UUID", "DESTINATION", "FORWARDED AT"}, sample); err != nil {
-			return err
-		}
-	} else {
-		fmt.Fprintln(e.stdout)
 	}
-	fmt.Fprintln(e.stdout, "dry run: nothing deleted (add -yes to delete)")
-	return nil
+	return writeDryRun(e.stdout, n > 0, []string{"UUID", "DESTINATION", "FORWARDED AT"}, sample)
 }

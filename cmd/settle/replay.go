@@ -29,13 +29,11 @@ func runDLQReplay(e *env, args []string) (err error) {
 	yes := fs.Bool("yes", false, "act; without it, only print what would be done")
 	limit := fs.Int("limit", 0, "examine at most this many messages; 0 examines every message ready at the start")
 	every := fs.Duration("progress", time.Second, "print a progress line to stderr at most this often; 0 for none")
-	pos, err := parse(e, fs, name, args)
+	pos, err := f.parse(e, fs, name, args)
 	if err != nil {
 		return err
 	}
 	switch {
-	case f.queue == "":
-		return usagef(fs, name, "-queue is required")
 	case len(pos) > 0:
 		return usagef(fs, name, "unexpected argument %q (use -id to select messages)", pos[0])
 	case *limit < 0:
