@@ -61,8 +61,8 @@ func TestReplay(t *testing.T) {
 		for i, o := range out {
 			uuid := "a-" + strconv.Itoa(i)
 			md := o.Metadata
-			if o.UUID != replay.UUID(uuid, 1) || o.Topic != "orders" || string(o.Payload) != "payload of "+uuid {
-				t.Errorf("copy %d: uuid %s topic %s payload %q; want %s to orders", i, o.UUID, o.Topic, o.Payload, replay.UUID(uuid, 1))
+			if o.UUID != replay.UUID(uuid, "charge", 1) || o.Topic != "orders" || string(o.Payload) != "payload of "+uuid {
+				t.Errorf("copy %d: uuid %s topic %s payload %q; want %s to orders", i, o.UUID, o.Topic, o.Payload, replay.UUID(uuid, "charge", 1))
 			}
 			if md.Get("trace") != "t-"+uuid || md.Get(settle.MetaReplayCount) != "1" || md.Get(settle.MetaReplayOf) != uuid ||
 				md.Get(settle.MetaReplayedBy) != "alice" || md.Get(settle.MetaReplayOutcome) != string(settle.DeadLettered) ||
@@ -181,7 +181,7 @@ func TestConcurrentReplays(t *testing.T) {
 				p := parkedMsg(uuid, "charge", fmt.Errorf("iteration %d: %w", it, fmt.Errorf("%d", it*1000)))
 				p.Handler = fmt.Sprintf("charge-%d", it)
 				e.park(t, p)
-				want = append(want, replay.UUID(uuid, 1))
+				want = append(want, replay.UUID(uuid, p.Handler, 1))
 				f.Handler = p.Handler
 			}
 			var wg sync.WaitGroup
@@ -265,7 +265,7 @@ func TestReplayInterrupted(t *testing.T) {
 				p := parkedMsg(uuid, handler, errBoom)
 				p.Handler = handler
 				e.park(t, p)
-				want = append(want, replay.UUID(uuid, 1))
+				want = append(want, replay.UUID(uuid, handler, 1))
 			}
 			f := parked.Filter{Handler: handler}
 			var first parked.ReplayResult
