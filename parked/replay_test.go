@@ -356,3 +356,33 @@ func TestReplayWakesRelay(t *testing.T) {
 		}
 	})
 }
+
+// A copy is addressed to its row's handler (settle.MetaReplayHandler),
+// whatever the original carried under that key, and its UUID is one per
+// row: two handlers' rows of one message give two copies.
+func TestReplayAddressesTheRowsHandler(t *testing.T) {
+	t.Parallel()
+	forEach(t, func(t *testing.T, d drv) {
+		e := setup(t, d, parked.Config{})
+		for _, h := range []string{"charge", "email"} {
+			p := parkedMsg("m1", h, errBoom)
+			p.Message.Metadata.Set(settle.MetaReplayHandler, "forged")
+			e.park(t, p)
+		}
+		if res, err := e.replay(t.Context(), parked.Filter{}, parked.ReplayOptions{}); err != nil || res.Replayed != 2 {
+			t.Fatalf("replay: %+v, %v", res, err)
+		}
+		got := map[string]string{}
+		for _, r := range e.outboxRows(t) {
+			got[r.Metadata[settle.MetaReplayHandler]] = r.UUID
+		}
+		for _, h := range []string{"charge", "email"} {
+			if got[h] != replay.UUID("m1", h, 1) {
+				t.Errorf("copy for %s: uuid %q, want %s (copies by handler: %v)", h, got[h], replay.UUID("m1", h, 1), got)
+			}
+		}
+		if len(got) != 2 {
+			t.Errorf("copies addressed to %v, want charge and email only", got)
+		}
+	})
+}
