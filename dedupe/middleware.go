@@ -202,6 +202,10 @@ func ClaimFromContext(ctx context.Context) (Claim, bool) {
 //     later; it is never acked, because if the holder dies this delivery
 //     must do the work.
 //
+// Before any claim, a replayed copy addressed to another handler
+// (settle.MetaReplayHandler names a handler other than this one) is acked as
+// a duplicate, unclaimed and unrun.
+//
 // A claim the store cannot answer defers the delivery too (an error wrapping
 // ErrUnavailable, after UnavailableDelay growing to MaxUnavailableDelay).
 // Deferrals are not attempts. When the retry middleware runs outside, the
