@@ -102,7 +102,7 @@ func TestReplayForAnotherHandlerIsAckedUnclaimed(t *testing.T) {
 					t.Errorf("delivery %d: %v; want acked", i, d.err)
 				}
 			}
-			outcomes := map[string]int{}
+			var outcomes map[string]int
 			deadline := time.Now().Add(waitTimeout)
 			for {
 				outcomes = map[string]int{}

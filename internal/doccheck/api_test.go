@@ -27,9 +27,10 @@ import (
 // Filter, Query, Page, ReplayOptions, ReplayResult, State and its three
 // states, ErrNotFound) and, in package settle, Parked, ParkStore and
 // MetaReplayedBy. The console (issue 26) adds 2: console.Config and
-// console.New.
+// console.New. A replay addressed to the handler that failed (issue 26)
+// adds 1: settle.MetaReplayHandler.
 const (
-	maxExported    = 264
+	maxExported    = 265
 	maxHandlerWays = 8
 )
 
