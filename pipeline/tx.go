@@ -156,6 +156,11 @@ func (c *TxConfig[TTx]) validate() error {
 // and goes on, to the router's recoverer; the dedupe middleware releases
 // the claim and the message is retried as after any failure.
 //
+// A replayed copy addressed to another handler (settle.MetaReplayHandler
+// names a handler other than this one, its "#N" suffix dropped) is acked as
+// a duplicate before any claim or transaction, as the dedupe middleware
+// does; so is it by a batch handler (NewBatchTxHandler).
+//
 // A transaction that loses its database connection (the server ended the
 // session, the connection was reset or killed, the driver found it broken;
 // whichever statement met it, fn's, the outbox's, the confirmation or the
