@@ -106,11 +106,12 @@ const (
 
 // Metadata keys of a replayed message: a dead-letter or poison copy that an
 // operator published again to its original topic (the settle command's
-// "dlq replay"). The replayed copy gets a new UUID, so that attempts counted
-// per UUID start again; the failure keys of the parked copy (MetaOutcome,
-// MetaReason, MetaAttempt, MetaHandler, MetaOriginalTopic, MetaOriginalUUID,
-// MetaFirstFailure, MetaLastFailure) are removed from it, and what is worth
-// keeping of them moves to these keys. A replay overwrites the keys of an
+// "dlq replay", package parked's Replay). The replayed copy gets a new UUID,
+// so that attempts counted per UUID start again; the failure keys of the
+// parked copy (MetaOutcome, MetaReason, MetaAttempt, MetaHandler,
+// MetaOriginalTopic, MetaOriginalUUID, MetaFirstFailure, MetaLastFailure) are
+// removed from it, and what is worth keeping of them moves to these keys
+// (MetaHandler to MetaReplayHandler). A replay overwrites the keys of an
 // earlier replay, except MetaReplayCount, which it increments.
 const (
 	// MetaReplayedAt is when the message was replayed, RFC 3339 with
@@ -131,6 +132,20 @@ const (
 	// MetaReplayedBy names who asked for the replay (parked's
 	// ReplayOptions.By), when someone was named.
 	MetaReplayedBy = "settle_replayed_by"
+	// MetaReplayHandler names the handler whose failure the copy replays
+	// (the parked row's or copy's handler, without the "#2" suffixes of a
+	// pipeline's competing subscriptions). Every handler consuming the
+	// topic receives the copy; the dedupe middleware (and the transactional
+	// handlers of package pipeline) of any other handler acks it without
+	// running, as a duplicate: that handler did not fail the message, or
+	// has a copy of its own. A copy without this key reaches every handler
+	// as before.
+	//
+	// The key is read from the message, as every key is: a producer that
+	// sets it on its own message makes the other handlers skip that
+	// message, which it could as well not have sent; it cannot reach any
+	// message but its own. A replay overwrites the key of the original.
+	MetaReplayHandler = "settle_replay_handler"
 )
 
 // NoDelay, given to a delay field of a settle configuration whose zero value

@@ -31,7 +31,10 @@
 // handlers of one message each do their work once; see [ScopeFunc]), runs
 // the handler while renewing the claim, and confirms or releases. A duplicate is acked without running the
 // handler; a busy key returns [ErrBusy] so that the broker redelivers the
-// message later. It is a plain message.HandlerMiddleware and can be added to
+// message later. A replayed copy addressed to another handler
+// (settle.MetaReplayHandler names a handler other than this one, its "#N"
+// suffix dropped, whatever the scope) is acked as a duplicate too, without a
+// claim. It is a plain message.HandlerMiddleware and can be added to
 // any router. A handler that returns messages needs [Config.Publisher], which
 // publishes them before the key is confirmed; without it the delivery fails
 // permanently ([ErrOutputWithoutPublisher]), never in a redelivery loop.

@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/internal/replay"
 	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -201,6 +202,10 @@ func ClaimFromContext(ctx context.Context) (Claim, bool) {
 //     later; it is never acked, because if the holder dies this delivery
 //     must do the work.
 //
+// Before any claim, a replayed copy addressed to another handler
+// (settle.MetaReplayHandler names a handler other than this one) is acked as
+// a duplicate, unclaimed and unrun.
+//
 // A claim the store cannot answer defers the delivery too (an error wrapping
 // ErrUnavailable, after UnavailableDelay growing to MaxUnavailableDelay).
 // Deferrals are not attempts. When the retry middleware runs outside, the
@@ -258,6 +263,9 @@ func networked(s Store) bool {
 
 func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
+		if m.forAnother(msg) {
+			return nil, nil
+		}
 		key, own, err := messageKey(msg, m.cfg.Key, m.cfg.Scope)
 		if err != nil {
 			return nil, fmt.Errorf("dedupe: key of message %s: %w", msg.UUID, err)
@@ -336,6 +344,22 @@ func (m *mw) giveBack(orig context.Context, claim Claim) error {
 		return errors.Join(context.Cause(orig), err)
 	}
 	return context.Cause(orig)
+}
+
+// forAnother reports whether msg is a replayed copy addressed to another
+// handler (settle.MetaReplayHandler), and then settles it as a duplicate:
+// acked, not claimed, the handler not run.
+func (m *mw) forAnother(msg *message.Message) bool {
+	ctx := msg.Context()
+	to, other := replay.ForAnother(message.HandlerNameFromCtx(ctx), msg.Metadata)
+	if !other {
+		return false
+	}
+	settlement.FromContext(ctx).SetOutcome(settlement.Duplicate)
+	m.cfg.Logger.Debug("dedupe: replayed copy for another handler acked without running the handler", watermill.LogFields{
+		"message_uuid": msg.UUID, "handler": message.HandlerNameFromCtx(ctx), "replay_handler": to,
+	})
+	return true
 }
 
 // notAcquired settles a delivery whose key is a duplicate (acked, nil) or

@@ -356,11 +356,17 @@ func replayCopy(ctx context.Context, m Message, by string, now time.Time) *messa
 	md[settle.MetaReplayCount] = strconv.Itoa(m.Replays)
 	md[settle.MetaReplayOutcome] = string(m.Outcome)
 	md[settle.MetaReplayReason] = cutBytes(m.Reason, park.MaxReason)
+	// The copy is for the handler that failed; the others consuming the
+	// topic ack it (a forged value on the original was dropped above).
+	// (The row's Handler is a scope already: settlement.ScopeOf.)
+	if m.Handler != "" {
+		md[settle.MetaReplayHandler] = m.Handler
+	}
 	delete(md, settle.MetaReplayedBy)
 	if by != "" {
 		md[settle.MetaReplayedBy] = by
 	}
-	cp := message.NewMessage(replay.UUID(of, m.Replays), m.Payload)
+	cp := message.NewMessage(replay.UUID(of, m.Handler, m.Replays), m.Payload)
 	cp.Metadata = md
 	cp.SetContext(ctx)
 	return cp

@@ -61,8 +61,8 @@ func TestReplay(t *testing.T) {
 		for i, o := range out {
 			uuid := "a-" + strconv.Itoa(i)
 			md := o.Metadata
-			if o.UUID != replay.UUID(uuid, 1) || o.Topic != "orders" || string(o.Payload) != "payload of "+uuid {
-				t.Errorf("copy %d: uuid %s topic %s payload %q; want %s to orders", i, o.UUID, o.Topic, o.Payload, replay.UUID(uuid, 1))
+			if o.UUID != replay.UUID(uuid, "charge", 1) || o.Topic != "orders" || string(o.Payload) != "payload of "+uuid {
+				t.Errorf("copy %d: uuid %s topic %s payload %q; want %s to orders", i, o.UUID, o.Topic, o.Payload, replay.UUID(uuid, "charge", 1))
 			}
 			if md.Get("trace") != "t-"+uuid || md.Get(settle.MetaReplayCount) != "1" || md.Get(settle.MetaReplayOf) != uuid ||
 				md.Get(settle.MetaReplayedBy) != "alice" || md.Get(settle.MetaReplayOutcome) != string(settle.DeadLettered) ||
@@ -181,7 +181,7 @@ func TestConcurrentReplays(t *testing.T) {
 				p := parkedMsg(uuid, "charge", fmt.Errorf("iteration %d: %w", it, fmt.Errorf("%d", it*1000)))
 				p.Handler = fmt.Sprintf("charge-%d", it)
 				e.park(t, p)
-				want = append(want, replay.UUID(uuid, 1))
+				want = append(want, replay.UUID(uuid, p.Handler, 1))
 				f.Handler = p.Handler
 			}
 			var wg sync.WaitGroup
@@ -265,7 +265,7 @@ func TestReplayInterrupted(t *testing.T) {
 				p := parkedMsg(uuid, handler, errBoom)
 				p.Handler = handler
 				e.park(t, p)
-				want = append(want, replay.UUID(uuid, 1))
+				want = append(want, replay.UUID(uuid, handler, 1))
 			}
 			f := parked.Filter{Handler: handler}
 			var first parked.ReplayResult
@@ -353,6 +353,36 @@ func TestReplayWakesRelay(t *testing.T) {
 			case <-time.After(10 * time.Second):
 				t.Fatalf("copy %d not forwarded 10s after the replay: the relay was not woken", i)
 			}
+		}
+	})
+}
+
+// A copy is addressed to its row's handler (settle.MetaReplayHandler),
+// whatever the original carried under that key, and its UUID is one per
+// row: two handlers' rows of one message give two copies.
+func TestReplayAddressesTheRowsHandler(t *testing.T) {
+	t.Parallel()
+	forEach(t, func(t *testing.T, d drv) {
+		e := setup(t, d, parked.Config{})
+		for _, h := range []string{"charge", "email"} {
+			p := parkedMsg("m1", h, errBoom)
+			p.Message.Metadata.Set(settle.MetaReplayHandler, "forged")
+			e.park(t, p)
+		}
+		if res, err := e.replay(t.Context(), parked.Filter{}, parked.ReplayOptions{}); err != nil || res.Replayed != 2 {
+			t.Fatalf("replay: %+v, %v", res, err)
+		}
+		got := map[string]string{}
+		for _, r := range e.outboxRows(t) {
+			got[r.Metadata[settle.MetaReplayHandler]] = r.UUID
+		}
+		for _, h := range []string{"charge", "email"} {
+			if got[h] != replay.UUID("m1", h, 1) {
+				t.Errorf("copy for %s: uuid %q, want %s (copies by handler: %v)", h, got[h], replay.UUID("m1", h, 1), got)
+			}
+		}
+		if len(got) != 2 {
+			t.Errorf("copies addressed to %v, want charge and email only", got)
 		}
 	})
 }

@@ -129,6 +129,9 @@ func newBatcher(f txFlow) *batcher {
 
 // handle settles msg as part of a batch and returns its result.
 func (b *batcher) handle(msg *message.Message) error {
+	if forAnother(msg) {
+		return nil // not in a batch: nothing to run
+	}
 	j := &job{ctx: msg.Context(), msg: msg, done: make(chan error, 1)}
 	b.mu.Lock()
 	bt := b.open

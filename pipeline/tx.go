@@ -11,6 +11,7 @@ import (
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/replay"
 	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
@@ -155,6 +156,11 @@ func (c *TxConfig[TTx]) validate() error {
 // and goes on, to the router's recoverer; the dedupe middleware releases
 // the claim and the message is retried as after any failure.
 //
+// A replayed copy addressed to another handler (settle.MetaReplayHandler
+// names a handler other than this one, its "#N" suffix dropped) is acked as
+// a duplicate before any claim or transaction, as the dedupe middleware
+// does; so is it by a batch handler (NewBatchTxHandler).
+//
 // A transaction that loses its database connection (the server ended the
 // session, the connection was reset or killed, the driver found it broken;
 // whichever statement met it, fn's, the outbox's, the confirmation or the
@@ -176,6 +182,9 @@ func NewTxHandler[TTx any](cfg TxConfig[TTx], fn TxFunc[TTx]) (message.NoPublish
 		return newBatcher(f).handle, nil
 	}
 	return func(msg *message.Message) error {
+		if forAnother(msg) {
+			return nil
+		}
 		return runTx(msg.Context(), f, msg)
 	}, nil
 }
@@ -454,6 +463,19 @@ func runTxOnce(ctx context.Context, f txFlow, msg *message.Message) (lost bool, 
 // the delivery deferred at once rather than made to wait as long again.
 func lostOnce(err error) bool {
 	return connTrouble(err) && !errors.Is(err, ErrCallTimeout)
+}
+
+// forAnother reports whether msg is a replayed copy addressed to another
+// handler (settle.MetaReplayHandler), and then settles it as the dedupe
+// middleware does: a duplicate, acked without a claim, a transaction or a
+// run. Behind the middleware it never gets here.
+func forAnother(msg *message.Message) bool {
+	ctx := msg.Context()
+	if _, other := replay.ForAnother(message.HandlerNameFromCtx(ctx), msg.Metadata); !other {
+		return false
+	}
+	settlement.FromContext(ctx).SetOutcome(settlement.Duplicate)
+	return true
 }
 
 // claimResult settles what a claim in the transaction found: done for a

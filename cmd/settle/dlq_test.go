@@ -281,7 +281,7 @@ func TestDLQEndToEnd(t *testing.T) {
 			t.Errorf("dry run:\n%v", r)
 		}
 		for _, f := range []failure{failures[0], failures[2]} {
-			if !strings.Contains(r.stdout, "would replay "+f.uuid+" (dead_lettered, handler charge) to "+orders+" as "+replayUUID(f.uuid, 1)) {
+			if !strings.Contains(r.stdout, "would replay "+f.uuid+" (dead_lettered, handler charge) to "+orders+" as "+replayUUID(f.uuid, "charge", 1)) {
 				t.Errorf("dry run does not describe %s:\n%s", f.uuid, r.stdout)
 			}
 		}
@@ -321,8 +321,8 @@ func TestDLQEndToEnd(t *testing.T) {
 			}
 			seen[old.uuid] = true
 			id, _ := d.Headers[amqp.DefaultMessageUUIDHeaderKey].(string)
-			if id == old.uuid || id != replayUUID(old.uuid, 1) || d.MessageId != id {
-				t.Errorf("replayed copy %d: uuid %q, message id %q; want the new uuid %s", i, id, d.MessageId, replayUUID(old.uuid, 1))
+			if id == old.uuid || id != replayUUID(old.uuid, "charge", 1) || d.MessageId != id {
+				t.Errorf("replayed copy %d: uuid %q, message id %q; want the new uuid %s", i, id, d.MessageId, replayUUID(old.uuid, "charge", 1))
 			}
 			h := d.Headers
 			if h[settle.MetaReplayOf] != old.uuid || h[settle.MetaReplayCount] != "1" || h[settle.MetaReplayReason] != old.reason ||

@@ -191,7 +191,8 @@ func TestReplayCopy(t *testing.T) {
 	want := map[string]any{
 		settle.MetaReplayOf: "u-1", settle.MetaReplayCount: "1", settle.MetaReplayedAt: "2025-02-03T04:05:06.000000007Z",
 		settle.MetaReplayOutcome: "dead_lettered", settle.MetaReplayReason: "card declined\nretry later",
-		"priority": int32(7), "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+		settle.MetaReplayHandler: "charge",
+		"priority":               int32(7), "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
 	}
 	for k, v := range want {
 		if p.Headers[k] != v {
@@ -215,8 +216,26 @@ func TestReplayCopy(t *testing.T) {
 	if id2 == id || id2 == "u-1" || p2.Headers[settle.MetaReplayCount] != "2" || p2.Headers[settle.MetaReplayOf] != id {
 		t.Errorf("replay of a replay: id %s, headers %v", id2, p2.Headers)
 	}
-	if other := replayUUID("u-2", 1); other == id {
+	if other := replayUUID("u-2", "charge", 1); other == id {
 		t.Error("different messages get the same replay UUID")
+	}
+
+	// The copy is for the handler that failed, a pipeline's "#2" suffix
+	// stripped, whatever the original forged; a parked copy that names no
+	// handler gives a copy for every handler, forged key dropped.
+	for _, c := range []struct{ handler, want string }{{"charge#2", "charge"}, {"", ""}} {
+		dh := parkedDelivery("u-3", amqp091.Table{settle.MetaHandler: c.handler, settle.MetaReplayHandler: "forged"})
+		if c.handler == "" {
+			delete(dh.Headers, settle.MetaHandler)
+		}
+		ph, idh := replayCopy(dh, decodeT(t, dh), amqp.DefaultMessageUUIDHeaderKey, now)
+		got, ok := ph.Headers[settle.MetaReplayHandler]
+		if (c.want == "" && ok) || (c.want != "" && got != c.want) {
+			t.Errorf("handler %q: copy's %s = %v, want %q", c.handler, settle.MetaReplayHandler, got, c.want)
+		}
+		if idh != replayUUID("u-3", c.want, 1) {
+			t.Errorf("handler %q: copy's UUID %s, want %s", c.handler, idh, replayUUID("u-3", c.want, 1))
+		}
 	}
 }
 

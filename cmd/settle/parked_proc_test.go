@@ -71,7 +71,7 @@ func (p *parkedEnv) assertOnce(uuids []string, topic string) {
 	count, dest := p.outboxRows()
 	bad := 0
 	for _, u := range uuids {
-		id := replay.UUID(u, 1)
+		id := replay.UUID(u, "charge", 1)
 		if count[id] != 1 || dest[id] != topic {
 			bad++
 			if bad <= 5 {

@@ -376,7 +376,7 @@ func TestParkedCommands(t *testing.T) {
 				t.Fatalf("outbox rows after the replay: %v", count)
 			}
 			for _, u := range charges {
-				id := replay.UUID(u, 1)
+				id := replay.UUID(u, "charge", 1)
 				if count[id] != 1 || topic[id] != orders {
 					t.Errorf("%s: %d outbox rows to %q; want 1 to %s", u, count[id], topic[id], orders)
 				}
@@ -407,7 +407,7 @@ func TestParkedCommands(t *testing.T) {
 			other := shortName("other_")
 			r = p.run(exitOK, "parked replay", "-uuid", guarded, "-to", other, "-force", "-yes")
 			count, topic = p.outboxRows()
-			if id := replay.UUID(guarded, 4); count[id] != 1 || topic[id] != other || len(count) != 6 {
+			if id := replay.UUID(guarded, "charge", 4); count[id] != 1 || topic[id] != other || len(count) != 6 {
 				t.Fatalf("replay -force -to %s: outbox %v %v\n%v", other, count, topic, r)
 			}
 

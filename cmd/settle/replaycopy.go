@@ -9,6 +9,7 @@ import (
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/amqpmarshal"
 	"github.com/settle-go/settle/internal/replay"
+	"github.com/settle-go/settle/internal/settlement"
 )
 
 // failureKeys are the keys of a parked copy that must not reach the
@@ -33,9 +34,10 @@ var brokerKeys = []string{
 	"x-last-death-exchange", "x-last-death-queue", "x-last-death-reason",
 }
 
-// replayUUID returns the UUID of the n-th replay of the parked message with
-// UUID of (internal/replay: package parked's Replay derives the same).
-func replayUUID(of string, n int) string { return replay.UUID(of, n) }
+// replayUUID returns the UUID of the n-th replay, for handler, of the parked
+// message with UUID of (internal/replay: package parked's Replay derives the
+// same).
+func replayUUID(of, handler string, n int) string { return replay.UUID(of, handler, n) }
 
 // replayCopy returns the publishing that replays delivery d (decoded as e)
 // and its new UUID. Headers keep their AMQP types; the body and properties
@@ -46,7 +48,11 @@ func replayCopy(d amqp091.Delivery, e entry, uuidHeader string, now time.Time) (
 	if n, err := strconv.Atoi(e.Metadata[settle.MetaReplayCount]); err == nil && n >= 0 {
 		count = n + 1
 	}
-	newID := replayUUID(e.UUID, count)
+	// The copy is for the handler that failed (the parked copy's
+	// settle_handler, without a pipeline's "#2" suffix): the other handlers
+	// consuming the topic ack it.
+	handler := settlement.ScopeOf(e.Metadata[settle.MetaHandler])
+	newID := replayUUID(e.UUID, handler, count)
 
 	h := make(amqp091.Table, len(d.Headers)+5)
 	for k, v := range d.Headers {
@@ -64,6 +70,10 @@ func replayCopy(d amqp091.Delivery, e entry, uuidHeader string, now time.Time) (
 	h[settle.MetaReplayCount] = strconv.Itoa(count)
 	h[settle.MetaReplayOutcome] = e.Outcome
 	h[settle.MetaReplayReason] = e.Reason
+	delete(h, settle.MetaReplayHandler)
+	if handler != "" {
+		h[settle.MetaReplayHandler] = handler
+	}
 
 	p := amqp091.Publishing{
 		Headers:         h,
