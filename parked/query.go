@@ -10,7 +10,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"time"
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/mdcolumn"
@@ -267,16 +266,13 @@ func primary(f Filter) (Filter, bool) {
 	case f.State != "":
 		p.State = f.State
 	}
-	rest := f
-	rest.Group, rest.Handler, rest.Topic, rest.State = "", "", "", ""
-	rest.Since, rest.Until = time.Time{}, time.Time{}
 	n := 0
 	for _, set := range []bool{f.Group != "", f.Handler != "", f.Topic != "", f.State != ""} {
 		if set {
 			n++
 		}
 	}
-	return p, n > 1 || rest.Reason != "" || rest.Outcome != ""
+	return p, n > 1 || f.Reason != "" || f.Outcome != ""
 }
 
 // Count returns the number of rows f selects. It reads them (through an
