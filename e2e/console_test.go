@@ -63,17 +63,18 @@ func groupOf[TTx any](t *testing.T, s *shop[TTx], outcome string) string {
 	return ""
 }
 
-// TestConsole runs the whole walk on PostgreSQL (where the screenshots
-// are taken) and on SQLite, in one browser.
+// TestConsole runs the whole walk on PostgreSQL with RabbitMQ (where the
+// screenshots are taken) and on SQLite with GoChannel, in one browser.
 func TestConsole(t *testing.T) {
 	ctx := browser(t)
 	for _, db := range []struct {
-		name  string
-		open  func(testing.TB) testenv.DB
-		shots bool
+		name   string
+		open   func(testing.TB) testenv.DB
+		broker string
+		shots  bool
 	}{
-		{"postgres", testenv.Postgres, true},
-		{"sqlite", testenv.SQLite, false},
+		{"postgres", testenv.Postgres, onRabbitMQ, true},
+		{"sqlite", testenv.SQLite, onGoChannel, false},
 	} {
 		t.Run(db.name, func(t *testing.T) {
 			shoot := func(t *testing.T, ctx context.Context, name string) {
@@ -81,14 +82,14 @@ func TestConsole(t *testing.T) {
 					screenshot(t, ctx, name)
 				}
 			}
-			walk(t, ctx, db.open(t).Driver(), shoot)
+			walk(t, ctx, db.open(t).Driver(), db.broker, shoot)
 		})
 	}
 }
 
 // walk is the operator's walk through the console, over a real run on db.
-func walk(t *testing.T, ctx context.Context, db sqldb.Driver[*sqlTx], shoot func(*testing.T, context.Context, string)) {
-	s := newShop(t, db)
+func walk(t *testing.T, ctx context.Context, db sqldb.Driver[*sqlTx], broker string, shoot func(*testing.T, context.Context, string)) {
+	s := newShop(t, db, broker)
 	s.publish(t, orders)
 	base := serve(t, s, nil)
 	charge, poisoned := groupOf(t, s, "dead_lettered"), groupOf(t, s, "poisoned")
@@ -176,7 +177,7 @@ func walk(t *testing.T, ctx context.Context, db sqldb.Driver[*sqlTx], shoot func
 		if n := run(t, ctx, chromedp.Text(chromedp.CSS("#count"))); n != fmt.Sprint(orders) {
 			t.Errorf("the confirmation says %s messages, want %d", n, orders)
 		}
-		if d := run(t, ctx, chromedp.Text(chromedp.CSS("#destinations"))); !strings.Contains(d, "orders") {
+		if d := run(t, ctx, chromedp.Text(chromedp.CSS("#destinations"))); !strings.Contains(d, s.topic) {
 			t.Errorf("the confirmation does not name the destination: %q", d)
 		}
 		shoot(t, ctx, "confirm")
@@ -365,7 +366,7 @@ func reparkOne[TTx any](t *testing.T, s *shop[TTx]) int64 {
 	t.Helper()
 	m := message.NewMessage(watermill.NewUUID(), []byte(`{"order": 99, "cents": 1}`))
 	err := s.parked.Park(t.Context(), settle.Parked{Message: m, Outcome: settle.DeadLettered, Cause: errors.New("card declined for order 99"),
-		Handler: "charge", Topic: "orders", Attempts: 2, LastFailure: time.Now()})
+		Handler: "charge", Topic: s.topic, Attempts: 2, LastFailure: time.Now()})
 	if err != nil {
 		t.Fatal(err)
 	}

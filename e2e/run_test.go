@@ -14,9 +14,13 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/settle-go/settle"
+	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/parked"
@@ -29,15 +33,17 @@ import (
 // wrote it as HTML.
 const hostile = `<script>window.pwned=1</script>"><img src=x onerror="window.pwned=2">`
 
-// shop is a real run: a pipeline on GoChannel whose handler "charge"
-// fails every order until fixed, parking each into the parked store on
-// PostgreSQL, and an outbox relay that forwards replays back to the topic.
+// shop is a real run: a pipeline on a broker (RabbitMQ or GoChannel)
+// whose handler "charge" fails every order until fixed, parking each into
+// the parked store, and an outbox relay that forwards replays back to the
+// topic.
 type shop[TTx any] struct {
 	db     sqldb.Driver[TTx]
 	parked *parked.Store[TTx]
 	outbox *outbox.Outbox[TTx]
 	claims *dedupe.SQLStore[TTx]
-	pubsub *gochannel.GoChannel
+	topic  string // the orders' topic, a name of the test's own
+	pub    message.Publisher
 
 	fixed atomic.Bool
 	mu    sync.Mutex
@@ -52,13 +58,19 @@ type order struct {
 	Cents int `json:"cents"`
 }
 
+// Brokers a shop runs on.
+const (
+	onGoChannel = "gochannel"
+	onRabbitMQ  = "rabbitmq"
+)
+
 // newShop creates the tables (dropped at the end), runs the pipeline and
-// the relay until the test ends.
-func newShop[TTx any](t *testing.T, db sqldb.Driver[TTx]) *shop[TTx] {
+// the relay on broker until the test ends.
+func newShop[TTx any](t *testing.T, db sqldb.Driver[TTx], broker string) *shop[TTx] {
 	t.Helper()
 	ctx := t.Context()
 	table, topic, dd := uniq("pk"), uniq("ob"), uniq("dd")
-	s := &shop[TTx]{db: db, delivered: map[int]int{}, charged: map[int]int{}, chargedUUID: map[int]string{}}
+	s := &shop[TTx]{db: db, topic: uniq("orders"), delivered: map[int]int{}, charged: map[int]int{}, chargedUUID: map[int]string{}}
 	var err error
 	if s.parked, err = parked.New(db, parked.Config{Table: table}); err != nil {
 		t.Fatal(err)
@@ -82,20 +94,21 @@ func newShop[TTx any](t *testing.T, db sqldb.Driver[TTx]) *shop[TTx] {
 		}
 	})
 
-	s.pubsub = gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 100}, watermill.NopLogger{})
+	pub, sub, counter := s.broker(t, broker)
+	s.pub = pub
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	p, err := pipeline.New(router, pipeline.Config{
-		Publisher: s.pubsub, Store: s.claims, DisableTracing: true, ParkStore: s.parked,
+		Publisher: pub, Store: s.claims, DisableTracing: true, ParkStore: s.parked,
 		Retry:     middleware.RetryConfig{MaxAttempts: 2, NoInProcessRetries: true, RedeliveryDelay: settle.NoDelay},
 		BusyDelay: 10 * time.Millisecond, NackDelay: 10 * time.Millisecond,
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = p.Handle("charge", "orders", s.pubsub, func(m *message.Message) error {
+	_, err = p.Handle("charge", s.topic, sub, func(m *message.Message) error {
 		var o order
 		if err := json.Unmarshal(m.Payload, &o); err != nil {
 			return poison.Permanent(fmt.Errorf("cannot read the order %s", m.Payload))
@@ -113,11 +126,11 @@ func newShop[TTx any](t *testing.T, db sqldb.Driver[TTx]) *shop[TTx] {
 		t.Fatal(err)
 	}
 	// Every delivery on the topic, handled or not, counted after the fix.
-	raw, err := s.pubsub.Subscribe(ctx, "orders")
+	raw, err := counter.Subscribe(ctx, s.topic)
 	if err != nil {
 		t.Fatal(err)
 	}
-	relay, err := s.outbox.NewRelay(s.pubsub, outbox.RelayConfig{PollInterval: 50 * time.Millisecond})
+	relay, err := s.outbox.NewRelay(pub, outbox.RelayConfig{PollInterval: 50 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -140,7 +153,9 @@ func newShop[TTx any](t *testing.T, db sqldb.Driver[TTx]) *shop[TTx] {
 		stop()
 		_ = relay.Close()
 		_ = router.Close()
-		_ = s.pubsub.Close()
+		_ = sub.Close()
+		_ = counter.Close()
+		_ = pub.Close()
 		wg.Wait()
 	})
 	<-router.Running()
@@ -157,17 +172,66 @@ func (s *shop[TTx]) publish(t *testing.T, n int) {
 		m.Metadata.Set("content_type", "application/json")
 		m.Metadata.Set("tenant", "acme")
 		m.Metadata.Set("traceparent", fmt.Sprintf("00-4bf92f3577b34da6a3ce929d0e0e47%02x-00f067aa0ba902%02x-01", i, i))
-		if err := s.pubsub.Publish("orders", m); err != nil {
+		if err := s.pub.Publish(s.topic, m); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := s.pubsub.Publish("orders", message.NewMessage(watermill.NewUUID(), []byte(hostile))); err != nil {
+	if err := s.pub.Publish(s.topic, message.NewMessage(watermill.NewUUID(), []byte(hostile))); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, fmt.Sprintf("%d parked rows", n+1), func() bool {
 		c, err := s.parked.Count(t.Context(), parked.Filter{State: parked.StateParked})
 		return err == nil && c == int64(n+1)
 	})
+}
+
+// broker returns the shop's publisher, the subscriber of the handler and
+// a second subscriber that sees every message on the topic too, on broker.
+// On RabbitMQ the topic is a fanout exchange with a durable queue for each
+// subscriber (deleted at the end), the publisher settle's amqpsub, which
+// reports a message no queue took.
+func (s *shop[TTx]) broker(t *testing.T, broker string) (pub message.Publisher, sub, counter message.Subscriber) {
+	t.Helper()
+	switch broker {
+	case onGoChannel:
+		g := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 100}, watermill.NopLogger{})
+		return g, g, g
+	case onRabbitMQ:
+	default:
+		t.Fatalf("broker %q", broker)
+	}
+	url := testenv.AMQPURL(t)
+	config := func(suffix string) amqp.Config { return amqp.NewDurablePubSubConfig(url, amqp.GenerateQueueNameTopicNameWithSuffix(suffix)) }
+	p, err := amqpsub.NewPublisher(amqpsub.PublisherConfig{AMQP: config("charge")}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := amqpsub.NewSubscriber(amqpsub.Config{AMQP: config("charge"), InFlight: 4}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := amqp.NewSubscriber(config("count"), watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		conn, err := amqp091.Dial(url)
+		if err != nil {
+			t.Errorf("cleaning up the queues: %v", err)
+			return
+		}
+		defer conn.Close()
+		ch, err := conn.Channel()
+		if err != nil {
+			t.Errorf("cleaning up the queues: %v", err)
+			return
+		}
+		for _, q := range []string{s.topic + "_charge", s.topic + "_count"} {
+			_, _ = ch.QueueDelete(q, false, false, false)
+		}
+		_ = ch.ExchangeDelete(s.topic, false, false)
+	})
+	return p, h, c
 }
 
 // counts returns copies of the counters.
