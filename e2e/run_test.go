@@ -12,9 +12,9 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
-	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/settle-go/settle"
@@ -201,7 +201,9 @@ func (s *shop[TTx]) broker(t *testing.T, broker string) (pub message.Publisher, 
 		t.Fatalf("broker %q", broker)
 	}
 	url := testenv.AMQPURL(t)
-	config := func(suffix string) amqp.Config { return amqp.NewDurablePubSubConfig(url, amqp.GenerateQueueNameTopicNameWithSuffix(suffix)) }
+	config := func(suffix string) amqp.Config {
+		return amqp.NewDurablePubSubConfig(url, amqp.GenerateQueueNameTopicNameWithSuffix(suffix))
+	}
 	p, err := amqpsub.NewPublisher(amqpsub.PublisherConfig{AMQP: config("charge")}, nil)
 	if err != nil {
 		t.Fatal(err)
