@@ -64,7 +64,7 @@ func (s *Store[TTx]) Preview(ctx context.Context, f Filter, opts ReplayOptions) 
 	}
 	b := s.q.build().sql("SELECT topic, state, replay_count, COUNT(*) FROM ", s.q.t, " WHERE 1 = 1")
 	s.where(b, f)
-	b.sql(" GROUP BY topic, state, replay_count")
+	b.sql(" GROUP BY state, replay_count, topic") // in the order of the preview index
 	res := ReplayResult{Destinations: map[string]int64{}}
 	err := s.db.DB().Query(ctx, b.String(), b.args, func(scan func(dest ...any) error) error {
 		var (

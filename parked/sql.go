@@ -157,6 +157,7 @@ func newStatements(d sqldb.Dialect, table string) statements {
 			`CREATE UNIQUE INDEX IF NOT EXISTS ` + idx("ident") + ` ON ` + t + ` (ident)`,
 			`CREATE INDEX IF NOT EXISTS ` + idx("recent") + ` ON ` + t + ` (last_failure, id)`,
 			`CREATE INDEX IF NOT EXISTS ` + idx("group") + ` ON ` + t + ` (group_id, last_failure, id)`,
+			`CREATE INDEX IF NOT EXISTS ` + idx("preview") + ` ON ` + t + ` (` + previewCols + `)`,
 			`CREATE INDEX IF NOT EXISTS ` + idx("handler") + ` ON ` + t + ` (handler, last_failure, id)`,
 			`CREATE INDEX IF NOT EXISTS ` + idx("topic") + ` ON ` + t + ` (topic, last_failure, id)`,
 			`CREATE INDEX IF NOT EXISTS ` + idx("state") + ` ON ` + t + ` (state, last_failure, id)`,
@@ -203,6 +204,7 @@ ON CONFLICT (group_id) DO UPDATE SET parked = ` + g + `.parked + excluded.parked
 	UNIQUE KEY ` + idx("ident") + ` (ident),
 	KEY ` + idx("recent") + ` (last_failure, id),
 	KEY ` + idx("group") + ` (group_id, last_failure, id),
+	KEY ` + idx("preview") + ` (` + previewCols + `),
 	KEY ` + idx("handler") + ` (handler, last_failure, id),
 	KEY ` + idx("topic") + ` (topic, last_failure, id),
 	KEY ` + idx("state") + ` (state, last_failure, id),
@@ -241,6 +243,13 @@ ON DUPLICATE KEY UPDATE parked = parked + VALUES(parked), total = total + VALUES
 	s.groupDrop = `DELETE FROM ` + g + ` WHERE group_id = ` + s.ph(1) + ` AND total <= 0`
 	return s
 }
+
+// previewCols are the columns of the index that answers a preview of a
+// group's replay (the console's confirmation page) from the index alone:
+// every column Preview reads of a group's rows, so that the database does
+// not read each of the group's rows, scattered over the table. On MariaDB
+// at a million rows, with the rows read it took 6.6 s.
+const previewCols = "group_id, state, last_failure, replay_count, topic"
 
 // binPrefix is how many bytes of a UUID or key their indexes hold: a
 // value of any length is stored, but an index entry is bounded (PostgreSQL
