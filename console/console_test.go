@@ -127,6 +127,13 @@ func TestPages(t *testing.T) {
 	if resp, _ := c.get("/messages?outcome=done"); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("a bad filter: %s, want 400", resp.Status)
 	}
+	// A cursor is the client's to forge: the store refuses it, and the
+	// console says the request is bad, not that it failed.
+	for _, cur := range []string{"not-base64!", "MS4xLjIuMw", "Mi4xLjI", "MS54LjI"} {
+		if resp, body := c.get("/messages?cursor=" + cur); resp.StatusCode != http.StatusBadRequest || !strings.Contains(body, "not a cursor of List") {
+			t.Errorf("cursor %q: %s, want 400 naming the cursor", cur, resp.Status)
+		}
+	}
 }
 
 // The list pages through every row once, newest first, with the filter

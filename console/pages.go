@@ -128,6 +128,10 @@ func (s *server[TTx]) fail(w http.ResponseWriter, r *http.Request, what string, 
 	if errors.Is(err, context.Canceled) {
 		return
 	}
+	if errors.Is(err, parked.ErrInvalid) { // a forged cursor, say
+		s.refuse(w, r, http.StatusBadRequest, err.Error())
+		return
+	}
 	s.cfg.Logger.Error("console: "+what, err, nil)
 	s.render(w, r, http.StatusInternalServerError, "error", "Error", what+": "+err.Error())
 }

@@ -135,7 +135,7 @@ func (c cursor) String() string {
 }
 
 func parseCursor(s string) (cursor, error) {
-	bad := fmt.Errorf("Query.Cursor %q is not a cursor of List", s)
+	bad := invalidf("Query.Cursor %q is not a cursor of List", s)
 	raw, err := base64.RawURLEncoding.DecodeString(s)
 	if err != nil {
 		return cursor{}, bad
@@ -177,7 +177,7 @@ func (s *Store[TTx]) List(ctx context.Context, q Query) (Page, error) {
 	case limit == 0:
 		limit = defaultLimit
 	case limit < 0 || limit > maxLimit:
-		return Page{}, fmt.Errorf("parked: List: Query.Limit must be 0-%d, got %d", maxLimit, q.Limit)
+		return Page{}, fmt.Errorf("parked: List: %w", invalidf("Query.Limit must be 0-%d, got %d", maxLimit, q.Limit))
 	}
 	var after *cursor
 	if q.Cursor != "" {

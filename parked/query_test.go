@@ -108,9 +108,12 @@ func TestFilters(t *testing.T) {
 			{Cursor: "not a cursor"},
 			{Filter: parked.Filter{IDs: make([]int64, 10001)}},
 		} {
-			if _, err := e.List(t.Context(), q); err == nil {
-				t.Errorf("List(%+v) = nil error", q.Limit)
+			if _, err := e.List(t.Context(), q); !errors.Is(err, parked.ErrInvalid) {
+				t.Errorf("List(%+v) = %v, want an error wrapping ErrInvalid", q.Limit, err)
 			}
+		}
+		if _, err := e.Preview(t.Context(), parked.Filter{State: "gone"}, parked.ReplayOptions{}); !errors.Is(err, parked.ErrInvalid) {
+			t.Errorf("Preview of a bad state = %v, want an error wrapping ErrInvalid", err)
 		}
 	})
 }

@@ -158,10 +158,10 @@ const maxIDs = 10000
 
 func (f Filter) validate() error {
 	if f.State != "" && !f.State.valid() {
-		return fmt.Errorf("Filter.State %q is not parked, replayed or archived", string(f.State))
+		return invalidf("Filter.State %q is not parked, replayed or archived", string(f.State))
 	}
 	if len(f.IDs) > maxIDs {
-		return fmt.Errorf("Filter.IDs has %d ids, at most %d", len(f.IDs), maxIDs)
+		return invalidf("Filter.IDs has %d ids, at most %d", len(f.IDs), maxIDs)
 	}
 	return nil
 }
@@ -225,6 +225,21 @@ type ReplayResult struct {
 
 // ErrNotFound is returned by Get for an id with no row.
 var ErrNotFound = errors.New("parked: no such message")
+
+// ErrInvalid is wrapped by the error of a call given a Filter or Query it
+// cannot take (a State that is none of the states, too many IDs, a Cursor
+// that List did not make, a Limit out of range): the caller's input is at
+// fault, not the database. An application serving the store's rows over
+// HTTP answers it with 400.
+var ErrInvalid = errors.New("parked: invalid filter or query")
+
+// invalid is an error wrapping ErrInvalid whose text is its own.
+type invalid struct{ msg string }
+
+func (e invalid) Error() string        { return e.msg }
+func (e invalid) Is(target error) bool { return target == ErrInvalid }
+
+func invalidf(format string, args ...any) error { return invalid{fmt.Sprintf(format, args...)} }
 
 // Store is the parked-message store of one database. It is a
 // settle.ParkStore. TTx is the transaction type of the driver. A Store holds

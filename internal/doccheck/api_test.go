@@ -24,11 +24,11 @@ import (
 // middleware.TracePublished (1, the publisher decorator that ends a
 // router-published delivery's settle span before router.Close returns) and,
 // for the parked-message store and its tools (issue 26): package parked
-// (27), settle.Parked, settle.ParkStore, settle.MetaReplayedBy and
+// (28, with ErrInvalid), settle.Parked, settle.ParkStore, settle.MetaReplayedBy and
 // settle.MetaReplayHandler (4), dedupe.KeyState, SQLStore.Lookup and
 // SQLStore.InFlight (3), console.Config and console.New (2).
 const (
-	maxExported    = 265
+	maxExported    = 266
 	maxHandlerWays = 8
 )
 
