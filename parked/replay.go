@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strconv"
 	"time"
@@ -164,6 +165,11 @@ func (s *Store[TTx]) Replay(ctx context.Context, ob *outbox.Outbox[TTx], f Filte
 		if c.res.Replayed > 0 {
 			ob.Notify()
 			s.cfg.Logger.Debug("parked: replayed", watermill.LogFields{"rows": c.res.Replayed, "by": opts.By})
+		}
+		if opts.Progress != nil && (err == nil || c.res.Replayed > 0) {
+			sofar := res
+			sofar.Destinations = maps.Clone(res.Destinations)
+			opts.Progress(sofar)
 		}
 		if err != nil {
 			// The commit went through, its answer was lost (the

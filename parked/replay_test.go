@@ -108,6 +108,29 @@ func TestReplay(t *testing.T) {
 	})
 }
 
+// Progress is told after each committed transaction how far the replay
+// is, and its last call is the result.
+func TestReplayProgress(t *testing.T) {
+	t.Parallel()
+	forEach(t, func(t *testing.T, d drv) {
+		e := setup(t, d, parked.Config{})
+		parked.SetChunk(e.api, 2)
+		for i := range 7 {
+			e.park(t, parkedMsg("p-"+strconv.Itoa(i), "charge", errBoom))
+		}
+		var seen []int64
+		res, err := e.replay(t.Context(), parked.Filter{Handler: "charge"}, parked.ReplayOptions{
+			Progress: func(r parked.ReplayResult) { seen = append(seen, r.Replayed) },
+		})
+		if err != nil || res.Replayed != 7 {
+			t.Fatalf("Replay = %+v, %v", res, err)
+		}
+		if fmt.Sprint(seen) != "[2 4 6 7]" {
+			t.Errorf("Progress saw %v, want [2 4 6 7]: one call per transaction of 2 rows", seen)
+		}
+	})
+}
+
 // The loop guard: a message replayed MaxReplays times that failed again is
 // refused, unless forced; the count travels with the copy, through the
 // outbox and back into the store when the copy fails.

@@ -204,6 +204,11 @@ type ReplayOptions struct {
 	// Force replays messages the loop guard refuses (replayed
 	// Config.MaxReplays times already).
 	Force bool
+	// Progress, if set, is called by Replay after each transaction it
+	// commits, with what the replay has done so far, on the replay's
+	// goroutine: a long replay can say how far it is. Preview does not
+	// call it.
+	Progress func(sofar ReplayResult)
 }
 
 // ReplayResult says what a replay did, or would do (Preview).

@@ -536,6 +536,9 @@ func runParkedReplay(e *env, args []string) (err error) {
 	if pre.Replayed == 0 {
 		return nil
 	}
+	if pre.Replayed > replayProgressFrom {
+		opts.Progress = replayProgress(e.stderr, pre.Replayed, time.Now)
+	}
 	res, err := d.replayParked(e.ctx, s, *ob, f, opts)
 	if err != nil {
 		return fmt.Errorf("replay (%d messages replayed before the error; run the command again to replay the rest, each message once): %w", res.Replayed, err)
@@ -546,6 +549,22 @@ func runParkedReplay(e *env, args []string) (err error) {
 	}
 	fmt.Fprintf(e.stdout, "\nthe application's outbox relay forwards them; settle outbox status -topic %s shows its backlog\n", safeLine(*ob))
 	return nil
+}
+
+// replayProgressFrom is the size of a replay from which the command says
+// how far it is, on stderr (a replay commits 200 rows at a time).
+const replayProgressFrom = 1000
+
+// replayProgress returns a ReplayOptions.Progress that writes to w how
+// many of total are replayed, at most once a second.
+func replayProgress(w io.Writer, total int64, now func() time.Time) func(parked.ReplayResult) {
+	var last time.Time
+	return func(r parked.ReplayResult) {
+		if t := now(); t.Sub(last) >= time.Second {
+			last = t
+			fmt.Fprintf(w, "replayed %d of %d\n", r.Replayed, total)
+		}
+	}
 }
 
 // writeReplaySummary says what a replay does or would do: how many, where

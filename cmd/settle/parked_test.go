@@ -464,3 +464,22 @@ func TestParkedNextPageHidesThePassword(t *testing.T) {
 		t.Fatalf("want a next-page command with the password redacted:\n%v", r)
 	}
 }
+
+// A long replay says how far it is, at most once a second.
+func TestReplayProgressLines(t *testing.T) {
+	t.Parallel()
+	var out strings.Builder
+	now := time.Unix(1_800_000_000, 0)
+	clock := func() time.Time { return now }
+	p := replayProgress(&out, 1000, clock)
+	for _, step := range []struct {
+		replayed int64
+		after    time.Duration
+	}{{200, 0}, {400, 300 * time.Millisecond}, {600, 800 * time.Millisecond}, {800, 300 * time.Millisecond}, {1000, 2 * time.Second}} {
+		now = now.Add(step.after)
+		p(parked.ReplayResult{Replayed: step.replayed})
+	}
+	if want := "replayed 200 of 1000\nreplayed 600 of 1000\nreplayed 1000 of 1000\n"; out.String() != want {
+		t.Errorf("progress lines:\n%s\nwant:\n%s", out.String(), want)
+	}
+}
