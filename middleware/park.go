@@ -36,8 +36,16 @@ type ParkConfig struct {
 	// nacked, not counted as an attempt, and parked again on redelivery,
 	// so Park is called again for a message whose copy could not be
 	// published after its record was written (a parked.Store keeps one row
-	// per message and handler). Park is given the delivery's context.
+	// per message and handler). Park is given the delivery's context,
+	// with StoreTimeout as its deadline.
 	Store settle.ParkStore
+	// StoreTimeout bounds each Store.Park: a database that does not answer
+	// defers the delivery within it (as a failed Park does) instead of
+	// holding it and its router slot. A Park that timed out after its
+	// commit is parked again on redelivery, which a parked.Store keeps as
+	// one row. Defaults to 10s when zero; must be 0 or >= 10ms. pipeline
+	// sets it from its Config.StoreTimeout.
+	StoreTimeout time.Duration
 	// Publisher publishes the parked copies. Required with Topic, and
 	// without Store; Publisher and Topic are set together or not at all.
 	// Poison and dead-letter parking may share one. The original is acked
@@ -144,7 +152,13 @@ func (c *ParkConfig) setDefaults() {
 	if c.MaxMetadataBytes == 0 {
 		c.MaxMetadataBytes = park.DefaultMaxMetadata
 	}
+	if c.StoreTimeout == 0 {
+		c.StoreTimeout = defaultParkStoreTimeout
+	}
 }
+
+// defaultParkStoreTimeout is ParkConfig.StoreTimeout when it is zero.
+const defaultParkStoreTimeout = 10 * time.Second
 
 // validate reports the first invalid field.
 func (c ParkConfig) validate() error {
@@ -183,6 +197,8 @@ func (c ParkConfig) validateDelays() error {
 		return fmt.Errorf("middleware: ParkConfig.MaxMetadataBytes must be 0 or >= %d, got %d", minMetadata, c.MaxMetadataBytes)
 	case c.PendingMessages < 1:
 		return fmt.Errorf("middleware: ParkConfig.PendingMessages must be >= 1, got %d", c.PendingMessages)
+	case c.StoreTimeout < 10*time.Millisecond:
+		return fmt.Errorf("middleware: ParkConfig.StoreTimeout must be 0 (its default) or >= 10ms, got %v", c.StoreTimeout)
 	}
 	return nil
 }
@@ -213,16 +229,17 @@ func (c ParkConfig) park(name string, match func(*message.Message, *settlement.R
 		c.Initializer = nil // no topic to declare
 	}
 	return park.Middleware(park.Config{
-		Store:       c.Store,
-		Publisher:   c.Publisher,
-		Topic:       c.Topic,
-		Initializer: c.Initializer,
-		NackDelay:   c.NackDelay,
-		Logger:      c.Logger,
-		Name:        name,
-		Match:       match,
-		Pending:     c.PendingMessages,
-		MaxMetadata: c.MaxMetadataBytes,
+		Store:        c.Store,
+		StoreTimeout: c.StoreTimeout,
+		Publisher:    c.Publisher,
+		Topic:        c.Topic,
+		Initializer:  c.Initializer,
+		NackDelay:    c.NackDelay,
+		Logger:       c.Logger,
+		Name:         name,
+		Match:        match,
+		Pending:      c.PendingMessages,
+		MaxMetadata:  c.MaxMetadataBytes,
 	}), nil
 }
 

@@ -233,3 +233,90 @@ func TestParkingParksAgainWhenTheCopyFailed(t *testing.T) {
 		t.Fatalf("second Park got %+v", p)
 	}
 }
+
+// stuckStore is a parked store behind a silent network partition: each
+// Park waits until its context ends, and says whether it had a deadline.
+type stuckStore struct {
+	mu        sync.Mutex
+	calls     int
+	deadlines []time.Duration // the time each Park was given
+}
+
+func (s *stuckStore) Park(ctx context.Context, _ settle.Parked) error {
+	d, ok := ctx.Deadline()
+	s.mu.Lock()
+	s.calls++
+	if ok {
+		s.deadlines = append(s.deadlines, time.Until(d))
+	}
+	s.mu.Unlock()
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// On a hand-built router, a Park that does not return has
+// ParkConfig.StoreTimeout as its deadline (10s by default): the delivery is
+// deferred within it, not held with its router slot for good, and never
+// acked.
+func TestParkingStoreCallHasADeadline(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name    string
+		timeout time.Duration
+		want    time.Duration
+	}{{"default", 0, 10 * time.Second}, {"set", 30 * time.Millisecond, 30 * time.Millisecond}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			store := &stuckStore{}
+			ps, err := middleware.NewPoison(middleware.ParkConfig{Store: store, StoreTimeout: tc.timeout, NackDelay: settle.NoDelay})
+			must(t, err)
+			in := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 4}, nil)
+			router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, nil)
+			must(t, err)
+			var acked sync.Map
+			router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+				return func(msg *message.Message) ([]*message.Message, error) {
+					out, err := h(msg)
+					if err == nil {
+						acked.Store(msg.UUID, true)
+					}
+					return out, err
+				}
+			})
+			router.AddConsumerHandler("charge", "orders", in, func(m *message.Message) error {
+				return poison.Permanent(errors.New("card expired"))
+			}).AddMiddleware(ps)
+			done := make(chan error, 1)
+			go func() { done <- router.Run(context.Background()) }()
+			<-router.Running()
+			t.Cleanup(func() {
+				must(t, router.Close())
+				must(t, <-done)
+				must(t, in.Close())
+			})
+			msg := message.NewMessage("m-1", []byte("x"))
+			must(t, in.Publish("orders", msg))
+			eventually(t, 5*time.Second, "a Park with a deadline", func() bool {
+				store.mu.Lock()
+				defer store.mu.Unlock()
+				return len(store.deadlines) >= 1
+			})
+			store.mu.Lock()
+			first := store.deadlines[0]
+			store.mu.Unlock()
+			if first > tc.want || first < tc.want-time.Second/2 && tc.want > time.Second {
+				t.Errorf("Park had %v left; want about %v", first, tc.want)
+			}
+			if tc.timeout > 0 {
+				eventually(t, 5*time.Second, "three Parks, each ended by its deadline", func() bool {
+					store.mu.Lock()
+					defer store.mu.Unlock()
+					return store.calls >= 3
+				})
+			}
+			if _, ok := acked.Load("m-1"); ok {
+				t.Error("the message was acked although it was never parked")
+			}
+		})
+	}
+}

@@ -227,9 +227,6 @@ func New(router *message.Router, cfg Config) (*Pipeline, error) {
 			return nil, fmt.Errorf("pipeline: Config.ParkStore: %w", err)
 		}
 	}
-	if cfg.ParkStore != nil {
-		cfg.ParkStore = parkWithin{store: cfg.ParkStore, timeout: cfg.storeTimeout()}
-	}
 	p := &Pipeline{router: router, cfg: cfg}
 	var err error
 	// Handlers with the dedupe middleware have their runs counted by its
@@ -280,7 +277,7 @@ func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, sto
 		initr = noDeclarer{}
 	}
 	parking := func(topic string) middleware.ParkConfig {
-		c := middleware.ParkConfig{Store: p.cfg.ParkStore, NackDelay: p.cfg.NackDelay, Logger: p.cfg.Logger}
+		c := middleware.ParkConfig{Store: p.cfg.ParkStore, StoreTimeout: p.cfg.storeTimeout(), NackDelay: p.cfg.NackDelay, Logger: p.cfg.Logger}
 		if topic != "" {
 			c.Publisher, c.Topic, c.Initializer = p.cfg.Publisher, topic, initr
 		}
@@ -339,21 +336,6 @@ func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, sto
 		mws = append(mws, detachProduced)
 	}
 	return mws, nil
-}
-
-// parkWithin bounds each Park of a parked-message store by timeout, so that
-// a database that does not answer defers the delivery within it instead of
-// holding it (Config.StoreTimeout). A Park that timed out after its commit
-// is parked again on redelivery, which the store keeps as one row.
-type parkWithin struct {
-	store   settle.ParkStore
-	timeout time.Duration
-}
-
-func (p parkWithin) Park(ctx context.Context, m settle.Parked) error {
-	ctx, cancel := context.WithTimeout(ctx, p.timeout)
-	defer cancel()
-	return p.store.Park(ctx, m)
 }
 
 // checkStore checks a store that can check itself (a SQLStore: its claims

@@ -260,9 +260,11 @@ func droppedText(count, total int, names []string) string {
 type Config struct {
 	// Store, when not nil, records each parked message before its copy is
 	// published and its original acked.
-	Store     settle.ParkStore
-	Publisher message.Publisher
-	Topic     string
+	Store settle.ParkStore
+	// StoreTimeout, when > 0, bounds each Store.Park.
+	StoreTimeout time.Duration
+	Publisher    message.Publisher
+	Topic        string
 	// Initializer, when not nil, declares Topic before every copy is
 	// published, so that the broker has somewhere to route it; a failed
 	// declaration is a failed park.
@@ -401,7 +403,7 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 	// The record first: the copy on the topic is published only once the
 	// row is committed, and the original acked only after both.
 	if p.cfg.Store != nil {
-		if err := record(ctx, p.cfg.Store, p.parked(msg, pc.key, info)); err != nil {
+		if err := record(ctx, p.cfg.Store, p.cfg.StoreTimeout, p.parked(msg, pc.key, info)); err != nil {
 			return p.deferred(msg, pc, key, false, fields, fmt.Errorf("%s: %w: %w", p.cfg.Name, ErrStore, err))
 		}
 	}
@@ -501,8 +503,14 @@ func (p *parker) declare() error {
 // record writes the row of pk in store inside an internal span "park
 // <topic>" (topic: the one the message was consumed from), a child of the
 // delivery's span (if the delivery is traced), so that the trace shows
-// where the message went when no copy is published.
-func record(ctx context.Context, store settle.ParkStore, pk settle.Parked) error {
+// where the message went when no copy is published. The Park has timeout
+// (when > 0) as its deadline.
+func record(ctx context.Context, store settle.ParkStore, timeout time.Duration, pk settle.Parked) error {
+	if timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, timeout)
+		defer cancel()
+	}
 	parent := trace.SpanFromContext(ctx)
 	if !parent.SpanContext().IsValid() {
 		return store.Park(ctx, pk)
