@@ -396,12 +396,15 @@ func TestBatchOutcomeIsTheLastRunsOutcome(t *testing.T) {
 
 func batchOutcomeIsTheLastRunsOutcome[TTx any](t *testing.T, d db[TTx]) {
 	e := newTxEnv(t, d)
-	// Someone else holds "held", for a moment.
-	_, err := e.store.Claim(t.Context(), "held", 300*time.Millisecond)
+	// Someone else holds "held", for a moment: long enough for the first
+	// run to find it busy on a loaded machine (at 300ms, a first run that
+	// started late found it lapsed).
+	const hold = 2 * time.Second
+	_, err := e.store.Claim(t.Context(), "held", hold)
 	must(t, err)
 	b := newBatchEnv(t, e, func(msg *message.Message, call int) error {
 		if msg.UUID == "slow" && call == 1 {
-			time.Sleep(time.Second) // the claim on "held" lapses meanwhile
+			time.Sleep(hold + 500*time.Millisecond) // the claim on "held" lapses meanwhile
 			return errors.New("declined")
 		}
 		return nil
