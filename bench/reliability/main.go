@@ -59,6 +59,7 @@ func main() {
 	flag.BoolVar(&cfg.OneSubscription, "one-subscription", false, "batch mode, -broker amqp: each consumer on one amqpsub subscription with -batch-size deliveries in flight, instead of -batch-size watermill-amqp subscriptions")
 	flag.DurationVar(&cfg.BatchWait, "batch-wait", 50*time.Millisecond, "batch mode: how long a batch's first delivery waits for others")
 	flag.Float64Var(&cfg.Aim, "aim", 0.5, "batch mode: share of consumer kills that wait for a batch between its claim statement and its commit")
+	flag.Float64Var(&cfg.StopRate, "stop-rate", 0, "share of the kill cycles that stop the process gracefully (SIGTERM, deliveries in flight) instead of SIGKILL")
 	flag.Float64Var(&cfg.FailRate, "fail-rate", 0, "share of handler calls that fail on purpose (transient; tx and batch mode: after the effect row)")
 	flag.DurationVar(&cfg.FaultHold, "fault-hold", 3*time.Second, "how long RabbitMQ or NATS stays stopped")
 	flag.DurationVar(&cfg.DrainTimeout, "drain-timeout", 2*time.Minute, "bound of the final drain")

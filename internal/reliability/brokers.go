@@ -193,6 +193,9 @@ func redisPubSub(spec childSpec, logger watermill.LoggerAdapter, withSub bool) (
 		ClaimInterval: redisClaimInterval(spec.ClaimTimeout),
 		MaxIdleTime:   redisMaxIdle(spec.ClaimTimeout),
 		OldestId:      "0",
+		// The first read blocks for BlockTime like the others, not for
+		// ever, so that a graceful stop does not wait on it.
+		DisableIndefiniteInitialBlock: true,
 	}, logger)
 	if err != nil {
 		_ = pub.Close()

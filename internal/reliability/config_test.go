@@ -41,6 +41,7 @@ func TestRunRefusesBadConfig(t *testing.T) {
 		{"negative sleep", func(c *reliability.Config) { c.MaxSleep = -time.Millisecond }, "Config.MaxSleep"},
 		{"batch of one", func(c *reliability.Config) { c.Mode, c.BatchSize = reliability.ModeBatch, 1 }, "Config.BatchSize"},
 		{"aim above one", func(c *reliability.Config) { c.Aim = 1.5 }, "Config.Aim"},
+		{"stop rate above one", func(c *reliability.Config) { c.StopRate = 1.5 }, "Config.StopRate"},
 		{"negative fail rate", func(c *reliability.Config) { c.FailRate = -0.1 }, "Config.FailRate"},
 		{"fail rate too high", func(c *reliability.Config) { c.FailRate = 0.9 }, "Config.FailRate"},
 		{"no command", func(c *reliability.Config) { c.Command = nil }, "Config.Command"},

@@ -365,6 +365,9 @@ func (r Result) Print(w io.Writer) {
 		}
 		fmt.Fprintf(tw, "kills of %s\t%d\t%s\n", role, total, strings.Join(parts, ", "))
 	}
+	if r.GracefulStops > 0 {
+		fmt.Fprintf(tw, "of those, graceful stops (SIGTERM)\t%d\n", r.GracefulStops)
+	}
 	fmt.Fprintf(tw, "exits without a kill\t%d\n", r.UnexpectedExits)
 	for _, f := range r.Faults {
 		rec := "NOT RECOVERED"

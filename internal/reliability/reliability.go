@@ -143,6 +143,13 @@ type Config struct {
 	// statement and its commit before the signal. 0 means none: every kill
 	// lands at a random moment. Must be in [0, 1].
 	Aim float64
+	// StopRate is the share of the kill cycles whose process is stopped
+	// gracefully with SIGTERM instead of killed with SIGKILL: it closes its
+	// router and subscriber with deliveries in flight, as in a rolling
+	// restart (a subscriber that acks what it gives up on loses them). The
+	// process gets 20s to exit, then SIGKILL. 0 means none. Must be in
+	// [0, 1].
+	StopRate float64
 	// FailRate is the share of handler calls that fail on purpose with a
 	// transient error: in tx and batch mode after the effect row is written
 	// (the rollback must take it away; in batch mode the rest of the batch
@@ -240,6 +247,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("reliability: Config.OneSubscription is for mode %q on broker %q, got %q on %q", ModeBatch, BrokerAMQP, c.Mode, c.Broker)
 	case c.Aim < 0 || c.Aim > 1:
 		return fmt.Errorf("reliability: Config.Aim must be in [0, 1], got %v", c.Aim)
+	case c.StopRate < 0 || c.StopRate > 1:
+		return fmt.Errorf("reliability: Config.StopRate must be in [0, 1], got %v", c.StopRate)
 	case c.FailRate < 0 || c.FailRate > 0.5:
 		return fmt.Errorf("reliability: Config.FailRate must be in [0, 0.5], got %v", c.FailRate)
 	case c.Command == nil:
@@ -284,8 +293,10 @@ type Result struct {
 	Seed                  uint64
 	Cycles                int
 	// Kills counts the kills by process role and by the phase the process
-	// reported just before it was killed.
+	// reported just before it was killed (graceful stops included).
 	Kills map[string]map[string]int
+	// GracefulStops counts the kills that were a SIGTERM (Config.StopRate).
+	GracefulStops int
 	// UnexpectedExits counts processes that ended without being killed:
 	// they gave up on an error instead of recovering.
 	UnexpectedExits int
@@ -596,7 +607,12 @@ func (d *driver) killCycles(ctx context.Context) error {
 			line = p.status()
 		}
 		pid := p.cmd.Process.Pid
-		if err := d.kill(p); err != nil {
+		sig := syscall.SIGKILL
+		if d.cfg.StopRate > 0 && d.rnd.Float64() < d.cfg.StopRate {
+			sig = syscall.SIGTERM
+			d.res.GracefulStops++
+		}
+		if err := d.kill(p, sig); err != nil {
 			return err
 		}
 		phase, txs := parseStatus(line)
@@ -960,14 +976,26 @@ func (d *driver) start(p *proc) error {
 	return nil
 }
 
-func (d *driver) kill(p *proc) error {
+// kill sends sig (SIGKILL, or SIGTERM for a graceful stop) to p and waits
+// for it to exit; a process that has not exited 20s after a SIGTERM is
+// killed.
+func (d *driver) kill(p *proc, sig syscall.Signal) error {
 	select {
 	case <-p.done:
 		return nil // exited already; checkExits counts it
 	default:
 	}
-	if err := p.cmd.Process.Signal(syscall.SIGKILL); err != nil && !errors.Is(err, os.ErrProcessDone) {
+	if err := p.cmd.Process.Signal(sig); err != nil && !errors.Is(err, os.ErrProcessDone) {
 		return err
+	}
+	if sig != syscall.SIGKILL {
+		select {
+		case <-p.done:
+			return nil
+		case <-time.After(20 * time.Second):
+			d.say("%s did not stop within 20s of %v; killing it", p.spec.Name, sig)
+			_ = p.cmd.Process.Signal(syscall.SIGKILL)
+		}
 	}
 	<-p.done
 	return nil
