@@ -1,8 +1,10 @@
 // Package reliability is settle's crash, restart and service-fault campaign:
-// a driver that runs a relay and two consumers as separate processes on
-// RabbitMQ and a SQL database, kills them with SIGKILL at random points,
-// stops and restarts the services, freezes a consumer with SIGSTOP past its
-// claim (a zombie), and then counts the effects of every logical message. bench/reliability is its command; the integration tests
+// a driver that runs a relay and two consumers as separate processes on a
+// broker (RabbitMQ, NATS JetStream or Redis Streams, see Config.Broker) and
+// a SQL database, kills them with SIGKILL (or stops them with SIGTERM) at
+// random points, stops and restarts the services, freezes a consumer with
+// SIGSTOP past its claim (a zombie), and then counts the effects of every
+// logical message. bench/reliability is its command; the integration tests
 // run a short version.
 package reliability
 
