@@ -115,6 +115,62 @@ func TestReliabilityShortBatch(t *testing.T) {
 	}
 }
 
+// TestReliabilityShortBrokers is the CI-sized run of the campaign on NATS
+// JetStream and Redis Streams, PostgreSQL as the database: tx and batch
+// mode on each, 30 kill cycles (12 in batch mode), half of them a graceful stop (SIGTERM: the
+// process closes its router and subscriber with deliveries in flight,
+// which a subscriber that acks what it gives up on would lose; on
+// JetStream, a subscription without nats.ManualAck does) and half a
+// SIGKILL; in batch mode every consumer kill is aimed at an open batch and
+// 5% of the handler calls fail after their insert. The killed consumers'
+// deliveries must come back through the broker alone (JetStream's AckWait,
+// the Redis consumer group's claim of what a dead consumer left pending),
+// and every placed message must have exactly one effect, nothing left
+// unacked. Not parallel, like TestReliabilityShort; four runs of 5 to 15s.
+func TestReliabilityShortBrokers(t *testing.T) {
+	dbURL := testenv.Require(t, testenv.PostgresURLEnv)
+	for _, tc := range []struct {
+		broker, env, mode string
+	}{
+		{reliability.BrokerNATS, testenv.NATSURLEnv, reliability.ModeTx},
+		{reliability.BrokerNATS, testenv.NATSURLEnv, reliability.ModeBatch},
+		{reliability.BrokerRedis, testenv.RedisURLEnv, reliability.ModeTx},
+		{reliability.BrokerRedis, testenv.RedisURLEnv, reliability.ModeBatch},
+	} {
+		t.Run(tc.broker+"-"+tc.mode, func(t *testing.T) {
+			cfg := reliability.Config{
+				DB:       dbURL,
+				Broker:   tc.broker,
+				Mode:     tc.mode,
+				Cycles:   30,
+				Messages: 150,
+				StopRate: 0.5,
+			}
+			if tc.broker == reliability.BrokerNATS {
+				cfg.NATS = testenv.Require(t, tc.env)
+			} else {
+				cfg.Redis = testenv.Require(t, tc.env)
+			}
+			if tc.mode == reliability.ModeBatch {
+				// Fewer cycles: each aimed kill waits up to a second for a
+				// batch.
+				cfg.Cycles, cfg.Messages, cfg.Aim, cfg.FailRate = 12, 120, 1, 0.05
+			}
+			res := runCampaign(t, cfg)
+			wantEffects(t, res, cfg.Messages)
+			if res.LeftOnQueue != 0 {
+				t.Errorf("%d deliveries left unacked on the broker", res.LeftOnQueue)
+			}
+			if res.GracefulStops == 0 || res.GracefulStops == cfg.Cycles {
+				t.Errorf("%d graceful stops in %d cycles: want some SIGTERMs and some SIGKILLs", res.GracefulStops, cfg.Cycles)
+			}
+			if tc.mode == reliability.ModeBatch && res.BatchKillsUncommitted == 0 {
+				t.Errorf("%d kills aimed, %d in a batch, none before its commit: the campaign did not kill mid-batch", res.Aimed, res.BatchKills)
+			}
+		})
+	}
+}
+
 // TestReliabilityShortZombie is the CI-sized zombie run on MariaDB at its
 // default isolation (REPEATABLE READ), tx mode: settle's transactional
 // handler behind the dedupe middleware, whose handler reads before it

@@ -16,11 +16,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/settle-go/settle/amqpmarshal"
-	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/middleware"
@@ -48,7 +45,7 @@ const (
 	phaseBatch      = "mid-batch"        // batch consumer: keys claimed in a transaction of >= 2 messages, not committed
 	phaseEffect     = "effect-unconfirm" // plain consumer: effect written, key not confirmed
 	phaseCommitted  = "committed-unacked"
-	phasePublishing = "mid-forward" // relay: publishing to RabbitMQ
+	phasePublishing = "mid-forward" // relay: publishing to the broker
 	phasePublished  = "published-unmarked"
 	statusWidth     = 64 // a phase, and for mid-batch the open transactions
 )
@@ -60,7 +57,10 @@ type childSpec struct {
 	Name         string        `json:"name"`
 	Mode         string        `json:"mode"`
 	DB           string        `json:"db"`
+	Broker       string        `json:"broker"`
 	AMQP         string        `json:"amqp"`
+	NATS         string        `json:"nats"`
+	Redis        string        `json:"redis"`
 	Topic        string        `json:"topic"`
 	OutboxTopic  string        `json:"outbox_topic"`
 	Claims       string        `json:"claims"`
@@ -159,39 +159,20 @@ func (s *sleeper) sleep(ctx context.Context) {
 	}
 }
 
-func amqpConfig(url string) (amqp.Config, error) {
-	m, err := amqpmarshal.New(amqpmarshal.Config{})
-	if err != nil {
-		return amqp.Config{}, err
-	}
-	cfg := amqp.NewDurableQueueConfig(url)
-	cfg.Marshaler = m
-	cfg.Publish.ConfirmDelivery = true
-	cfg.Consume.Qos.PrefetchCount = 8
-	// Reconnect quickly after a broker restart; watermill-amqp's default
-	// starts at 500ms and grows to 60s.
-	cfg.Connection.Reconnect = &amqp.ReconnectConfig{
-		BackoffInitialInterval:     100 * time.Millisecond,
-		BackoffRandomizationFactor: 0.5,
-		BackoffMultiplier:          1.5,
-		BackoffMaxInterval:         2 * time.Second,
-	}
-	return cfg, nil
-}
-
 // child is what both roles open: the database, the status file, the
-// sleeper, the logger, and the broker's config with a publisher on it.
+// sleeper, the logger, the broker's publisher and, for a consumer, its
+// subscriber.
 type child struct {
 	db      *sql.DB
 	dialect sqldb.Dialect
 	st      *status
 	sl      *sleeper
 	logger  watermill.LoggerAdapter
-	amqp    amqp.Config
-	pub     *amqp.Publisher
+	pub     message.Publisher
+	sub     message.Subscriber
 }
 
-func openChild(spec childSpec) (*child, error) {
+func openChild(spec childSpec, withSub bool) (*child, error) {
 	db, dialect, err := sqlurl.Open(spec.DB)
 	if err != nil {
 		return nil, err
@@ -208,18 +189,19 @@ func openChild(spec childSpec) (*child, error) {
 		sl:      &sleeper{rnd: rand.New(rand.NewPCG(spec.Seed, uint64(os.Getpid()))), max: spec.MaxSleep},
 		logger:  watermill.NewStdLoggerWithOut(os.Stderr, false, false),
 	}
-	if c.amqp, err = amqpConfig(spec.AMQP); err == nil {
-		c.pub, err = amqp.NewPublisher(c.amqp, c.logger)
-	}
-	if err != nil {
+	if c.pub, c.sub, err = pubSub(spec, c.logger, withSub); err != nil {
 		c.close()
 		return nil, err
 	}
 	return c, nil
 }
 
-// close closes the publisher (if open), the status file and the database.
+// close closes the subscriber and the publisher (if open), the status file
+// and the database.
 func (c *child) close() {
+	if c.sub != nil {
+		_ = c.sub.Close()
+	}
 	if c.pub != nil {
 		_ = c.pub.Close()
 	}
@@ -227,11 +209,11 @@ func (c *child) close() {
 	_ = c.db.Close()
 }
 
-// runRelay forwards the outbox to RabbitMQ. Its publisher reports the phases
+// runRelay forwards the outbox to the broker. Its publisher reports the phases
 // around each publish and sleeps after the broker's confirmation, widening
 // the window in which a kill leaves a published row unmarked.
 func runRelay(ctx context.Context, spec childSpec) error {
-	c, err := openChild(spec)
+	c, err := openChild(spec, false)
 	if err != nil {
 		return err
 	}
@@ -275,22 +257,12 @@ func (p *phasePublisher) Close() error { return nil }
 // runConsumer consumes the campaign's topic with settle's stack and writes
 // one effect row per delivery that reaches the handler's success path.
 func runConsumer(ctx context.Context, spec childSpec) error {
-	c, err := openChild(spec)
+	c, err := openChild(spec, true)
 	if err != nil {
 		return err
 	}
 	defer c.close()
-	db, dialect, st, sl, logger, cfg, pub := c.db, c.dialect, c.st, c.sl, c.logger, c.amqp, c.pub
-	var sub message.Subscriber
-	if spec.OneSubscription {
-		sub, err = amqpsub.NewSubscriber(amqpsub.Config{AMQP: cfg, InFlight: spec.BatchSize}, logger)
-	} else {
-		sub, err = amqp.NewSubscriber(cfg, logger)
-	}
-	if err != nil {
-		return err
-	}
-	defer sub.Close()
+	db, dialect, st, sl, logger, pub, sub := c.db, c.dialect, c.st, c.sl, c.logger, c.pub, c.sub
 	store, err := dedupe.NewSQLStore(sqldb.Std(db, dialect), dedupe.SQLConfig{Table: spec.Claims})
 	if err != nil {
 		return err
@@ -329,7 +301,9 @@ func runConsumer(ctx context.Context, spec childSpec) error {
 	concurrency := 1
 	if spec.Mode == ModeBatch && !spec.OneSubscription {
 		// As many subscriptions as a batch holds, so that batches can fill
-		// (one amqpsub subscription has them all in flight).
+		// (one amqpsub subscription has them all in flight; a
+		// watermill-nats or watermill-redisstream subscription hands out one
+		// delivery at a time, as watermill-amqp's does).
 		concurrency = spec.BatchSize
 	}
 	p, err := pipeline.New(router, pipeline.Config{

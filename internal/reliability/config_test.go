@@ -24,6 +24,16 @@ func TestRunRefusesBadConfig(t *testing.T) {
 	}{
 		{"no db", func(c *reliability.Config) { c.DB = "" }, "Config.DB"},
 		{"no amqp", func(c *reliability.Config) { c.AMQP = "" }, "Config.AMQP"},
+		{"unknown broker", func(c *reliability.Config) { c.Broker = "kafka" }, "Config.Broker"},
+		{"no nats", func(c *reliability.Config) { c.Broker = reliability.BrokerNATS }, "Config.NATS"},
+		{"no redis", func(c *reliability.Config) { c.Broker = reliability.BrokerRedis }, "Config.Redis"},
+		{"one subscription on nats", func(c *reliability.Config) {
+			c.Broker, c.NATS, c.Mode, c.OneSubscription = reliability.BrokerNATS, "nats://127.0.0.1:1", reliability.ModeBatch, true
+		}, "Config.OneSubscription"},
+		{"rabbitmq fault on redis", func(c *reliability.Config) {
+			c.Broker, c.Redis, c.Faults = reliability.BrokerRedis, "redis://127.0.0.1:1/0", []string{reliability.FaultRabbitMQ}
+		}, "Config.Faults"},
+		{"nats fault on rabbitmq", func(c *reliability.Config) { c.Faults = []string{reliability.FaultNATS} }, "Config.Faults"},
 		{"bad mode", func(c *reliability.Config) { c.Mode = "exactly-once" }, "Config.Mode"},
 		{"negative cycles", func(c *reliability.Config) { c.Cycles = -1 }, "Config.Cycles"},
 		{"negative messages", func(c *reliability.Config) { c.Messages = -5 }, "Config.Messages"},
@@ -31,6 +41,7 @@ func TestRunRefusesBadConfig(t *testing.T) {
 		{"negative sleep", func(c *reliability.Config) { c.MaxSleep = -time.Millisecond }, "Config.MaxSleep"},
 		{"batch of one", func(c *reliability.Config) { c.Mode, c.BatchSize = reliability.ModeBatch, 1 }, "Config.BatchSize"},
 		{"aim above one", func(c *reliability.Config) { c.Aim = 1.5 }, "Config.Aim"},
+		{"stop rate above one", func(c *reliability.Config) { c.StopRate = 1.5 }, "Config.StopRate"},
 		{"negative fail rate", func(c *reliability.Config) { c.FailRate = -0.1 }, "Config.FailRate"},
 		{"fail rate too high", func(c *reliability.Config) { c.FailRate = 0.9 }, "Config.FailRate"},
 		{"no command", func(c *reliability.Config) { c.Command = nil }, "Config.Command"},

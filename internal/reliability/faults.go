@@ -14,9 +14,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	amqp091 "github.com/rabbitmq/amqp091-go"
 
-	"github.com/settle-go/settle/amqpmarshal"
 	"github.com/settle-go/settle/sqldb"
 )
 
@@ -103,6 +101,49 @@ func (d *driver) faults(ctx context.Context) error {
 	return placeErr
 }
 
+// natsServer is the server binary that FaultNATS stops, and natsStart the
+// arguments it is started again with: the machine's own command (see the
+// machine's notes), JetStream on, its store in /var/lib/nats-server.
+const natsServer = "/usr/sbin/nats-server"
+
+var natsStart = []string{"--start", "--oknodo", "--background", "--exec", natsServer, "--",
+	"-a", "127.0.0.1", "-p", "4222", "-js", "-sd", "/var/lib/nats-server", "-l", "/var/log/nats-server.log"}
+
+// restartNATS stops nats-server, waits Config.FaultHold, starts it again
+// and waits until JetStream answers for the campaign's consumer. Whatever
+// happens after the stop, the server is started again before it returns.
+func (d *driver) restartNATS(ctx context.Context) (err error) {
+	if err := command(ctx, "start-stop-daemon", "--stop", "--oknodo", "--retry", "TERM/15/KILL/5", "--exec", natsServer); err != nil {
+		return err
+	}
+	started := false
+	defer func() {
+		if !started {
+			err = errors.Join(err, command(context.WithoutCancel(ctx), "start-stop-daemon", natsStart...))
+		}
+	}()
+	if err := sleepCtx(ctx, d.cfg.FaultHold); err != nil {
+		return err
+	}
+	started = true
+	if err := command(ctx, "start-stop-daemon", natsStart...); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, _, err := d.broker.depth(ctx)
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("nats-server started, JetStream not answering after 30s: %w", err)
+		}
+		if err := sleepCtx(ctx, 100*time.Millisecond); err != nil {
+			return err
+		}
+	}
+}
+
 // inject causes one fault and returns once the service is back (or, for
 // pgterminate, once the connections are gone).
 func (d *driver) inject(ctx context.Context, f string) error {
@@ -119,6 +160,8 @@ func (d *driver) inject(ctx context.Context, f string) error {
 			return err
 		}
 		return command(ctx, "rabbitmqctl", "start_app")
+	case FaultNATS:
+		return d.restartNATS(ctx)
 	case FaultPostgres:
 		out, err := exec.CommandContext(ctx, "pg_lsclusters", "-h").Output()
 		if err != nil {
@@ -264,17 +307,7 @@ func (d *driver) redeliver(ctx context.Context, msgID string) error {
 	if err := d.db.QueryRowContext(ctx, q, msgID).Scan(&seq); err != nil {
 		return fmt.Errorf("reliability: redeliver %s: %w", msgID, err)
 	}
-	m, err := amqpmarshal.New(amqpmarshal.Config{})
-	if err != nil {
-		return err
-	}
-	pub, err := m.Marshal(message.NewMessage(msgID, []byte(fmt.Sprintf(`{"seq":%d}`, seq))))
-	if err != nil {
-		return err
-	}
-	return d.withChannel(func(ch *amqp091.Channel) error {
-		return ch.PublishWithContext(ctx, "", d.topic, false, false, pub)
-	})
+	return d.broker.publish(ctx, message.NewMessage(msgID, []byte(fmt.Sprintf(`{"seq":%d}`, seq))))
 }
 
 // handlerStatus splits a consumer's status line into its phase and, in its
@@ -318,6 +351,7 @@ func command(ctx context.Context, name string, args ...string) error {
 func (r Result) Print(w io.Writer) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintf(tw, "mode\t%s\n", r.Mode)
+	fmt.Fprintf(tw, "broker\t%s\n", r.Broker)
 	fmt.Fprintf(tw, "database\t%s\n", r.Dialect)
 	fmt.Fprintf(tw, "seed\t%d\n", r.Seed)
 	fmt.Fprintf(tw, "kill cycles\t%d\n", r.Cycles)
@@ -330,6 +364,9 @@ func (r Result) Print(w io.Writer) {
 			total += m[p]
 		}
 		fmt.Fprintf(tw, "kills of %s\t%d\t%s\n", role, total, strings.Join(parts, ", "))
+	}
+	if r.GracefulStops > 0 {
+		fmt.Fprintf(tw, "of those, graceful stops (SIGTERM)\t%d\n", r.GracefulStops)
 	}
 	fmt.Fprintf(tw, "exits without a kill\t%d\n", r.UnexpectedExits)
 	for _, f := range r.Faults {

@@ -1,8 +1,10 @@
 // Package reliability is settle's crash, restart and service-fault campaign:
-// a driver that runs a relay and two consumers as separate processes on
-// RabbitMQ and a SQL database, kills them with SIGKILL at random points,
-// stops and restarts the services, freezes a consumer with SIGSTOP past its
-// claim (a zombie), and then counts the effects of every logical message. bench/reliability is its command; the integration tests
+// a driver that runs a relay and two consumers as separate processes on a
+// broker (RabbitMQ, NATS JetStream or Redis Streams, see Config.Broker) and
+// a SQL database, kills them with SIGKILL (or stops them with SIGTERM) at
+// random points, stops and restarts the services, freezes a consumer with
+// SIGSTOP past its claim (a zombie), and then counts the effects of every
+// logical message. bench/reliability is its command; the integration tests
 // run a short version.
 package reliability
 
@@ -26,7 +28,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/sqlurl"
@@ -48,11 +49,28 @@ const (
 	ModeBatch = "batch"
 )
 
+// Brokers the campaign runs on.
+const (
+	// BrokerAMQP: RabbitMQ through watermill-amqp (or amqpsub, see
+	// Config.OneSubscription).
+	BrokerAMQP = "amqp"
+	// BrokerNATS: NATS JetStream through watermill-nats, a durable consumer
+	// delivered to a queue group, manual acks.
+	BrokerNATS = "nats"
+	// BrokerRedis: Redis Streams through watermill-redisstream, a consumer
+	// group whose consumers claim what a dead one left pending.
+	BrokerRedis = "redis"
+)
+
 // Faults the campaign can inject after its kill cycles.
 const (
 	// FaultRabbitMQ stops the RabbitMQ application (rabbitmqctl stop_app)
-	// for Config.FaultHold and starts it again.
+	// for Config.FaultHold and starts it again (BrokerAMQP).
 	FaultRabbitMQ = "rabbitmq"
+	// FaultNATS stops nats-server (start-stop-daemon --stop) for
+	// Config.FaultHold and starts it again with the machine's command
+	// (BrokerNATS). JetStream keeps its streams and consumers on disk.
+	FaultNATS = "nats"
 	// FaultPostgres restarts the PostgreSQL cluster (pg_ctlcluster restart).
 	FaultPostgres = "postgres"
 	// FaultPGTerminate kills every other connection to the database with
@@ -75,8 +93,17 @@ const (
 type Config struct {
 	// DB is the database URL (postgres:// or mysql://). Required.
 	DB string
-	// AMQP is the RabbitMQ URL. Required.
+	// Broker is BrokerAMQP, BrokerNATS or BrokerRedis. Defaults to
+	// BrokerAMQP.
+	Broker string
+	// AMQP is the RabbitMQ URL. Required with BrokerAMQP.
 	AMQP string
+	// NATS is the NATS URL (with JetStream enabled). Required with
+	// BrokerNATS.
+	NATS string
+	// Redis is the Redis URL (redis://host:port/db). Required with
+	// BrokerRedis. The campaign's streams are deleted at the end.
+	Redis string
 	// Mode is ModeTx, ModePlain or ModeBatch. Defaults to ModeTx.
 	Mode string
 	// Cycles is the number of kill-and-restart cycles. Must be >= 0.
@@ -104,9 +131,9 @@ type Config struct {
 	// its TxConfig.Batch.MaxSize: the most deliveries one transaction
 	// carries. Defaults to 8. Must be >= 2.
 	BatchSize int
-	// OneSubscription makes, in ModeBatch, each consumer take its
-	// deliveries through one amqpsub subscription with BatchSize of them in
-	// flight, instead of BatchSize watermill-amqp subscriptions.
+	// OneSubscription makes, in ModeBatch on BrokerAMQP, each consumer take
+	// its deliveries through one amqpsub subscription with BatchSize of them
+	// in flight, instead of BatchSize watermill-amqp subscriptions.
 	OneSubscription bool
 	// BatchWait is, in ModeBatch, TxConfig.Batch.MaxWait: how long the first
 	// delivery of a batch waits for others. Defaults to 50ms (the relay
@@ -118,13 +145,20 @@ type Config struct {
 	// statement and its commit before the signal. 0 means none: every kill
 	// lands at a random moment. Must be in [0, 1].
 	Aim float64
+	// StopRate is the share of the kill cycles whose process is stopped
+	// gracefully with SIGTERM instead of killed with SIGKILL: it closes its
+	// router and subscriber with deliveries in flight, as in a rolling
+	// restart (a subscriber that acks what it gives up on loses them). The
+	// process gets 20s to exit, then SIGKILL. 0 means none. Must be in
+	// [0, 1].
+	StopRate float64
 	// FailRate is the share of handler calls that fail on purpose with a
 	// transient error: in tx and batch mode after the effect row is written
 	// (the rollback must take it away; in batch mode the rest of the batch
 	// runs again without the message), in plain mode before it. 0 means
 	// none. Must be in [0, 0.5].
 	FailRate float64
-	// FaultHold is how long RabbitMQ stays stopped. Defaults to 3s.
+	// FaultHold is how long RabbitMQ or NATS stays stopped. Defaults to 3s.
 	FaultHold time.Duration
 	// RecoverTimeout bounds the wait for the first effect after a fault.
 	// Defaults to 60s.
@@ -144,6 +178,9 @@ type Config struct {
 func (c *Config) setDefaults() {
 	if c.Mode == "" {
 		c.Mode = ModeTx
+	}
+	if c.Broker == "" {
+		c.Broker = BrokerAMQP
 	}
 	if c.Messages == 0 {
 		c.Messages = max(100, 5*c.Cycles)
@@ -188,8 +225,14 @@ func (c Config) Validate() error {
 	switch {
 	case c.DB == "":
 		return errors.New("reliability: Config.DB is required")
-	case c.AMQP == "":
-		return errors.New("reliability: Config.AMQP is required")
+	case c.Broker != BrokerAMQP && c.Broker != BrokerNATS && c.Broker != BrokerRedis:
+		return fmt.Errorf("reliability: Config.Broker must be %q, %q or %q, got %q", BrokerAMQP, BrokerNATS, BrokerRedis, c.Broker)
+	case c.Broker == BrokerAMQP && c.AMQP == "":
+		return errors.New("reliability: Config.AMQP is required with broker " + BrokerAMQP)
+	case c.Broker == BrokerNATS && c.NATS == "":
+		return errors.New("reliability: Config.NATS is required with broker " + BrokerNATS)
+	case c.Broker == BrokerRedis && c.Redis == "":
+		return errors.New("reliability: Config.Redis is required with broker " + BrokerRedis)
 	case c.Mode != ModeTx && c.Mode != ModePlain && c.Mode != ModeBatch:
 		return fmt.Errorf("reliability: Config.Mode must be %q, %q or %q, got %q", ModeTx, ModePlain, ModeBatch, c.Mode)
 	case c.Cycles < 0:
@@ -202,10 +245,12 @@ func (c Config) Validate() error {
 		return fmt.Errorf("reliability: Config.MaxSleep must be >= 0, got %v", c.MaxSleep)
 	case c.BatchSize < 2:
 		return fmt.Errorf("reliability: Config.BatchSize must be >= 2, got %d", c.BatchSize)
-	case c.OneSubscription && c.Mode != ModeBatch:
-		return fmt.Errorf("reliability: Config.OneSubscription is for mode %q, got %q", ModeBatch, c.Mode)
+	case c.OneSubscription && (c.Mode != ModeBatch || c.Broker != BrokerAMQP):
+		return fmt.Errorf("reliability: Config.OneSubscription is for mode %q on broker %q, got %q on %q", ModeBatch, BrokerAMQP, c.Mode, c.Broker)
 	case c.Aim < 0 || c.Aim > 1:
 		return fmt.Errorf("reliability: Config.Aim must be in [0, 1], got %v", c.Aim)
+	case c.StopRate < 0 || c.StopRate > 1:
+		return fmt.Errorf("reliability: Config.StopRate must be in [0, 1], got %v", c.StopRate)
 	case c.FailRate < 0 || c.FailRate > 0.5:
 		return fmt.Errorf("reliability: Config.FailRate must be in [0, 0.5], got %v", c.FailRate)
 	case c.Command == nil:
@@ -213,13 +258,17 @@ func (c Config) Validate() error {
 	}
 	for _, f := range c.Faults {
 		switch f {
-		case FaultRabbitMQ, FaultPostgres, FaultPGTerminate:
+		case FaultPostgres, FaultPGTerminate:
+		case FaultRabbitMQ, FaultNATS:
+			if want := map[string]string{FaultRabbitMQ: BrokerAMQP, FaultNATS: BrokerNATS}[f]; c.Broker != want {
+				return fmt.Errorf("reliability: Config.Faults: fault %s is for broker %q, not %q", f, want, c.Broker)
+			}
 		case FaultSIGSTOP:
 			if c.Mode != ModeTx {
 				return fmt.Errorf("reliability: Config.Faults: fault %s is for mode %q, not %q", f, ModeTx, c.Mode)
 			}
 		default:
-			return fmt.Errorf("reliability: Config.Faults: unknown fault %q (want %s, %s, %s or %s)", f, FaultRabbitMQ, FaultPostgres, FaultPGTerminate, FaultSIGSTOP)
+			return fmt.Errorf("reliability: Config.Faults: unknown fault %q (want %s, %s, %s, %s or %s)", f, FaultRabbitMQ, FaultNATS, FaultPostgres, FaultPGTerminate, FaultSIGSTOP)
 		}
 	}
 	return nil
@@ -242,12 +291,14 @@ type FaultResult struct {
 
 // Result is the campaign's outcome.
 type Result struct {
-	Mode, Dialect string
-	Seed          uint64
-	Cycles        int
+	Mode, Dialect, Broker string
+	Seed                  uint64
+	Cycles                int
 	// Kills counts the kills by process role and by the phase the process
-	// reported just before it was killed.
+	// reported just before it was killed (graceful stops included).
 	Kills map[string]map[string]int
+	// GracefulStops counts the kills that were a SIGTERM (Config.StopRate).
+	GracefulStops int
 	// UnexpectedExits counts processes that ended without being killed:
 	// they gave up on an error instead of recovering.
 	UnexpectedExits int
@@ -260,7 +311,7 @@ type Result struct {
 	Extra        int // effect rows beyond the first per message
 	Unplaced     int // effect rows of no placed message (must be 0)
 	DeadLettered int // copies on the dead-letter and poison queues
-	LeftOnQueue  int // deliveries still on the queue after the consumers stopped
+	LeftOnQueue  int // deliveries still on the queue (not acked) after the consumers stopped
 	ClaimRuns    int // claims acquired (handler starts), summed over messages
 
 	// Batch mode only.
@@ -368,6 +419,7 @@ type driver struct {
 	cfg     Config
 	db      *sql.DB
 	dialect sqldb.Dialect
+	broker  brokerAdmin
 	ob      *outbox.Outbox[*sql.Tx]
 	rnd     *mrand.Rand
 	runID   string
@@ -398,8 +450,9 @@ func newDriver(ctx context.Context, cfg Config) (d *driver, err error) {
 		claims:      "rel_claims_" + id,
 		effects:     "rel_effects_" + id,
 		placed:      "rel_placed_" + id,
-		res:         Result{Mode: cfg.Mode, Seed: cfg.Seed, Cycles: cfg.Cycles, Kills: map[string]map[string]int{}},
+		res:         Result{Mode: cfg.Mode, Broker: cfg.Broker, Seed: cfg.Seed, Cycles: cfg.Cycles, Kills: map[string]map[string]int{}},
 	}
+	d.broker = newBrokerAdmin(cfg, d.topic)
 	if d.dialect, err = dialectOf(cfg.DB); err != nil {
 		return nil, err
 	}
@@ -459,7 +512,7 @@ func newDriver(ctx context.Context, cfg Config) (d *driver, err error) {
 	if err := d.ob.InitSchema(ctx); err != nil {
 		return nil, err
 	}
-	if err := d.declareQueues(); err != nil {
+	if err := d.broker.declare(ctx); err != nil {
 		return nil, err
 	}
 	return d, nil
@@ -470,61 +523,17 @@ func dialectOf(u string) (sqldb.Dialect, error) {
 	return dialect, err
 }
 
-func (d *driver) queues() []string {
-	return []string{d.topic, d.topic + ".dead_letter", d.topic + ".poison"}
-}
-
-func (d *driver) declareQueues() error {
-	return d.withChannel(func(ch *amqp091.Channel) error {
-		for _, q := range d.queues() {
-			if _, err := ch.QueueDeclare(q, true, false, false, false, nil); err != nil {
-				return fmt.Errorf("reliability: declare queue %s: %w", q, err)
-			}
-		}
-		return nil
-	})
-}
-
-func (d *driver) withChannel(fn func(*amqp091.Channel) error) error {
-	conn, err := amqp091.Dial(d.cfg.AMQP)
-	if err != nil {
-		return fmt.Errorf("reliability: rabbitmq: %w", err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		return fmt.Errorf("reliability: rabbitmq: %w", err)
-	}
-	defer ch.Close()
-	return fn(ch)
-}
-
-// queueDepth returns the ready messages of each queue.
-func (d *driver) queueDepth(queues ...string) ([]int, error) {
-	out := make([]int, len(queues))
-	err := d.withChannel(func(ch *amqp091.Channel) error {
-		for i, q := range queues {
-			st, err := ch.QueueDeclarePassive(q, true, false, false, false, nil)
-			if err != nil {
-				return err
-			}
-			out[i] = st.Messages
-		}
-		return nil
-	})
-	return out, err
-}
-
 func (d *driver) say(format string, args ...any) {
 	fmt.Fprintf(d.cfg.Out, time.Now().Format("15:04:05.000")+" "+format+"\n", args...)
 }
 
 func (d *driver) run(ctx context.Context) (Result, error) {
 	start := time.Now()
-	d.say("run %s: %s mode on %s, %d cycles, %d messages, faults %v, seed %d, logs in %s",
-		d.runID, d.cfg.Mode, d.dialect, d.cfg.Cycles, d.cfg.Messages, d.cfg.Faults, d.cfg.Seed, d.dir)
+	d.say("run %s: %s mode on %s and %s, %d cycles, %d messages, faults %v, seed %d, logs in %s",
+		d.runID, d.cfg.Mode, d.dialect, d.cfg.Broker, d.cfg.Cycles, d.cfg.Messages, d.cfg.Faults, d.cfg.Seed, d.dir)
 	for i, spec := range []childSpec{{Role: roleRelay, Name: "relay"}, {Role: roleConsumer, Name: "consumer-1"}, {Role: roleConsumer, Name: "consumer-2"}} {
-		spec.Mode, spec.DB, spec.AMQP = d.cfg.Mode, d.cfg.DB, d.cfg.AMQP // DB with the run's application_name
+		spec.Mode, spec.DB = d.cfg.Mode, d.cfg.DB // DB with the run's application_name
+		spec.Broker, spec.AMQP, spec.NATS, spec.Redis = d.cfg.Broker, d.cfg.AMQP, d.cfg.NATS, d.cfg.Redis
 		spec.Topic, spec.OutboxTopic, spec.Claims, spec.Effects = d.topic, d.outboxTopic, d.claims, d.effects
 		spec.StatusFile = filepath.Join(d.dir, spec.Name+".status")
 		spec.MaxSleep, spec.ClaimTimeout = d.cfg.MaxSleep, d.cfg.ClaimTimeout
@@ -600,7 +609,12 @@ func (d *driver) killCycles(ctx context.Context) error {
 			line = p.status()
 		}
 		pid := p.cmd.Process.Pid
-		if err := d.kill(p); err != nil {
+		sig := syscall.SIGKILL
+		if d.cfg.StopRate > 0 && d.rnd.Float64() < d.cfg.StopRate {
+			sig = syscall.SIGTERM
+			d.res.GracefulStops++
+		}
+		if err := d.kill(p, sig); err != nil {
 			return err
 		}
 		phase, txs := parseStatus(line)
@@ -703,12 +717,12 @@ func (d *driver) drain(ctx context.Context) error {
 		if err == nil {
 			st, err = d.ob.Status(ctx)
 		}
-		var depth []int
+		var backlog int
 		if err == nil {
-			depth, err = d.queueDepth(d.topic)
+			backlog, _, err = d.broker.depth(ctx)
 		}
 		if err == nil {
-			missing, pending, ready = m, int(st.Pending), depth[0]
+			missing, pending, ready = m, int(st.Pending), backlog
 			switch {
 			case missing > 0 && pending == 0 && ready == 0 && effects == last:
 				stable = time.Time{}
@@ -776,11 +790,10 @@ func (d *driver) count(ctx context.Context) error {
 	if err := d.countZombies(ctx); err != nil {
 		return err
 	}
-	depth, err := d.queueDepth(d.queues()...)
-	if err != nil {
+	var err error
+	if r.LeftOnQueue, r.DeadLettered, err = d.broker.depth(ctx); err != nil {
 		return fmt.Errorf("reliability: queue depth: %w", err)
 	}
-	r.LeftOnQueue, r.DeadLettered = depth[0], depth[1]+depth[2]
 	return nil
 }
 
@@ -808,14 +821,7 @@ func (d *driver) close(keepLogs bool) error {
 		}
 	}
 	errs = append(errs, d.db.Close())
-	errs = append(errs, d.withChannel(func(ch *amqp091.Channel) error {
-		for _, q := range d.queues() {
-			if _, err := ch.QueueDelete(q, false, false, false); err != nil {
-				return err
-			}
-		}
-		return nil
-	}))
+	errs = append(errs, d.broker.remove(ctx))
 	if keepLogs {
 		fmt.Fprintf(d.cfg.Out, "process logs kept in %s\n", d.dir)
 	} else if d.dir != "" {
@@ -972,14 +978,26 @@ func (d *driver) start(p *proc) error {
 	return nil
 }
 
-func (d *driver) kill(p *proc) error {
+// kill sends sig (SIGKILL, or SIGTERM for a graceful stop) to p and waits
+// for it to exit; a process that has not exited 20s after a SIGTERM is
+// killed.
+func (d *driver) kill(p *proc, sig syscall.Signal) error {
 	select {
 	case <-p.done:
 		return nil // exited already; checkExits counts it
 	default:
 	}
-	if err := p.cmd.Process.Signal(syscall.SIGKILL); err != nil && !errors.Is(err, os.ErrProcessDone) {
+	if err := p.cmd.Process.Signal(sig); err != nil && !errors.Is(err, os.ErrProcessDone) {
 		return err
+	}
+	if sig != syscall.SIGKILL {
+		select {
+		case <-p.done:
+			return nil
+		case <-time.After(20 * time.Second):
+			d.say("%s did not stop within 20s of %v; killing it", p.spec.Name, sig)
+			_ = p.cmd.Process.Signal(syscall.SIGKILL)
+		}
 	}
 	<-p.done
 	return nil
