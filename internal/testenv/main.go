@@ -45,6 +45,7 @@ var services = map[string]string{
 	PostgresURLEnv:      "PostgreSQL",
 	MySQLURLEnv:         "MySQL",
 	AMQPURLEnv:          "RabbitMQ",
+	NATSURLEnv:          "NATS JetStream",
 	"SETTLE_JAEGER_BIN": "Jaeger",
 }
 

@@ -1,0 +1,232 @@
+package natsjs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wmnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/nats-io/nats.go"
+
+	"github.com/settle-go/settle/internal/settlement"
+)
+
+// Config configures a Subscriber. Durable is required; every other field has
+// a default that settle's guarantees hold with.
+type Config struct {
+	// Durable names the JetStream durable consumer of each topic (Durable,
+	// "_", the topic with '.', '*', '>' and spaces made '_') and the queue
+	// group its subscriptions join. Every subscription with the same Durable
+	// on a topic, in this process or another, takes its share of the
+	// topic's messages (competing consumers), and a process that restarts
+	// resumes from the first message not acked. Required; letters, digits,
+	// '-' and '_' only.
+	Durable string
+
+	// AckWait is how long JetStream waits for the ack of a delivery before it
+	// delivers the message again (the consumer's AckWait), and how long the
+	// subscriber waits for the router to ack or nack it. It bounds how soon
+	// the message of a consumer that died comes back; a handler that runs
+	// longer than AckWait has its message delivered again while it runs (see
+	// the package documentation). Keep it longer than the longest handler
+	// and at least the dedupe claim timeout (pipeline.Config.ClaimTimeout,
+	// 30s by default). Defaults to 30s. Must be >= 1s.
+	AckWait time.Duration
+
+	// NakDelay is how long JetStream holds a nacked delivery before it
+	// delivers the message again (NakWithDelay). The retry middleware, told
+	// of it on every message, nacks that much sooner than its
+	// RedeliveryDelay (at once with the defaults, both 1s), so that a failed
+	// delivery frees its router slot while it waits. Defaults to 1s;
+	// settle.NoDelay for none. Must be >= 0 or settle.NoDelay.
+	NakDelay time.Duration
+
+	// SubscribersCount is how many subscriptions each Subscribe opens on
+	// the consumer, each handing the router one delivery at a time: how
+	// many deliveries of one handler are in flight at once (Subscriber's
+	// InFlight, which sizes pipeline's batches). Defaults to 1. Must be >= 0
+	// (0 means 1).
+	SubscribersCount int
+
+	// NatsOptions are passed to nats.Connect (credentials, TLS, reconnect
+	// settings). Defaults to none.
+	NatsOptions []nats.Option
+
+	// SubscribeOptions are added to the options settle sets
+	// (nats.ManualAck, nats.AckExplicit, nats.AckWait), e.g.
+	// nats.MaxAckPending or nats.DeliverNew. Options that undo settle's
+	// (nats.AckNone, another AckWait) break the guarantees above.
+	SubscribeOptions []nats.SubOpt
+
+	// Unmarshaler decodes a NATS message into a Watermill message before
+	// settle adds the delivery's facts (see the package documentation).
+	// Defaults to reading what watermill-nats' NATSMarshaler writes, and
+	// never failing: a header with several values keeps its first.
+	Unmarshaler wmnats.Unmarshaler
+}
+
+func (c *Config) setDefaults() {
+	if c.AckWait == 0 {
+		c.AckWait = 30 * time.Second
+	}
+	c.NakDelay = settlement.Delay(c.NakDelay, time.Second)
+	if c.SubscribersCount == 0 {
+		c.SubscribersCount = 1
+	}
+}
+
+// validate reports the first invalid field.
+func (c Config) validate() error {
+	switch {
+	case c.Durable == "":
+		return errors.New("natsjs: Config.Durable is required")
+	case strings.IndexFunc(c.Durable, func(r rune) bool {
+		return !(r == '-' || r == '_' || r >= '0' && r <= '9' || r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z')
+	}) >= 0:
+		return fmt.Errorf("natsjs: Config.Durable must hold only letters, digits, '-' and '_', got %q", c.Durable)
+	case c.AckWait < time.Second:
+		return fmt.Errorf("natsjs: Config.AckWait must be >= 1s, got %v", c.AckWait)
+	case c.NakDelay < 0:
+		return fmt.Errorf("natsjs: Config.NakDelay must be >= 0 or settle.NoDelay, got %v", c.NakDelay)
+	case c.SubscribersCount < 0:
+		return fmt.Errorf("natsjs: Config.SubscribersCount must be >= 0, got %d", c.SubscribersCount)
+	}
+	return nil
+}
+
+// durableName is the consumer of topic: Durable, "_", and the topic with
+// the characters a consumer name cannot hold made '_'.
+func durableName(prefix, topic string) string {
+	return prefix + "_" + strings.Map(func(r rune) rune {
+		switch r {
+		case '.', '*', '>', ' ', '\t', '\n', '\r':
+			return '_'
+		}
+		return r
+	}, topic)
+}
+
+// subscriberConfig is watermill-nats' configuration for cfg.
+func subscriberConfig(url string, cfg Config) wmnats.SubscriberConfig {
+	// Clipped, so that the appends watermill-nats makes to it for each
+	// subscription never share a backing array.
+	opts := slices.Clip(append([]nats.SubOpt{
+		// Without it nats.go acks every delivery when watermill-nats'
+		// callback returns, which it does when it stops waiting for the
+		// router (AckWait, Close): a message the router never finished would
+		// be acked, and lost.
+		nats.ManualAck(),
+		nats.AckExplicit(),
+		nats.AckWait(cfg.AckWait),
+	}, cfg.SubscribeOptions...))
+	var nak wmnats.Delay
+	if cfg.NakDelay > 0 {
+		nak = wmnats.NewStaticDelay(cfg.NakDelay)
+	}
+	return wmnats.SubscriberConfig{
+		URL:              url,
+		QueueGroupPrefix: cfg.Durable,
+		SubscribersCount: cfg.SubscribersCount,
+		AckWaitTimeout:   cfg.AckWait,
+		NatsOptions:      cfg.NatsOptions,
+		Unmarshaler:      unmarshaler{inner: cfg.Unmarshaler, nakDelay: cfg.NakDelay},
+		NakDelay:         nak,
+		JetStream: wmnats.JetStreamConfig{
+			SubscribeOptions:  opts,
+			DurablePrefix:     cfg.Durable,
+			DurableCalculator: durableName,
+		},
+	}
+}
+
+// Subscriber is watermill-nats' JetStream subscriber configured for settle
+// (see Config and the package documentation), with InFlight, and a
+// SubscribeInitialize that checks for a stream instead of creating one.
+// It is safe for concurrent use. Close closes its connection.
+type Subscriber struct {
+	sub      *wmnats.Subscriber
+	conn     *nats.Conn
+	js       nats.JetStreamContext
+	inFlight int
+}
+
+var (
+	_ message.Subscriber           = (*Subscriber)(nil)
+	_ message.SubscribeInitializer = (*Subscriber)(nil)
+)
+
+// NewSubscriber connects to the NATS server at url and returns a Subscriber
+// configured by cfg, or an error naming the bad field of cfg. A nil logger
+// means watermill.NopLogger.
+func NewSubscriber(url string, cfg Config, logger watermill.LoggerAdapter) (*Subscriber, error) {
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	wcfg := subscriberConfig(url, cfg)
+	conn, err := nats.Connect(url, cfg.NatsOptions...)
+	if err != nil {
+		return nil, fmt.Errorf("natsjs: connect: %w", err)
+	}
+	js, err := conn.JetStream()
+	if err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("natsjs: %w", err)
+	}
+	sub, err := wmnats.NewSubscriberWithNatsConn(conn, wcfg.GetSubscriberSubscriptionConfig(), logger)
+	if err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("natsjs: %w", err)
+	}
+	return &Subscriber{sub: sub, conn: conn, js: js, inFlight: cfg.SubscribersCount}, nil
+}
+
+// Subscribe subscribes to topic through the durable consumer of
+// Config.Durable, creating it if it does not exist (in the stream whose
+// subjects take topic). It fails when no stream takes topic, or when the
+// durable consumer exists with other settings (another AckWait, say).
+func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	return s.sub.Subscribe(ctx, topic)
+}
+
+// SubscribeInitialize checks that a stream takes the messages published to
+// topic. It creates nothing: watermill-nats' own would create a stream named
+// after the topic, which fails for a topic with a '.' (pipeline's default
+// parking topics, "<topic>.dead_letter") and for one inside another
+// stream's subjects. Create streams as the package documentation shows.
+func (s *Subscriber) SubscribeInitialize(topic string) error {
+	if _, err := s.js.StreamNameBySubject(topic); err != nil {
+		return fmt.Errorf("natsjs: no JetStream stream takes subject %q: %w", topic, err)
+	}
+	return nil
+}
+
+// InFlight is how many deliveries of one subscription can be in the router
+// at once: Config.SubscribersCount.
+func (s *Subscriber) InFlight() int { return s.inFlight }
+
+// Close closes every subscription, waiting for the deliveries in the router
+// to be acked or nacked up to 30 seconds, and then the connection.
+func (s *Subscriber) Close() error {
+	closed := make(chan struct{})
+	s.conn.SetClosedHandler(func(*nats.Conn) { close(closed) })
+	err := s.sub.Close() // drains the connection, which then closes
+	if err == nil && !s.conn.IsClosed() {
+		t := time.NewTimer(drainWait)
+		defer t.Stop()
+		select {
+		case <-closed:
+		case <-t.C:
+		}
+	}
+	s.conn.Close()
+	return err
+}
+
+// drainWait bounds how long Close waits for the connection to drain.
+const drainWait = 10 * time.Second
