@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -153,6 +154,9 @@ type Subscriber struct {
 	conn     *nats.Conn
 	js       nats.JetStreamContext
 	inFlight int
+
+	closeOnce sync.Once
+	closeErr  error
 }
 
 var (
@@ -211,8 +215,14 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 func (s *Subscriber) InFlight() int { return s.inFlight }
 
 // Close closes every subscription, waiting for the deliveries in the router
-// to be acked or nacked up to 30 seconds, and then the connection.
+// to be acked or nacked up to 30 seconds, and then the connection. Calls
+// after the first wait for it and return its result.
 func (s *Subscriber) Close() error {
+	s.closeOnce.Do(func() { s.closeErr = s.close() })
+	return s.closeErr
+}
+
+func (s *Subscriber) close() error {
 	closed := make(chan struct{})
 	s.conn.SetClosedHandler(func(*nats.Conn) { close(closed) })
 	err := s.sub.Close() // drains the connection, which then closes
