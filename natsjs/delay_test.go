@@ -23,6 +23,12 @@ func runRouter(t *testing.T, name, topic string, sub message.Subscriber, h messa
 		t.Fatal(err)
 	}
 	r.AddConsumerHandler(name, topic, sub, h)
+	runRouterOnly(t, r)
+}
+
+// runRouterOnly runs r until the test ends.
+func runRouterOnly(t *testing.T, r *message.Router) {
+	t.Helper()
 	done := make(chan struct{})
 	go func() {
 		defer close(done)

@@ -54,13 +54,24 @@ type Config struct {
 	// (0 means 1).
 	SubscribersCount int
 
+	// MaxAckPending is the most messages JetStream has delivered to the
+	// durable consumer and not yet had acked, across every process that
+	// shares it (the consumer's MaxAckPending). A delivered message waits in
+	// its subscriber's buffer until a subscription is free, with its AckWait
+	// already running, and no other consumer can take it: keep it near the
+	// deliveries all the consumers have in flight together (the
+	// SubscribersCount of each process, summed), so that a backlog is shared
+	// among them and no message times out unread. Every process must give
+	// the same value. Defaults to 64. Must be >= 0 (0 means 64).
+	MaxAckPending int
+
 	// NatsOptions are passed to nats.Connect (credentials, TLS, reconnect
 	// settings). Defaults to none.
 	NatsOptions []nats.Option
 
 	// SubscribeOptions are added to the options settle sets
-	// (nats.ManualAck, nats.AckExplicit, nats.AckWait), e.g.
-	// nats.MaxAckPending or nats.DeliverNew. Options that undo settle's
+	// (nats.ManualAck, nats.AckExplicit, nats.AckWait, nats.MaxAckPending),
+	// e.g. nats.DeliverNew. Options that undo settle's
 	// (nats.AckNone, another AckWait) break the guarantees above.
 	SubscribeOptions []nats.SubOpt
 
@@ -79,6 +90,9 @@ func (c *Config) setDefaults() {
 	if c.SubscribersCount == 0 {
 		c.SubscribersCount = 1
 	}
+	if c.MaxAckPending == 0 {
+		c.MaxAckPending = 64
+	}
 }
 
 // validate reports the first invalid field.
@@ -96,6 +110,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("natsjs: Config.NakDelay must be >= 0 or settle.NoDelay, got %v", c.NakDelay)
 	case c.SubscribersCount < 0:
 		return fmt.Errorf("natsjs: Config.SubscribersCount must be >= 0, got %d", c.SubscribersCount)
+	case c.MaxAckPending < 0:
+		return fmt.Errorf("natsjs: Config.MaxAckPending must be >= 0, got %d", c.MaxAckPending)
 	}
 	return nil
 }
@@ -124,6 +140,7 @@ func subscriberConfig(url string, cfg Config) wmnats.SubscriberConfig {
 		nats.ManualAck(),
 		nats.AckExplicit(),
 		nats.AckWait(cfg.AckWait),
+		nats.MaxAckPending(cfg.MaxAckPending),
 	}, cfg.SubscribeOptions...))
 	var nak wmnats.Delay
 	if cfg.NakDelay > 0 {
