@@ -171,6 +171,7 @@ type Subscriber struct {
 	conn     *nats.Conn
 	js       nats.JetStreamContext
 	inFlight int
+	ackWait  time.Duration
 
 	closeOnce sync.Once
 	closeErr  error
@@ -204,7 +205,7 @@ func NewSubscriber(url string, cfg Config, logger watermill.LoggerAdapter) (*Sub
 		conn.Close()
 		return nil, fmt.Errorf("natsjs: %w", err)
 	}
-	return &Subscriber{sub: sub, conn: conn, js: js, inFlight: cfg.SubscribersCount}, nil
+	return &Subscriber{sub: sub, conn: conn, js: js, inFlight: cfg.SubscribersCount, ackWait: cfg.AckWait}, nil
 }
 
 // Subscribe subscribes to topic through the durable consumer of
@@ -230,6 +231,10 @@ func (s *Subscriber) SubscribeInitialize(topic string) error {
 // InFlight is how many deliveries of one subscription can be in the router
 // at once: Config.SubscribersCount.
 func (s *Subscriber) InFlight() int { return s.inFlight }
+
+// AckWait is Config.AckWait: how long a delivery may stay unanswered before
+// JetStream delivers it again. pipeline compares it with its claim timeout.
+func (s *Subscriber) AckWait() time.Duration { return s.ackWait }
 
 // Close closes every subscription, waiting for the deliveries in the router
 // to be acked or nacked up to 30 seconds, and then the connection. Calls
