@@ -56,13 +56,17 @@ type Config struct {
 
 	// MaxAckPending is the most messages JetStream has delivered to the
 	// durable consumer and not yet had acked, across every process that
-	// shares it (the consumer's MaxAckPending). A delivered message waits in
-	// its subscriber's buffer until a subscription is free, with its AckWait
-	// already running, and no other consumer can take it: keep it near the
-	// deliveries all the consumers have in flight together (the
-	// SubscribersCount of each process, summed), so that a backlog is shared
-	// among them and no message times out unread. Every process must give
-	// the same value. Defaults to 64. Must be >= 0 (0 means 64).
+	// shares it (the consumer's MaxAckPending). A message delivered beyond
+	// the free subscriptions waits in its subscriber's buffer with its
+	// AckWait already running, and no other subscription can take it: with
+	// a backlog, the first subscription to join takes up to MaxAckPending
+	// messages at once and handles them one by one, while the others (and
+	// the batches they would form) wait. Set it to the deliveries all the
+	// consumers of the Durable have in flight together: the SubscribersCount
+	// of each process, summed. Every process must give the same value
+	// (JetStream refuses a subscription whose value differs from the
+	// consumer's). Defaults to SubscribersCount, right for one process.
+	// Must be >= 0 (0 means its default).
 	MaxAckPending int
 
 	// NatsOptions are passed to nats.Connect (credentials, TLS, reconnect
@@ -91,7 +95,7 @@ func (c *Config) setDefaults() {
 		c.SubscribersCount = 1
 	}
 	if c.MaxAckPending == 0 {
-		c.MaxAckPending = 64
+		c.MaxAckPending = c.SubscribersCount
 	}
 }
 
