@@ -2,7 +2,6 @@ package natsjs_test
 
 import (
 	"context"
-	"os"
 	"testing"
 	"time"
 
@@ -129,17 +128,6 @@ func next(t *testing.T, ch <-chan *message.Message, within time.Duration) *messa
 	return nil
 }
 
-// none checks that ch delivers nothing for d.
-func none(t *testing.T, ch <-chan *message.Message, d time.Duration) {
-	t.Helper()
-	select {
-	case m := <-ch:
-		m.Ack()
-		t.Fatalf("message %s delivered again, want none", m.UUID)
-	case <-time.After(d):
-	}
-}
-
 func subscribe(t *testing.T, sub message.Subscriber, topic string) <-chan *message.Message {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -150,5 +138,3 @@ func subscribe(t *testing.T, sub message.Subscriber, topic string) <-chan *messa
 	}
 	return ch
 }
-
-var _ = os.Getenv
