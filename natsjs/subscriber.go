@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -82,7 +83,11 @@ type Config struct {
 	// Unmarshaler decodes a NATS message into a Watermill message before
 	// settle adds the delivery's facts (see the package documentation).
 	// Defaults to reading what watermill-nats' NATSMarshaler writes, and
-	// never failing: a header with several values keeps its first.
+	// never failing: a header with several values keeps its first. A
+	// delivery this Unmarshaler refuses is left unanswered by watermill-nats
+	// and never reaches settle (whose poison parking would set it aside):
+	// JetStream delivers it again after every AckWait, without end. Prefer
+	// one that never fails.
 	Unmarshaler wmnats.Unmarshaler
 }
 
@@ -132,6 +137,16 @@ func durableName(prefix, topic string) string {
 	}, topic)
 }
 
+// routerWait is how long watermill-nats waits for the router to ack or nack
+// a delivery (its AckWaitTimeout): without end. When it stops waiting it
+// cancels the message's context, which stops the dedupe middleware's claim
+// renewals: a handler still running would lose its claim one ClaimTimeout
+// later, and the next delivery would run it again beside it. The router
+// answers every delivery it took (on Close too, by its context), so the wait
+// ends; JetStream's own AckWait still brings the message of a dead consumer
+// back.
+const routerWait = time.Duration(math.MaxInt64)
+
 // subscriberConfig is watermill-nats' configuration for cfg.
 func subscriberConfig(url string, cfg Config) wmnats.SubscriberConfig {
 	// Clipped, so that the appends watermill-nats makes to it for each
@@ -154,7 +169,7 @@ func subscriberConfig(url string, cfg Config) wmnats.SubscriberConfig {
 		URL:              url,
 		QueueGroupPrefix: cfg.Durable,
 		SubscribersCount: cfg.SubscribersCount,
-		AckWaitTimeout:   cfg.AckWait,
+		AckWaitTimeout:   routerWait,
 		NatsOptions:      cfg.NatsOptions,
 		Unmarshaler:      unmarshaler{inner: cfg.Unmarshaler, nakDelay: cfg.NakDelay},
 		NakDelay:         nak,
