@@ -139,7 +139,7 @@ func natsCell(ctx context.Context, js nats.JetStreamContext, cell, stream string
 	}
 
 	if cell == natsPull {
-		sub, err := js.PullSubscribe(stream, "pull", nats.AckExplicit(), nats.MaxAckPending(subs))
+		sub, err := js.PullSubscribe(stream, "pull", nats.AckExplicit(), nats.MaxAckPending(4*subs))
 		if err != nil {
 			return 0, 0, err
 		}
@@ -172,7 +172,7 @@ func natsCell(ctx context.Context, js nats.JetStreamContext, cell, stream string
 		sub, err = wmnats.NewSubscriber(wmnats.SubscriberConfig{
 			URL: natsURL(), QueueGroupPrefix: "raw", SubscribersCount: subs,
 			JetStream: wmnats.JetStreamConfig{DurablePrefix: "raw", AckAsync: cell == natsAsync,
-				SubscribeOptions: []nats.SubOpt{nats.ManualAck(), nats.AckExplicit(), nats.MaxAckPending(subs)}},
+				SubscribeOptions: []nats.SubOpt{nats.ManualAck(), nats.AckExplicit(), nats.MaxAckPending(4 * subs)}},
 		}, watermill.NopLogger{})
 		if err != nil {
 			return 0, 0, err

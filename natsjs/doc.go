@@ -45,11 +45,11 @@
 //     claim still holds and be deferred until the claim lapses.
 //   - A durable consumer per topic (Config.Durable) joined as a queue group:
 //     competing consumers, and a restart resumes from the first message not
-//     acked. Config.MaxAckPending (SubscribersCount) bounds what JetStream
-//     hands out ahead of the handlers: a delivered message waits in its
-//     subscriber's buffer with its AckWait running, and no other
-//     subscription can take it meanwhile. With several processes on one
-//     Durable, give each the sum of their SubscribersCount.
+//     acked. Config.MaxAckPending (4 times SubscribersCount) bounds what
+//     JetStream hands out ahead of the handlers, failed messages waiting
+//     out NakDelay included: a delivered message waits in its subscriber's
+//     buffer with its AckWait running, and no other subscription can take
+//     it meanwhile.
 //   - The consumer's MaxDeliver is left unlimited: settle dead-letters after
 //     RetryConfig.MaxAttempts; a MaxDeliver that ran out first would drop the
 //     message silently, parked nowhere.

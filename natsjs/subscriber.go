@@ -57,16 +57,18 @@ type Config struct {
 
 	// MaxAckPending is the most messages JetStream has delivered to the
 	// durable consumer and not yet had acked, across every process that
-	// shares it (the consumer's MaxAckPending). A message delivered beyond
-	// the free subscriptions waits in its subscriber's buffer with its
-	// AckWait already running, and no other subscription can take it: with
-	// a backlog, the first subscription to join takes up to MaxAckPending
-	// messages at once and handles them one by one, while the others (and
-	// the batches they would form) wait. Set it to the deliveries all the
-	// consumers of the Durable have in flight together: the SubscribersCount
-	// of each process, summed. Every process must give the same value
-	// (JetStream refuses a subscription whose value differs from the
-	// consumer's). Defaults to SubscribersCount, right for one process.
+	// shares it (the consumer's MaxAckPending). It must cover the deliveries
+	// in flight and the failed ones waiting out NakDelay, which JetStream
+	// counts as pending until it delivers them again: with MaxAckPending 1,
+	// one failed message stops its consumer for NakDelay. A delivery beyond
+	// the free subscriptions waits in its subscriber's buffer, with its
+	// AckWait running, where no other subscription can take it: with a
+	// backlog, the first subscription to join takes up to MaxAckPending
+	// messages at once and handles them one by one (with 64, all 64 of a
+	// test's backlog, and batches of one). Every process of a Durable must
+	// give the same value (JetStream refuses a subscription whose value
+	// differs from the consumer's). Defaults to 4 times SubscribersCount;
+	// with several processes, 4 times the sum of their SubscribersCount.
 	// Must be >= 0 (0 means its default).
 	MaxAckPending int
 
@@ -100,7 +102,7 @@ func (c *Config) setDefaults() {
 		c.SubscribersCount = 1
 	}
 	if c.MaxAckPending == 0 {
-		c.MaxAckPending = c.SubscribersCount
+		c.MaxAckPending = 4 * c.SubscribersCount
 	}
 }
 
