@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"os/signal"
 	"strings"
 	"syscall"
 	"testing"
@@ -58,7 +59,7 @@ func TestKillHelper(t *testing.T) {
 	}
 	mode, url, topic := args[0], args[1], args[2]
 	sub := killSubscriber(t, mode, url)
-	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 300 * time.Millisecond}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -66,21 +67,43 @@ func TestKillHelper(t *testing.T) {
 		fmt.Printf("started %s\n", msg.UUID)
 		select {} // killed here
 	})
+	// SIGTERM: the router shuts down (its handler does not end), and the
+	// process is then killed.
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGTERM)
+	go func() {
+		<-sig
+		_ = r.Close()
+		fmt.Println("closed")
+	}()
 	_ = r.Run(context.Background())
+	select {}
 }
 
-// A consumer killed (SIGKILL) in the middle of a handler that has run longer
-// than the subscriber waits for it: with natsjs's configuration JetStream
-// delivers the message again and a second consumer does the work; with
-// watermill-nats' own (no nats.ManualAck), nats.go acked the message when
-// the subscriber stopped waiting, and it is gone.
+// A consumer whose handler has run past watermill-nats' AckWaitTimeout is
+// killed (SIGKILL), directly or after a shutdown that its handler outlives
+// (the router's CloseTimeout passes): with natsjs's configuration JetStream
+// delivers the message again and a second consumer does the work. With
+// watermill-nats configured without nats.ManualAck, nats.go acked the
+// message when the subscriber stopped waiting for the router, and it is
+// gone. (natsjs's subscriber waits for the router without end, so only the
+// shutdown makes it stop waiting: there nats.ManualAck is what keeps the
+// message.)
 func TestKillMidHandler(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
-		mode   string
-		redone bool
-	}{{"natsjs", true}, {"stock", false}} {
-		t.Run(tc.mode, func(t *testing.T) {
+		mode     string
+		shutdown bool // SIGTERM before SIGKILL
+		redone   bool
+	}{
+		{"natsjs", false, true},
+		{"natsjs", true, true},
+		// No shutdown: the stock subscriber's Unsubscribe deletes the
+		// consumer nats.go created, and the second consumer would start the
+		// stream over.
+		{"stock", false, false},
+	} {
+		t.Run(fmt.Sprintf("%s/shutdown=%v", tc.mode, tc.shutdown), func(t *testing.T) {
 			t.Parallel()
 			e := setup(t)
 			e.publish(t, message.NewMessage("work-1", []byte("{}")))
@@ -96,14 +119,18 @@ func TestKillMidHandler(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-			started := make(chan struct{})
+			started, closed := make(chan struct{}), make(chan struct{})
 			go func() {
 				s := bufio.NewScanner(out)
-				once := false
+				var once, onceClosed bool
 				for s.Scan() {
 					if strings.HasPrefix(s.Text(), "started work-1") && !once {
 						once = true
 						close(started)
+					}
+					if s.Text() == "closed" && !onceClosed {
+						onceClosed = true
+						close(closed)
 					}
 				}
 			}()
@@ -112,8 +139,20 @@ func TestKillMidHandler(t *testing.T) {
 			case <-time.After(20 * time.Second):
 				t.Fatal("the helper's handler did not start")
 			}
-			// Past the subscriber's wait for the router, then SIGKILL.
+			// Past watermill-nats' AckWaitTimeout (the stock configuration
+			// waits for the router no longer), then a shutdown that the
+			// handler outlives, then SIGKILL.
 			time.Sleep(killAckWait + 700*time.Millisecond)
+			if tc.shutdown {
+				if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+					t.Fatal(err)
+				}
+				select {
+				case <-closed:
+				case <-time.After(10 * time.Second):
+					t.Fatal("the helper's router did not close")
+				}
+			}
 			if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
 				t.Fatal(err)
 			}

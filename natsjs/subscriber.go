@@ -26,8 +26,9 @@ type Config struct {
 	// group its subscriptions join. Every subscription with the same Durable
 	// on a topic, in this process or another, takes its share of the
 	// topic's messages (competing consumers), and a process that restarts
-	// resumes from the first message not acked. Required; letters, digits,
-	// '-' and '_' only.
+	// resumes from the first message not acked (Subscribe creates the
+	// consumer, which outlives the subscriptions). Required; letters,
+	// digits, '-' and '_' only.
 	Durable string
 
 	// AckWait is how long JetStream waits for the ack of a delivery before it
@@ -75,12 +76,6 @@ type Config struct {
 	// NatsOptions are passed to nats.Connect (credentials, TLS, reconnect
 	// settings). Defaults to none.
 	NatsOptions []nats.Option
-
-	// SubscribeOptions are added to the options settle sets
-	// (nats.ManualAck, nats.AckExplicit, nats.AckWait, nats.MaxAckPending),
-	// e.g. nats.DeliverNew. Options that undo settle's
-	// (nats.AckNone, another AckWait) break the guarantees above.
-	SubscribeOptions []nats.SubOpt
 
 	// Unmarshaler decodes a NATS message into a Watermill message before
 	// settle adds the delivery's facts (see the package documentation).
@@ -153,16 +148,16 @@ const routerWait = time.Duration(math.MaxInt64)
 func subscriberConfig(url string, cfg Config) wmnats.SubscriberConfig {
 	// Clipped, so that the appends watermill-nats makes to it for each
 	// subscription never share a backing array.
-	opts := slices.Clip(append([]nats.SubOpt{
+	opts := slices.Clip([]nats.SubOpt{
 		// Without it nats.go acks every delivery when watermill-nats'
 		// callback returns, which it does when it stops waiting for the
-		// router (AckWait, Close): a message the router never finished would
-		// be acked, and lost.
+		// router (on Close, or when the subscription's context ends): a
+		// message the router never finished would be acked, and lost.
 		nats.ManualAck(),
 		nats.AckExplicit(),
 		nats.AckWait(cfg.AckWait),
 		nats.MaxAckPending(cfg.MaxAckPending),
-	}, cfg.SubscribeOptions...))
+	})
 	var nak wmnats.Delay
 	if cfg.NakDelay > 0 {
 		nak = wmnats.NewStaticDelay(cfg.NakDelay)
@@ -191,6 +186,7 @@ type Subscriber struct {
 	sub      *wmnats.Subscriber
 	conn     *nats.Conn
 	js       nats.JetStreamContext
+	cfg      Config
 	inFlight int
 	ackWait  time.Duration
 
@@ -226,15 +222,60 @@ func NewSubscriber(url string, cfg Config, logger watermill.LoggerAdapter) (*Sub
 		conn.Close()
 		return nil, fmt.Errorf("natsjs: %w", err)
 	}
-	return &Subscriber{sub: sub, conn: conn, js: js, inFlight: cfg.SubscribersCount, ackWait: cfg.AckWait}, nil
+	return &Subscriber{sub: sub, conn: conn, js: js, cfg: cfg, inFlight: cfg.SubscribersCount, ackWait: cfg.AckWait}, nil
 }
 
 // Subscribe subscribes to topic through the durable consumer of
-// Config.Durable, creating it if it does not exist (in the stream whose
-// subjects take topic). It fails when no stream takes topic, or when the
-// durable consumer exists with other settings (another AckWait, say).
+// Config.Durable, creating it first if it does not exist, in the stream
+// whose subjects take topic. It fails when no stream takes topic, or when
+// the consumer exists with other settings (another AckWait, MaxAckPending or
+// queue group).
+//
+// The consumer is created here, not by nats.go: nats.go deletes a consumer
+// it created when the subscription that created it ends, so the first
+// process of a Durable to shut down would delete the consumer of every
+// other, with its place in the stream (the next one would start over from
+// the stream's first message). A consumer created here outlives every
+// subscription; delete it when the Durable is retired. A consumer created
+// beforehand by other means is used if its settings match: push, deliver
+// group Durable, explicit acks, the AckWait and MaxAckPending of Config.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	if err := s.ensureConsumer(topic); err != nil {
+		return nil, err
+	}
 	return s.sub.Subscribe(ctx, topic)
+}
+
+// ensureConsumer creates the durable consumer of topic unless it exists.
+func (s *Subscriber) ensureConsumer(topic string) error {
+	stream, err := s.js.StreamNameBySubject(topic)
+	if err != nil {
+		return fmt.Errorf("natsjs: no JetStream stream takes subject %q: %w", topic, err)
+	}
+	name := durableName(s.cfg.Durable, topic)
+	if _, err := s.js.ConsumerInfo(stream, name); err == nil {
+		return nil
+	} else if !errors.Is(err, nats.ErrConsumerNotFound) {
+		return fmt.Errorf("natsjs: consumer %s of stream %s: %w", name, stream, err)
+	}
+	_, err = s.js.AddConsumer(stream, &nats.ConsumerConfig{
+		Durable:        name,
+		DeliverSubject: nats.NewInbox(),
+		DeliverGroup:   s.cfg.Durable,
+		DeliverPolicy:  nats.DeliverAllPolicy,
+		FilterSubject:  topic,
+		AckPolicy:      nats.AckExplicitPolicy,
+		AckWait:        s.cfg.AckWait,
+		MaxAckPending:  s.cfg.MaxAckPending,
+	})
+	if err != nil {
+		// Another process may have created it at the same moment.
+		if _, ierr := s.js.ConsumerInfo(stream, name); ierr == nil {
+			return nil
+		}
+		return fmt.Errorf("natsjs: create consumer %s of stream %s: %w", name, stream, err)
+	}
+	return nil
 }
 
 // SubscribeInitialize checks that a stream takes the messages published to
