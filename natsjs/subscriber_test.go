@@ -170,3 +170,34 @@ func TestPipelineDeadLetters(t *testing.T) {
 func settleRetry(max int) middleware.RetryConfig {
 	return middleware.RetryConfig{MaxAttempts: max, NoInProcessRetries: true, RedeliveryDelay: settle.NoDelay}
 }
+
+// The durable consumer outlives the subscriber that created it: a
+// subscriber that starts after the first one closed takes only what the
+// first did not ack, not the stream from its start.
+func TestConsumerOutlivesSubscriber(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	e.publish(t, message.NewMessage("first", []byte("{}")))
+
+	a, err := natsjs.NewSubscriber(e.url, natsjs.Config{Durable: "keep"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := next(t, subscribe(t, a, e.topic), 5*time.Second)
+	m.Ack()
+	e.waitSettled(t, "keep", 5*time.Second)
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	e.consumerInfo(t, "keep") // fails the test when the consumer is gone
+
+	e.publish(t, message.NewMessage("second", []byte("{}")))
+	ch := subscribe(t, e.subscriber(t, natsjs.Config{Durable: "keep"}), e.topic)
+	if m := next(t, ch, 5*time.Second); m.UUID != "second" {
+		m.Ack()
+		t.Fatalf("got %s, want second: the consumer started the stream over", m.UUID)
+	} else {
+		m.Ack()
+	}
+	e.waitSettled(t, "keep", 5*time.Second)
+}
