@@ -73,6 +73,14 @@ type Config struct {
 	// Must be >= 0 (0 means its default).
 	MaxAckPending int
 
+	// AckAsync sends each ack without waiting for JetStream to confirm it
+	// (watermill-nats' JetStreamConfig.AckAsync), so a subscription takes
+	// its next message one round trip sooner: measured (bench, section nats)
+	// about twice the rate at 16 in flight. An ack lost on the way is a
+	// redelivery: acked as a duplicate where a dedupe store keeps the key,
+	// run again where none does. Defaults to false: each ack is confirmed.
+	AckAsync bool
+
 	// NatsOptions are passed to nats.Connect (credentials, TLS, reconnect
 	// settings). Defaults to none.
 	NatsOptions []nats.Option
@@ -172,6 +180,7 @@ func subscriberConfig(url string, cfg Config) wmnats.SubscriberConfig {
 		NakDelay:         nak,
 		JetStream: wmnats.JetStreamConfig{
 			SubscribeOptions:  opts,
+			AckAsync:          cfg.AckAsync,
 			DurablePrefix:     cfg.Durable,
 			DurableCalculator: durableName,
 		},
