@@ -25,31 +25,41 @@
 //
 //   - nats.ManualAck: without it nats.go acks a delivery when watermill-nats'
 //     callback returns, and the callback returns when the subscriber stops
-//     waiting for the router (after its AckWaitTimeout, or on Close), not
-//     only when the router acked. A message whose handler was still running
-//     is then acked; if the process dies before the handler ends, the
-//     message is lost (TestKillMidHandler shows it: watermill-nats with a
-//     durable queue group and AckWaitTimeout, but no nats.ManualAck).
-//   - AckExplicit and one AckWait for both sides (Config.AckWait, 30s): the
-//     consumer's AckWait is how soon the message of a dead consumer comes
-//     back; the subscriber waits as long for the router. A handler that runs
-//     longer than AckWait has its message delivered again while it runs, to
-//     this process or another: with a dedupe store the second delivery finds
-//     the key claimed (its claim is renewed while the handler runs) and is
-//     deferred until the first one confirms, and is then acked as a
-//     duplicate; without one the handler runs twice. The first delivery's
-//     own ack is then dropped (watermill-nats has stopped waiting for it),
-//     which costs that one redelivery. Keep AckWait above the longest handler
-//     and at least the claim timeout: pipeline logs an error when it is
-//     shorter, since a dead consumer's message would come back while its
-//     claim still holds and be deferred until the claim lapses.
-//   - A durable consumer per topic (Config.Durable) joined as a queue group:
-//     competing consumers, and a restart resumes from the first message not
-//     acked. Config.MaxAckPending (4 times SubscribersCount) bounds what
-//     JetStream hands out ahead of the handlers, failed messages waiting
-//     out NakDelay included: a delivered message waits in its subscriber's
-//     buffer with its AckWait running, and no other subscription can take
-//     it meanwhile.
+//     waiting for the router (its AckWaitTimeout, Close, the end of the
+//     subscription's context), not only when the router acked. A message
+//     whose handler was still running is then acked, and lost if the
+//     process dies before the handler ends (TestKillMidHandler: with a
+//     durable queue group and AckWaitTimeout but no nats.ManualAck, a
+//     consumer killed mid-handler lost its message; with natsjs, shut down
+//     and then killed mid-handler, a second consumer did the work).
+//   - watermill-nats waits for the router's answer without end (its
+//     AckWaitTimeout). When it stops waiting it cancels the message's
+//     context, which stops the dedupe middleware's claim renewals: one claim
+//     timeout later the next delivery would take the claim and run the
+//     handler again beside the first (measured: 5 runs of a handler that
+//     always succeeded, then a dead-letter, for "attempts used up").
+//   - AckExplicit and the consumer's AckWait (Config.AckWait, 30s): how soon
+//     the message of a dead consumer comes back. A handler that runs longer
+//     has its message delivered again while it runs, to this process or
+//     another: with a dedupe store that delivery finds the key claimed, is
+//     deferred, and is acked as a duplicate once the first run confirms
+//     (TestHandlerOutlastsAckWait: one run); without one the handler runs
+//     twice. Keep AckWait above the longest handler and at least the claim
+//     timeout: pipeline logs an error when it is shorter, since a dead
+//     consumer's message would come back while its claim still holds and be
+//     deferred until the claim lapses.
+//   - A durable consumer per topic ("<Durable>_<topic>") with the queue group
+//     Durable: competing consumers, and a restart resumes from the first
+//     message not acked. Subscribe creates the consumer itself: nats.go
+//     deletes a consumer it created when the subscription that created it
+//     ends, so the first process to shut down would delete it for all the
+//     others, and the next start would replay the stream from its first
+//     message.
+//   - Config.MaxAckPending (4 times SubscribersCount) bounds what JetStream
+//     hands out ahead of the handlers, failed messages waiting out NakDelay
+//     included (with 1, one failed message held back the rest for the whole
+//     delay). A delivered message waits in its subscriber's buffer with its
+//     AckWait running, and no other subscription can take it meanwhile.
 //   - The consumer's MaxDeliver is left unlimited: settle dead-letters after
 //     RetryConfig.MaxAttempts; a MaxDeliver that ran out first would drop the
 //     message silently, parked nowhere.
@@ -111,9 +121,10 @@
 // time; Config.SubscribersCount subscriptions per Subscribe put that many in
 // flight, and Subscriber.InFlight says so to pipeline, which sizes a batch
 // (TxConfig.Batch, HandleBatchTx) by it. Measured (go run ./bench -only
-// nats): SubscribersCount n puts n handlers in flight, as a nats.go pull
-// consumer fetching n at once does, at a like rate; settle offers no pull
-// consumer of its own.
+// nats, a 1 ms handler): SubscribersCount n put n handlers in flight, as a
+// nats.go pull consumer fetching n at once did, and the pull consumer was
+// no faster than watermill-nats with AckAsync (Config.AckAsync); settle
+// offers no pull consumer of its own.
 //
 // # What it does not guarantee
 //
