@@ -32,8 +32,8 @@ type Config struct {
 	Durable string
 
 	// AckWait is how long JetStream waits for the ack of a delivery before it
-	// delivers the message again (the consumer's AckWait), and how long the
-	// subscriber waits for the router to ack or nack it. It bounds how soon
+	// delivers the message again (the consumer's AckWait). The subscriber
+	// itself waits for the router's answer without end. It bounds how soon
 	// the message of a consumer that died comes back; a handler that runs
 	// longer than AckWait has its message delivered again while it runs (see
 	// the package documentation). Keep it longer than the longest handler
@@ -69,8 +69,9 @@ type Config struct {
 	// test's backlog, and batches of one). Every process of a Durable must
 	// give the same value (JetStream refuses a subscription whose value
 	// differs from the consumer's). Defaults to 4 times SubscribersCount;
-	// with several processes, 4 times the sum of their SubscribersCount.
-	// Must be >= 0 (0 means its default).
+	// with several processes, or several Subscribe calls on a topic
+	// (pipeline.Config.Concurrency), set 4 times all their subscriptions
+	// together. Must be >= 0 (0 means its default).
 	MaxAckPending int
 
 	// AckAsync sends each ack without waiting for JetStream to confirm it
