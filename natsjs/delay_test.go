@@ -11,8 +11,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/middleware"
 	"github.com/settle-go/settle/natsjs"
+	"github.com/settle-go/settle/pipeline"
 )
 
 // runRouter runs a router with one handler until the test ends.
@@ -128,5 +130,67 @@ func TestNakDelayFreesSlot(t *testing.T) {
 	}
 	if n := e.streamCount(t, dlTopic); n != 1 {
 		t.Errorf("%d copies on the dead-letter topic, want 1", n)
+	}
+}
+
+// A delivery deferred because another worker holds its key goes back through
+// JetStream's delay too: the subscription's only slot takes the next
+// messages at once instead of holding the deferred one for BusyDelay.
+func TestBusyDeferralFreesSlot(t *testing.T) {
+	t.Parallel()
+	e := setup(t)
+	const busyDelay = 1500 * time.Millisecond
+	store := dedupe.NewMemoryStore()
+	// Another worker holds the key of "held" for the whole test.
+	if c, err := store.Claim(t.Context(), dedupe.ScopedKey("h", "held"), time.Minute); err != nil || c.Result != dedupe.Acquired {
+		t.Fatalf("claim: %+v, %v", c, err)
+	}
+	msgs := []*message.Message{message.NewMessage("held", []byte("{}"))}
+	for i := range 5 {
+		msgs = append(msgs, message.NewMessage(fmt.Sprintf("ok-%d", i), []byte("{}")))
+	}
+	e.publish(t, msgs...)
+
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := pipeline.New(r, pipeline.Config{Publisher: e.publisher(t), Store: store, DisableTracing: true, BusyDelay: busyDelay})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu   sync.Mutex
+		done = map[string]time.Time{}
+		all  = make(chan struct{})
+	)
+	sub := e.subscriber(t, natsjs.Config{Durable: "busy", NakDelay: busyDelay, SubscribersCount: 1})
+	if _, err := p.Handle("h", e.topic, sub, func(msg *message.Message) error {
+		mu.Lock()
+		defer mu.Unlock()
+		done[msg.UUID] = time.Now()
+		if len(done) == 5 {
+			close(all)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	runRouterOnly(t, r)
+	select {
+	case <-all:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the other messages were not handled")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if _, ran := done["held"]; ran {
+		t.Error("the held message ran although its key was held")
+	}
+	for id, at := range done {
+		if wait := at.Sub(start); wait > busyDelay*2/3 {
+			t.Errorf("%s handled %v after the start, want < %v: the deferred delivery held the slot", id, wait.Round(time.Millisecond), busyDelay*2/3)
+		}
 	}
 }
