@@ -83,7 +83,10 @@ type Config struct {
 	AckAsync bool
 
 	// NatsOptions are passed to nats.Connect (credentials, TLS, reconnect
-	// settings). Defaults to none.
+	// settings), after nats.MaxReconnects(-1): nats.go gives up a lost
+	// connection after 60 tries by default (about two minutes), and the
+	// subscriber would then stay silent for good while the server is back.
+	// Defaults to none.
 	NatsOptions []nats.Option
 
 	// Unmarshaler decodes a NATS message into a Watermill message before
@@ -218,7 +221,7 @@ func NewSubscriber(url string, cfg Config, logger watermill.LoggerAdapter) (*Sub
 		return nil, err
 	}
 	wcfg := subscriberConfig(url, cfg)
-	conn, err := nats.Connect(url, cfg.NatsOptions...)
+	conn, err := nats.Connect(url, append([]nats.Option{nats.MaxReconnects(-1)}, cfg.NatsOptions...)...)
 	if err != nil {
 		return nil, fmt.Errorf("natsjs: connect: %w", err)
 	}
