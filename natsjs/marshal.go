@@ -104,8 +104,10 @@ func (marshaler) Marshal(topic string, msg *message.Message) (*nats.Msg, error) 
 // JetStream message-id deduplication (TrackMsgId), which would drop a
 // dead-letter copy sharing its original's UUID in the same stream; and the
 // keys settle writes for one delivery (settle_delivery_count and its mark,
-// settle_redelivered, the nack delay) left out of the headers. Add
-// NatsOptions for credentials or TLS.
+// settle_redelivered, the nack delay) left out of the headers; and a
+// connection that reconnects without end (nats.go gives up after 60 tries
+// by default, and every Publish fails from then on). Append to NatsOptions
+// for credentials or TLS.
 func NewPublisherConfig(url string) wmnats.PublisherConfig {
-	return wmnats.PublisherConfig{URL: url, Marshaler: marshaler{}}
+	return wmnats.PublisherConfig{URL: url, Marshaler: marshaler{}, NatsOptions: []nats.Option{nats.MaxReconnects(-1)}}
 }
