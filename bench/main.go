@@ -46,6 +46,10 @@
 //     slowest successful delivery running beside them (no stall).
 //   - parked: the parked-message store's list and group pages on a table of
 //     a million rows (-quick: 131,072), on PostgreSQL and MariaDB.
+//   - nats: NATS JetStream with a 1 ms handler: watermill-nats' subscriber
+//     (ManualAck) vs settle's (natsjs + pipeline, memory store) at
+//     SubscribersCount 1/4/16, and a nats.go pull consumer fetching 1/4/16
+//     at once: msgs/s and the most handlers seen in flight.
 //
 // The servers are read from SETTLE_POSTGRES_URL, SETTLE_MYSQL_URL and
 // SETTLE_AMQP_URL, defaulting to the local services on 127.0.0.1.
@@ -70,7 +74,7 @@ import (
 )
 
 // sections in the order they run and appear in the document.
-var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "outbox", "growth", "attempts", "parked"}
+var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "outbox", "growth", "attempts", "parked", "nats"}
 
 type options struct {
 	quick    bool
@@ -190,6 +194,7 @@ type Results struct {
 	Growth   *GrowthResults   `json:"growth,omitempty"`
 	Attempts *AttemptsResults `json:"attempts,omitempty"`
 	Parked   *ParkedResults   `json:"parked,omitempty"`
+	NATS     *NATSResults     `json:"nats,omitempty"`
 	Runs     map[string]RunAt `json:"runs"` // section -> when and how it ran
 }
 
@@ -235,6 +240,7 @@ func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		{"growth", func() (err error) { res.Growth, err = runGrowth(ctx, o, stderr); return }},
 		{"attempts", func() (err error) { res.Attempts, err = runAttempts(ctx, o, stderr); return }},
 		{"parked", func() (err error) { res.Parked, err = runParked(ctx, o, stderr); return }},
+		{"nats", func() (err error) { res.NATS, err = runNATS(ctx, o, stderr); return }},
 	}
 	for _, s := range all {
 		if !o.only[s.name] {

@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/settle-go/settle/internal/deliverymark"
 	"github.com/settle-go/settle/internal/settlement"
 )
 
@@ -68,14 +69,16 @@ func (m *mw) unavailable(msg *message.Message, ctx context.Context, err error) e
 	m.health.log.Error("dedupe: store cannot answer; deliveries deferred, not counted as attempts", err, watermill.LogFields{
 		"message_uuid": msg.UUID, "failed_claims_in_a_row": n, "nack_delay": wait.String(),
 	})
-	settlement.Sleep(ctx, wait)
+	// A broker that holds the nack itself (natsjs) waits in its place.
+	settlement.Sleep(ctx, wait-deliverymark.NakDelay(msg))
 	return fmt.Errorf("%w: claim for message %s: %w", ErrUnavailable, msg.UUID, err)
 }
 
 // busy defers a delivery whose key another worker holds: not an attempt,
-// nacked after BusyDelay so that it does not spin.
+// nacked after BusyDelay so that it does not spin (sooner by the delay the
+// broker holds a nack for, when the delivery is marked with one).
 func (m *mw) busy(msg *message.Message, ctx context.Context) error {
 	settlement.FromContext(ctx).Defer()
-	settlement.Sleep(ctx, m.cfg.BusyDelay)
+	settlement.Sleep(ctx, m.cfg.BusyDelay-deliverymark.NakDelay(msg))
 	return fmt.Errorf("%w (message %s)", ErrBusy, msg.UUID)
 }

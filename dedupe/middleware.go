@@ -102,7 +102,9 @@ type Config struct {
 	Publisher message.Publisher
 	// BusyDelay is how long a delivery whose key another worker holds is
 	// held before it is nacked, so that it does not spin; it is deferred, not
-	// an attempt. Defaults to 1s when zero; settle.NoDelay nacks at once.
+	// an attempt. A delivery whose broker holds a nack itself (NATS
+	// JetStream through package natsjs) is nacked that much sooner, here and
+	// for UnavailableDelay. Defaults to 1s when zero; settle.NoDelay nacks at once.
 	// Must be >= 0 or settle.NoDelay.
 	BusyDelay time.Duration
 	// UnavailableDelay is how long a delivery whose claim the store could not

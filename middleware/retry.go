@@ -67,8 +67,13 @@ type RetryConfig struct {
 	// RedeliveryDelay is the least time a failed message is held before it
 	// is nacked for redelivery; the backoff of the attempt is used when it is
 	// longer. It keeps a broker that requeues at once (RabbitMQ, GoChannel)
-	// from turning a failing message into a hot loop. Defaults to 1s when
-	// zero; settle.NoDelay for none. Must be >= 0 or settle.NoDelay.
+	// from turning a failing message into a hot loop. A delivery whose
+	// broker holds a nack itself before redelivering (NATS JetStream through
+	// a subscriber configured by package natsjs, which marks each delivery
+	// with that delay) is nacked that much sooner: at once when the broker's
+	// delay covers the wait, so the delivery does not keep a goroutine and a
+	// router slot. Defaults to 1s when zero; settle.NoDelay for none. Must be
+	// >= 0 or settle.NoDelay.
 	RedeliveryDelay time.Duration
 	// Republish, when set, hands a failed message back by publishing a copy
 	// (same UUID, metadata settle_attempt and failure times) to the topic it
@@ -258,7 +263,8 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 //     because a classic queue passes on a producer's header; believed only
 //     with the mark that marshaler adds in this process, so that a
 //     settle_delivery_count another marshaler copied from a producer's
-//     header is ignored): each earlier
+//     header is ignored; and by natsjs's subscriber from NATS JetStream's
+//     NumDelivered, with the same mark): each earlier
 //     delivery is taken to have used all its 1+InProcessRetries runs, so
 //     the bound holds even when the consumer died during a delivery, at the
 //     price of dead-lettering early after a crash or a deferral;
@@ -524,13 +530,22 @@ func (r *retry) exhausted(msg *message.Message, d delivery, attempts int, err er
 }
 
 // handBack returns the message to the broker after wait: by nack, or by
-// republishing a copy and acking.
+// republishing a copy and acking. Where the broker holds a nack for a delay
+// of its own, it waits only for what that delay leaves of wait before
+// nacking.
 func (r *retry) handBack(msg *message.Message, d delivery, attempt int, wait time.Duration, err error) ([]*message.Message, error) {
 	ctx := msg.Context()
 	r.cfg.Logger.Debug("retry: handing the message back for redelivery", watermill.LogFields{
 		"message_uuid": msg.UUID, "attempt": attempt, "delay": wait.String(), "err": err.Error(),
 	})
 	d.rec.SetOutcome(settlement.Retry)
+	if r.cfg.Republish == nil {
+		// A broker that holds a nacked delivery itself before redelivering
+		// it (JetStream's NakWithDelay, as natsjs configures the
+		// subscriber, which says so on the message) waits that long instead
+		// of this goroutine and the router slot it holds.
+		wait -= deliverymark.NakDelay(msg)
+	}
 	if !settlement.Sleep(ctx, wait) {
 		return nil, errors.Join(err, ctx.Err())
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/amqpcheck"
+	"github.com/settle-go/settle/internal/natscheck"
 	"github.com/settle-go/settle/middleware"
 )
 
@@ -391,6 +392,7 @@ func (p *Pipeline) add(name string, sub message.Subscriber, mws []message.Handle
 	if _, fanOut := sub.(*gochannel.GoChannel); fanOut && p.cfg.Concurrency > 1 {
 		return nil, fmt.Errorf("pipeline: handler %q: Concurrency %d needs competing consumers, and GoChannel gives every subscription every message", name, p.cfg.Concurrency)
 	}
+	p.checkNATS(name, sub)
 	hs := make(Handlers, p.cfg.Concurrency)
 	for i := range hs {
 		n := name
@@ -561,4 +563,23 @@ func (p *Pipeline) canBatch(method, name string, sub message.Subscriber, batch B
 		return fmt.Errorf("pipeline: %s %q needs TxConfig.Batch.MaxSize >= 2 and at least 2 deliveries in flight (Config.Concurrency, or a subscriber with InFlight); got %d and %d", method, name, batch.MaxSize, n)
 	}
 	return nil
+}
+
+// checkNATS logs what settle cannot rely on in a NATS subscriber: one of
+// watermill-nats' used as it is, or a JetStream AckWait shorter than the
+// claim timeout, under which the message of a consumer that died comes back
+// while its claim still holds and is deferred until the claim lapses.
+func (p *Pipeline) checkNATS(name string, sub message.Subscriber) {
+	fields := watermill.LogFields{"handler": name}
+	if problem := natscheck.Problem(sub); problem != "" {
+		p.cfg.Logger.Error("pipeline: a NATS subscriber settle cannot vouch for", errors.New(problem), fields)
+	}
+	claim := p.cfg.ClaimTimeout
+	if claim == 0 {
+		claim = 30 * time.Second
+	}
+	if wait, ok := natscheck.AckWait(sub); ok && wait < claim {
+		p.cfg.Logger.Error("pipeline: JetStream AckWait is shorter than the claim timeout", fmt.Errorf(
+			"AckWait %v < ClaimTimeout %v: the message of a consumer that died comes back while its claim still holds, and is deferred (nacked again) until the claim lapses; and a handler running longer than AckWait has its message delivered again while it runs", wait, claim), fields)
+	}
 }

@@ -162,7 +162,7 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 			continue
 		}
 		switch k {
-		case MetaAttemptMark, MetaDroppedHeaders, settle.MetaFirstFailure, deliverymark.Meta:
+		case MetaAttemptMark, MetaDroppedHeaders, settle.MetaFirstFailure, deliverymark.Meta, deliverymark.MetaNakDelay, deliverymark.MetaNakDelayMark:
 			continue
 		}
 		orig = append(orig, entry{k, v})

@@ -45,7 +45,7 @@ var services = map[string]string{
 	PostgresURLEnv:      "PostgreSQL",
 	MySQLURLEnv:         "MySQL",
 	AMQPURLEnv:          "RabbitMQ",
-	NATSURLEnv:          "NATS",
+	NATSURLEnv:          "NATS JetStream",
 	RedisURLEnv:         "Redis",
 	"SETTLE_JAEGER_BIN": "Jaeger",
 }

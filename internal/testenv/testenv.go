@@ -4,6 +4,7 @@
 //	SETTLE_POSTGRES_URL  postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 //	SETTLE_MYSQL_URL     mysql://root@127.0.0.1:3306/test
 //	SETTLE_AMQP_URL      amqp://guest:guest@127.0.0.1:5672/
+//	SETTLE_NATS_URL      nats://127.0.0.1:4222 (JetStream enabled)
 //
 // A test whose variable is unset is skipped with a message naming it, unless
 // SETTLE_REQUIRE_INTEGRATION=1, when it fails instead. A package's TestMain
@@ -92,6 +93,9 @@ func MySQLFoundRows(t testing.TB) DB {
 
 // AMQPURL returns SETTLE_AMQP_URL.
 func AMQPURL(t testing.TB) string { return Require(t, AMQPURLEnv) }
+
+// NATSURL returns SETTLE_NATS_URL.
+func NATSURL(t testing.TB) string { return Require(t, NATSURLEnv) }
 
 // Databases returns every database this run can reach: SQLite always, and
 // PostgreSQL and MySQL when configured, MySQL both with and without the
