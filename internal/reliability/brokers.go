@@ -18,6 +18,7 @@ import (
 
 	"github.com/settle-go/settle/amqpmarshal"
 	"github.com/settle-go/settle/amqpsub"
+	"github.com/settle-go/settle/natsjs"
 )
 
 // Each broker has two sides here. In the campaign's processes, one function
@@ -90,24 +91,16 @@ func natsAckWait(claimTimeout time.Duration) time.Duration { return 2 * claimTim
 // both processes together: a killed process holds its share until AckWait.
 const natsMaxAckPending = 256
 
-// natsConsumer is the campaign's durable JetStream consumer of topic: a
-// push consumer delivered to the queue group of the same name, explicit
-// acks. The driver creates it before the processes start (so that no
-// subscriber creates it and deletes it again when it closes, as nats.go does
-// with a consumer it created) and the subscribers bind to it with the same
-// settings.
-func natsConsumer(topic string, claimTimeout time.Duration) *nats.ConsumerConfig {
-	return &nats.ConsumerConfig{
-		Durable:        topic,
-		DeliverSubject: "rel_deliver." + topic,
-		DeliverGroup:   topic,
-		DeliverPolicy:  nats.DeliverAllPolicy,
-		AckPolicy:      nats.AckExplicitPolicy,
-		AckWait:        natsAckWait(claimTimeout),
-		MaxAckPending:  natsMaxAckPending,
-		FilterSubject:  topic,
-		ReplayPolicy:   nats.ReplayInstantPolicy,
-	}
+// natsDurable is the natsjs Durable of the campaign's consumers: their
+// JetStream consumer of topic is natsConsumer(topic), created by the first
+// subscriber (natsjs creates it itself, so that it outlives the
+// subscriptions; nats.go would delete a consumer it created when the
+// subscription that created it closes).
+const natsDurable = "rel"
+
+// natsConsumer is the name natsjs gives the durable consumer of topic.
+func natsConsumer(topic string) string {
+	return natsDurable + "_" + strings.NewReplacer(".", "_", "*", "_", ">", "_", " ", "_").Replace(topic)
 }
 
 // natsOptions makes a connection that reconnects without end, quickly, so
@@ -116,43 +109,27 @@ func natsOptions(name string) []nats.Option {
 	return []nats.Option{nats.Name(name), nats.MaxReconnects(-1), nats.ReconnectWait(200 * time.Millisecond)}
 }
 
-// natsPubSub: watermill-nats on JetStream. The publisher waits for the
-// stream's ack (a publish returns once the message is stored). No
-// TrackMsgId: the relay's second copy of a message (a kill between publish
-// and mark) must reach the consumers, whose dedupe is what is tested. The
-// subscriber binds to the durable consumer natsConsumer with manual acks
+// natsPubSub: watermill-nats on JetStream as settle's natsjs sets it up.
+// The publisher waits for the stream's ack (a publish returns once the
+// message is stored), with no TrackMsgId: the relay's second copy of a
+// message (a kill between publish and mark) must reach the consumers, whose
+// dedupe is what is tested. The subscriber is natsjs's: the durable
+// consumer natsConsumer, delivered to a queue group, manual explicit acks
 // (without nats.ManualAck, nats.go acks every delivery when watermill's
-// callback returns, whatever the handler did) and waits for the router's
-// ack as long as the server does (AckWaitTimeout = AckWait).
+// callback returns, whatever the handler did), a wait for the router's
+// answer without end, the delivery count and the broker's nack delay.
 func natsPubSub(spec childSpec, logger watermill.LoggerAdapter, withSub bool) (message.Publisher, message.Subscriber, error) {
-	pub, err := wnats.NewPublisher(wnats.PublisherConfig{
-		URL:         spec.NATS,
-		NatsOptions: natsOptions(spec.Name),
-		Marshaler:   &wnats.NATSMarshaler{},
-	}, logger)
+	pc := natsjs.NewPublisherConfig(spec.NATS)
+	pc.NatsOptions = append(pc.NatsOptions, natsOptions(spec.Name)...)
+	pub, err := wnats.NewPublisher(pc, logger)
 	if err != nil || !withSub {
 		return pub, nil, err
 	}
-	cc := natsConsumer(spec.Topic, spec.ClaimTimeout)
-	subOpts := []nats.SubOpt{
-		nats.AckExplicit(),
-		nats.AckWait(cc.AckWait),
-		nats.MaxAckPending(cc.MaxAckPending),
-		nats.DeliverAll(),
-		nats.ManualAck(),
-	}
-	sub, err := wnats.NewSubscriber(wnats.SubscriberConfig{
-		URL:              spec.NATS,
-		QueueGroupPrefix: cc.DeliverGroup,
-		SubscribersCount: 1,
-		AckWaitTimeout:   cc.AckWait,
-		CloseTimeout:     5 * time.Second,
-		NatsOptions:      natsOptions(spec.Name),
-		Unmarshaler:      &wnats.NATSMarshaler{},
-		JetStream: wnats.JetStreamConfig{
-			DurablePrefix:    cc.Durable,
-			SubscribeOptions: subOpts,
-		},
+	sub, err := natsjs.NewSubscriber(spec.NATS, natsjs.Config{
+		Durable:       natsDurable,
+		AckWait:       natsAckWait(spec.ClaimTimeout),
+		MaxAckPending: natsMaxAckPending,
+		NatsOptions:   natsOptions(spec.Name),
 	}, logger)
 	if err != nil {
 		_ = pub.Close()
@@ -224,7 +201,7 @@ func newBrokerAdmin(cfg Config, topic string) brokerAdmin {
 	dests := []string{topic, topic + ".dead_letter", topic + ".poison"}
 	switch cfg.Broker {
 	case BrokerNATS:
-		return &natsAdmin{url: cfg.NATS, topics: dests, claimTimeout: cfg.ClaimTimeout}
+		return &natsAdmin{url: cfg.NATS, topics: dests}
 	case BrokerRedis:
 		return &redisAdmin{url: cfg.Redis, topics: dests}
 	default:
@@ -306,9 +283,8 @@ func (a *amqpAdmin) remove(context.Context) error {
 }
 
 type natsAdmin struct {
-	url          string
-	topics       []string // the topic, its dead-letter and poison subjects
-	claimTimeout time.Duration
+	url    string
+	topics []string // the topic, its dead-letter and poison subjects
 }
 
 // stream is the name of the stream of subject: stream names may not hold
@@ -335,20 +311,26 @@ func (a *natsAdmin) declare(ctx context.Context) error {
 				return fmt.Errorf("reliability: add stream %s: %w", a.stream(s), err)
 			}
 		}
-		if _, err := js.AddConsumer(a.stream(a.topics[0]), natsConsumer(a.topics[0], a.claimTimeout), nats.Context(ctx)); err != nil {
-			return fmt.Errorf("reliability: add consumer %s: %w", a.topics[0], err)
-		}
 		return nil
 	})
 }
 
 func (a *natsAdmin) depth(ctx context.Context) (backlog, deadLettered int, err error) {
 	err = a.with(func(js nats.JetStreamContext) error {
-		ci, err := js.ConsumerInfo(a.stream(a.topics[0]), a.topics[0], nats.Context(ctx))
-		if err != nil {
+		ci, err := js.ConsumerInfo(a.stream(a.topics[0]), natsConsumer(a.topics[0]), nats.Context(ctx))
+		switch {
+		case errors.Is(err, nats.ErrConsumerNotFound):
+			// No consumer has subscribed yet: every message is waiting.
+			si, err := js.StreamInfo(a.stream(a.topics[0]), nats.Context(ctx))
+			if err != nil {
+				return err
+			}
+			backlog = int(si.State.Msgs)
+		case err != nil:
 			return err
+		default:
+			backlog = int(ci.NumPending) + ci.NumAckPending
 		}
-		backlog = int(ci.NumPending) + ci.NumAckPending
 		for _, s := range a.topics[1:] {
 			si, err := js.StreamInfo(a.stream(s), nats.Context(ctx))
 			if err != nil {
