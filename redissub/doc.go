@@ -1,0 +1,2 @@
+// Package redissub is what settle needs on Redis Streams.
+package redissub
