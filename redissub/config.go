@@ -2,6 +2,7 @@ package redissub
 
 import (
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
@@ -12,6 +13,15 @@ import (
 const (
 	stockClaimInterval = time.Second
 	stockMaxIdleTime   = 30 * time.Second
+	// never is a ConsumerTimeout no consumer reaches: watermill-redisstream
+	// then deletes no consumer.
+	never = time.Duration(math.MaxInt64)
+	// stockCheckConsumers is how often watermill-redisstream then lists
+	// the consumers for nothing: once a day.
+	stockCheckConsumers = 24 * time.Hour
+	// minConsumerTimeout is the shortest ConsumerTimeout
+	// CheckSubscriberConfig accepts.
+	minConsumerTimeout = 365 * 24 * time.Hour
 )
 
 // SubscriberConfig returns a watermill-redisstream SubscriberConfig for the
@@ -25,14 +35,19 @@ const (
 //     package's defaults); a delivery still running after 30s is delivered
 //     to a second consumer as well, where settle's dedupe defers it until the
 //     first one settles;
-//   - DisableIndefiniteInitialBlock: a live consumer on an idle stream reads
-//     again every BlockTime instead of blocking for good on its first read,
-//     so it never looks idle to another consumer's check of idle consumers,
-//     which deletes it, and the pending entries it took meanwhile
-//     (watermill-redisstream issue #24);
-//   - Consumer left empty: a random name per subscriber, never used again
-//     once that subscriber has gone, so a deleted consumer cannot come back
-//     and take entries that its deletion drops.
+//   - ConsumerTimeout never reached (and CheckConsumersInterval a day): no
+//     consumer is deleted. watermill-redisstream deletes a consumer that
+//     XINFO CONSUMERS shows idle for ConsumerTimeout with nothing pending,
+//     in a second command; a consumer that takes an entry between the two
+//     loses it from the group's pending list (XGROUP DELCONSUMER drops the
+//     entries a consumer holds), and if it then dies the message is never
+//     delivered again. On Redis before 7.2 a live consumer of a quiet
+//     stream does look idle: a read that returns nothing does not reset
+//     its idle time (watermill-redisstream issue #24, and the test
+//     TestIdleConsumerDeletion). A consumer that has gone stays listed in
+//     the group, with nothing pending: a few bytes each;
+//   - DisableIndefiniteInitialBlock: every read returns within BlockTime,
+//     so that a subscriber of an empty stream notices Close at once.
 //
 // Set Unmarshaller or the other fields on the result as needed, and pass it
 // through CheckSubscriberConfig if you change them.
@@ -42,25 +57,27 @@ func SubscriberConfig(client redis.UniversalClient, group string) redisstream.Su
 		ConsumerGroup:                 group,
 		ClaimInterval:                 stockClaimInterval,
 		MaxIdleTime:                   stockMaxIdleTime,
+		ConsumerTimeout:               never,
+		CheckConsumersInterval:        stockCheckConsumers,
 		DisableIndefiniteInitialBlock: true,
 	}
 }
 
 // CheckSubscriberConfig reports, in an error wrapping ErrInvalidConfig, a
 // watermill-redisstream SubscriberConfig under which settle cannot keep its
-// guarantee: no consumer group (fan-out reads with XREAD, which nothing
-// acknowledges: a consumer killed during a handler loses the message), or
-// an initial read that blocks for good (a live consumer can be deleted with
-// the entries it holds, issue #24). Zero durations are read as the
-// package's defaults.
+// guarantee: no client; no consumer group (fan-out reads with XREAD, which
+// nothing acknowledges: a consumer killed during a handler loses the
+// message); or consumers deleted when idle, a ConsumerTimeout below a year
+// (0 is the package's 600s), which can drop an entry a live consumer has
+// just taken (see SubscriberConfig).
 func CheckSubscriberConfig(cfg redisstream.SubscriberConfig) error {
 	switch {
 	case cfg.Client == nil:
 		return fmt.Errorf("%w: SubscriberConfig.Client is nil", ErrInvalidConfig)
 	case cfg.ConsumerGroup == "":
 		return fmt.Errorf("%w: SubscriberConfig.ConsumerGroup is empty: fan-out reads are never acknowledged, and a consumer killed during a handler loses its message", ErrInvalidConfig)
-	case !cfg.DisableIndefiniteInitialBlock:
-		return fmt.Errorf("%w: SubscriberConfig.DisableIndefiniteInitialBlock is false: a consumer blocked on its first read looks idle and can be deleted with the entries it takes (watermill-redisstream issue #24)", ErrInvalidConfig)
+	case cfg.ConsumerTimeout < minConsumerTimeout:
+		return fmt.Errorf("%w: SubscriberConfig.ConsumerTimeout %v (0 is 600s) deletes idle consumers, which can drop the entries a live consumer has just taken (watermill-redisstream issue #24); use SubscriberConfig's", ErrInvalidConfig, cfg.ConsumerTimeout)
 	}
 	return nil
 }
