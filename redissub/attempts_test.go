@@ -116,3 +116,60 @@ func TestCrashLoopDeadLettersByDeliveryCount(t *testing.T) {
 	m.Ack()
 	waitPending(t, c, stream, group, 0)
 }
+
+// Redis has no delayed nack: the retry middleware holds a failed delivery
+// for RedeliveryDelay and then nacks it, and the subscriber hands it back at
+// once, counted by Redis. The second delivery's count reaches a retry
+// middleware of another process (a fresh one here, with no memory of the
+// first run), which makes it the last attempt and dead-letters it.
+func TestRedeliveryDelayAndCount(t *testing.T) {
+	t.Parallel()
+	c := newClient(t)
+	stream, group := names(t, c)
+	publish(t, c, stream, message.NewMessage(watermill.NewUUID(), []byte("x")))
+	sub := newSub(t, c, redissub.Config{ConsumerGroup: group})
+	ch, err := sub.Subscribe(t.Context(), stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const delay = 300 * time.Millisecond
+	var runs []time.Time
+	fail := func(*message.Message) ([]*message.Message, error) {
+		runs = append(runs, time.Now())
+		return nil, errors.New("boom")
+	}
+	newRetry := func() message.HandlerFunc {
+		rt, err := middleware.NewRetry(middleware.RetryConfig{
+			MaxAttempts: 2, NoInProcessRetries: true,
+			InitialInterval: settle.NoDelay, RedeliveryDelay: delay, RandomizationFactor: middleware.NoJitter,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return rt(fail)
+	}
+
+	m := receive(t, ch, 5*time.Second)
+	if _, err := newRetry()(m); err == nil {
+		t.Fatal("first delivery: no error")
+	}
+	m.Nack()
+	m = receive(t, ch, time.Second)
+	nacked := time.Now()
+	if got := m.Metadata.Get(settle.MetaDeliveryCount); got != "2" {
+		t.Fatalf("second delivery: count %q, want 2", got)
+	}
+	_, err = newRetry()(m)
+	var ex *middleware.ExhaustedError
+	if !errors.As(err, &ex) || ex.Attempts != 2 {
+		t.Fatalf("second delivery: %v, want an ExhaustedError after 2 attempts", err)
+	}
+	if len(runs) != 2 {
+		t.Fatalf("%d runs, want 2", len(runs))
+	}
+	if gap := nacked.Sub(runs[0]); gap < delay {
+		t.Errorf("redelivered %v after the failed run, want at least RedeliveryDelay %v", gap, delay)
+	}
+	m.Ack()
+	waitPending(t, c, stream, group, 0)
+}
