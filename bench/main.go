@@ -46,9 +46,15 @@
 //     slowest successful delivery running beside them (no stall).
 //   - parked: the parked-message store's list and group pages on a table of
 //     a million rows (-quick: 131,072), on PostgreSQL and MariaDB.
+//   - redis: Redis Streams + PostgreSQL, 16 deliveries in flight: 16
+//     subscriptions of watermill-redisstream's subscriber vs one redissub
+//     subscription (XREADGROUP COUNT 16), a raw no-op consume vs settle's
+//     transactional handler per message and with group commit, with an
+//     exactly-once check. Not in docs/benchmarks.md: docs/brokers.md
+//     quotes it.
 //
-// The servers are read from SETTLE_POSTGRES_URL, SETTLE_MYSQL_URL and
-// SETTLE_AMQP_URL, defaulting to the local services on 127.0.0.1.
+// The servers are read from SETTLE_POSTGRES_URL, SETTLE_MYSQL_URL,
+// SETTLE_AMQP_URL and SETTLE_REDIS_URL, defaulting to the local services on 127.0.0.1.
 //
 // With -write, the results of the sections run are merged into a JSON file
 // beside the harness (results.json, -results) and the whole document is
@@ -70,7 +76,7 @@ import (
 )
 
 // sections in the order they run and appear in the document.
-var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "outbox", "growth", "attempts", "parked"}
+var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "outbox", "growth", "attempts", "parked", "redis"}
 
 type options struct {
 	quick    bool
@@ -190,6 +196,7 @@ type Results struct {
 	Growth   *GrowthResults   `json:"growth,omitempty"`
 	Attempts *AttemptsResults `json:"attempts,omitempty"`
 	Parked   *ParkedResults   `json:"parked,omitempty"`
+	Redis    *RedisResults    `json:"redis,omitempty"`
 	Runs     map[string]RunAt `json:"runs"` // section -> when and how it ran
 }
 
@@ -235,6 +242,7 @@ func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		{"growth", func() (err error) { res.Growth, err = runGrowth(ctx, o, stderr); return }},
 		{"attempts", func() (err error) { res.Attempts, err = runAttempts(ctx, o, stderr); return }},
 		{"parked", func() (err error) { res.Parked, err = runParked(ctx, o, stderr); return }},
+		{"redis", func() (err error) { res.Redis, err = runRedis(ctx, o, stderr); return }},
 	}
 	for _, s := range all {
 		if !o.only[s.name] {
