@@ -255,4 +255,3 @@ func redisTable(t *RedisResults) string {
 	}
 	return b.String()
 }
-

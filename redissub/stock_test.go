@@ -73,3 +73,50 @@ func TestStockNack(t *testing.T) {
 	again.Ack()
 	waitPending(t, admin, stream, group, 0)
 }
+
+// One watermill-redisstream subscription hands the router one entry at a
+// time: the next is read only when the one before it was acked. One
+// redissub subscription hands over InFlight entries before any is acked.
+func TestInFlightPerSubscription(t *testing.T) {
+	t.Parallel()
+	for _, stock := range []bool{true, false} {
+		name := map[bool]string{true: "watermill-redisstream", false: "redissub"}[stock]
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			admin := newClient(t)
+			stream, group := names(t, admin)
+			for range 4 {
+				publish(t, admin, stream, message.NewMessage(watermill.NewUUID(), []byte("x")))
+			}
+			var sub message.Subscriber
+			if stock {
+				sub = stockSub(t, redissub.SubscriberConfig(newClient(t), group))
+			} else {
+				sub = newSub(t, admin, redissub.Config{ConsumerGroup: group, InFlight: 3})
+			}
+			ch, err := sub.Subscribe(t.Context(), stream)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var held []*message.Message
+			held = append(held, receive(t, ch, 5*time.Second))
+			if stock {
+				none(t, ch, 300*time.Millisecond)
+			} else {
+				held = append(held, receive(t, ch, time.Second), receive(t, ch, time.Second))
+				none(t, ch, 300*time.Millisecond) // InFlight reached
+			}
+			held[0].Ack()
+			next := receive(t, ch, 2*time.Second)
+			next.Ack()
+			for _, m := range held[1:] {
+				m.Ack()
+			}
+			if stock { // two of the four left
+				receive(t, ch, 2*time.Second).Ack()
+				receive(t, ch, 2*time.Second).Ack()
+			}
+			waitPending(t, admin, stream, group, 0)
+		})
+	}
+}
