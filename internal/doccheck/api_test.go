@@ -26,9 +26,12 @@ import (
 // for the parked-message store and its tools (issue 26): package parked
 // (27), settle.Parked, settle.ParkStore, settle.MetaReplayedBy and
 // settle.MetaReplayHandler (4), dedupe.KeyState, SQLStore.Lookup and
-// SQLStore.InFlight (3), console.Config and console.New (2).
+// SQLStore.InFlight (3), console.Config and console.New (2), and package
+// redissub for Redis Streams (issue 27: 9, Config, ErrInvalidConfig,
+// NewSubscriber, Subscriber and its InFlight, Subscribe and Close,
+// SubscriberConfig, CheckSubscriberConfig).
 const (
-	maxExported    = 265
+	maxExported    = 274
 	maxHandlerWays = 8
 )
 
