@@ -211,7 +211,7 @@ func repoRoot(t *testing.T) string {
 // registers none), and none of the benchmark harness's or the tests'
 // dependencies.
 func TestLibraryLinksNoDriver(t *testing.T) {
-	cmd := exec.Command("go", "list", "-deps", "./sqldb", "./dedupe", "./outbox", "./pipeline", "./middleware", "./amqpsub", "./amqpmarshal", "./poison", ".")
+	cmd := exec.Command("go", "list", "-deps", "./sqldb", "./dedupe", "./outbox", "./pipeline", "./middleware", "./amqpsub", "./amqpmarshal", "./redissub", "./poison", ".")
 	cmd.Dir = repoRoot(t)
 	out, err := cmd.Output()
 	if err != nil {
