@@ -49,7 +49,9 @@ type Config struct {
 	// what its Publisher writes.
 	Unmarshaller redisstream.Unmarshaller
 	// InFlight is how many entries of one subscription are in the router at
-	// once, read with XREADGROUP COUNT. Defaults to 16. Must be >= 1.
+	// once. As many more are read ahead (XREADGROUP COUNT), so that a batch's
+	// successors are on the client when it is acked; they are pending for
+	// this consumer meanwhile. Defaults to 16. Must be >= 1.
 	InFlight int
 	// BlockTime bounds one blocking XREADGROUP, and so how long Close waits
 	// for a read to return. Defaults to 100ms. Must be > 0.
@@ -167,7 +169,8 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		s:        s,
 		topic:    topic,
 		out:      make(chan *message.Message),
-		slots:    make(chan struct{}, s.cfg.InFlight),
+		slots:    make(chan struct{}, 2*s.cfg.InFlight),
+		router:   make(chan struct{}, s.cfg.InFlight),
 		inFlight: map[string]bool{},
 		fields:   watermill.LogFields{"topic": topic, "consumer_group": s.cfg.ConsumerGroup, "consumer": s.cfg.Consumer},
 	}
@@ -206,10 +209,15 @@ func (s *Subscriber) Close() error {
 
 // stream is one subscription.
 type stream struct {
-	s      *Subscriber
-	topic  string
-	out    chan *message.Message
-	slots  chan struct{} // one token per entry in the router
+	s     *Subscriber
+	topic string
+	out   chan *message.Message
+	// slots holds one token per entry read and not yet answered: up to
+	// InFlight in the router and as many read ahead, so that the entries
+	// of the next batch are on the client when a batch is acked.
+	slots chan struct{}
+	// router holds one token per entry in the router.
+	router chan struct{}
 	fields watermill.LogFields
 
 	mu       sync.Mutex
@@ -442,28 +450,12 @@ func (st *stream) serve(ctx context.Context, xm redis.XMessage, count int64) {
 			st.s.logger.Error("redissub: cannot unmarshal the entry; it stays pending", err, fields)
 			return
 		}
-		mctx, cancel := context.WithCancel(ctx)
-		msg.SetContext(mctx)
 		select {
-		case st.out <- msg:
+		case st.router <- struct{}{}:
 		case <-ctx.Done():
-			cancel()
 			return
 		}
-		select {
-		case <-msg.Acked():
-			cancel()
-			st.ack(xm.ID, fields)
-			return
-		case <-msg.Nacked():
-			cancel()
-		case <-ctx.Done():
-			cancel()
-			select {
-			case <-msg.Acked(): // acked before the close
-				st.ack(xm.ID, fields)
-			default:
-			}
+		if !st.handOver(ctx, xm, msg, fields) {
 			return
 		}
 		// Nacked: claim the entry again for this consumer, which counts the
@@ -481,6 +473,38 @@ func (st *stream) serve(ctx context.Context, xm redis.XMessage, count int64) {
 		}
 		xm, count = next, n
 	}
+}
+
+// handOver sends msg to the router, holding a router token until the
+// router answers, and then acks the entry on an ack, or reports a nack.
+func (st *stream) handOver(ctx context.Context, xm redis.XMessage, msg *message.Message, fields watermill.LogFields) (nacked bool) {
+	mctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	msg.SetContext(mctx)
+	select {
+	case st.out <- msg:
+	case <-ctx.Done():
+		<-st.router
+		return false
+	}
+	var acked bool
+	select {
+	case <-msg.Acked():
+		acked = true
+	case <-msg.Nacked():
+		nacked = true
+	case <-ctx.Done():
+		select {
+		case <-msg.Acked(): // acked before the close
+			acked = true
+		default:
+		}
+	}
+	<-st.router // the next entry read ahead may enter the router
+	if acked {
+		st.ack(xm.ID, fields)
+	}
+	return nacked
 }
 
 // ack acknowledges the entry, retrying for a while: an entry acked in the
