@@ -23,9 +23,10 @@
 //
 // # Subscriber
 //
-// Subscriber reads a consumer group with XREADGROUP COUNT InFlight and
-// keeps up to InFlight entries of one subscription in the router at once
-// (watermill-redisstream's reads one and waits for its ack). Every message
+// Subscriber reads a consumer group with XREADGROUP COUNT and keeps up to
+// InFlight entries of one subscription in the router at once, and as many
+// more read ahead (watermill-redisstream's reads one and waits for its
+// ack before it reads the next). Every message
 // carries settle.MetaDeliveryCount, the number of times Redis has delivered
 // the entry, this time included, marked as amqpmarshal marks a quorum
 // queue's count so that the retry middleware believes it and nothing a
@@ -52,7 +53,7 @@
 // a message is in the router its entry is kept from going idle (XCLAIM
 // JUSTID, every MaxIdleTime/4, for entries this consumer still owns), so
 // MaxIdleTime bounds the wait after a crash without bounding how long a
-// handler may run. The subscriber never deletes a consumer: XGROUP
+// handler may run. Entries read ahead are held the same way. The subscriber never deletes a consumer: XGROUP
 // DELCONSUMER drops the entries a consumer holds (see SubscriberConfig).
 //
 // # What it does not guarantee
