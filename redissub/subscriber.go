@@ -332,6 +332,14 @@ func (st *stream) claim(ctx context.Context) {
 		}
 		used := 0
 		for _, p := range pending {
+			st.mu.Lock()
+			mine := st.inFlight[p.ID]
+			st.mu.Unlock()
+			if mine {
+				// Held here, though idle (a heartbeat failed): it is
+				// delivered already.
+				continue
+			}
 			xm, ok := st.claimOne(ctx, p.ID, cfg.MaxIdleTime)
 			if !ok {
 				continue
