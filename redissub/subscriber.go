@@ -350,7 +350,7 @@ func (st *stream) claim(ctx context.Context) {
 			st.deliver(ctx, xm, p.RetryCount+1)
 		}
 		st.release(n - used)
-		if len(pending) < n {
+		if len(pending) < n || used == 0 {
 			return
 		}
 	}
