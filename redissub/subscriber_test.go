@@ -209,7 +209,7 @@ func TestCompetingConsumers(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	waitPending(t, c, stream, group, 0)
+	time.Sleep(100 * time.Millisecond) // a second delivery would come now
 	cancel()
 	wg.Wait()
 	if len(seen) != n {
@@ -223,6 +223,7 @@ func TestCompetingConsumers(t *testing.T) {
 	if per[0] == 0 || per[1] == 0 {
 		t.Errorf("one consumer got everything: %v", per)
 	}
+	waitPending(t, c, stream, group, 0)
 }
 
 // An entry whose handler runs longer than MaxIdleTime is not claimed by
