@@ -250,8 +250,17 @@ func redisTable(t *RedisResults) string {
 	}
 	if len(t.Rows) == 2 {
 		a, o := t.Rows[0].Rate, t.Rows[1].Rate
-		fmt.Fprintf(&b, "\n%s / %s: raw %s, per message %s, batched %s\n", t.Rows[1].Subscriber, t.Rows[0].Subscriber,
+		fmt.Fprintf(&b, "\n%s / %s, of the medians: raw %s, per message %s, batched %s\n", t.Rows[1].Subscriber, t.Rows[0].Subscriber,
 			x(ratio(o[redisRaw], a[redisRaw])), x(ratio(o[redisPerMsg], a[redisPerMsg])), x(ratio(o[redisGrouped], a[redisGrouped])))
+		// Within each round, where the two ran minutes apart at most.
+		for _, c := range redisCells {
+			var rs []string
+			ar, or := t.Rows[0].Rates[c], t.Rows[1].Rates[c]
+			for i := range min(len(ar), len(or)) {
+				rs = append(rs, x(ratio(or[i], ar[i])))
+			}
+			fmt.Fprintf(&b, "- %s, round by round: %s\n", c, strings.Join(rs, ", "))
+		}
 	}
 	return b.String()
 }
