@@ -82,11 +82,11 @@ func runRedis(ctx context.Context, o options, log io.Writer) (*RedisResults, err
 	for _, kind := range redisKinds {
 		rows[kind] = &RedisRow{Subscriber: kind, Rate: map[string]float64{}, Rates: map[string][]float64{}}
 	}
-	// Round by round, every cell of both subscribers in turn, so that the
-	// ratios are read within a round.
+	// Round by round, each cell with both subscribers one after the other,
+	// so that the ratios are read within a round on a shared machine.
 	for r := range o.runs {
-		for _, kind := range redisKinds {
-			for _, cell := range redisCells {
+		for _, cell := range redisCells {
+			for _, kind := range redisKinds {
 				rate, err := b.cell(ctx, d, kind, cell, res)
 				if err != nil {
 					return nil, fmt.Errorf("%s %s: %w", kind, cell, err)
