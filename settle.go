@@ -94,8 +94,9 @@ const (
 	MetaLastFailure  = "settle_last_failure_at"
 	// MetaDeliveryCount is how many times the broker has delivered the
 	// message, including this time (decimal), when the broker says so
-	// (RabbitMQ quorum queues' x-delivery-count + 1). Set by settle's
-	// amqpmarshal, with a mark of its own process: the retry middleware
+	// (RabbitMQ quorum queues' x-delivery-count + 1; a Redis Streams
+	// pending entry's times-delivered). Set by settle's amqpmarshal and
+	// redissub.Subscriber, with a mark of their own process: the retry middleware
 	// ignores a value without it, which is what any other marshaler passes
 	// on from a producer's header of that name.
 	MetaDeliveryCount = "settle_delivery_count"
