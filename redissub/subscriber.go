@@ -24,6 +24,7 @@ const (
 	defaultBlockTime     = 100 * time.Millisecond
 	defaultMaxIdleTime   = 10 * time.Second
 	defaultClaimInterval = time.Second
+	minMaxIdleTime       = 100 * time.Millisecond
 )
 
 // ErrInvalidConfig is wrapped by the error NewSubscriber returns for a bad
@@ -61,7 +62,8 @@ type Config struct {
 	// before they are redelivered. The subscriber keeps the entries it has
 	// in flight from going idle (XCLAIM JUSTID every MaxIdleTime/4), so a
 	// live consumer's entries are not claimed away however long a handler
-	// runs. Defaults to 10s. Must be >= 4 × BlockTime.
+	// runs. Defaults to 10s. Must be >= 100ms, so that a heartbeat's round
+	// trip to Redis lands well within it.
 	MaxIdleTime time.Duration
 	// ClaimInterval is how often the subscriber looks for entries idle
 	// longer than MaxIdleTime (XPENDING IDLE) and claims them. A dead
@@ -87,7 +89,7 @@ func (c *Config) setDefaults() {
 		c.BlockTime = defaultBlockTime
 	}
 	if c.MaxIdleTime == 0 {
-		c.MaxIdleTime = max(defaultMaxIdleTime, 4*c.BlockTime)
+		c.MaxIdleTime = defaultMaxIdleTime
 	}
 	if c.ClaimInterval == 0 {
 		c.ClaimInterval = defaultClaimInterval
@@ -110,8 +112,8 @@ func (c Config) validate() error {
 		return bad("Config.InFlight must be >= 1, got %d", c.InFlight)
 	case c.BlockTime <= 0:
 		return bad("Config.BlockTime must be > 0, got %v", c.BlockTime)
-	case c.MaxIdleTime < 4*c.BlockTime:
-		return bad("Config.MaxIdleTime must be >= 4 × BlockTime (%v), got %v", 4*c.BlockTime, c.MaxIdleTime)
+	case c.MaxIdleTime < minMaxIdleTime:
+		return bad("Config.MaxIdleTime must be >= %v, got %v", minMaxIdleTime, c.MaxIdleTime)
 	case c.ClaimInterval <= 0:
 		return bad("Config.ClaimInterval must be > 0, got %v", c.ClaimInterval)
 	}

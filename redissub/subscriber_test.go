@@ -36,7 +36,7 @@ func TestConfigRefused(t *testing.T) {
 		"no group":       {Client: c},
 		"in flight":      {Client: c, ConsumerGroup: "g", InFlight: -1},
 		"block":          {Client: c, ConsumerGroup: "g", BlockTime: -1},
-		"idle vs block":  {Client: c, ConsumerGroup: "g", BlockTime: time.Second, MaxIdleTime: 2 * time.Second},
+		"idle":           {Client: c, ConsumerGroup: "g", MaxIdleTime: 50 * time.Millisecond},
 		"claim interval": {Client: c, ConsumerGroup: "g", ClaimInterval: -time.Second},
 	} {
 		t.Run(name, func(t *testing.T) {
