@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -163,7 +162,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		return nil, errors.New("redissub: subscriber is closed")
 	}
 	err := s.cfg.Client.XGroupCreateMkStream(ctx, topic, s.cfg.ConsumerGroup, s.cfg.OldestID).Err()
-	if err != nil && !strings.HasPrefix(err.Error(), "BUSYGROUP") {
+	if err != nil && !redis.HasErrorPrefix(err, "BUSYGROUP") { // the group exists
 		return nil, fmt.Errorf("redissub: create group %q on %q: %w", s.cfg.ConsumerGroup, topic, err)
 	}
 	ctx, cancel := context.WithCancel(ctx)
@@ -223,7 +222,7 @@ type stream struct {
 	fields watermill.LogFields
 
 	mu       sync.Mutex
-	inFlight map[string]bool // entry IDs handed to the router, not yet answered
+	inFlight map[string]bool // IDs of the entries read or claimed, not yet answered
 	entries  sync.WaitGroup
 }
 
@@ -239,7 +238,7 @@ func (st *stream) run(ctx context.Context) {
 }
 
 // acquire takes at least one slot, waiting for it, and then as many more
-// as are free, up to InFlight. It returns 0 when ctx is done.
+// as are free. It returns how many it took, 0 when ctx is done.
 func (st *stream) acquire(ctx context.Context) int {
 	select {
 	case st.slots <- struct{}{}:
