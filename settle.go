@@ -95,7 +95,8 @@ const (
 	// MetaDeliveryCount is how many times the broker has delivered the
 	// message, including this time (decimal), when the broker says so
 	// (RabbitMQ quorum queues' x-delivery-count + 1, NATS JetStream's
-	// NumDelivered). Set by settle's amqpmarshal and natsjs, with a mark of
+	// NumDelivered, a Redis Streams pending entry's times-delivered). Set by
+	// settle's amqpmarshal, natsjs and redissub.Subscriber, with a mark of
 	// their own process: the retry middleware
 	// ignores a value without it, which is what any other marshaler passes
 	// on from a producer's header of that name.

@@ -50,9 +50,15 @@
 //     (ManualAck) vs settle's (natsjs + pipeline, memory store) at
 //     SubscribersCount 1/4/16, and a nats.go pull consumer fetching 1/4/16
 //     at once: msgs/s and the most handlers seen in flight.
+//   - redis: Redis Streams + PostgreSQL, 16 deliveries in flight: 16
+//     subscriptions of watermill-redisstream's subscriber vs one redissub
+//     subscription (XREADGROUP COUNT 16), a raw no-op consume vs settle's
+//     transactional handler per message and with group commit, with an
+//     exactly-once check. Not in docs/benchmarks.md: docs/brokers.md
+//     quotes it.
 //
-// The servers are read from SETTLE_POSTGRES_URL, SETTLE_MYSQL_URL and
-// SETTLE_AMQP_URL, defaulting to the local services on 127.0.0.1.
+// The servers are read from SETTLE_POSTGRES_URL, SETTLE_MYSQL_URL,
+// SETTLE_AMQP_URL and SETTLE_REDIS_URL, defaulting to the local services on 127.0.0.1.
 //
 // With -write, the results of the sections run are merged into a JSON file
 // beside the harness (results.json, -results) and the whole document is
@@ -74,7 +80,7 @@ import (
 )
 
 // sections in the order they run and appear in the document.
-var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "outbox", "growth", "attempts", "parked", "nats"}
+var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "outbox", "growth", "attempts", "parked", "nats", "redis"}
 
 type options struct {
 	quick    bool
@@ -195,6 +201,7 @@ type Results struct {
 	Attempts *AttemptsResults `json:"attempts,omitempty"`
 	Parked   *ParkedResults   `json:"parked,omitempty"`
 	NATS     *NATSResults     `json:"nats,omitempty"`
+	Redis    *RedisResults    `json:"redis,omitempty"`
 	Runs     map[string]RunAt `json:"runs"` // section -> when and how it ran
 }
 
@@ -241,6 +248,7 @@ func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		{"attempts", func() (err error) { res.Attempts, err = runAttempts(ctx, o, stderr); return }},
 		{"parked", func() (err error) { res.Parked, err = runParked(ctx, o, stderr); return }},
 		{"nats", func() (err error) { res.NATS, err = runNATS(ctx, o, stderr); return }},
+		{"redis", func() (err error) { res.Redis, err = runRedis(ctx, o, stderr); return }},
 	}
 	for _, s := range all {
 		if !o.only[s.name] {

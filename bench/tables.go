@@ -74,6 +74,8 @@ func sectionTables(res *Results, name string) string {
 		return parkedTable(res.Parked)
 	case "nats":
 		return natsTable(res.NATS)
+	case "redis":
+		return redisTable(res.Redis)
 	}
 	return ""
 }

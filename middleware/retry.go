@@ -263,8 +263,9 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 //     because a classic queue passes on a producer's header; believed only
 //     with the mark that marshaler adds in this process, so that a
 //     settle_delivery_count another marshaler copied from a producer's
-//     header is ignored; and by natsjs's subscriber from NATS JetStream's
-//     NumDelivered, with the same mark): each earlier
+//     header is ignored; by natsjs's subscriber from NATS JetStream's
+//     NumDelivered, and by redissub.Subscriber from a Redis Streams pending
+//     entry's times-delivered, with the same mark): each earlier
 //     delivery is taken to have used all its 1+InProcessRetries runs, so
 //     the bound holds even when the consumer died during a delivery, at the
 //     price of dead-lettering early after a crash or a deferral;

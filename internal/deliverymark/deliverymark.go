@@ -1,15 +1,17 @@
 // Package deliverymark vouches, inside one process, for what settle's own
-// unmarshalers read from the broker: a delivery count (amqpmarshal from a
-// quorum queue's x-delivery-count, natsjs from JetStream's NumDelivered), and
-// the delay the broker itself holds a nacked delivery for (natsjs, whose
-// subscriber configuration nacks with NakWithDelay).
+// unmarshalers and subscribers read from the broker: a delivery count
+// (amqpmarshal from a quorum queue's x-delivery-count, natsjs from
+// JetStream's NumDelivered, redissub from a Redis Streams pending entry's
+// times-delivered), and the delay the broker itself holds a nacked delivery
+// for (natsjs, whose subscriber configuration nacks with NakWithDelay).
 //
 // settle.MetaDeliveryCount is a metadata entry like any other: a marshaler
 // that copies every header into metadata (watermill-amqp's default one,
 // and those of most brokers) hands the retry middleware whatever a producer
 // wrote under that name, and a producer-set 50 dead-lettered a message
 // without a run. amqpmarshal, which takes the count from a quorum queue's
-// x-delivery-count, marks it with an HMAC under a key made at random when
+// x-delivery-count, and redissub, which takes it from a pending entry's
+// times-delivered (XPENDING), mark it with an HMAC under a key made at random when
 // the process starts and never written anywhere; the retry middleware
 // believes a count only with a mark that verifies. No producer, and no
 // other process, can make one.

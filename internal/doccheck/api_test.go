@@ -26,11 +26,14 @@ import (
 // for the parked-message store and its tools (issue 26): package parked
 // (28, with ErrInvalid), settle.Parked, settle.ParkStore, settle.MetaReplayedBy and
 // settle.MetaReplayHandler (4), dedupe.KeyState, SQLStore.Lookup and
-// SQLStore.InFlight (3), console.Config and console.New (2); then package
-// natsjs (9: Config, NewSubscriber, NewPublisherConfig, Subscriber and its
-// Subscribe, SubscribeInitialize, InFlight, AckWait, Close).
+// SQLStore.InFlight (3), console.Config and console.New (2); then, for the
+// brokers (issue 27), package natsjs (9: Config, NewSubscriber,
+// NewPublisherConfig, Subscriber and its Subscribe, SubscribeInitialize,
+// InFlight, AckWait, Close) and package redissub (9: Config,
+// ErrInvalidConfig, NewSubscriber, Subscriber and its InFlight, Subscribe
+// and Close, SubscriberConfig, CheckSubscriberConfig).
 const (
-	maxExported    = 275
+	maxExported    = 284
 	maxHandlerWays = 8
 )
 
@@ -210,7 +213,7 @@ func repoRoot(t *testing.T) string {
 // registers none), and none of the benchmark harness's or the tests'
 // dependencies.
 func TestLibraryLinksNoDriver(t *testing.T) {
-	cmd := exec.Command("go", "list", "-deps", "./sqldb", "./dedupe", "./outbox", "./pipeline", "./middleware", "./amqpsub", "./amqpmarshal", "./natsjs", "./poison", ".")
+	cmd := exec.Command("go", "list", "-deps", "./sqldb", "./dedupe", "./outbox", "./pipeline", "./middleware", "./amqpsub", "./amqpmarshal", "./natsjs", "./redissub", "./poison", ".")
 	cmd.Dir = repoRoot(t)
 	out, err := cmd.Output()
 	if err != nil {
