@@ -56,7 +56,7 @@ func main() {
 	flag.DurationVar(&cfg.MaxDelay, "max-delay", 100*time.Millisecond, "longest random wait before a kill")
 	flag.DurationVar(&cfg.MaxSleep, "max-sleep", 10*time.Millisecond, "longest random sleep of a process in its handler, before an ack and after a forward")
 	flag.IntVar(&cfg.BatchSize, "batch-size", 8, "batch mode: deliveries in flight per consumer and most per transaction")
-	flag.BoolVar(&cfg.OneSubscription, "one-subscription", false, "batch mode, -broker amqp: each consumer on one amqpsub subscription with -batch-size deliveries in flight, instead of -batch-size watermill-amqp subscriptions")
+	flag.BoolVar(&cfg.OneSubscription, "one-subscription", false, "batch mode, -broker amqp or redis: each consumer on one subscription (amqpsub's, redissub's) with -batch-size deliveries in flight, instead of -batch-size subscriptions of one delivery each")
 	flag.DurationVar(&cfg.BatchWait, "batch-wait", 50*time.Millisecond, "batch mode: how long a batch's first delivery waits for others")
 	flag.Float64Var(&cfg.Aim, "aim", 0.5, "batch mode: share of consumer kills that wait for a batch between its claim statement and its commit")
 	flag.Float64Var(&cfg.StopRate, "stop-rate", 0, "share of the kill cycles that stop the process gracefully (SIGTERM, deliveries in flight) instead of SIGKILL")

@@ -19,6 +19,7 @@ import (
 	"github.com/settle-go/settle/amqpmarshal"
 	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/natsjs"
+	"github.com/settle-go/settle/redissub"
 )
 
 // Each broker has two sides here. In the campaign's processes, one function
@@ -148,12 +149,15 @@ func redisClaimInterval(claimTimeout time.Duration) time.Duration { return claim
 
 func redisMaxIdle(claimTimeout time.Duration) time.Duration { return claimTimeout }
 
-// redisPubSub: watermill-redisstream. The subscriber reads in the consumer
-// group named after the topic, as the consumer named after the process's
-// role (a restarted process is the same consumer: what it had pending is
-// claimed back like any other dead consumer's), and claims deliveries
-// pending for longer than redisMaxIdle every redisClaimInterval. Publisher
-// and subscriber have a client each: each closes its own.
+// redisPubSub: watermill-redisstream's publisher and settle's redissub
+// subscriber. The subscriber reads in the consumer group named after the
+// topic, as the consumer named after the process's role (a restarted
+// process is the same consumer: what it had pending is claimed back like
+// any other dead consumer's), claims deliveries pending for longer than
+// redisMaxIdle every redisClaimInterval, and sets Redis's delivery count.
+// It never deletes a consumer (watermill-redisstream's idle-consumer
+// deletion can drop a live consumer's pending entries). Publisher and
+// subscriber have a client each; the subscriber's is closed with it.
 func redisPubSub(spec childSpec, logger watermill.LoggerAdapter, withSub bool) (message.Publisher, message.Subscriber, error) {
 	opts, err := redis.ParseURL(spec.Redis)
 	if err != nil {
@@ -163,23 +167,35 @@ func redisPubSub(spec childSpec, logger watermill.LoggerAdapter, withSub bool) (
 	if err != nil || !withSub {
 		return pub, nil, err
 	}
-	sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
-		Client:        redis.NewClient(opts),
+	inFlight := 1
+	if spec.OneSubscription {
+		inFlight = spec.BatchSize
+	}
+	client := redis.NewClient(opts)
+	sub, err := redissub.NewSubscriber(redissub.Config{
+		Client:        client,
 		Consumer:      spec.Name,
 		ConsumerGroup: spec.Topic,
+		InFlight:      inFlight,
 		ClaimInterval: redisClaimInterval(spec.ClaimTimeout),
 		MaxIdleTime:   redisMaxIdle(spec.ClaimTimeout),
-		OldestId:      "0",
-		// The first read blocks for BlockTime like the others, not for
-		// ever, so that a graceful stop does not wait on it.
-		DisableIndefiniteInitialBlock: true,
+		OldestID:      "0",
 	}, logger)
 	if err != nil {
+		_ = client.Close()
 		_ = pub.Close()
 		return nil, nil, err
 	}
-	return pub, sub, nil
+	return pub, closingClient{sub, client}, nil
 }
+
+// closingClient is a redissub.Subscriber that closes its client after it.
+type closingClient struct {
+	*redissub.Subscriber
+	client *redis.Client
+}
+
+func (c closingClient) Close() error { return errors.Join(c.Subscriber.Close(), c.client.Close()) }
 
 // brokerAdmin is the driver's side of the campaign's broker.
 type brokerAdmin interface {

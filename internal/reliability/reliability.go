@@ -131,9 +131,10 @@ type Config struct {
 	// its TxConfig.Batch.MaxSize: the most deliveries one transaction
 	// carries. Defaults to 8. Must be >= 2.
 	BatchSize int
-	// OneSubscription makes, in ModeBatch on BrokerAMQP, each consumer take
-	// its deliveries through one amqpsub subscription with BatchSize of them
-	// in flight, instead of BatchSize watermill-amqp subscriptions.
+	// OneSubscription makes, in ModeBatch on BrokerAMQP or BrokerRedis, each
+	// consumer take its deliveries through one subscription with BatchSize
+	// of them in flight (amqpsub's, redissub's), instead of BatchSize
+	// subscriptions of one delivery each.
 	OneSubscription bool
 	// BatchWait is, in ModeBatch, TxConfig.Batch.MaxWait: how long the first
 	// delivery of a batch waits for others. Defaults to 50ms (the relay
@@ -245,8 +246,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("reliability: Config.MaxSleep must be >= 0, got %v", c.MaxSleep)
 	case c.BatchSize < 2:
 		return fmt.Errorf("reliability: Config.BatchSize must be >= 2, got %d", c.BatchSize)
-	case c.OneSubscription && (c.Mode != ModeBatch || c.Broker != BrokerAMQP):
-		return fmt.Errorf("reliability: Config.OneSubscription is for mode %q on broker %q, got %q on %q", ModeBatch, BrokerAMQP, c.Mode, c.Broker)
+	case c.OneSubscription && (c.Mode != ModeBatch || c.Broker == BrokerNATS):
+		return fmt.Errorf("reliability: Config.OneSubscription is for mode %q on broker %q or %q, got %q on %q", ModeBatch, BrokerAMQP, BrokerRedis, c.Mode, c.Broker)
 	case c.Aim < 0 || c.Aim > 1:
 		return fmt.Errorf("reliability: Config.Aim must be in [0, 1], got %v", c.Aim)
 	case c.StopRate < 0 || c.StopRate > 1:
