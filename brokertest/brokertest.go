@@ -143,6 +143,7 @@ func Run(t *testing.T, setup func(t *testing.T) Harness) {
 		{"PoisonNeverRuns", testPoison},
 		{"BusyKeyDeferred", testBusyKey},
 		{"KillMidHandler", testKill},
+		{"StopMidHandler", testStopMidHandler},
 		{"BacklogDrained", testBacklogDrained},
 	}
 	for _, c := range cases {

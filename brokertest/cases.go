@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -203,4 +204,51 @@ func testBacklogDrained(f *fixture) {
 		}
 	}
 	f.drained(c1, c2)
+}
+
+// testStopMidHandler: a consumer stopped (its router closed, which closes
+// its subscriber) while its handler runs, the run then failing, leaves the
+// message with the broker: a second consumer gets it and does the work,
+// once. A subscriber that acks what it hands out when it closes, done or
+// not (nats.go without ManualAck), loses it here.
+func testStopMidHandler(f *fixture) {
+	if f.h.InProcess {
+		f.t.Skip("brokertest: Harness.InProcess: a message in flight when its subscription closes is gone with it")
+	}
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	f.setBehave(func(ctx context.Context, _ string, run int) error {
+		if run > 1 {
+			return nil
+		}
+		once.Do(func() { close(entered) })
+		select {
+		case <-release:
+		case <-ctx.Done():
+		}
+		return errFail
+	})
+	c1 := f.startConsumer(modeTx)
+	id := watermill.NewUUID()
+	f.publish(id, order(id))
+	select {
+	case <-entered:
+	case <-time.After(wait):
+		f.t.Fatalf("brokertest: the handler did not start: %s", f.state(id))
+	}
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		c1.stop(f.t)
+	}()
+	time.Sleep(500 * time.Millisecond) // the subscriber is closed while the handler runs
+	close(release)
+	<-stopped
+	c2 := f.startConsumer(modeTx)
+	f.waitFor("a second consumer done with the message", func() (bool, string) { return f.count(f.acks, id) >= 1, f.state(id) })
+	time.Sleep(settleGrace)
+	if runs, fx := f.count(f.runs, id), f.effects(id); runs != 2 || fx != 1 {
+		f.t.Errorf("after a stop mid-handler: %d runs, %d effects; want 2 and 1 (%s)", runs, fx, f.state(id))
+	}
+	f.drained(c2)
 }

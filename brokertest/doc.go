@@ -42,6 +42,10 @@
 //   - KillMidHandler: a consumer process is killed with SIGKILL inside its
 //     handler's transaction; a second consumer gets the message from the
 //     broker and does the work once.
+//   - StopMidHandler: a consumer is stopped (its router closed) while its
+//     handler runs, and the run then fails; a second consumer gets the
+//     message from the broker and does the work once. A subscriber that
+//     acks on close what it handed out loses the message here.
 //   - BacklogDrained: many messages on two consumers, some failing their
 //     first run, are each done once.
 //

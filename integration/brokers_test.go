@@ -488,4 +488,3 @@ func sqlHarness(t *testing.T, db testenv.DB) brokertest.Harness {
 		},
 	}
 }
-
