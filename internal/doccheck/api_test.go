@@ -26,9 +26,11 @@ import (
 // for the parked-message store and its tools (issue 26): package parked
 // (27), settle.Parked, settle.ParkStore, settle.MetaReplayedBy and
 // settle.MetaReplayHandler (4), dedupe.KeyState, SQLStore.Lookup and
-// SQLStore.InFlight (3), console.Config and console.New (2).
+// SQLStore.InFlight (3), console.Config and console.New (2); then the
+// broker conformance suite (issue 27): brokertest.Run and brokertest.Harness
+// (2).
 const (
-	maxExported    = 265
+	maxExported    = 267
 	maxHandlerWays = 8
 )
 
