@@ -66,24 +66,30 @@
 //
 // # What each broker needs for the cases to hold
 //
-// The suite does not configure the broker; the harness does, and these are
-// the settings without which settle's guarantee does not hold on it (the
-// cases fail without them):
+// The suite does not configure the broker; the harness does. settle's own
+// harnesses (integration/brokers_test.go) set these, and each was taken
+// away once to see which case fails without it:
 //
 //   - NATS JetStream (watermill-nats v2): nats.ManualAck() in
-//     JetStream.SubscribeOptions, or nats.go acks each message when the
-//     subscriber's callback returns, which it does on the subscriber's
-//     AckWaitTimeout and on Close, before the handler is done; a durable
-//     consumer shared by the group (a DurableCalculator naming it after the
-//     topic, and the queue group of the same name); nats.AckWait is how
-//     soon a dead consumer's message comes back.
+//     JetStream.SubscribeOptions. Without it nats.go acks a message when
+//     the subscriber's callback returns, which watermill-nats lets it do on
+//     Close (and at AckWaitTimeout) whether or not the handler is done:
+//     StopMidHandler loses its message.
+//   - NATS JetStream: a durable consumer that outlives its subscribers.
+//     nats.go deletes a consumer it created itself when that subscription
+//     is unsubscribed, which watermill-nats does on Close; the group's acks
+//     go with it, and the next subscriber creates it again and is handed
+//     the whole stream again. Create the durable consumer before
+//     subscribing (JetStreamContext.AddConsumer, push, with the queue group
+//     as DeliverGroup), so that nats.go binds to it: else the backlog check
+//     fails ("consumer not found"). nats.AckWait is how soon a dead
+//     consumer's message comes back.
 //   - Redis Streams (watermill-redisstream): a ConsumerGroup, and a short
-//     MaxIdleTime and ClaimInterval: a dead consumer's pending messages
-//     return only when a live consumer of the group claims them, after
-//     MaxIdleTime (60s by default).
+//     MaxIdleTime (with ClaimInterval below it): a dead consumer's pending
+//     messages return only when a live consumer of the group claims them,
+//     after MaxIdleTime, 60s by default, past KillMidHandler's wait.
 //   - watermill-sql: a payload column that takes any bytes (BYTEA on
-//     PostgreSQL, BLOB on MySQL); the default JSON column refuses an
-//     undecodable payload at publish.
-//   - RabbitMQ: publisher confirms (amqpsub.NewPublisher, or
-//     watermill-amqp's Publish.ConfirmDelivery).
+//     PostgreSQL, BLOB on MySQL and MariaDB); the default JSON column
+//     refuses an undecodable payload at publish (PoisonNeverRuns cannot
+//     even publish it).
 package brokertest
