@@ -185,7 +185,7 @@ type fixture struct {
 	overlap  map[string]int // most deliveries of one UUID in flight at once
 }
 
-// names returns a fresh base name for a case's topics and tables: short
+// newBase returns a fresh base name for a case's topics and tables: short
 // enough for every broker's and database's limits with the suffixes the
 // suite and the brokers add (watermill-sql's "watermill_offsets_" prefix
 // and the "_dead_letter" suffix stay under 63 bytes).
