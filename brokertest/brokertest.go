@@ -59,6 +59,12 @@ type Harness struct {
 	// that keeps no backlog outside the process (GoChannel) should leave
 	// it nil.
 	Backlog func(ctx context.Context, topic string) (int, error)
+	// DropTopic, if set, is called when a case ends for each of its topics
+	// (its own, its dead-letter and its poison topic), once its subscribers
+	// are closed, to delete what the broker keeps for it: a queue, a
+	// stream, tables. The suite's topic names are its own and fresh per
+	// case. An error fails the case.
+	DropTopic func(ctx context.Context, topic string) error
 	// FanOut says that every subscription of a topic receives every
 	// message (GoChannel): the suite's "competing" consumers then both
 	// receive each message, which the duplicate cases still use (two
@@ -212,6 +218,15 @@ func newFixture(t *testing.T, h Harness, parent string) *fixture {
 		inFlight: map[string]int{}, overlap: map[string]int{},
 	}
 	f.createTables()
+	if h.DropTopic != nil {
+		t.Cleanup(func() {
+			for _, topic := range []string{f.topic, f.dead, f.poison} {
+				if err := h.DropTopic(context.Background(), topic); err != nil {
+					t.Errorf("brokertest: Harness.DropTopic(%q): %v", topic, err)
+				}
+			}
+		})
+	}
 	return f
 }
 

@@ -2,8 +2,8 @@ package integration_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
-	"sync"
 	"testing"
 	"time"
 
@@ -25,9 +25,10 @@ import (
 
 // TestBrokers runs the broker conformance suite (package brokertest) on
 // every broker settle supports here. GoChannel runs it in brokertest's own
-// tests (no server needed). Each broker's publisher and subscriber are made
+// tests (no server needed). Each broker's publisher and subscribers are made
 // by one function below (amqpPubSub, natsPubSub, redisPubSub, sqlPubSub);
-// the harness around them adds the backlog query and the clean-up.
+// the harness around them adds the backlog query and the clean-up of each
+// case's topics.
 func TestBrokers(t *testing.T) {
 	brokers := []struct {
 		name  string
@@ -46,66 +47,6 @@ func TestBrokers(t *testing.T) {
 			brokertest.Run(t, b.setup)
 		})
 	}
-}
-
-// topicSet records the topics a harness's subscribers used, for the
-// clean-up of the broker's queues, streams or tables.
-type topicSet struct {
-	mu     sync.Mutex
-	topics map[string]bool
-}
-
-func (s *topicSet) add(topic string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.topics == nil {
-		s.topics = map[string]bool{}
-	}
-	s.topics[topic] = true
-}
-
-func (s *topicSet) list() []string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var l []string
-	for t := range s.topics {
-		l = append(l, t)
-	}
-	return l
-}
-
-// recorded wraps a subscriber to note every topic it subscribes to or
-// declares. It declares a topic when the subscriber can (settle's parking
-// middleware declares the dead-letter and poison topics through it).
-type recorded struct {
-	message.Subscriber
-	topics *topicSet
-}
-
-func (r recorded) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
-	r.topics.add(topic)
-	return r.Subscriber.Subscribe(ctx, topic)
-}
-
-func (r recorded) SubscribeInitialize(topic string) error {
-	r.topics.add(topic)
-	if i, ok := r.Subscriber.(message.SubscribeInitializer); ok {
-		return i.SubscribeInitialize(topic)
-	}
-	return nil
-}
-
-// InFlight passes amqpsub's on (see pipeline.Config.Concurrency).
-func (r recorded) InFlight() int {
-	if s, ok := r.Subscriber.(interface{ InFlight() int }); ok {
-		return s.InFlight()
-	}
-	return 1
-}
-
-// recording returns newSub with its subscribers recorded in topics.
-func recording(newSub func(t *testing.T) message.Subscriber, topics *topicSet) func(t *testing.T) message.Subscriber {
-	return func(t *testing.T) message.Subscriber { return recorded{Subscriber: newSub(t), topics: topics} }
 }
 
 func closeOnCleanup(t *testing.T, what string, c interface{ Close() error }) {
@@ -165,33 +106,30 @@ func amqpHarness(t *testing.T, useAMQPSub bool) brokertest.Harness {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var mu sync.Mutex // one channel, used by Backlog and the clean-up
-	topics := &topicSet{}
-	t.Cleanup(func() {
-		mu.Lock()
-		defer mu.Unlock()
-		for _, q := range topics.list() {
-			if _, err := ch.QueueDelete(q, false, false, false); err != nil {
-				t.Errorf("delete queue %s: %v", q, err)
-			}
-		}
-	})
 	return brokertest.Harness{
 		Publisher:     pub,
-		NewSubscriber: recording(newSub, topics),
+		NewSubscriber: newSub,
 		DB:            db.DB,
 		Dialect:       db.Dialect,
 		// The queue's ready messages: with every consumer closed, RabbitMQ
 		// has put back what they held unacked.
 		Backlog: func(ctx context.Context, topic string) (int, error) {
-			mu.Lock()
-			defer mu.Unlock()
+			ch, err := conn.Channel()
+			if err != nil {
+				return 0, err
+			}
+			defer ch.Close()
 			q, err := ch.QueueDeclarePassive(topic, true, false, false, false, nil)
 			return q.Messages, err
+		},
+		DropTopic: func(ctx context.Context, topic string) error {
+			ch, err := conn.Channel()
+			if err != nil {
+				return err
+			}
+			defer ch.Close()
+			_, err = ch.QueueDelete(topic, false, false, false)
+			return err
 		},
 	}
 }
@@ -308,17 +246,9 @@ func natsHarness(t *testing.T) brokertest.Harness {
 	if err != nil {
 		t.Fatal(err)
 	}
-	topics := &topicSet{}
-	t.Cleanup(func() {
-		for _, s := range topics.list() {
-			if err := js.DeleteStream(s); err != nil {
-				t.Errorf("delete stream %s: %v", s, err)
-			}
-		}
-	})
 	return brokertest.Harness{
 		Publisher:     pub,
-		NewSubscriber: recording(newSub, topics),
+		NewSubscriber: newSub,
 		DB:            db.DB,
 		Dialect:       db.Dialect,
 		// Messages the group's consumer has not delivered yet, and those
@@ -329,6 +259,13 @@ func natsHarness(t *testing.T) brokertest.Harness {
 				return 0, err
 			}
 			return int(ci.NumPending) + ci.NumAckPending, nil
+		},
+		DropTopic: func(ctx context.Context, topic string) error {
+			err := js.DeleteStream(topic, nats.Context(ctx))
+			if errors.Is(err, nats.ErrStreamNotFound) {
+				return nil // a topic the case did not use
+			}
+			return err
 		},
 	}
 }
@@ -379,17 +316,9 @@ func redisHarness(t *testing.T) brokertest.Harness {
 	}
 	rc := redis.NewClient(opts)
 	t.Cleanup(func() { _ = rc.Close() })
-	topics := &topicSet{}
-	t.Cleanup(func() {
-		for _, s := range topics.list() {
-			if err := rc.Del(context.Background(), s).Err(); err != nil {
-				t.Errorf("delete stream %s: %v", s, err)
-			}
-		}
-	})
 	return brokertest.Harness{
 		Publisher:     pub,
-		NewSubscriber: recording(newSub, topics),
+		NewSubscriber: newSub,
 		DB:            db.DB,
 		Dialect:       db.Dialect,
 		// The group's pending entries (delivered, not acked) and its lag
@@ -406,6 +335,7 @@ func redisHarness(t *testing.T) brokertest.Harness {
 			}
 			return 0, fmt.Errorf("no consumer group settle on %s", topic)
 		},
+		DropTopic: func(ctx context.Context, topic string) error { return rc.Del(ctx, topic).Err() },
 	}
 }
 
@@ -459,23 +389,13 @@ func sqlHarness(t *testing.T, db testenv.DB) brokertest.Harness {
 		quote = func(s string) string { return "`" + s + "`" }
 	}
 	pub, newSub := sqlPubSub(t, db, open)
-	topics := &topicSet{}
-	t.Cleanup(func() {
-		for _, s := range topics.list() {
-			for _, table := range []string{"watermill_" + s, "watermill_offsets_" + s} {
-				if _, err := db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+quote(table)); err != nil {
-					t.Errorf("drop %s: %v", table, err)
-				}
-			}
-		}
-	})
 	ph := "?"
 	if db.Dialect == sqldb.Postgres {
 		ph = "$1"
 	}
 	return brokertest.Harness{
 		Publisher:     pub,
-		NewSubscriber: recording(newSub, topics),
+		NewSubscriber: newSub,
 		DB:            db.DB,
 		Dialect:       db.Dialect,
 		// The rows past the group's acked offset.
@@ -485,6 +405,14 @@ func sqlHarness(t *testing.T, db testenv.DB) brokertest.Harness {
 				" WHERE "+quote("offset")+" > COALESCE((SELECT offset_acked FROM "+quote("watermill_offsets_"+topic)+
 				" WHERE consumer_group = "+ph+"), 0)", "settle").Scan(&n)
 			return n, err
+		},
+		DropTopic: func(ctx context.Context, topic string) error {
+			for _, table := range []string{"watermill_" + topic, "watermill_offsets_" + topic} {
+				if _, err := db.ExecContext(ctx, "DROP TABLE IF EXISTS "+quote(table)); err != nil {
+					return err
+				}
+			}
+			return nil
 		},
 	}
 }
