@@ -4,7 +4,8 @@
 //	SETTLE_POSTGRES_URL  postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 //	SETTLE_MYSQL_URL     mysql://root@127.0.0.1:3306/test
 //	SETTLE_AMQP_URL      amqp://guest:guest@127.0.0.1:5672/
-//	SETTLE_NATS_URL      nats://127.0.0.1:4222 (JetStream enabled)
+//	SETTLE_NATS_URL      nats://127.0.0.1:4222 (with JetStream)
+//	SETTLE_REDIS_URL     redis://127.0.0.1:6379/0
 //
 // A test whose variable is unset is skipped with a message naming it, unless
 // SETTLE_REQUIRE_INTEGRATION=1, when it fails instead. A package's TestMain
@@ -94,8 +95,11 @@ func MySQLFoundRows(t testing.TB) DB {
 // AMQPURL returns SETTLE_AMQP_URL.
 func AMQPURL(t testing.TB) string { return Require(t, AMQPURLEnv) }
 
-// NATSURL returns SETTLE_NATS_URL.
+// NATSURL returns SETTLE_NATS_URL (a NATS server with JetStream).
 func NATSURL(t testing.TB) string { return Require(t, NATSURLEnv) }
+
+// RedisURL returns SETTLE_REDIS_URL.
+func RedisURL(t testing.TB) string { return Require(t, RedisURLEnv) }
 
 // Databases returns every database this run can reach: SQLite always, and
 // PostgreSQL and MySQL when configured, MySQL both with and without the
