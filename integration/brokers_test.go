@@ -20,13 +20,17 @@ import (
 	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/brokertest"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/natsjs"
+	"github.com/settle-go/settle/redissub"
 	"github.com/settle-go/settle/sqldb"
 )
 
 // TestBrokers runs the broker conformance suite (package brokertest) on
-// every broker settle supports here. GoChannel runs it in brokertest's own
-// tests (no server needed). Each broker's publisher and subscribers are made
-// by one function below (amqpPubSub, natsPubSub, redisPubSub, sqlPubSub);
+// every broker settle supports here, NATS JetStream and Redis Streams both
+// with watermill's subscriber set up by hand and with settle's (natsjs,
+// redissub). GoChannel runs it in brokertest's own tests (no server
+// needed). Each broker's publisher and subscribers are made by one function
+// below (amqpPubSub, natsPubSub, natsjsPubSub, redisPubSub, sqlPubSub);
 // the harness around them adds the backlog query and the clean-up of each
 // case's topics.
 func TestBrokers(t *testing.T) {
@@ -36,8 +40,10 @@ func TestBrokers(t *testing.T) {
 	}{
 		{"amqp", func(t *testing.T) brokertest.Harness { return amqpHarness(t, false) }},
 		{"amqpsub", func(t *testing.T) brokertest.Harness { return amqpHarness(t, true) }},
-		{"nats", natsHarness},
-		{"redis", redisHarness},
+		{"nats", func(t *testing.T) brokertest.Harness { return natsHarness(t, false) }},
+		{"natsjs", func(t *testing.T) brokertest.Harness { return natsHarness(t, true) }},
+		{"redis", func(t *testing.T) brokertest.Harness { return redisHarness(t, false) }},
+		{"redissub", func(t *testing.T) brokertest.Harness { return redisHarness(t, true) }},
 		{"sql_postgres", func(t *testing.T) brokertest.Harness { return sqlHarness(t, testenv.Postgres(t)) }},
 		{"sql_mariadb", func(t *testing.T) brokertest.Harness { return sqlHarness(t, testenv.MySQL(t)) }},
 	}
@@ -230,13 +236,97 @@ func (s natsDurable) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	return s.Subscriber.Subscribe(ctx, topic)
 }
 
+// natsjsPubSub is settle's NATS JetStream set-up: natsjs's publisher
+// configuration and subscriber (the durable consumer "settle_<topic>",
+// created by Subscribe, manual acks, the delivery count, the broker's nack
+// delay). natsjs creates no stream: the publisher and subscribers here
+// create each topic's stream (named as the topic) before they use it, as an
+// application's deployment would.
+func natsjsPubSub(t *testing.T, url string) (message.Publisher, func(t *testing.T) message.Subscriber) {
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := nc.JetStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	streams := natsStreams{js: js}
+	p, err := wmnats.NewPublisher(natsjs.NewPublisherConfig(url), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeOnCleanup(t, "publisher", p)
+	return streamPublisher{p, streams.ensure}, func(t *testing.T) message.Subscriber {
+		sub, err := natsjs.NewSubscriber(url, natsjs.Config{Durable: "settle", AckWait: natsAckWait}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		closeOnCleanup(t, "subscriber", sub)
+		return streamSubscriber{sub, streams.ensure}
+	}
+}
+
+// natsStreams creates the stream of a topic unless it exists.
+type natsStreams struct{ js nats.JetStreamContext }
+
+func (s natsStreams) ensure(topic string) error {
+	if _, err := s.js.StreamInfo(topic); err == nil {
+		return nil
+	}
+	_, err := s.js.AddStream(&nats.StreamConfig{Name: topic, Subjects: []string{topic}})
+	if err != nil && !errors.Is(err, nats.ErrStreamNameAlreadyInUse) {
+		return err
+	}
+	return nil
+}
+
+// streamPublisher and streamSubscriber create a topic's stream before they
+// use it.
+type streamPublisher struct {
+	message.Publisher
+	ensure func(topic string) error
+}
+
+func (p streamPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if err := p.ensure(topic); err != nil {
+		return err
+	}
+	return p.Publisher.Publish(topic, msgs...)
+}
+
+type streamSubscriber struct {
+	*natsjs.Subscriber
+	ensure func(topic string) error
+}
+
+func (s streamSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	if err := s.ensure(topic); err != nil {
+		return nil, err
+	}
+	return s.Subscriber.Subscribe(ctx, topic)
+}
+
+func (s streamSubscriber) SubscribeInitialize(topic string) error {
+	if err := s.ensure(topic); err != nil {
+		return err
+	}
+	return s.Subscriber.SubscribeInitialize(topic)
+}
+
 // natsGroup names a topic's durable consumer and queue group.
 func natsGroup(prefix, topic string) string { return prefix + "_" + topic }
 
-func natsHarness(t *testing.T) brokertest.Harness {
+func natsHarness(t *testing.T, settles bool) brokertest.Harness {
 	url := testenv.NATSURL(t)
 	db := testenv.Postgres(t)
 	pub, newSub := natsPubSub(t, url)
+	consumer := func(topic string) string { return natsGroup("settle", topic) }
+	if settles {
+		pub, newSub = natsjsPubSub(t, url)
+		consumer = func(topic string) string { return "settle_" + topic } // natsjs: Durable "_" topic
+	}
 	nc, err := nats.Connect(url)
 	if err != nil {
 		t.Fatal(err)
@@ -254,7 +344,7 @@ func natsHarness(t *testing.T) brokertest.Harness {
 		// Messages the group's consumer has not delivered yet, and those
 		// delivered and not acked.
 		Backlog: func(ctx context.Context, topic string) (int, error) {
-			ci, err := js.ConsumerInfo(topic, natsGroup("settle", topic), nats.Context(ctx))
+			ci, err := js.ConsumerInfo(topic, consumer(topic), nats.Context(ctx))
 			if err != nil {
 				return 0, err
 			}
@@ -306,10 +396,41 @@ func redisPubSub(t *testing.T, url string) (message.Publisher, func(t *testing.T
 	}
 }
 
-func redisHarness(t *testing.T) brokertest.Harness {
+// redissubPubSub is settle's Redis Streams set-up: watermill-redisstream's
+// publisher and redissub's subscriber (Redis's delivery count, no consumer
+// deletion, entries kept from going idle while a handler runs), with the
+// same short MaxIdleTime and ClaimInterval as redisPubSub's.
+func redissubPubSub(t *testing.T, url string) (message.Publisher, func(t *testing.T) message.Subscriber) {
+	opts, err := redis.ParseURL(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: redis.NewClient(opts)}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeOnCleanup(t, "publisher", pub)
+	return pub, func(t *testing.T) message.Subscriber {
+		client := redis.NewClient(opts) // redissub does not close it
+		closeOnCleanup(t, "redis client", client)
+		sub, err := redissub.NewSubscriber(redissub.Config{
+			Client: client, ConsumerGroup: "settle", MaxIdleTime: time.Second, ClaimInterval: 200 * time.Millisecond,
+		}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		closeOnCleanup(t, "subscriber", sub)
+		return sub
+	}
+}
+
+func redisHarness(t *testing.T, settles bool) brokertest.Harness {
 	url := testenv.RedisURL(t)
 	db := testenv.Postgres(t)
 	pub, newSub := redisPubSub(t, url)
+	if settles {
+		pub, newSub = redissubPubSub(t, url)
+	}
 	opts, err := redis.ParseURL(url)
 	if err != nil {
 		t.Fatal(err)
