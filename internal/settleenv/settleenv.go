@@ -5,6 +5,8 @@
 //	SETTLE_POSTGRES_URL  postgres://postgres@127.0.0.1:5432/test?sslmode=disable
 //	SETTLE_MYSQL_URL     mysql://root@127.0.0.1:3306/test
 //	SETTLE_AMQP_URL      amqp://guest:guest@127.0.0.1:5672/
+//	SETTLE_NATS_URL      nats://127.0.0.1:4222 (with JetStream)
+//	SETTLE_REDIS_URL     redis://127.0.0.1:6379/0
 //
 // The tests use every one that is set. A program that works on one database
 // (an example, the settle command) takes -db, which defaults to the first
@@ -16,6 +18,8 @@ const (
 	PostgresURL = "SETTLE_POSTGRES_URL"
 	MySQLURL    = "SETTLE_MYSQL_URL"
 	AMQPURL     = "SETTLE_AMQP_URL"
+	NATSURL     = "SETTLE_NATS_URL"
+	RedisURL    = "SETTLE_REDIS_URL"
 	// RequireIntegration=1 turns a test's skip for an unset variable into a
 	// failure (CI sets it).
 	RequireIntegration = "SETTLE_REQUIRE_INTEGRATION"

@@ -45,6 +45,8 @@ var services = map[string]string{
 	PostgresURLEnv:      "PostgreSQL",
 	MySQLURLEnv:         "MySQL",
 	AMQPURLEnv:          "RabbitMQ",
+	NATSURLEnv:          "NATS",
+	RedisURLEnv:         "Redis",
 	"SETTLE_JAEGER_BIN": "Jaeger",
 }
 

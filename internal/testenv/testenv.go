@@ -34,6 +34,8 @@ const (
 	PostgresURLEnv = settleenv.PostgresURL
 	MySQLURLEnv    = settleenv.MySQLURL
 	AMQPURLEnv     = settleenv.AMQPURL
+	NATSURLEnv     = settleenv.NATSURL
+	RedisURLEnv    = settleenv.RedisURL
 	RequireEnv     = settleenv.RequireIntegration
 )
 
