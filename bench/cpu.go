@@ -10,7 +10,8 @@ import (
 )
 
 // cpuUse is the processor time spent during a window, by whom: this
-// process (settle and the clients), the broker (RabbitMQ's beam.smp), the
+// process (settle and the clients), the brokers (RabbitMQ's beam.smp,
+// nats-server and redis-server, all three, whichever is in use), the
 // database server (postgres, mariadbd/mysqld processes), and the machine as
 // a whole (busy time over all cores, and the window's length).
 type cpuUse struct {
@@ -54,7 +55,7 @@ func snapCPU() cpuSnap {
 		switch {
 		case filepath.Base(filepath.Dir(path)) == self:
 			s.self += t
-		case comm == "beam.smp":
+		case comm == "beam.smp" || comm == "nats-server" || comm == "redis-server":
 			s.broker += t
 		case comm == "postgres" || comm == "mariadbd" || comm == "mysqld":
 			s.db += t
