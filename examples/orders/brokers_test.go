@@ -168,3 +168,66 @@ func TestWatermillSQLPayloadColumn(t *testing.T) {
 		}
 	})
 }
+
+// watermill-sql's PostgreSQL subscriber reads only rows older than every
+// transaction still open on the server (pg_snapshot_xmin): a transaction
+// that has nothing to do with the topic, held open, holds back delivery of
+// every row published after it began, until it ends.
+func TestWatermillSQLWaitsForOlderTransactions(t *testing.T) {
+	db := testenv.Postgres(t)
+	ctx := t.Context()
+	topic := "wsql_xmin_" + newRunID(time.Now())
+	schema := wsql.DefaultPostgreSQLSchema{GeneratePayloadType: func(string) string { return "BYTEA" }}
+	pub, err := wsql.NewPublisher(wsql.BeginnerFromStdSQL(db.DB), wsql.PublisherConfig{SchemaAdapter: schema}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sub, err := wsql.NewSubscriber(wsql.BeginnerFromStdSQL(db.DB), wsql.SubscriberConfig{
+		ConsumerGroup: "test", SchemaAdapter: schema, OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{},
+		PollInterval: 10 * time.Millisecond,
+	}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = sub.Close()
+		_ = pub.Close()
+		for _, table := range []string{"watermill_" + topic, "watermill_offsets_" + topic} {
+			_, _ = db.ExecContext(context.Background(), `DROP TABLE IF EXISTS "`+table+`"`)
+		}
+	})
+	if err := sub.SubscribeInitialize(topic); err != nil {
+		t.Fatal(err)
+	}
+	// An unrelated transaction with a transaction ID, left open.
+	other, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Rollback() }()
+	if _, err := other.ExecContext(ctx, "SELECT pg_current_xact_id()"); err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte("x"))); err != nil {
+		t.Fatal(err)
+	}
+	msgs, err := sub.Subscribe(ctx, topic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case m := <-msgs:
+		m.Ack()
+		t.Fatal("delivered while an older transaction was open")
+	case <-time.After(time.Second):
+	}
+	if err := other.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case m := <-msgs:
+		m.Ack()
+	case <-time.After(10 * time.Second):
+		t.Fatal("not delivered after the older transaction ended")
+	}
+}
