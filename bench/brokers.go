@@ -434,26 +434,28 @@ func prefillTopic(pub message.Publisher, topic string, n int) error {
 	return nil
 }
 
-// brokersTable renders section brokers.
+// brokersTable renders section brokers: a row per broker and cell, the
+// rate beside the processor time per message.
 func brokersTable(t *BrokersResults) string {
 	if t == nil {
 		return "(not measured)"
 	}
 	var s strings.Builder
-	s.WriteString("| broker | raw consume + ack | settle per message | ÷ raw | settle batched | ÷ raw | ÷ per message | mean batch |\n")
-	s.WriteString("|---|--:|--:|--:|--:|--:|--:|--:|\n")
+	s.WriteString("| broker | cell | msgs/s | ÷ raw | ÷ per message | mean batch | CPU ms per 1,000 msgs: this process | broker server | PostgreSQL | whole machine |\n")
+	s.WriteString("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 	for _, r := range t.Rows {
-		fmt.Fprintf(&s, "| %s | %s | %s | %s | %s | %s | %s | %.1f |\n", r.Broker,
-			num(r.Rate[brkRaw]), num(r.Rate[brkPerMsg]), x(ratio(r.Rate[brkPerMsg], r.Rate[brkRaw])),
-			num(r.Rate[brkBatched]), x(ratio(r.Rate[brkBatched], r.Rate[brkRaw])), x(ratio(r.Rate[brkBatched], r.Rate[brkPerMsg])), r.BatchMean)
-	}
-	s.WriteString("\nProcessor time per 1,000 messages, in ms (this process / broker server / PostgreSQL / whole machine):\n\n")
-	s.WriteString("| broker | raw consume + ack | settle per message | settle batched |\n|---|--:|--:|--:|\n")
-	cpu := func(c CPUPerK) string {
-		return fmt.Sprintf("%.0f / %.0f / %.0f / %.0f", c.Go, c.Broker, c.DB, c.Busy)
-	}
-	for _, r := range t.Rows {
-		fmt.Fprintf(&s, "| %s | %s | %s | %s |\n", r.Broker, cpu(r.CPU[brkRaw]), cpu(r.CPU[brkPerMsg]), cpu(r.CPU[brkBatched]))
+		for _, cell := range brokerCells {
+			vsRaw, vsPer, batch := "", "", ""
+			if cell != brkRaw {
+				vsRaw = x(ratio(r.Rate[cell], r.Rate[brkRaw]))
+			}
+			if cell == brkBatched {
+				vsPer = x(ratio(r.Rate[cell], r.Rate[brkPerMsg]))
+				batch = strconv.FormatFloat(r.BatchMean, 'f', 1, 64)
+			}
+			c := r.CPU[cell]
+			fmt.Fprintf(&s, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.Broker, cell, num(r.Rate[cell]), vsRaw, vsPer, batch, num(c.Go), num(c.Broker), num(c.DB), num(c.Busy))
+		}
 	}
 	return strings.TrimRight(s.String(), "\n")
 }
