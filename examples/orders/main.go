@@ -17,7 +17,7 @@
 //
 // -broker picks the broker: amqp (RabbitMQ, the default when an AMQP URL
 // is given), nats (NATS JetStream, -nats), redis (Redis Streams, -redis),
-// sql (watermill-sql on the -db database, PostgreSQL or MySQL) or gochannel.
+// sql (watermill-sql on the -db database, which must be PostgreSQL) or gochannel.
 // Each prints the same closing table; docs/brokers.md says which settings
 // of each the guarantee needs, and the functions that build each broker's
 // publisher and subscriber (brokers.go) are the configuration to copy.
@@ -61,7 +61,7 @@ func main() {
 	cfg := config{Out: os.Stdout, Err: os.Stderr}
 	flag.IntVar(&cfg.Orders, "orders", 20, "number of orders to place")
 	flag.StringVar(&cfg.DB, "db", "", "database URL: postgres://, mysql:// or sqlite:///path; default $"+settleenv.PostgresURL+", else $"+settleenv.MySQLURL+", else a new SQLite file")
-	flag.StringVar(&cfg.Broker, "broker", "", "broker: gochannel, amqp (RabbitMQ), nats (JetStream), redis (Redis Streams) or sql (watermill-sql on the -db database); default amqp when -amqp or $"+settleenv.AMQPURL+" is set, else gochannel")
+	flag.StringVar(&cfg.Broker, "broker", "", "broker: gochannel, amqp (RabbitMQ), nats (JetStream), redis (Redis Streams) or sql (watermill-sql on the -db database, PostgreSQL); default amqp when -amqp or $"+settleenv.AMQPURL+" is set, else gochannel")
 	flag.StringVar(&cfg.AMQP, "amqp", "", "RabbitMQ URL; default $"+settleenv.AMQPURL)
 	flag.StringVar(&cfg.NATS, "nats", "", "NATS URL, a server with JetStream; default $"+settleenv.NATSURL)
 	flag.StringVar(&cfg.Redis, "redis", "", "Redis URL; default $"+settleenv.RedisURL)

@@ -99,8 +99,7 @@ func TestOrdersOnRabbitMQAndPostgreSQL(t *testing.T) {
 	}
 }
 
-// The example on every other broker, with PostgreSQL (MySQL for the second
-// watermill-sql run): the same closing table, the charges applied once
+// The example on every other broker, with PostgreSQL: the same closing table, the charges applied once
 // each, the malformed message and the bounced e-mail parked, every outbox
 // event forwarded, and nothing of the run left on the broker.
 func TestOrdersOnEveryBroker(t *testing.T) {
@@ -110,12 +109,18 @@ func TestOrdersOnEveryBroker(t *testing.T) {
 		{brokerNATS, testenv.PostgresURLEnv, testenv.NATSURLEnv, "nats + postgres via pgx"},
 		{brokerRedis, testenv.PostgresURLEnv, testenv.RedisURLEnv, "redis + postgres via pgx"},
 		{brokerSQL, testenv.PostgresURLEnv, "", "watermill-sql/postgresql + postgres via pgx"},
-		{brokerSQL, testenv.MySQLURLEnv, "", "watermill-sql/mysql + mysql"},
 	} {
 		t.Run(tc.broker+"/"+tc.system, func(t *testing.T) {
 			t.Parallel()
 			var out bytes.Buffer
 			cfg := config{Orders: 20, Out: &out, Broker: tc.broker, DB: testenv.Require(t, tc.dbEnv)}
+			if tc.broker == brokerSQL {
+				// watermill-sql on PostgreSQL delivers nothing younger
+				// than the oldest transaction open on the server, other
+				// programs' included (docs/brokers.md): give a shared
+				// server's long transactions time to end.
+				cfg.Timeout = 3 * time.Minute
+			}
 			switch tc.broker {
 			case brokerNATS:
 				cfg.NATS = testenv.Require(t, tc.brokerEnv)
@@ -218,12 +223,22 @@ func TestOrdersRefusesBadInput(t *testing.T) {
 		{config{Broker: brokerAMQP}, "-broker amqp needs -amqp or $SETTLE_AMQP_URL"},
 		// The embedded default's SQLite file cannot be watermill-sql's
 		// broker and the handlers' database at once.
-		{config{Broker: brokerSQL}, "-broker sql needs a PostgreSQL or MySQL database"},
+		{config{Broker: brokerSQL}, "-broker sql needs a PostgreSQL database"},
 	} {
 		tc.cfg.Orders, tc.cfg.Out = 1, &out
 		if err := run(t.Context(), tc.cfg); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("run with -broker %q: %v; want %q", tc.cfg.Broker, err, tc.want)
 		}
+	}
+}
+
+// On MySQL, -broker sql is refused: watermill-sql's MySQL subscriber can
+// skip a row published concurrently (docs/brokers.md).
+func TestOrdersRefusesSQLBrokerOnMySQL(t *testing.T) {
+	var out bytes.Buffer
+	err := run(t.Context(), config{Orders: 1, Out: &out, Broker: brokerSQL, DB: testenv.Require(t, testenv.MySQLURLEnv)})
+	if err == nil || !strings.Contains(err.Error(), "on MySQL watermill-sql's subscriber can skip a row") {
+		t.Fatalf("run with -broker sql on MySQL: %v", err)
 	}
 }
 
