@@ -10,7 +10,8 @@ import (
 )
 
 // cpuUse is the processor time spent during a window, by whom: this
-// process (settle and the clients), the broker (RabbitMQ's beam.smp), the
+// process (settle and the clients), the brokers (RabbitMQ's beam.smp,
+// nats-server and redis-server, all three, whichever is in use), the
 // database server (postgres, mariadbd/mysqld processes), and the machine as
 // a whole (busy time over all cores, and the window's length).
 type cpuUse struct {
@@ -18,19 +19,25 @@ type cpuUse struct {
 }
 
 type cpuSnap struct {
-	at                     time.Time
-	self, broker, db, busy time.Duration
+	at         time.Time
+	self, busy time.Duration
+	// broker and db are the processor times of those processes, by pid:
+	// a window counts each process's own growth, so that one exiting
+	// during the window (a database connection closed) takes nothing away.
+	broker, db map[int]time.Duration
 }
 
 // clockTick is USER_HZ, the unit of /proc's CPU times: 100 on Linux for
 // every architecture Go supports.
 const clockTick = 10 * time.Millisecond
 
-// snapCPU reads /proc. Processes that are not readable, or that exited
-// during the window, are not counted; the database's connections of a
-// bench cell live through it. Zero values where /proc is missing.
+// snapCPU reads /proc. Processes that are not readable are not counted, nor
+// what a process that exited during the window spent in it; the database's
+// connections of a bench cell live through it. The database and broker
+// columns count every process of those servers, other clients' connections
+// included. Zero values where /proc is missing.
 func snapCPU() cpuSnap {
-	s := cpuSnap{at: time.Now()}
+	s := cpuSnap{at: time.Now(), broker: map[int]time.Duration{}, db: map[int]time.Duration{}}
 	self := strconv.Itoa(os.Getpid())
 	stats, _ := filepath.Glob("/proc/[0-9]*/stat")
 	for _, path := range stats {
@@ -51,13 +58,14 @@ func snapCPU() cpuSnap {
 		ut, _ := strconv.ParseInt(f[11], 10, 64)
 		st, _ := strconv.ParseInt(f[12], 10, 64)
 		t := time.Duration(ut+st) * clockTick
+		pid, _ := strconv.Atoi(filepath.Base(filepath.Dir(path)))
 		switch {
 		case filepath.Base(filepath.Dir(path)) == self:
 			s.self += t
-		case comm == "beam.smp":
-			s.broker += t
+		case comm == "beam.smp" || comm == "nats-server" || comm == "redis-server":
+			s.broker[pid] = t
 		case comm == "postgres" || comm == "mariadbd" || comm == "mysqld":
-			s.db += t
+			s.db[pid] = t
 		}
 	}
 	if b, err := os.ReadFile("/proc/stat"); err == nil {
@@ -76,7 +84,19 @@ func snapCPU() cpuSnap {
 }
 
 func (s cpuSnap) until(e cpuSnap) cpuUse {
-	return cpuUse{Go: e.self - s.self, Broker: e.broker - s.broker, DB: e.db - s.db, Busy: e.busy - s.busy, Wall: e.at.Sub(s.at)}
+	return cpuUse{Go: e.self - s.self, Broker: grown(s.broker, e.broker), DB: grown(s.db, e.db), Busy: e.busy - s.busy, Wall: e.at.Sub(s.at)}
+}
+
+// grown sums what each process of end spent since start: all of it for a
+// process that started during the window, nothing for one that exited.
+func grown(start, end map[int]time.Duration) time.Duration {
+	var d time.Duration
+	for pid, t := range end {
+		if t > start[pid] {
+			d += t - start[pid]
+		}
+	}
+	return d
 }
 
 // perK is c spread over n messages: milliseconds of each per 1,000.

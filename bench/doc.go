@@ -62,6 +62,8 @@ func renderDoc(res *Results) (string, error) {
 		"AMQP":              amqpTable(res.AMQP),
 		"Batch":             batchTable(res.Batch),
 		"BatchVerdict":      batchVerdict(res.Batch),
+		"Brokers":           brokersTable(res.Brokers),
+		"BrokersN":          "– messages for settle's cells and –",
 		"Outbox":            "(not measured)",
 		"OutboxTitle":       "",
 		"OutboxArgs":        "",
@@ -96,6 +98,9 @@ func renderDoc(res *Results) (string, error) {
 			rs = append(rs, ratio(r.Rate[settleOne], 1/(1/r.Rate[amqpRaw]+1/r.Rate[pgRaw])))
 		}
 		d["SeriesRange"] = span(rs)
+	}
+	if r := res.Brokers; r != nil {
+		d["BrokersN"] = num(float64(r.Messages)) + " messages for settle's cells and " + num(float64(r.RawN))
 	}
 	if o := res.Outbox; o != nil {
 		d["Outbox"], d["OutboxTitle"], d["OutboxArgs"] = strings.TrimSpace(o.Table), o.Title, strings.Join(o.Args, " ")

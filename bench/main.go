@@ -38,6 +38,12 @@
 //     raw BEGIN; INSERT; COMMIT vs settle's transactional handler with one
 //     commit per message vs with group commit (TxConfig.Batch), throughput
 //     and publish-to-commit latency, with an exactly-once check.
+//   - brokers: per broker (RabbitMQ, NATS JetStream, Redis Streams,
+//     watermill-sql on PostgreSQL), the raw consume-and-ack of that broker
+//     vs settle's stack with a PostgreSQL transactional handler, per
+//     message and batched (group commit), 16 subscriptions, in interleaved
+//     rounds, with processor time per message (-quick: about a minute).
+//     NATS and Redis are read from SETTLE_NATS_URL and SETTLE_REDIS_URL.
 //   - outbox: runs ./outbox (a separate command) and includes its table.
 //   - growth: per-message cost as the message count and the dedupe table
 //     grow, and the cost of Prune on a million confirmed keys.
@@ -80,7 +86,7 @@ import (
 )
 
 // sections in the order they run and appear in the document.
-var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "outbox", "growth", "attempts", "parked", "nats", "redis"}
+var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "brokers", "outbox", "growth", "attempts", "parked", "nats", "redis"}
 
 type options struct {
 	quick    bool
@@ -196,6 +202,7 @@ type Results struct {
 	Pgx      *PgxResults      `json:"pgx,omitempty"`
 	AMQP     *AMQPResults     `json:"amqp,omitempty"`
 	Batch    *BatchResults    `json:"batch,omitempty"`
+	Brokers  *BrokersResults  `json:"brokers,omitempty"`
 	Outbox   *OutboxResults   `json:"outbox,omitempty"`
 	Growth   *GrowthResults   `json:"growth,omitempty"`
 	Attempts *AttemptsResults `json:"attempts,omitempty"`
@@ -243,6 +250,7 @@ func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		{"pgx", func() (err error) { res.Pgx, err = runPgx(ctx, o, stderr); return }},
 		{"amqp", func() (err error) { res.AMQP, err = runAMQP(ctx, o, stderr); return }},
 		{"batch", func() (err error) { res.Batch, err = runBatch(ctx, o, stderr); return }},
+		{"brokers", func() (err error) { res.Brokers, err = runBrokers(ctx, o, stderr); return }},
 		{"outbox", func() (err error) { res.Outbox, err = runOutbox(ctx, o, stderr); return }},
 		{"growth", func() (err error) { res.Growth, err = runGrowth(ctx, o, stderr); return }},
 		{"attempts", func() (err error) { res.Attempts, err = runAttempts(ctx, o, stderr); return }},

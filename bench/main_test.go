@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"go.uber.org/goleak"
 )
@@ -99,5 +100,15 @@ func TestCheckDir(t *testing.T) {
 	t.Chdir(settleDir)
 	if err := checkDir(); err == nil {
 		t.Fatal("checkDir accepted settle's root directory")
+	}
+}
+
+// A process that exits during a window (a database connection closed)
+// takes nothing away from it; one that started during it counts in full.
+func TestCPUGrownPerProcess(t *testing.T) {
+	start := map[int]time.Duration{1: 5 * time.Second, 2: 3 * time.Second}
+	end := map[int]time.Duration{1: 6 * time.Second, 3: time.Second}
+	if got := grown(start, end); got != 2*time.Second {
+		t.Errorf("grown = %s, want 2s (1s of pid 1, 1s of the new pid 3, nothing of the exited pid 2)", got)
 	}
 }

@@ -61,6 +61,8 @@ func sectionTables(res *Results, name string) string {
 		return amqpTable(res.AMQP)
 	case "batch":
 		return batchTable(res.Batch)
+	case "brokers":
+		return brokersTable(res.Brokers)
 	case "outbox":
 		if res.Outbox == nil {
 			return ""

@@ -15,19 +15,12 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
-	amqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
-	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
-	amqp091 "github.com/rabbitmq/amqp091-go"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 
-	"github.com/settle-go/settle/amqpmarshal"
-	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/parked"
 	"github.com/settle-go/settle/sqldb"
@@ -174,16 +167,17 @@ func tableNames(runID string) []string {
 
 var leftoverTable = regexp.MustCompile(`^(?:orders|orders_claims|orders_charges|orders_emails|orders_outbox|orders_parked)_(` + runIDPattern + `)(?:_relays|_groups)?$`)
 
-// leftovers are the tables and queues earlier runs did not remove.
+// leftovers are the tables and queues (or streams) earlier runs did not
+// remove.
 type leftovers struct {
 	runs           []string
 	tables, queues []string
 }
 
 // removeLeftovers drops the tables of earlier runs that started more than
-// minAge ago, and, when amqpURL is set, their queues. Younger ones may
-// belong to a run still going on.
-func removeLeftovers(ctx context.Context, db *sql.DB, d sqldb.Dialect, amqpURL string, now time.Time, minAge time.Duration) (leftovers, error) {
+// minAge ago, and their queues or streams on the broker of spec. Younger
+// ones may belong to a run still going on.
+func removeLeftovers(ctx context.Context, db *sql.DB, d sqldb.Dialect, spec brokerSpec, now time.Time, minAge time.Duration) (leftovers, error) {
 	var q string
 	switch d {
 	case sqldb.Postgres:
@@ -207,6 +201,10 @@ func removeLeftovers(ctx context.Context, db *sql.DB, d sqldb.Dialect, amqpURL s
 		}
 		m := leftoverTable.FindStringSubmatch(name)
 		if m == nil {
+			// watermill-sql's tables of a run on -broker sql
+			m = sqlBrokerTable.FindStringSubmatch(name)
+		}
+		if m == nil {
 			continue
 		}
 		if start, ok := runStart(m[1]); !ok || now.Sub(start) < minAge {
@@ -229,11 +227,11 @@ func removeLeftovers(ctx context.Context, db *sql.DB, d sqldb.Dialect, amqpURL s
 			return l, fmt.Errorf("dropping %s: %w", t, err)
 		}
 	}
-	if amqpURL != "" {
+	if spec.Kind != brokerGoChannel && spec.Kind != brokerSQL {
 		for _, id := range l.runs {
 			l.queues = append(l.queues, newTopicNames(id).all...)
+			removeRun(ctx, spec, id)
 		}
-		deleteQueues(amqpURL, l.queues)
 	}
 	return l, nil
 }
@@ -311,98 +309,5 @@ func (s *schema) dropOutbox(table string) {
 	}
 	for _, t := range []string{table, table + "_relays"} {
 		_, _ = s.db.ExecContext(ctx, "DROP TABLE IF EXISTS "+q+t+q)
-	}
-}
-
-type topicNames struct {
-	placed, charged string
-	all             []string
-}
-
-// broker is GoChannel or RabbitMQ behind Watermill's interfaces.
-type broker struct {
-	system string
-	pub    message.Publisher
-	sub    message.Subscriber
-	topics topicNames
-	url    string // RabbitMQ's; "" for GoChannel
-	close  func()
-}
-
-// deleteQueues removes the run's queues, if it has any.
-func (b *broker) deleteQueues() {
-	if b.url != "" {
-		deleteQueues(b.url, b.topics.all)
-	}
-}
-
-func newTopicNames(runID string) topicNames {
-	t := topicNames{placed: "orders.placed." + runID, charged: "orders.charged." + runID}
-	// No parking queues: the dead-lettered and poisoned messages are parked
-	// in a table (schema.parked).
-	t.all = []string{t.placed, t.charged}
-	return t
-}
-
-func newBroker(amqpURL, runID string) (*broker, error) {
-	t := newTopicNames(runID)
-	logger := watermill.NopLogger{}
-	if amqpURL == "" {
-		ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64, Persistent: true}, logger)
-		return &broker{system: "gochannel", pub: ps, sub: ps, topics: t, close: func() { _ = ps.Close() }}, nil
-	}
-	m, err := amqpmarshal.New(amqpmarshal.Config{})
-	if err != nil {
-		return nil, err
-	}
-	cfg := amqp.NewDurableQueueConfig(amqpURL)
-	cfg.Marshaler = m
-	cfg.Consume.Qos.PrefetchCount = 16
-	// settle's publisher waits for the broker's confirmation of every
-	// message and fails one the broker routed to no queue, so that a parked
-	// copy is never lost while its original is acked (docs/poison.md).
-	pub, err := amqpsub.NewPublisher(amqpsub.PublisherConfig{AMQP: cfg}, logger)
-	if err != nil {
-		return nil, fmt.Errorf("rabbitmq: %w", err)
-	}
-	sub, err := amqp.NewSubscriber(cfg, logger)
-	if err != nil {
-		_ = pub.Close()
-		return nil, fmt.Errorf("rabbitmq: %w", err)
-	}
-	// Declare the queues now, so that the first messages published to them
-	// are kept.
-	for _, q := range t.all {
-		if err := sub.SubscribeInitialize(q); err != nil {
-			_ = pub.Close()
-			_ = sub.Close()
-			return nil, fmt.Errorf("rabbitmq: declare %s: %w", q, err)
-		}
-	}
-	return &broker{system: "rabbitmq", pub: pub, sub: sub, topics: t, url: amqpURL, close: func() {
-		_ = pub.Close()
-		_ = sub.Close()
-	}}, nil
-}
-
-// deleteQueues removes the run's queues.
-func deleteQueues(url string, queues []string) {
-	conn, err := amqp091.Dial(url)
-	if err != nil {
-		return
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		return
-	}
-	defer func() { _ = ch.Close() }()
-	for _, q := range queues {
-		if _, err := ch.QueueDelete(q, false, false, false); err != nil {
-			// An error closes the channel: go on with a new one.
-			if ch, err = conn.Channel(); err != nil {
-				return
-			}
-		}
 	}
 }

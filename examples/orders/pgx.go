@@ -22,8 +22,9 @@ import (
 // which settle uses directly, through sqldb.Pgx (the store, the outbox and
 // the transactional handler on pgx.Tx), and a *sql.DB over the same pool
 // for the example's own bookkeeping (schema, counts): one pool, not two.
-// Other URLs get database/sql alone, and pool is nil.
-func openDB(ctx context.Context, u string) (db *sql.DB, d sqldb.Dialect, pool *pgxpool.Pool, err error) {
+// Other URLs get database/sql alone, and pool is nil. minConns, when
+// above the pool's own limit, raises it.
+func openDB(ctx context.Context, u string, minConns int32) (db *sql.DB, d sqldb.Dialect, pool *pgxpool.Pool, err error) {
 	_, _, d, err = sqlurl.Parse(u)
 	if err != nil {
 		return nil, "", nil, err
@@ -36,6 +37,7 @@ func openDB(ctx context.Context, u string) (db *sql.DB, d sqldb.Dialect, pool *p
 	if err != nil {
 		return nil, "", nil, fmt.Errorf("database postgres: %w", err)
 	}
+	cfg.MaxConns = max(cfg.MaxConns, minConns)
 	pool, err = pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, "", nil, fmt.Errorf("database postgres: %w", err)

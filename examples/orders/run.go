@@ -35,8 +35,12 @@ import (
 type config struct {
 	Orders int
 	DB     string
-	AMQP   string
-	Quiet  bool
+	// Broker is -broker: gochannel, amqp, nats, redis or sql; "" is amqp
+	// when AMQP is set, else gochannel.
+	Broker string
+	// The brokers' URLs; sql runs on DB.
+	AMQP, NATS, Redis string
+	Quiet             bool
 	// Keep leaves the run's tables and queues, and earlier runs' leftovers,
 	// in place.
 	Keep bool
@@ -85,6 +89,10 @@ func run(parent context.Context, cfg config) (err error) {
 	if cfg.Timeout == 0 {
 		cfg.Timeout = 60 * time.Second
 	}
+	spec, err := brokerSpec{Kind: cfg.Broker, AMQP: cfg.AMQP, NATS: cfg.NATS, Redis: cfg.Redis}.resolve()
+	if err != nil {
+		return err
+	}
 	ctx := parent // the setup's; the pipeline's own has the timeout
 	defer func() {
 		if err != nil && parent.Err() != nil && !errors.Is(err, errInterrupted) {
@@ -114,7 +122,14 @@ func run(parent context.Context, cfg config) (err error) {
 			}
 		}()
 	}
-	db, dialect, pool, err := openDB(ctx, cfg.DB)
+	// watermill-sql's subscriber holds a connection, in a transaction, for
+	// each subscription while the messages it read are handled: the pool
+	// needs those two beside the handlers', the relay's and the store's.
+	var minConns int32
+	if spec.Kind == brokerSQL {
+		minConns = 12
+	}
+	db, dialect, pool, err := openDB(ctx, cfg.DB, minConns)
 	if err != nil {
 		return err
 	}
@@ -137,12 +152,12 @@ func run(parent context.Context, cfg config) (err error) {
 	defer tel.shutdown()
 
 	if !cfg.Keep {
-		l, err := removeLeftovers(ctx, db, dialect, cfg.AMQP, time.Now(), leftoverAge)
+		l, err := removeLeftovers(ctx, db, dialect, spec, time.Now(), leftoverAge)
 		if err != nil {
 			return fmt.Errorf("removing earlier runs' leftovers: %w", err)
 		}
 		if len(l.runs) > 0 {
-			say("removed what %d earlier runs left behind (%s): %d tables, %d queues", len(l.runs), strings.Join(l.runs, ", "), len(l.tables), len(l.queues))
+			say("removed what %d earlier runs left behind (%s): %d tables, %d %s", len(l.runs), strings.Join(l.runs, ", "), len(l.tables), len(l.queues), brokerObjects(spec.Kind))
 		}
 	}
 
@@ -157,13 +172,13 @@ func run(parent context.Context, cfg config) (err error) {
 		}
 	}()
 
-	br, err := newBroker(cfg.AMQP, runID)
+	br, err := newBroker(ctx, spec, runID, db, dialect, pool)
 	if err != nil {
 		return err
 	}
 	defer func() {
-		if !keep {
-			br.deleteQueues()
+		if !keep && br.remove != nil {
+			br.remove()
 		}
 	}()
 	defer br.close()
@@ -175,8 +190,8 @@ func run(parent context.Context, cfg config) (err error) {
 		if sqliteFile != "" {
 			kept = []string{"the SQLite file " + sqliteFile + " with " + kept[0]}
 		}
-		if br.url != "" {
-			kept = append(kept, "queues "+strings.Join(br.topics.all, ", "))
+		if br.what != "" {
+			kept = append(kept, br.what)
 		}
 		fmt.Fprintf(cfg.Out, "kept for a look (run %s): %s.\n", runID, strings.Join(kept, "; "))
 		if sqliteFile == "" {
