@@ -25,6 +25,8 @@ import (
 
 	"github.com/settle-go/settle/amqpmarshal"
 	"github.com/settle-go/settle/amqpsub"
+	"github.com/settle-go/settle/natsjs"
+	"github.com/settle-go/settle/redissub"
 	"github.com/settle-go/settle/sqldb"
 )
 
@@ -220,67 +222,59 @@ func newRabbitMQ(url string, t topicNames) (*broker, error) {
 // message stays away.
 const natsAckWait = 30 * time.Second
 
-// newNATS is the publisher and subscriber on NATS JetStream (watermill-nats
-// v2): a stream per topic, a durable consumer per topic shared by a queue
-// group, and manual acks.
-//
-// ManualAck is what the guarantee needs: without it nats.go acks a delivery
-// when the callback returns, and watermill-nats's callback returns when
-// its AckWaitTimeout passes or the subscriber closes, acked or not: a
-// message the router did not finish would be gone. AckExplicit makes the
-// server wait for that ack, and redeliver after AckWait.
+// newNATS is the publisher and subscriber on NATS JetStream, as settle's
+// natsjs sets them up: the publisher waits for the stream's ack and does
+// not set TrackMsgId (JetStream would drop a message whose UUID it saw
+// within its duplicate window: a deduplication that settle's store does
+// durably, and that would hide the example's redelivered orders); the
+// subscriber reads through a durable consumer per topic (the run's group
+// and the topic) that it creates and that outlives it, with manual acks, a
+// wait for the router without end, the delivery's JetStream count and the
+// broker's nack delay. natsjs creates no stream: they are made here, like
+// RabbitMQ's queues, one per topic.
 func newNATS(url, runID string, t topicNames) (*broker, error) {
 	logger := watermill.NopLogger{}
 	group := "orders_" + runID
-	js := wnats.JetStreamConfig{
-		// The streams are made below, like RabbitMQ's queues.
-		AutoProvision: false,
-		SubscribeOptions: []nats.SubOpt{
-			nats.ManualAck(),
-			nats.AckExplicit(),
-			nats.AckWait(natsAckWait),
-			nats.DeliverAll(),
-		},
-		// A consumer per topic: the durable name is the group and the
-		// topic (the prefix alone would name one consumer for both).
-		DurablePrefix:     group,
-		DurableCalculator: func(prefix, topic string) string { return prefix + "_" + topic },
-		// TrackMsgId would have JetStream drop a message whose UUID it saw
-		// within its duplicate window: a deduplication that settle's
-		// store does durably, and that would hide the example's
-		// redelivered orders.
-		TrackMsgId: false,
-	}
 	opts := []nats.Option{nats.Name("settle-orders")}
-	pub, err := wnats.NewPublisher(wnats.PublisherConfig{URL: url, NatsOptions: opts, JetStream: js}, logger)
+	if err := addStreams(url, t.all); err != nil {
+		return nil, fmt.Errorf("nats: %w", err)
+	}
+	pc := natsjs.NewPublisherConfig(url)
+	pc.NatsOptions = append(pc.NatsOptions, opts...)
+	pub, err := wnats.NewPublisher(pc, logger)
 	if err != nil {
 		return nil, fmt.Errorf("nats: %w", err)
 	}
-	sub, err := wnats.NewSubscriber(wnats.SubscriberConfig{
-		URL:              url,
-		NatsOptions:      opts,
-		QueueGroupPrefix: group,
-		SubscribersCount: 1,
-		// As long as the server waits: past it, the delivery comes again.
-		AckWaitTimeout: natsAckWait,
-		CloseTimeout:   10 * time.Second,
-		JetStream:      js,
-	}, logger)
+	sub, err := natsjs.NewSubscriber(url, natsjs.Config{Durable: group, AckWait: natsAckWait, NatsOptions: opts}, logger)
 	if err != nil {
 		_ = pub.Close()
 		return nil, fmt.Errorf("nats: %w", err)
-	}
-	for _, topic := range t.all {
-		if err := sub.SubscribeInitialize(topic); err != nil {
-			_ = pub.Close()
-			_ = sub.Close()
-			return nil, fmt.Errorf("nats: stream %s: %w", topic, err)
-		}
 	}
 	return &broker{system: "nats", pub: pub, sub: sub, close: func() {
 		_ = sub.Close()
 		_ = pub.Close()
 	}}, nil
+}
+
+// addStreams makes a file-stored JetStream stream for each topic, named as
+// the topic and taking its subject.
+func addStreams(url string, topics []string) error {
+	nc, err := nats.Connect(url, nats.Name("settle-orders"))
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	js, err := nc.JetStream()
+	if err != nil {
+		return err
+	}
+	for _, topic := range topics {
+		_, err := js.AddStream(&nats.StreamConfig{Name: topic, Subjects: []string{topic}, Storage: nats.FileStorage})
+		if err != nil && !errors.Is(err, nats.ErrStreamNameAlreadyInUse) {
+			return fmt.Errorf("stream %s: %w", topic, err)
+		}
+	}
+	return nil
 }
 
 // deleteStreams removes JetStream streams (and their consumers).
@@ -310,9 +304,11 @@ const (
 	redisClaimInterval = time.Second
 )
 
-// newRedis is the publisher and subscriber on Redis Streams
-// (watermill-redisstream): a consumer group per run, one consumer name per
-// process, and short claim timings.
+// newRedis is the publisher and subscriber on Redis Streams:
+// watermill-redisstream's publisher and settle's redissub subscriber (the
+// pending entry's delivery count, no consumer deletion, a long handler's
+// entry kept from being claimed away), a consumer group per run, one
+// consumer name per process, and short claim timings.
 func newRedis(ctx context.Context, url, runID string, t topicNames) (*broker, error) {
 	logger := watermill.NopLogger{}
 	opts, err := redis.ParseURL(url)
@@ -330,17 +326,14 @@ func newRedis(ctx context.Context, url, runID string, t topicNames) (*broker, er
 		return nil, fmt.Errorf("redis: %w", err)
 	}
 	host, _ := os.Hostname()
-	sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
-		Client:        client,
+	sub, err := redissub.NewSubscriber(redissub.Config{
+		Client:        client, // not closed by the subscriber: by close below
 		ConsumerGroup: "orders_" + runID,
 		Consumer:      host + "-" + strconv.Itoa(os.Getpid()),
 		// The group reads each stream from its first entry.
-		OldestId:      "0",
+		OldestID:      "0",
 		MaxIdleTime:   redisMaxIdle,
 		ClaimInterval: redisClaimInterval,
-		// Without it the first read blocks forever on an empty stream and
-		// its goroutine outlives Close.
-		DisableIndefiniteInitialBlock: true,
 	}, logger)
 	if err != nil {
 		_ = client.Close()
