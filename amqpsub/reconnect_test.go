@@ -157,7 +157,11 @@ func TestNothingAckedThatTheRouterDidNotAck(t *testing.T) {
 	if r := f.ready(t); r+len(acked) < n {
 		t.Errorf("%d messages lost: %d in the queue, %d acked by the router, of %d", n-r-len(acked), r, len(acked), n)
 	}
-	if errs := log.unexpected("CONNECTION_FORCED"); len(errs) > 0 {
+	// The forced close reaches the client as CONNECTION_FORCED, or, when
+	// the client was writing an ack at that moment, as the write's reset.
+	// What must not appear is a channel the broker closed over a tag
+	// (PRECONDITION_FAILED: unknown or already acked).
+	if errs := log.unexpected("CONNECTION_FORCED", "connection reset by peer", "broken pipe"); len(errs) > 0 {
 		t.Errorf("unexpected errors: %q", errs)
 	}
 }
