@@ -46,6 +46,9 @@
 //     slowest successful delivery running beside them (no stall).
 //   - parked: the parked-message store's list and group pages on a table of
 //     a million rows (-quick: 131,072), on PostgreSQL and MariaDB.
+//   - scale: claim+confirm latency on a claims table already holding 1M and
+//     10M confirmed keys (-quick: 100,000), and the prune of a day of them
+//     while claims go on, on PostgreSQL and MariaDB.
 //
 // The servers are read from SETTLE_POSTGRES_URL, SETTLE_MYSQL_URL and
 // SETTLE_AMQP_URL, defaulting to the local services on 127.0.0.1.
@@ -70,7 +73,7 @@ import (
 )
 
 // sections in the order they run and appear in the document.
-var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "outbox", "growth", "attempts", "parked"}
+var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "outbox", "growth", "attempts", "parked", "scale"}
 
 type options struct {
 	quick    bool
@@ -190,6 +193,7 @@ type Results struct {
 	Growth   *GrowthResults   `json:"growth,omitempty"`
 	Attempts *AttemptsResults `json:"attempts,omitempty"`
 	Parked   *ParkedResults   `json:"parked,omitempty"`
+	Scale    *ScaleResults    `json:"scale,omitempty"`
 	Runs     map[string]RunAt `json:"runs"` // section -> when and how it ran
 }
 
@@ -235,6 +239,7 @@ func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		{"growth", func() (err error) { res.Growth, err = runGrowth(ctx, o, stderr); return }},
 		{"attempts", func() (err error) { res.Attempts, err = runAttempts(ctx, o, stderr); return }},
 		{"parked", func() (err error) { res.Parked, err = runParked(ctx, o, stderr); return }},
+		{"scale", func() (err error) { res.Scale, err = runScale(ctx, o, stderr); return }},
 	}
 	for _, s := range all {
 		if !o.only[s.name] {

@@ -72,6 +72,8 @@ func sectionTables(res *Results, name string) string {
 		return attemptsTable(res.Attempts)
 	case "parked":
 		return parkedTable(res.Parked)
+	case "scale":
+		return scaleTable(res.Scale)
 	}
 	return ""
 }
