@@ -87,6 +87,8 @@ type options struct {
 	amqpURL  string
 	prefetch int
 	maxLoad  float64
+	// scaleLayouts are the claims table layouts the scale section measures.
+	scaleLayouts []string
 }
 
 // settleDir is settle's module, relative to the harness's: the directory
@@ -142,12 +144,15 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.runs, "runs", 0, "runs per cell, the median is reported (default 3, 1 with -quick)")
 	fs.IntVar(&o.prefetch, "prefetch", 1, "RabbitMQ prefetch count per subscription (each has its own channel)")
 	fs.Float64Var(&o.maxLoad, "max-load", 0, "wait (up to 10 minutes) until the 1-minute load average is below this; 0 does not wait")
+	var layouts string
+	fs.StringVar(&layouts, "scale-layouts", "table,partitioned", "the claims table layouts the scale section measures (the others' figures are kept from -results)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
 	if fs.NArg() > 0 {
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
+	o.scaleLayouts = strings.Split(layouts, ",")
 	o.only = map[string]bool{}
 	if render {
 		if o.write == "" || only != "" {
@@ -239,7 +244,7 @@ func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		{"growth", func() (err error) { res.Growth, err = runGrowth(ctx, o, stderr); return }},
 		{"attempts", func() (err error) { res.Attempts, err = runAttempts(ctx, o, stderr); return }},
 		{"parked", func() (err error) { res.Parked, err = runParked(ctx, o, stderr); return }},
-		{"scale", func() (err error) { res.Scale, err = runScale(ctx, o, stderr); return }},
+		{"scale", func() (err error) { res.Scale, err = runScale(ctx, o, res.Scale, stderr); return }},
 	}
 	for _, s := range all {
 		if !o.only[s.name] {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -58,7 +59,9 @@ const (
 	scaleChunk = 1_000_000
 )
 
-func runScale(ctx context.Context, o options, log io.Writer) (*ScaleResults, error) {
+// runScale measures the layouts of o.scaleLayouts; the runs of prev whose
+// layout is not measured this time are kept.
+func runScale(ctx context.Context, o options, prev *ScaleResults, log io.Writer) (*ScaleResults, error) {
 	sizes := []int{1_000_000, 10_000_000}
 	res := &ScaleResults{Workers: 8, Seconds: 10, Days: scaleDays}
 	if o.quick {
@@ -67,6 +70,16 @@ func runScale(ctx context.Context, o options, log io.Writer) (*ScaleResults, err
 	}
 	for _, target := range []struct{ name, url string }{{"postgres", o.pgURL}, {"mariadb", o.mysqlURL}} {
 		for _, layout := range scaleLayouts {
+			if !slices.Contains(o.scaleLayouts, layout.name) {
+				if prev != nil && prev.Workers == res.Workers && prev.Seconds == res.Seconds {
+					for _, r := range prev.Runs {
+						if r.DB == target.name && r.Layout == layout.name {
+							res.Runs = append(res.Runs, r)
+						}
+					}
+				}
+				continue
+			}
 			for _, n := range sizes {
 				r, err := scaleRun(ctx, target.name, target.url, layout, n, res, log)
 				if err != nil {
@@ -87,6 +100,9 @@ type scaleLayout struct {
 
 var scaleLayouts = []scaleLayout{
 	{"table", func(table string) dedupe.SQLConfig { return dedupe.SQLConfig{Table: table} }},
+	{"partitioned", func(table string) dedupe.SQLConfig {
+		return dedupe.SQLConfig{Table: table, Partition: 24 * time.Hour}
+	}},
 }
 
 func scaleRun(ctx context.Context, name, url string, layout scaleLayout, n int, res *ScaleResults, log io.Writer) (ScaleRun, error) {
@@ -115,19 +131,23 @@ func scaleRun(ctx context.Context, name, url string, layout scaleLayout, n int, 
 			return out, fmt.Errorf("schema: %w", err)
 		}
 	}
-	// The keys span scaleDays days up to an hour ago, oldest first, each
-	// the MD5 of its number in hex (32 bytes, a UUID's size, spread over the
-	// index as message IDs are).
+	// The keys span the scaleDays days before today (UTC), oldest first,
+	// each the MD5 of its number in hex (32 bytes, a UUID's size, spread
+	// over the index as message IDs are).
 	now := time.Now()
-	base := now.Add(-scaleDays*24*time.Hour - time.Hour).UnixMicro()
+	base := now.Truncate(24 * time.Hour).Add(-scaleDays * 24 * time.Hour).UnixMicro()
 	step := (scaleDays * 24 * time.Hour).Microseconds() / int64(n)
-	if err := scalePrepare(ctx, store, time.UnixMicro(base)); err != nil {
-		return out, err
+	partitioned := layout.name == "partitioned"
+	if partitioned {
+		// A partition a day, from the oldest key's on.
+		if err := store.AddPartitions(ctx, time.UnixMicro(base), now.Add(24*time.Hour)); err != nil {
+			return out, err
+		}
 	}
 	start := time.Now()
 	for lo := 1; lo <= n; lo += scaleChunk {
 		hi := min(lo+scaleChunk-1, n)
-		if err := scaleFill(ctx, db, d, table, lo, hi, base, step); err != nil {
+		if err := scaleFill(ctx, db, d, table, partitioned, lo, hi, base, step); err != nil {
 			return out, fmt.Errorf("fill: %w", err)
 		}
 	}
@@ -204,23 +224,26 @@ func scaleRun(ctx context.Context, name, url string, layout scaleLayout, n int, 
 	return out, nil
 }
 
-// scalePrepare gives a partitioned store the partitions from the oldest
-// filled key on; a plain table needs nothing.
-var scalePrepare = func(ctx context.Context, s *dedupe.SQLStore[*sql.Tx], from time.Time) error { return nil }
-
-// scaleFill inserts the confirmed keys lo..hi in one statement.
-func scaleFill(ctx context.Context, db *sql.DB, d sqldb.Dialect, table string, lo, hi int, base, step int64) error {
+// scaleFill inserts the confirmed keys lo..hi in one statement. A
+// partitioned table's until_at is a confirmed key's updated_at.
+func scaleFill(ctx context.Context, db *sql.DB, d sqldb.Dialect, table string, partitioned bool, lo, hi int, base, step int64) error {
 	var q string
+	until, t := "", ""
+	if partitioned {
+		until, t = ", until_at", ", t"
+	}
 	switch d {
 	case sqldb.Postgres:
-		q = `INSERT INTO "` + table + `" (key, state, token, attempts, expires_at, updated_at, first_at)
-SELECT convert_to(md5(g::text), 'UTF8'), 2, '', 1, 0, ` + strconv.FormatInt(base, 10) + ` + g::bigint * ` + strconv.FormatInt(step, 10) + `, 0
-FROM generate_series(` + strconv.Itoa(lo) + `, ` + strconv.Itoa(hi) + `) AS g`
+		q = `INSERT INTO "` + table + `" (key, state, token, attempts, expires_at, updated_at, first_at` + until + `)
+SELECT convert_to(md5(g::text), 'UTF8'), 2, '', 1, 0, t, 0` + t + `
+FROM (SELECT g, ` + strconv.FormatInt(base, 10) + ` + (g - 1)::bigint * ` + strconv.FormatInt(step, 10) + ` AS t
+FROM generate_series(` + strconv.Itoa(lo) + `, ` + strconv.Itoa(hi) + `) AS g) AS f`
 	case sqldb.MySQL:
 		// MariaDB's Sequence engine: seq_1_to_N is a table of 1..N.
-		q = "INSERT INTO `" + table + "` (`key`, state, token, attempts, expires_at, updated_at, first_at)\n" +
-			"SELECT MD5(seq), 2, '', 1, 0, " + strconv.FormatInt(base, 10) + " + seq * " + strconv.FormatInt(step, 10) + ", 0\n" +
-			"FROM seq_" + strconv.Itoa(lo) + "_to_" + strconv.Itoa(hi)
+		q = "INSERT INTO `" + table + "` (`key`, state, token, attempts, expires_at, updated_at, first_at" + until + ")\n" +
+			"SELECT MD5(seq), 2, '', 1, 0, t, 0" + t + "\n" +
+			"FROM (SELECT seq, " + strconv.FormatInt(base, 10) + " + (seq - 1) * " + strconv.FormatInt(step, 10) + " AS t\n" +
+			"FROM seq_" + strconv.Itoa(lo) + "_to_" + strconv.Itoa(hi) + ") AS f"
 	default:
 		return fmt.Errorf("dialect %s", d)
 	}
