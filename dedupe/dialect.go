@@ -132,8 +132,8 @@ type queries struct {
 	// partProbe, partInsert and partTakeover are the claim's statements on
 	// a partitioned table (partition.go): the key's row in any partition,
 	// locked, with readBack's columns and until_at; the insert of a new
-	// claim (args: key, token, expires_at, now; MySQL: key, token,
-	// expires_at, now, now, expires_at); the takeover of the row found
+	// claim (args: key, token, ttl in µs; MySQL: key, token, ttl, ttl),
+	// returning expires_at and first_at on PostgreSQL; the takeover of the row found
 	// (args: token, expires_at, now, key, its until_at).
 	partProbe, partInsert, partTakeover string
 }

@@ -131,7 +131,8 @@ func partitionedQueries(d sqldb.Dialect, table string, q queries) queries {
 		q.confirm = `UPDATE ` + t + ` SET state = 2, token = '', expires_at = 0, updated_at = ` + now + `, until_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
 		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ` + now + `, until_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
 		q.partProbe = `SELECT state, token, attempts, expires_at, first_at, ` + now + `, until_at FROM ` + t + ` WHERE key = $1 FOR UPDATE`
-		q.partInsert = `INSERT INTO ` + t + ` (key, state, token, attempts, expires_at, updated_at, first_at, until_at) VALUES ($1, 1, $2, 1, $3, $4, $4, $3)`
+		q.partInsert = `INSERT INTO ` + t + ` (key, state, token, attempts, expires_at, updated_at, first_at, until_at) VALUES ($1, 1, $2, 1, ` +
+			now + ` + $3, ` + now + `, ` + now + `, ` + now + ` + $3) RETURNING expires_at, first_at`
 		q.partTakeover = `UPDATE ` + t + ` SET state = 1, token = $1, attempts = attempts + 1, expires_at = $2, updated_at = $3,
 	first_at = CASE WHEN first_at = 0 THEN $3 ELSE first_at END, until_at = $2 WHERE key = $4 AND until_at = $5`
 	default:
@@ -140,7 +141,8 @@ func partitionedQueries(d sqldb.Dialect, table string, q queries) queries {
 		q.confirm = "UPDATE " + t + " SET state = 2, token = '', expires_at = 0, updated_at = " + now + ", until_at = updated_at WHERE `key` = ? AND state = 1 AND token = ?"
 		q.release = "UPDATE " + t + " SET state = 0, token = '', expires_at = 0, updated_at = " + now + ", until_at = updated_at WHERE `key` = ? AND state = 1 AND token = ?"
 		q.partProbe = "SELECT state, token, attempts, expires_at, first_at, " + now + ", until_at FROM " + t + " WHERE `key` = ? FOR UPDATE"
-		q.partInsert = "INSERT INTO " + t + " (`key`, state, token, attempts, expires_at, updated_at, first_at, until_at) VALUES (?, 1, ?, 1, ?, ?, ?, ?)"
+		q.partInsert = "INSERT INTO " + t + " (`key`, state, token, attempts, expires_at, updated_at, first_at, until_at) VALUES (?, 1, ?, 1, " +
+			now + " + ?, " + now + ", " + now + ", " + now + " + ?)"
 		q.partTakeover = "UPDATE " + t + " SET state = 1, token = ?, attempts = attempts + 1, expires_at = ?, updated_at = ?,\n" +
 			"\tfirst_at = IF(first_at = 0, updated_at, first_at), until_at = expires_at WHERE `key` = ? AND until_at = ?"
 	}
@@ -207,22 +209,18 @@ func (s *SQLStore[TTx]) claimPartitionedOnce(ctx context.Context, k []byte, ttl 
 			return Claim{}, err
 		}
 	} else {
-		name := fmt.Sprintf("settle-dedupe-%016x", uint64(lock))
-		var got sql.NullInt64
-		if err := st.queryRow(ctx, "SELECT GET_LOCK(?, ?)", []any{name, mysqlLockWait}, &got); err != nil {
+		unlock, err := st.keyLock(ctx, k)
+		if err != nil {
 			return Claim{}, err
-		}
-		if got.Int64 != 1 {
-			return Claim{}, fmt.Errorf("the lock of the key was not granted within %d s", mysqlLockWait)
 		}
 		defer func() {
 			// Before the commit (the lock is the connection's, and the
 			// connection goes back to the pool with it), or on the way out.
 			if !done {
-				_, _ = st.exec(context.WithoutCancel(ctx), "DO RELEASE_LOCK(?)", name)
+				unlock()
 			}
 		}()
-		release = func() error { _, err := st.exec(ctx, "DO RELEASE_LOCK(?)", name); return err }
+		release = func() error { unlock(); return nil }
 	}
 	var r row
 	var until int64
@@ -240,15 +238,18 @@ func (s *SQLStore[TTx]) claimPartitionedOnce(ctx context.Context, k []byte, ttl 
 	token := newToken()
 	now, exp := r.now, r.now+ttl.Microseconds()
 	if !r.found {
-		// The probe read no row, so it read no clock either.
-		if err := st.queryRow(ctx, "SELECT "+nowMicros(s.dialect), nil, &now); err != nil {
-			return Claim{}, err
-		}
-		exp = now + ttl.Microseconds()
-		if s.dialect == sqldb.Postgres {
-			_, err = st.exec(ctx, s.q.partInsert, k, token, exp, now)
-		} else {
-			_, err = st.exec(ctx, s.q.partInsert, k, token, exp, now, now, exp)
+		// The statement reads the clock: the probe, which found no row,
+		// read none. (MySQL has no RETURNING; MariaDB 10.5+ does.)
+		ttlUS := ttl.Microseconds()
+		switch {
+		case s.dialect == sqldb.Postgres:
+			err = st.queryRow(ctx, s.q.partInsert, []any{k, token, ttlUS}, &exp, &now)
+		case s.returning(ctx):
+			err = st.queryRow(ctx, s.q.partInsert+" RETURNING expires_at, first_at", []any{k, token, ttlUS, ttlUS}, &exp, &now)
+		default:
+			if _, err = st.exec(ctx, s.q.partInsert, k, token, ttlUS, ttlUS); err == nil {
+				err = st.queryRow(ctx, "SELECT expires_at, first_at FROM "+sqlkit.Quote(s.dialect, s.table)+" WHERE `key` = ? AND state = 1 AND token = ?", []any{k, token}, &exp, &now)
+			}
 		}
 		if err != nil {
 			return Claim{}, err
@@ -562,6 +563,69 @@ func (s *SQLStore[TTx]) dropPartitionOnce(ctx context.Context, p partition) (int
 		}
 	}
 	return n, nil
+}
+
+// partUpdate is update for Renew, Confirm and Release. On a partitioned
+// MySQL table it holds the key's named lock while the UPDATE runs: the
+// UPDATE moves the row to another partition (its until_at changes), and
+// InnoDB's locking read, which a claim probes with, walks the partitions one
+// after the other; a probe that read the row's new partition before the
+// row arrived there and then waited for its old place, which the move
+// deletes, would find no row at all. With the lock a claim probes after the
+// row has moved, and waits on the moved row's lock for its commit.
+// PostgreSQL instead refuses to lock a row that moved under the probe (a
+// serialization failure), and the claim runs again.
+func (s *SQLStore[TTx]) partUpdate(ctx context.Context, op, query string, c Claim, args ...any) error {
+	if s.period == 0 || s.dialect != sqldb.MySQL {
+		return s.update(ctx, op, query, c, args...)
+	}
+	if err := checkOwned(c); err != nil {
+		return err
+	}
+	if s.ex.InTx() {
+		// The caller's transaction: the lock is released after the
+		// statement, the moved row stays locked until the commit.
+		unlock, err := s.keyLock(ctx, []byte(c.Key))
+		if err != nil {
+			return fmt.Errorf("dedupe: %s: %w", op, err)
+		}
+		defer unlock()
+		return s.update(ctx, op, query, c, args...)
+	}
+	tx, err := s.db.Begin(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted}, "")
+	if err != nil {
+		return fmt.Errorf("dedupe: %s: %w", op, err)
+	}
+	st := s.WithTx(tx)
+	unlock, err := st.keyLock(ctx, []byte(c.Key))
+	if err != nil {
+		_ = s.db.Rollback(context.WithoutCancel(ctx), tx)
+		return fmt.Errorf("dedupe: %s: %w", op, err)
+	}
+	err = st.update(ctx, op, query, c, args...)
+	unlock()
+	if err != nil && !errors.Is(err, ErrClaimLost) {
+		_ = s.db.Rollback(context.WithoutCancel(ctx), tx)
+		return err
+	}
+	if cerr := s.db.Commit(ctx, tx); cerr != nil {
+		return fmt.Errorf("dedupe: %s: %w", op, cerr)
+	}
+	return err
+}
+
+// keyLock takes the named lock of key (MySQL) on the store's executor and
+// returns its release.
+func (s *SQLStore[TTx]) keyLock(ctx context.Context, k []byte) (unlock func(), err error) {
+	name := fmt.Sprintf("settle-dedupe-%016x", uint64(lockKey(s.table, k)))
+	var got sql.NullInt64
+	if err := s.queryRow(ctx, "SELECT GET_LOCK(?, ?)", []any{name, mysqlLockWait}, &got); err != nil {
+		return nil, err
+	}
+	if got.Int64 != 1 {
+		return nil, fmt.Errorf("the lock of the key was not granted within %d s", mysqlLockWait)
+	}
+	return func() { _, _ = s.exec(context.WithoutCancel(ctx), "DO RELEASE_LOCK(?)", name) }, nil
 }
 
 // retryPartition runs write, and again once after creating the partitions

@@ -477,7 +477,7 @@ func (s *SQLStore[TTx]) Renew(ctx context.Context, c Claim, ttl time.Duration) e
 	if s.dialect == sqldb.SQLite {
 		return s.update(ctx, "renew", s.q.renew, c, micros(s.now().Add(ttl)))
 	}
-	return s.retryPartition(ctx, ttl, func() error { return s.update(ctx, "renew", s.q.renew, c, ttl.Microseconds()) })
+	return s.retryPartition(ctx, ttl, func() error { return s.partUpdate(ctx, "renew", s.q.renew, c, ttl.Microseconds()) })
 }
 
 // Confirm implements Store.
@@ -485,7 +485,7 @@ func (s *SQLStore[TTx]) Confirm(ctx context.Context, c Claim) error {
 	if s.dialect == sqldb.SQLite {
 		return s.update(ctx, "confirm", s.q.confirm, c, micros(s.now()))
 	}
-	return s.retryPartition(ctx, 0, func() error { return s.update(ctx, "confirm", s.q.confirm, c) })
+	return s.retryPartition(ctx, 0, func() error { return s.partUpdate(ctx, "confirm", s.q.confirm, c) })
 }
 
 // Release implements Store.
@@ -493,7 +493,7 @@ func (s *SQLStore[TTx]) Release(ctx context.Context, c Claim) error {
 	if s.dialect == sqldb.SQLite {
 		return s.update(ctx, "release", s.q.release, c, micros(s.now()))
 	}
-	return s.retryPartition(ctx, 0, func() error { return s.update(ctx, "release", s.q.release, c) })
+	return s.retryPartition(ctx, 0, func() error { return s.partUpdate(ctx, "release", s.q.release, c) })
 }
 
 // Prune implements Store. It deletes in batches of SQLConfig.PruneBatch rows
