@@ -68,6 +68,7 @@ import (
 	"os"
 	"os/signal"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -89,6 +90,8 @@ type options struct {
 	maxLoad  float64
 	// scaleLayouts are the claims table layouts the scale section measures.
 	scaleLayouts []string
+	scaleDBs     []string // the databases it measures them on
+	scaleSizes   []int    // the sizes; none: its defaults
 }
 
 // settleDir is settle's module, relative to the harness's: the directory
@@ -144,7 +147,9 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.runs, "runs", 0, "runs per cell, the median is reported (default 3, 1 with -quick)")
 	fs.IntVar(&o.prefetch, "prefetch", 1, "RabbitMQ prefetch count per subscription (each has its own channel)")
 	fs.Float64Var(&o.maxLoad, "max-load", 0, "wait (up to 10 minutes) until the 1-minute load average is below this; 0 does not wait")
-	var layouts string
+	var layouts, dbs, sizes string
+	fs.StringVar(&dbs, "scale-dbs", "postgres,mariadb", "the databases the scale section measures on (the others' figures are kept from -results)")
+	fs.StringVar(&sizes, "scale-sizes", "", "the table sizes the scale section measures, comma-separated (default 1000000,10000000; -quick 100000)")
 	fs.StringVar(&layouts, "scale-layouts", "table,partitioned", "the claims table layouts the scale section measures (the others' figures are kept from -results)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -152,7 +157,16 @@ func parseFlags(args []string) (options, error) {
 	if fs.NArg() > 0 {
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	o.scaleLayouts = strings.Split(layouts, ",")
+	o.scaleLayouts, o.scaleDBs = strings.Split(layouts, ","), strings.Split(dbs, ",")
+	if sizes != "" {
+		for f := range strings.SplitSeq(sizes, ",") {
+			n, err := strconv.Atoi(f)
+			if err != nil || n < scaleDays {
+				return o, fmt.Errorf("-scale-sizes: %q is not a size", f)
+			}
+			o.scaleSizes = append(o.scaleSizes, n)
+		}
+	}
 	o.only = map[string]bool{}
 	if render {
 		if o.write == "" || only != "" {

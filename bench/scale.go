@@ -68,9 +68,12 @@ func runScale(ctx context.Context, o options, prev *ScaleResults, log io.Writer)
 		sizes = []int{100_000}
 		res.Seconds = 3
 	}
+	if len(o.scaleSizes) > 0 {
+		sizes = o.scaleSizes
+	}
 	for _, target := range []struct{ name, url string }{{"postgres", o.pgURL}, {"mariadb", o.mysqlURL}} {
 		for _, layout := range scaleLayouts {
-			if !slices.Contains(o.scaleLayouts, layout.name) {
+			if !slices.Contains(o.scaleLayouts, layout.name) || !slices.Contains(o.scaleDBs, target.name) {
 				if prev != nil && prev.Workers == res.Workers && prev.Seconds == res.Seconds {
 					for _, r := range prev.Runs {
 						if r.DB == target.name && r.Layout == layout.name {

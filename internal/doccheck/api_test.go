@@ -26,9 +26,11 @@ import (
 // for the parked-message store and its tools (issue 26): package parked
 // (28, with ErrInvalid), settle.Parked, settle.ParkStore, settle.MetaReplayedBy and
 // settle.MetaReplayHandler (4), dedupe.KeyState, SQLStore.Lookup and
-// SQLStore.InFlight (3), console.Config and console.New (2).
+// SQLStore.InFlight (3), console.Config and console.New (2); then
+// SQLStore.AddPartitions (1, issue 29: the partitions of a partitioned
+// claims table for keys older than the table, as in a migration).
 const (
-	maxExported    = 266
+	maxExported    = 267
 	maxHandlerWays = 8
 )
 
