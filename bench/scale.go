@@ -190,7 +190,7 @@ func scaleRun(ctx context.Context, name, url string, layout scaleLayout, n int, 
 		pruneDone.Store(true)
 	}()
 	var during []float64
-	lat, _, err = scaleLoadTimed(ctx, store, res.Workers, func(time.Duration) bool { return pruneDone.Load() }, func(at, ms float64) {
+	_, _, err = scaleLoadTimed(ctx, store, res.Workers, func(time.Duration) bool { return pruneDone.Load() }, func(at, ms float64) {
 		if at >= 1 {
 			during = append(during, ms)
 		}
