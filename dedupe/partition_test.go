@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -117,6 +118,80 @@ func TestPartitionedClaimUniqueAcrossPartitions(t *testing.T) {
 				if c, err := s.Claim(t.Context(), key, time.Minute); err != nil || c.Result != dedupe.Duplicate {
 					t.Fatalf("round %d: claim after confirm = %v, %v, want duplicate", round, c.Result, err)
 				}
+			}
+		})
+	}
+}
+
+// TestPartitionedPruneDropsPartitions: keys confirmed in a period that is
+// over are removed by dropping their partition (it is gone afterwards),
+// while a key confirmed in the current period and a live claim stay.
+func TestPartitionedPruneDropsPartitions(t *testing.T) {
+	t.Parallel()
+	for _, db := range partitionedDBs(t) {
+		t.Run(string(db.Dialect), func(t *testing.T) {
+			t.Parallel()
+			ctx := t.Context()
+			s := partitionedStore(t, db)
+			const old = 20
+			for i := range old {
+				c, err := s.Claim(ctx, fmt.Sprintf("old-%d", i), time.Minute)
+				if err != nil || c.Result != dedupe.Acquired {
+					t.Fatalf("Claim: %v, %v", c.Result, err)
+				}
+				if err := s.Confirm(ctx, c); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// Claimed with the old keys, live long after their period.
+			live, err := s.Claim(ctx, "live", time.Minute)
+			if err != nil || live.Result != dedupe.Acquired {
+				t.Fatalf("Claim(live): %v, %v", live.Result, err)
+			}
+			before, err := dedupe.PartitionBuckets(ctx, s)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// Past the end of the old keys' period, and one more, so that
+			// the cutoff rounded down lies after it.
+			time.Sleep(2*testPeriod + 100*time.Millisecond)
+			recent, err := s.Claim(ctx, "recent", time.Minute)
+			if err != nil || recent.Result != dedupe.Acquired {
+				t.Fatalf("Claim(recent): %v, %v", recent.Result, err)
+			}
+			if err := s.Confirm(ctx, recent); err != nil {
+				t.Fatal(err)
+			}
+			n, err := s.Prune(ctx, time.Now())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if n != old {
+				t.Fatalf("Prune removed %d keys, want the %d old ones", n, old)
+			}
+			after, err := dedupe.PartitionBuckets(ctx, s)
+			if err != nil {
+				t.Fatal(err)
+			}
+			gone := 0
+			for _, b := range before {
+				if !slices.Contains(after, b) {
+					gone++
+				}
+			}
+			if gone == 0 {
+				t.Fatalf("no partition was dropped: before %v, after %v", before, after)
+			}
+			for i := range old {
+				if c, err := s.Claim(ctx, fmt.Sprintf("old-%d", i), time.Minute); err != nil || c.Result != dedupe.Acquired || c.Attempt != 1 {
+					t.Fatalf("old key after the prune: %+v, %v; want acquired anew", c, err)
+				}
+			}
+			if c, err := s.Claim(ctx, "recent", time.Minute); err != nil || c.Result != dedupe.Duplicate {
+				t.Fatalf("recent key after the prune: %v, %v; want duplicate", c.Result, err)
+			}
+			if c, err := s.Claim(ctx, "live", time.Minute); err != nil || c.Result != dedupe.Busy {
+				t.Fatalf("live claim after the prune: %v, %v; want busy", c.Result, err)
 			}
 		})
 	}
