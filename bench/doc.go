@@ -43,6 +43,7 @@ func renderDoc(res *Results) (string, error) {
 		"Stack":             stackTable(res.Stack),
 		"Attempts":          attemptsTable(res.Attempts),
 		"Parked":            parkedTable(res.Parked),
+		"Scale":             scaleTable(res.Scale),
 		"StackN":            "–",
 		"BareAllocs":        "–",
 		"SettleExtraAllocs": "–",

@@ -62,6 +62,9 @@
 //     transactional handler per message and with group commit, with an
 //     exactly-once check. Not in docs/benchmarks.md: docs/brokers.md
 //     quotes it.
+//   - scale: claim+confirm latency on a claims table already holding 1M and
+//     10M confirmed keys (-quick: 100,000), and the prune of a day of them
+//     while claims go on, on PostgreSQL and MariaDB.
 //
 // The servers are read from SETTLE_POSTGRES_URL, SETTLE_MYSQL_URL,
 // SETTLE_AMQP_URL and SETTLE_REDIS_URL, defaulting to the local services on 127.0.0.1.
@@ -81,12 +84,13 @@ import (
 	"os"
 	"os/signal"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 )
 
 // sections in the order they run and appear in the document.
-var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "brokers", "outbox", "growth", "attempts", "parked", "nats", "redis"}
+var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "brokers", "outbox", "growth", "attempts", "parked", "scale", "nats", "redis"}
 
 type options struct {
 	quick    bool
@@ -100,6 +104,10 @@ type options struct {
 	amqpURL  string
 	prefetch int
 	maxLoad  float64
+	// scaleLayouts are the claims table layouts the scale section measures.
+	scaleLayouts []string
+	scaleDBs     []string // the databases it measures them on
+	scaleSizes   []int    // the sizes; none: its defaults
 }
 
 // settleDir is settle's module, relative to the harness's: the directory
@@ -155,11 +163,25 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.runs, "runs", 0, "runs per cell, the median is reported (default 3, 1 with -quick)")
 	fs.IntVar(&o.prefetch, "prefetch", 1, "RabbitMQ prefetch count per subscription (each has its own channel)")
 	fs.Float64Var(&o.maxLoad, "max-load", 0, "wait (up to 10 minutes) until the 1-minute load average is below this; 0 does not wait")
+	var layouts, dbs, sizes string
+	fs.StringVar(&dbs, "scale-dbs", "postgres,mariadb", "the databases the scale section measures on (the others' figures are kept from -results)")
+	fs.StringVar(&sizes, "scale-sizes", "", "the table sizes the scale section measures, comma-separated (default 1000000,10000000; -quick 100000)")
+	fs.StringVar(&layouts, "scale-layouts", "table,partitioned", "the claims table layouts the scale section measures (the others' figures are kept from -results)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
 	if fs.NArg() > 0 {
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	o.scaleLayouts, o.scaleDBs = strings.Split(layouts, ","), strings.Split(dbs, ",")
+	if sizes != "" {
+		for f := range strings.SplitSeq(sizes, ",") {
+			n, err := strconv.Atoi(f)
+			if err != nil || n < scaleDays {
+				return o, fmt.Errorf("-scale-sizes: %q is not a size", f)
+			}
+			o.scaleSizes = append(o.scaleSizes, n)
+		}
 	}
 	o.only = map[string]bool{}
 	if render {
@@ -209,6 +231,7 @@ type Results struct {
 	Parked   *ParkedResults   `json:"parked,omitempty"`
 	NATS     *NATSResults     `json:"nats,omitempty"`
 	Redis    *RedisResults    `json:"redis,omitempty"`
+	Scale    *ScaleResults    `json:"scale,omitempty"`
 	Runs     map[string]RunAt `json:"runs"` // section -> when and how it ran
 }
 
@@ -257,6 +280,7 @@ func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		{"parked", func() (err error) { res.Parked, err = runParked(ctx, o, stderr); return }},
 		{"nats", func() (err error) { res.NATS, err = runNATS(ctx, o, stderr); return }},
 		{"redis", func() (err error) { res.Redis, err = runRedis(ctx, o, stderr); return }},
+		{"scale", func() (err error) { res.Scale, err = runScale(ctx, o, res.Scale, stderr); return }},
 	}
 	for _, s := range all {
 		if !o.only[s.name] {

@@ -78,6 +78,8 @@ func sectionTables(res *Results, name string) string {
 		return natsTable(res.NATS)
 	case "redis":
 		return redisTable(res.Redis)
+	case "scale":
+		return scaleTable(res.Scale)
 	}
 	return ""
 }

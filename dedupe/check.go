@@ -3,6 +3,7 @@ package dedupe
 import (
 	"context"
 	"fmt"
+	"strings"
 
 	"github.com/settle-go/settle/internal/sqlkit"
 	"github.com/settle-go/settle/sqldb"
@@ -24,7 +25,11 @@ func (s *SQLStore[TTx]) Check(ctx context.Context) error {
 	if err != nil {
 		return &sqldb.SchemaError{Table: s.table, Problem: fmt.Sprintf("it cannot be read (%v)", err), DDL: s.Schema()}
 	}
-	col, problem := sqlkit.Mismatch(have, s.Schema()[0])
+	create := s.Schema()[0]
+	if i := strings.LastIndex(create, "\n)"); i > 0 {
+		create = create[:i+2] // the column list, without a partitioning clause
+	}
+	col, problem := sqlkit.Mismatch(have, create)
 	if col == "" {
 		return nil
 	}

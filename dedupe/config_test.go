@@ -3,6 +3,7 @@ package dedupe_test
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
@@ -25,6 +26,9 @@ func TestNewSQLStoreRefusesBadConfig(t *testing.T) {
 		{"three-part name", sqldb.Postgres, dedupe.SQLConfig{Table: "a.b.c"}, "SQLConfig.Table"},
 		{"identifier too long", sqldb.MySQL, dedupe.SQLConfig{Table: strings.Repeat("t", 64)}, "SQLConfig.Table"},
 		{"negative prune batch", sqldb.MySQL, dedupe.SQLConfig{PruneBatch: -1}, "SQLConfig.PruneBatch"},
+		{"partition under a second", sqldb.Postgres, dedupe.SQLConfig{Partition: time.Millisecond}, "SQLConfig.Partition"},
+		{"negative partition", sqldb.MySQL, dedupe.SQLConfig{Partition: -time.Hour}, "SQLConfig.Partition"},
+		{"partitioned SQLite", sqldb.SQLite, dedupe.SQLConfig{Partition: time.Hour}, "SQLConfig.Partition"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

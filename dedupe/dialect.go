@@ -128,6 +128,14 @@ type queries struct {
 	// MySQL-dialect server that takes INSERT … RETURNING (MariaDB 10.5 and
 	// later): the claim in one round trip instead of two.
 	claimReturning, claimDoneReturning string
+
+	// partProbe, partInsert and partTakeover are the claim's statements on
+	// a partitioned table (partition.go): the key's row in any partition,
+	// locked, with readBack's columns and until_at; the insert of a new
+	// claim (args: key, token, ttl in µs; MySQL: key, token, ttl, ttl),
+	// returning expires_at and first_at on PostgreSQL; the takeover of the row found
+	// (args: token, expires_at, now, key, its until_at).
+	partProbe, partInsert, partTakeover string
 }
 
 // nowMicros is the database's clock in Unix microseconds, one value per

@@ -69,6 +69,12 @@
 // transaction began gets [ErrClaimLost], or its transaction is aborted over
 // the conflict (a serialization failure), never a confirmation.
 //
+// For tables of many millions of keys, [SQLConfig.Partition] makes the
+// claims table partitioned by time on PostgreSQL and MySQL/MariaDB: Prune
+// drops whole partitions instead of deleting rows, and each claim runs in a
+// transaction of its own that locks the key and looks for it in every
+// partition, so that a key is still claimed once across partitions.
+//
 // # What it does not guarantee
 //
 // Outside a transaction, a handler whose effect is outside the database (an

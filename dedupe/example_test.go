@@ -156,6 +156,31 @@ func ExampleSQLStore_Schema() {
 	// )
 }
 
+// A partitioned claims table: a partition a day, which Prune drops whole
+// once the day is past the retention.
+func ExampleSQLStore_Schema_partitioned() {
+	store, err := dedupe.NewSQLStore(sqldb.Std(nil, sqldb.Postgres), dedupe.SQLConfig{Partition: 24 * time.Hour})
+	if err != nil {
+		panic(err)
+	}
+	for _, stmt := range store.Schema() {
+		fmt.Println(stmt)
+	}
+	// Output:
+	// CREATE TABLE IF NOT EXISTS "settle_dedupe" (
+	// 	key        BYTEA    NOT NULL,
+	// 	state      SMALLINT NOT NULL,
+	// 	token      TEXT     NOT NULL,
+	// 	attempts   INTEGER  NOT NULL,
+	// 	expires_at BIGINT   NOT NULL,
+	// 	updated_at BIGINT   NOT NULL,
+	// 	first_at   BIGINT   NOT NULL DEFAULT 0,
+	// 	until_at   BIGINT   NOT NULL,
+	// 	PRIMARY KEY (key, until_at)
+	// ) PARTITION BY RANGE (until_at)
+	// CREATE INDEX IF NOT EXISTS "settle_dedupe_updated_at_idx" ON "settle_dedupe" (updated_at)
+}
+
 // Keys are scoped to the logical handler: pipeline's competing subscriptions
 // charge, charge#2, ... are one handler, and its keys are stored under it.
 func ExampleScopedKey() {

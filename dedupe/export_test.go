@@ -1,5 +1,7 @@
 package dedupe
 
+import "context"
+
 // WithoutReturning makes s claim as it does on a MySQL server, which has no
 // INSERT … RETURNING: the write, then the row read back. The tests run it on
 // MariaDB, which has one, so that both paths are tried against a server.
@@ -20,4 +22,15 @@ func MemoryLen(s *MemoryStore) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return len(s.keys)
+}
+
+// PartitionBuckets lists the periods (Unix time / period) whose partitions
+// s's partitioned table has.
+func PartitionBuckets[TTx any](ctx context.Context, s *SQLStore[TTx]) ([]int64, error) {
+	parts, err := s.partitions(ctx)
+	var bs []int64
+	for _, p := range parts {
+		bs = append(bs, p.bucket)
+	}
+	return bs, err
 }

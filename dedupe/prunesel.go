@@ -24,6 +24,12 @@ func init() {
 
 // pruneSelection is what Prune(ctx, before) deletes.
 func (s *SQLStore[TTx]) pruneSelection(before time.Time) prunesel.Selection {
+	if s.period != 0 {
+		// A partitioned table's prune rounds the cutoff down to a partition
+		// boundary; the rows of the partitions it drops are all within the
+		// filter with that cutoff.
+		before = time.UnixMicro(floorDiv(micros(before), s.period) * s.period)
+	}
 	return prunesel.Selection{Table: sqlkit.Quote(s.dialect, s.table), Where: s.q.pruneWhere, Args: s.pruneArgs(before)}
 }
 

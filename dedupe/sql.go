@@ -23,6 +23,15 @@ type SQLConfig struct {
 	// PruneBatch is how many rows one DELETE of Prune removes, so that pruning
 	// a large table never holds long locks. Defaults to 5000. Must be > 0.
 	PruneBatch int
+	// Partition, when set, makes the claims table partitioned by time
+	// (PostgreSQL and MySQL/MariaDB; not SQLite), in periods of this length
+	// aligned on the Unix epoch: 24h for a partition a day. Prune then drops
+	// whole partitions instead of deleting rows, and creates the next ones;
+	// see docs/dedupe.md for when to choose it. Schema returns the
+	// partitioned table's statements. Claims run in a transaction of their
+	// own, so a store on a partitioned table takes no claim inside a
+	// caller's transaction. At least a second; zero is a plain table.
+	Partition time.Duration
 }
 
 func (c *SQLConfig) setDefaults() {
@@ -37,6 +46,9 @@ func (c *SQLConfig) setDefaults() {
 func (c SQLConfig) validate() error {
 	if err := sqlkit.ValidTable(c.Table); err != nil {
 		return fmt.Errorf("SQLConfig.Table: %w", err)
+	}
+	if c.Partition != 0 && c.Partition < time.Second {
+		return fmt.Errorf("SQLConfig.Partition: must be 0 or at least a second, got %v", c.Partition)
 	}
 	if c.PruneBatch <= 0 {
 		return fmt.Errorf("SQLConfig.PruneBatch: must be > 0, got %d", c.PruneBatch)
@@ -86,6 +98,7 @@ type SQLStore[TTx any] struct {
 	table     string
 	batch     int
 	q         queries
+	period    int64 // µs; 0 for a plain table (SQLConfig.Partition)
 	now       func() time.Time
 	server    *server // shared with the copies WithTx makes
 }
@@ -156,6 +169,13 @@ func NewSQLStore[TTx any](db sqldb.Driver[TTx], cfg SQLConfig) (*SQLStore[TTx], 
 	if err := cfg.validate(); err != nil {
 		return nil, fmt.Errorf("dedupe: %w", err)
 	}
+	if cfg.Partition != 0 && d == sqldb.SQLite {
+		return nil, errors.New("dedupe: SQLConfig.Partition: SQLite tables are not partitioned")
+	}
+	q := queriesOf(d, cfg.Table)
+	if cfg.Partition != 0 {
+		q = partitionedQueries(d, cfg.Table, q)
+	}
 	return &SQLStore[TTx]{
 		db:        db,
 		ex:        db.DB(),
@@ -163,7 +183,8 @@ func NewSQLStore[TTx any](db sqldb.Driver[TTx], cfg SQLConfig) (*SQLStore[TTx], 
 		pipelined: d == sqldb.Postgres && pgxTx[TTx](),
 		table:     cfg.Table,
 		batch:     cfg.PruneBatch,
-		q:         queriesOf(d, cfg.Table),
+		q:         q,
+		period:    cfg.Partition.Microseconds(),
 		now:       time.Now,
 		server:    &server{},
 	}, nil
@@ -191,7 +212,12 @@ func (s *SQLStore[TTx]) WithTx(tx TTx) *SQLStore[TTx] {
 // in the store's dialect, for your migrations. Each statement is idempotent
 // (IF NOT EXISTS). It makes no connection: a tool that only prints the DDL
 // can build the store on sqldb.Std(nil, dialect).
-func (s *SQLStore[TTx]) Schema() []string { return schemaOf(s.dialect, s.table) }
+func (s *SQLStore[TTx]) Schema() []string {
+	if s.period != 0 {
+		return partitionedSchema(s.dialect, s.table)
+	}
+	return schemaOf(s.dialect, s.table)
+}
 
 // exec, queryRow and query run a statement on the store's executor. On
 // MySQL the arguments are written into the statement first (inlineArgs).
@@ -243,6 +269,9 @@ func (s *SQLStore[TTx]) Claim(ctx context.Context, key string, ttl time.Duration
 	}
 	if err := checkTTL(ttl); err != nil {
 		return Claim{}, err
+	}
+	if s.period != 0 {
+		return s.claimPartitioned(ctx, key, ttl)
 	}
 	k := []byte(key)
 	for range claimRetries {
@@ -448,7 +477,7 @@ func (s *SQLStore[TTx]) Renew(ctx context.Context, c Claim, ttl time.Duration) e
 	if s.dialect == sqldb.SQLite {
 		return s.update(ctx, "renew", s.q.renew, c, micros(s.now().Add(ttl)))
 	}
-	return s.update(ctx, "renew", s.q.renew, c, ttl.Microseconds())
+	return s.retryPartition(ctx, ttl, func() error { return s.partUpdate(ctx, "renew", s.q.renew, c, ttl.Microseconds()) })
 }
 
 // Confirm implements Store.
@@ -456,7 +485,7 @@ func (s *SQLStore[TTx]) Confirm(ctx context.Context, c Claim) error {
 	if s.dialect == sqldb.SQLite {
 		return s.update(ctx, "confirm", s.q.confirm, c, micros(s.now()))
 	}
-	return s.update(ctx, "confirm", s.q.confirm, c)
+	return s.retryPartition(ctx, 0, func() error { return s.partUpdate(ctx, "confirm", s.q.confirm, c) })
 }
 
 // Release implements Store.
@@ -464,19 +493,38 @@ func (s *SQLStore[TTx]) Release(ctx context.Context, c Claim) error {
 	if s.dialect == sqldb.SQLite {
 		return s.update(ctx, "release", s.q.release, c, micros(s.now()))
 	}
-	return s.update(ctx, "release", s.q.release, c)
+	return s.retryPartition(ctx, 0, func() error { return s.partUpdate(ctx, "release", s.q.release, c) })
 }
 
 // Prune implements Store. It deletes in batches of SQLConfig.PruneBatch rows
 // until none is left, so it may take several statements on a large table.
 // Each statement re-checks its filter on the row it deletes, under the row's
 // lock, so a key claimed or confirmed while the prune runs is kept.
+//
+// On a partitioned table (SQLConfig.Partition) it rounds the cutoff down to
+// a partition boundary (keys are kept up to one period longer), drops the
+// partitions that end before it and before now whole, deletes what else
+// the rounded cutoff removes in batches, and creates the partitions of the
+// next periods. The number it returns counts the rows of the partitions
+// dropped.
 func (s *SQLStore[TTx]) Prune(ctx context.Context, before time.Time) (int64, error) {
+	if s.period != 0 {
+		return s.prunePartitioned(ctx, before)
+	}
+	return s.pruneRows(ctx, before)
+}
+
+// pruneRows deletes in batches what Prune(before) deletes on a plain table.
+func (s *SQLStore[TTx]) pruneRows(ctx context.Context, before time.Time) (int64, error) {
 	args := append(s.pruneArgs(before), s.batch)
 	var total int64
 	for deadlocks := 0; ; {
 		n, err := s.exec(ctx, s.q.prune, args...)
-		if err != nil && s.deadlocked(err) && deadlocks < claimRetries {
+		// On a partitioned table a row the DELETE reached may have been
+		// moved to another partition by a claim meanwhile (PostgreSQL's
+		// 40001): the statement was rolled back whole.
+		moved := err != nil && s.period != 0 && !s.ex.InTx() && movedRow(err)
+		if err != nil && (s.deadlocked(err) || moved) && (deadlocks < claimRetries || s.period != 0 && deadlocks < partRetries) {
 			deadlocks++
 			continue
 		}
@@ -505,6 +553,9 @@ func (s *SQLStore[TTx]) Prune(ctx context.Context, before time.Time) (int64, err
 func (s *SQLStore[TTx]) ClaimConfirmed(ctx context.Context, key string) (Claim, error) {
 	if err := validateKey(key); err != nil {
 		return Claim{}, err
+	}
+	if s.period != 0 {
+		return Claim{}, errPartTx
 	}
 	k := []byte(key)
 	for range claimRetries {
@@ -610,6 +661,9 @@ func (s *SQLStore[TTx]) readBackUntaken(ctx context.Context, claims []Claim, key
 // together. The claims come back in the order of keys. Keys must be
 // distinct.
 func (s *SQLStore[TTx]) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Claim, error) {
+	if s.period != 0 {
+		return nil, errPartTx
+	}
 	claims := make([]Claim, len(keys))
 	if len(keys) == 0 {
 		return claims, nil

@@ -1,0 +1,653 @@
+package dedupe
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"math/rand/v2"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/settle-go/settle/internal/sqlkit"
+	"github.com/settle-go/settle/sqldb"
+)
+
+// A partitioned claims table (SQLConfig.Partition) on PostgreSQL and
+// MySQL/MariaDB.
+//
+// Layout. Every row carries until_at, the moment after which nothing about
+// the row can keep it from being pruned: its last write (updated_at) for a
+// confirmed or released key, its expiry for a claim. The table is range
+// partitioned on until_at in periods of SQLConfig.Partition, aligned on the
+// Unix epoch; partition b holds [b·period, (b+1)·period). Every write
+// (claim, renewal, confirmation, release) sets until_at again, and the
+// database moves the row to the partition of its new value. So a partition
+// whose end is at or before both the cutoff and now holds only rows Prune
+// may delete (written before the cutoff, and claims expired before it and
+// before now): Prune drops it whole, a metadata operation, without reading
+// a row.
+//
+// Uniqueness. Neither database can keep a unique index on a partitioned
+// table that lacks the partition column, so the primary key is (key,
+// until_at) and the database no longer stops a second row of a key in
+// another partition. Claim keeps the rule itself, in a transaction of its
+// own:
+//
+//   - PostgreSQL, READ COMMITTED: a transaction-scoped advisory lock on a
+//     64-bit hash of the table and key serializes the claims of a key (two
+//     keys may share a hash; they then wait for each other, never more).
+//     The next statement reads the key's row in every partition
+//     (SELECT … FOR UPDATE on the parent table) with a snapshot taken after
+//     the lock, so it sees the row of any claim that held the lock before;
+//     the claim then inserts a row only where it found none.
+//   - MySQL/MariaDB, READ COMMITTED: a named lock (GET_LOCK) on the same
+//     hash serializes the claims of a key. It belongs to the connection, not
+//     the transaction, so the claim releases it just before its commit; the
+//     next claim's read of the key's row (SELECT … FOR UPDATE, a locking
+//     read, which reads the latest row and waits for the lock of a row
+//     inserted or changed and not yet committed) then waits for that commit
+//     and sees the row. Relying on REPEATABLE READ's gap locks instead is
+//     correct too, but every new key's insert goes into the newest,
+//     nearly empty partition, where all of them fall into one gap: the
+//     claims of different keys deadlocked on each other and ran one at a
+//     time.
+//
+// Renew, Confirm and Release are single UPDATEs of the key's row (found by
+// the primary key's prefix in every partition), as on a plain table.
+//
+// Partitions are created by the store: Prune creates the partitions of the
+// next periods, and a write that finds no partition for its row (the table
+// just created, Prune not run for a while, a claim whose expiry is beyond
+// the partitions made) creates them and runs again.
+
+// partRetries bounds how often a claim on a partitioned table runs again
+// after its transaction was rolled back (a deadlock, a row moved to another
+// partition under it) or found no partition for its row.
+const partRetries = 40
+
+// errRowChanged is a claim's takeover that found the row it had locked no
+// longer there: its partition was being dropped (PostgreSQL hides a
+// partition being detached from the statements that start after the
+// detach began). Such a row was prunable; the claim runs again.
+var errRowChanged = errors.New("the locked row left its partition")
+
+// errPartTx is returned for a claim inside a caller's transaction on a
+// partitioned table.
+var errPartTx = errors.New("dedupe: a partitioned claims table takes claims in transactions of its own only, not in a caller's transaction (WithTx, ClaimConfirmed)")
+
+// partitionedSchema is schemaOf for a partitioned table.
+func partitionedSchema(d sqldb.Dialect, table string) []string {
+	t := sqlkit.Quote(d, table)
+	idx := indexName(table)
+	switch d {
+	case sqldb.Postgres:
+		return []string{
+			`CREATE TABLE IF NOT EXISTS ` + t + ` (
+	key        BYTEA    NOT NULL,
+	state      SMALLINT NOT NULL,
+	token      TEXT     NOT NULL,
+	attempts   INTEGER  NOT NULL,
+	expires_at BIGINT   NOT NULL,
+	updated_at BIGINT   NOT NULL,
+	first_at   BIGINT   NOT NULL DEFAULT 0,
+	until_at   BIGINT   NOT NULL,
+	PRIMARY KEY (key, until_at)
+) PARTITION BY RANGE (until_at)`,
+			`CREATE INDEX IF NOT EXISTS "` + idx + `" ON ` + t + ` (updated_at)`,
+		}
+	default:
+		return []string{
+			"CREATE TABLE IF NOT EXISTS " + t + ` (
+	` + "`key`" + `      VARBINARY(2048) NOT NULL,
+	state      TINYINT         NOT NULL,
+	token      VARCHAR(32)     NOT NULL,
+	attempts   INT             NOT NULL,
+	expires_at BIGINT          NOT NULL,
+	updated_at BIGINT          NOT NULL,
+	first_at   BIGINT          NOT NULL DEFAULT 0,
+	until_at   BIGINT          NOT NULL,
+	PRIMARY KEY (` + "`key`" + `, until_at),
+	INDEX ` + "`" + idx + "`" + ` (updated_at)
+) ENGINE=InnoDB
+PARTITION BY RANGE (until_at) (PARTITION p0 VALUES LESS THAN (0))`,
+		}
+	}
+}
+
+// partitionedQueries changes q's renewal, confirmation and release for a
+// partitioned table: each sets until_at too, which moves the row to the
+// partition of its new value.
+func partitionedQueries(d sqldb.Dialect, table string, q queries) queries {
+	t := sqlkit.Quote(d, table)
+	now := nowMicros(d)
+	switch d {
+	case sqldb.Postgres:
+		q.renew = `UPDATE ` + t + ` SET expires_at = ` + now + ` + $1, until_at = GREATEST(updated_at, ` + now + ` + $1) WHERE key = $2 AND state = 1 AND token = $3`
+		q.confirm = `UPDATE ` + t + ` SET state = 2, token = '', expires_at = 0, updated_at = ` + now + `, until_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
+		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ` + now + `, until_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
+		q.partProbe = `SELECT state, token, attempts, expires_at, first_at, ` + now + `, until_at FROM ` + t + ` WHERE key = $1 FOR UPDATE`
+		q.partInsert = `INSERT INTO ` + t + ` (key, state, token, attempts, expires_at, updated_at, first_at, until_at) VALUES ($1, 1, $2, 1, ` +
+			now + ` + $3, ` + now + `, ` + now + `, ` + now + ` + $3) RETURNING expires_at, first_at`
+		q.partTakeover = `UPDATE ` + t + ` SET state = 1, token = $1, attempts = attempts + 1, expires_at = $2, updated_at = $3,
+	first_at = CASE WHEN first_at = 0 THEN $3 ELSE first_at END, until_at = $2 WHERE key = $4 AND until_at = $5`
+	default:
+		// Assignments run left to right: until_at reads the new expires_at.
+		q.renew = "UPDATE " + t + " SET expires_at = " + now + " + ?, until_at = GREATEST(updated_at, expires_at) WHERE `key` = ? AND state = 1 AND token = ?"
+		q.confirm = "UPDATE " + t + " SET state = 2, token = '', expires_at = 0, updated_at = " + now + ", until_at = updated_at WHERE `key` = ? AND state = 1 AND token = ?"
+		q.release = "UPDATE " + t + " SET state = 0, token = '', expires_at = 0, updated_at = " + now + ", until_at = updated_at WHERE `key` = ? AND state = 1 AND token = ?"
+		q.partProbe = "SELECT state, token, attempts, expires_at, first_at, " + now + ", until_at FROM " + t + " WHERE `key` = ? FOR UPDATE"
+		q.partInsert = "INSERT INTO " + t + " (`key`, state, token, attempts, expires_at, updated_at, first_at, until_at) VALUES (?, 1, ?, 1, " +
+			now + " + ?, " + now + ", " + now + ", " + now + " + ?)"
+		q.partTakeover = "UPDATE " + t + " SET state = 1, token = ?, attempts = attempts + 1, expires_at = ?, updated_at = ?,\n" +
+			"\tfirst_at = IF(first_at = 0, updated_at, first_at), until_at = expires_at WHERE `key` = ? AND until_at = ?"
+	}
+	return q
+}
+
+// lockKey is the advisory lock of key in table (PostgreSQL).
+func lockKey(table string, key []byte) int64 {
+	h := fnv.New64a()
+	h.Write([]byte(table))
+	h.Write([]byte{0})
+	h.Write(key)
+	return int64(h.Sum64())
+}
+
+// claimPartitioned is Claim on a partitioned table.
+func (s *SQLStore[TTx]) claimPartitioned(ctx context.Context, key string, ttl time.Duration) (Claim, error) {
+	if s.ex.InTx() {
+		return Claim{}, errPartTx
+	}
+	k := []byte(key)
+	for attempt := 0; ; attempt++ {
+		c, err := s.claimPartitionedOnce(ctx, k, ttl)
+		if err == nil {
+			c.Key = key
+			return c, nil
+		}
+		if attempt >= partRetries || ctx.Err() != nil {
+			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
+		}
+		switch {
+		case sqlkit.Deadlock(err) || sqlkit.Conflict(err) || movedRow(err) || errors.Is(err, errRowChanged):
+			// Rolled back whole: nothing was written. Claims of a new key
+			// on MySQL deadlock on each other's gap locks (see above); a
+			// short random pause lets the winner commit.
+			time.Sleep(time.Duration(rand.Int64N(int64(time.Millisecond) * int64(min(attempt+1, 10)))))
+		case s.noPartition(err):
+			if err := s.ensurePartitions(ctx, ttl); err != nil {
+				return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
+			}
+		default:
+			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
+		}
+	}
+}
+
+// claimPartitionedOnce runs one claim transaction.
+func (s *SQLStore[TTx]) claimPartitionedOnce(ctx context.Context, k []byte, ttl time.Duration) (c Claim, err error) {
+	tx, err := s.db.Begin(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted}, "")
+	if err != nil {
+		return Claim{}, err
+	}
+	done := false
+	release := func() error { return nil }
+	defer func() {
+		if !done {
+			_ = s.db.Rollback(context.WithoutCancel(ctx), tx)
+		}
+	}()
+	st := s.WithTx(tx)
+	lock := lockKey(s.table, k)
+	if s.dialect == sqldb.Postgres {
+		if _, err := st.exec(ctx, `SELECT pg_advisory_xact_lock($1)`, lock); err != nil {
+			return Claim{}, err
+		}
+	} else {
+		unlock, err := st.keyLock(ctx, k)
+		if err != nil {
+			return Claim{}, err
+		}
+		defer func() {
+			// Before the commit (the lock is the connection's, and the
+			// connection goes back to the pool with it), or on the way out.
+			if !done {
+				unlock()
+			}
+		}()
+		release = func() error { unlock(); return nil }
+	}
+	var r row
+	var until int64
+	err = st.queryRow(ctx, s.q.partProbe, []any{k}, append(r.columns(), &until)...)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+	case err != nil:
+		return Claim{}, err
+	default:
+		r.found = true
+	}
+	if res, ok := r.settled(); ok {
+		return Claim{Result: res, Attempt: r.attempts}, nil
+	}
+	token := newToken()
+	now, exp := r.now, r.now+ttl.Microseconds()
+	if !r.found {
+		// The statement reads the clock: the probe, which found no row,
+		// read none. (MySQL has no RETURNING; MariaDB 10.5+ does.)
+		ttlUS := ttl.Microseconds()
+		switch {
+		case s.dialect == sqldb.Postgres:
+			err = st.queryRow(ctx, s.q.partInsert, []any{k, token, ttlUS}, &exp, &now)
+		case s.returning(ctx):
+			err = st.queryRow(ctx, s.q.partInsert+" RETURNING expires_at, first_at", []any{k, token, ttlUS, ttlUS}, &exp, &now)
+		default:
+			if _, err = st.exec(ctx, s.q.partInsert, k, token, ttlUS, ttlUS); err == nil {
+				err = st.queryRow(ctx, "SELECT expires_at, first_at FROM "+sqlkit.Quote(s.dialect, s.table)+" WHERE `key` = ? AND state = 1 AND token = ?", []any{k, token}, &exp, &now)
+			}
+		}
+		if err != nil {
+			return Claim{}, err
+		}
+		c = Claim{Result: Acquired, Token: token, Attempt: 1, FirstAt: firstAt(now), ExpiresAt: fromMicros(exp)}
+	} else {
+		n, err := st.exec(ctx, s.q.partTakeover, token, exp, now, k, until)
+		if err != nil {
+			return Claim{}, err
+		}
+		if n != 1 {
+			return Claim{}, errRowChanged
+		}
+		first := r.first
+		if first == 0 {
+			first = now
+		}
+		c = Claim{Result: Acquired, Token: token, Attempt: r.attempts + 1, FirstAt: firstAt(first), ExpiresAt: fromMicros(exp)}
+	}
+	if err := release(); err != nil {
+		return Claim{}, err
+	}
+	done = true
+	if err := s.db.Commit(ctx, tx); err != nil {
+		return Claim{}, err
+	}
+	return c, nil
+}
+
+// mysqlLockWait is how long, in seconds, a claim on a partitioned MySQL
+// table waits for the key's named lock.
+const mysqlLockWait = 30
+
+// movedRow reports PostgreSQL's refusal to lock or update a row that a
+// concurrent statement moved to another partition (a serialization
+// failure, 40001, which Conflict reports too).
+func movedRow(err error) bool { return sqlkit.SQLState(err) == "40001" }
+
+// noPartition reports a write that found no partition for its row:
+// PostgreSQL's check violation 23514 ("no partition of relation … found for
+// row"), MySQL's error 1526.
+func (s *SQLStore[TTx]) noPartition(err error) bool {
+	if n, ok := sqlkit.MySQLNumber(err); ok {
+		return n == 1526
+	}
+	return sqlkit.SQLState(err) == "23514"
+}
+
+// partition is one partition of the table: rows with until_at below upper.
+type partition struct {
+	name    string // quoted, ready for a statement (PostgreSQL: the table; MySQL: the partition)
+	bucket  int64  // upper / period - 1; -1 for MySQL's first, empty, partition
+	upper   int64  // µs
+	pending bool   // PostgreSQL: a detach that did not finish
+}
+
+var pgBound = regexp.MustCompile(`FROM \('?(-?\d+)'?\) TO \('?(-?\d+)'?\)`)
+
+// partitions lists the table's partitions, in the order of their ends.
+func (s *SQLStore[TTx]) partitions(ctx context.Context) ([]partition, error) {
+	var parts []partition
+	switch s.dialect {
+	case sqldb.Postgres:
+		err := s.query(ctx, `SELECT n.nspname, c.relname, pg_get_expr(c.relpartbound, c.oid), i.inhdetachpending
+FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE i.inhparent = $1::regclass`, []any{sqlkit.Quote(s.dialect, s.table)}, func(scan func(dest ...any) error) error {
+			var nsp, name, bound string
+			var pending bool
+			if err := scan(&nsp, &name, &bound, &pending); err != nil {
+				return err
+			}
+			m := pgBound.FindStringSubmatch(bound)
+			if m == nil {
+				return fmt.Errorf("partition %s: bound %q is not a range of until_at", name, bound)
+			}
+			upper, _ := strconv.ParseInt(m[2], 10, 64)
+			parts = append(parts, partition{name: sqlkit.Quote(s.dialect, nsp) + "." + sqlkit.Quote(s.dialect, name),
+				bucket: upper/s.period - 1, upper: upper, pending: pending})
+			return nil
+		})
+		if err != nil {
+			return nil, fmt.Errorf("list partitions: %w", err)
+		}
+	default:
+		schema, name := "", s.table
+		if i := strings.LastIndexByte(s.table, '.'); i >= 0 {
+			schema, name = s.table[:i], s.table[i+1:]
+		}
+		err := s.query(ctx, `SELECT partition_name, partition_description FROM information_schema.PARTITIONS
+WHERE table_schema = COALESCE(NULLIF(?, ''), DATABASE()) AND table_name = ? AND partition_name IS NOT NULL`, []any{schema, name}, func(scan func(dest ...any) error) error {
+			var pname, desc string
+			if err := scan(&pname, &desc); err != nil {
+				return err
+			}
+			upper, err := strconv.ParseInt(desc, 10, 64)
+			if err != nil {
+				return fmt.Errorf("partition %s: bound %q is not a number", pname, desc)
+			}
+			parts = append(parts, partition{name: "`" + pname + "`", bucket: upper/s.period - 1, upper: upper})
+			return nil
+		})
+		if err != nil {
+			return nil, fmt.Errorf("list partitions: %w", err)
+		}
+	}
+	slices.SortFunc(parts, func(a, b partition) int { return int(min(max(a.upper-b.upper, -1), 1)) })
+	return parts, nil
+}
+
+// dbNow is the database's clock, in µs.
+func (s *SQLStore[TTx]) dbNow(ctx context.Context) (int64, error) {
+	var now int64
+	err := s.queryRow(ctx, "SELECT "+nowMicros(s.dialect), nil, &now)
+	return now, err
+}
+
+// ensurePartitions creates the partitions from the current period to the
+// one holding now + ahead + one period, those that do not exist yet.
+func (s *SQLStore[TTx]) ensurePartitions(ctx context.Context, ahead time.Duration) error {
+	now, err := s.dbNow(ctx)
+	if err != nil {
+		return fmt.Errorf("partitions: %w", err)
+	}
+	return s.addPartitions(ctx, now, now+ahead.Microseconds()+s.period)
+}
+
+// addPartitions creates the partitions of the periods holding from..to
+// that do not exist. On MySQL partitions can only be added after the last
+// one, so there the periods before the last partition's end are covered by
+// it already.
+func (s *SQLStore[TTx]) addPartitions(ctx context.Context, from, to int64) error {
+	parts, err := s.partitions(ctx)
+	if err != nil {
+		return err
+	}
+	have := map[int64]bool{}
+	var last int64 = -1 << 62
+	for _, p := range parts {
+		have[p.bucket] = true
+		last = max(last, p.upper)
+	}
+	t := sqlkit.Quote(s.dialect, s.table)
+	var add []string
+	for b := floorDiv(from, s.period); b <= floorDiv(to, s.period); b++ {
+		lo, hi := b*s.period, (b+1)*s.period
+		switch s.dialect {
+		case sqldb.Postgres:
+			if have[b] {
+				continue
+			}
+			name := sqlkit.Quote(s.dialect, pgPartName(s.table, b))
+			_, err := s.exec(ctx, `CREATE TABLE IF NOT EXISTS `+name+` PARTITION OF `+t+
+				` FOR VALUES FROM (`+strconv.FormatInt(lo, 10)+`) TO (`+strconv.FormatInt(hi, 10)+`)`)
+			// Another process may have made it, or one that overlaps it,
+			// meanwhile (duplicate table, invalid definition).
+			if err != nil && !slices.Contains([]string{"42P07", "42P17", "23505"}, sqlkit.SQLState(err)) {
+				return fmt.Errorf("create partition %s: %w", name, err)
+			}
+		default:
+			if hi <= last {
+				continue
+			}
+			add = append(add, "PARTITION p"+strconv.FormatInt(b, 10)+" VALUES LESS THAN ("+strconv.FormatInt(hi, 10)+")")
+		}
+	}
+	if len(add) == 0 {
+		return nil
+	}
+	_, err = s.exec(ctx, "ALTER TABLE "+t+" ADD PARTITION ("+strings.Join(add, ", ")+")")
+	if n, ok := sqlkit.MySQLNumber(err); ok && (n == 1517 || n == 1493) {
+		// Added by another process meanwhile (duplicate partition name,
+		// bounds no longer increasing): look again.
+		return s.addPartitions(ctx, from, to)
+	}
+	if err != nil {
+		return fmt.Errorf("add partitions: %w", err)
+	}
+	return nil
+}
+
+// pgPartName is the name of the table's partition b: the table's name
+// followed by _p and b, within PostgreSQL's 63 bytes. A name that would be
+// longer keeps a prefix and a hash of the whole name, so that two tables
+// whose names begin alike do not name their partitions alike.
+func pgPartName(table string, b int64) string {
+	suffix := "_p" + strconv.FormatInt(b, 10)
+	schema, name := "", table
+	if i := strings.LastIndexByte(table, '.'); i >= 0 {
+		schema, name = table[:i+1], table[i+1:]
+	}
+	if len(name)+len(suffix) > 63 {
+		h := fnv.New32a()
+		h.Write([]byte(name))
+		tag := fmt.Sprintf("_%08x", h.Sum32())
+		name = name[:63-len(suffix)-len(tag)] + tag
+	}
+	return schema + name + suffix
+}
+
+func floorDiv(a, b int64) int64 {
+	q := a / b
+	if a%b != 0 && (a < 0) != (b < 0) {
+		q--
+	}
+	return q
+}
+
+// AddPartitions creates, on a partitioned claims table (SQLConfig.Partition),
+// the partitions of the periods from from to to that do not exist yet. The
+// store creates the partitions it writes to by itself (Prune creates the
+// next ones ahead of time); this is for loading keys older than the table,
+// as when moving the keys of a plain table into a partitioned one. On
+// MySQL/MariaDB partitions are only added after the last one, whose range
+// reaches back to the first partition's end. It returns an error on a plain
+// table.
+func (s *SQLStore[TTx]) AddPartitions(ctx context.Context, from, to time.Time) error {
+	if s.period == 0 {
+		return errors.New("dedupe: AddPartitions: the claims table is not partitioned (SQLConfig.Partition)")
+	}
+	if err := s.addPartitions(ctx, micros(from), micros(to)); err != nil {
+		return fmt.Errorf("dedupe: %w", err)
+	}
+	return nil
+}
+
+// prunePartitioned is Prune on a partitioned table. The cutoff is rounded
+// down to a partition boundary, so that a prune never deletes rows one by
+// one inside a partition that a later prune will drop whole: keys are kept
+// up to one period longer than the cutoff asks. Then it drops the
+// partitions that end at or before both the rounded cutoff and now, deletes
+// in batches what else the rounded cutoff removes (claims that expired
+// before it but were written to a later partition, rows of partitions that
+// are not over yet when the cutoff is in the future), and creates the
+// partitions of the next periods.
+func (s *SQLStore[TTx]) prunePartitioned(ctx context.Context, before time.Time) (int64, error) {
+	if err := s.ensurePartitions(ctx, 0); err != nil {
+		return 0, fmt.Errorf("dedupe: prune: %w", err)
+	}
+	cut := floorDiv(micros(before), s.period) * s.period
+	now, err := s.dbNow(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("dedupe: prune: %w", err)
+	}
+	parts, err := s.partitions(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("dedupe: prune: %w", err)
+	}
+	var total int64
+	for i, p := range parts {
+		if p.upper > cut || p.upper > now || i == len(parts)-1 {
+			continue
+		}
+		n, err := s.dropPartition(ctx, p)
+		total += n
+		if err != nil {
+			return total, fmt.Errorf("dedupe: prune: %w", err)
+		}
+	}
+	n, err := s.pruneRows(ctx, time.UnixMicro(cut))
+	return total + n, err
+}
+
+// dropPartition removes p whole and returns how many rows it held. A
+// partition that another prune is dropping at the same time is left to it.
+func (s *SQLStore[TTx]) dropPartition(ctx context.Context, p partition) (int64, error) {
+	n, err := s.dropPartitionOnce(ctx, p)
+	if err == nil {
+		return n, nil
+	}
+	parts, lerr := s.partitions(ctx)
+	if lerr != nil {
+		return 0, err
+	}
+	for _, q := range parts {
+		if q.name == p.name && !q.pending {
+			return 0, err
+		}
+	}
+	return 0, nil // gone, or being detached by another prune
+}
+
+func (s *SQLStore[TTx]) dropPartitionOnce(ctx context.Context, p partition) (int64, error) {
+	t := sqlkit.Quote(s.dialect, s.table)
+	var n int64
+	switch s.dialect {
+	case sqldb.Postgres:
+		// Detached concurrently, the partition leaves the parent without
+		// the lock on the parent that DROP TABLE of a partition takes, which
+		// would stop every claim until the transactions in flight end.
+		// Nothing can be written to it any more (its rows' until_at is in
+		// the past), so its rows are counted afterwards.
+		detach := ` CONCURRENTLY`
+		if p.pending {
+			detach = ` FINALIZE`
+		}
+		if _, err := s.exec(ctx, `ALTER TABLE `+t+` DETACH PARTITION `+p.name+detach); err != nil {
+			return 0, fmt.Errorf("detach partition %s: %w", p.name, err)
+		}
+		if err := s.queryRow(ctx, `SELECT count(*) FROM `+p.name, nil, &n); err != nil {
+			return 0, fmt.Errorf("count partition %s: %w", p.name, err)
+		}
+		if _, err := s.exec(ctx, `DROP TABLE `+p.name); err != nil {
+			return 0, fmt.Errorf("drop partition %s: %w", p.name, err)
+		}
+	default:
+		if err := s.queryRow(ctx, "SELECT COUNT(*) FROM "+t+" PARTITION ("+p.name+")", nil, &n); err != nil {
+			return 0, fmt.Errorf("count partition %s: %w", p.name, err)
+		}
+		if _, err := s.exec(ctx, "ALTER TABLE "+t+" DROP PARTITION "+p.name); err != nil {
+			return 0, fmt.Errorf("drop partition %s: %w", p.name, err)
+		}
+	}
+	return n, nil
+}
+
+// partUpdate is update for Renew, Confirm and Release. On a partitioned
+// MySQL table it holds the key's named lock while the UPDATE runs: the
+// UPDATE moves the row to another partition (its until_at changes), and
+// InnoDB's locking read, which a claim probes with, walks the partitions one
+// after the other; a probe that read the row's new partition before the
+// row arrived there and then waited for its old place, which the move
+// deletes, would find no row at all. With the lock a claim probes after the
+// row has moved, and waits on the moved row's lock for its commit.
+// PostgreSQL instead refuses to lock a row that moved under the probe (a
+// serialization failure), and the claim runs again.
+func (s *SQLStore[TTx]) partUpdate(ctx context.Context, op, query string, c Claim, args ...any) error {
+	if s.period == 0 || s.dialect != sqldb.MySQL {
+		return s.update(ctx, op, query, c, args...)
+	}
+	if err := checkOwned(c); err != nil {
+		return err
+	}
+	if s.ex.InTx() {
+		// The caller's transaction: the lock is released after the
+		// statement, the moved row stays locked until the commit.
+		unlock, err := s.keyLock(ctx, []byte(c.Key))
+		if err != nil {
+			return fmt.Errorf("dedupe: %s: %w", op, err)
+		}
+		defer unlock()
+		return s.update(ctx, op, query, c, args...)
+	}
+	tx, err := s.db.Begin(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted}, "")
+	if err != nil {
+		return fmt.Errorf("dedupe: %s: %w", op, err)
+	}
+	st := s.WithTx(tx)
+	unlock, err := st.keyLock(ctx, []byte(c.Key))
+	if err != nil {
+		_ = s.db.Rollback(context.WithoutCancel(ctx), tx)
+		return fmt.Errorf("dedupe: %s: %w", op, err)
+	}
+	err = st.update(ctx, op, query, c, args...)
+	unlock()
+	if err != nil && !errors.Is(err, ErrClaimLost) {
+		_ = s.db.Rollback(context.WithoutCancel(ctx), tx)
+		return err
+	}
+	if cerr := s.db.Commit(ctx, tx); cerr != nil {
+		return fmt.Errorf("dedupe: %s: %w", op, cerr)
+	}
+	return err
+}
+
+// keyLock takes the named lock of key (MySQL) on the store's executor and
+// returns its release.
+func (s *SQLStore[TTx]) keyLock(ctx context.Context, k []byte) (unlock func(), err error) {
+	name := fmt.Sprintf("settle-dedupe-%016x", uint64(lockKey(s.table, k)))
+	var got sql.NullInt64
+	if err := s.queryRow(ctx, "SELECT GET_LOCK(?, ?)", []any{name, mysqlLockWait}, &got); err != nil {
+		return nil, err
+	}
+	if got.Int64 != 1 {
+		return nil, fmt.Errorf("the lock of the key was not granted within %d s", mysqlLockWait)
+	}
+	return func() { _, _ = s.exec(context.WithoutCancel(ctx), "DO RELEASE_LOCK(?)", name) }, nil
+}
+
+// retryPartition runs write, and again once after creating the partitions
+// it found missing.
+// On a partitioned MySQL table an UPDATE that moves a row to another
+// partition can deadlock with a claim's gap locks; the statement was rolled
+// back whole and runs again.
+func (s *SQLStore[TTx]) retryPartition(ctx context.Context, ahead time.Duration, write func() error) error {
+	for attempt := 0; ; attempt++ {
+		err := write()
+		if err == nil || s.period == 0 || s.ex.InTx() || attempt >= partRetries || ctx.Err() != nil {
+			return err
+		}
+		switch {
+		case sqlkit.Deadlock(err):
+			time.Sleep(time.Duration(rand.Int64N(int64(time.Millisecond) * int64(min(attempt+1, 10)))))
+		case s.noPartition(err):
+			if err := s.ensurePartitions(ctx, ahead); err != nil {
+				return err
+			}
+		default:
+			return err
+		}
+	}
+}
