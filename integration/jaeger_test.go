@@ -181,7 +181,7 @@ func TestOrdersTraceInJaeger(t *testing.T) {
 		traces = jaegerTraces(t, service)
 		complete := 0
 		for _, tr := range traces {
-			if len(tr.find("ack orders.charged", "")) > 0 {
+			if len(tr.find("ack orders_charged", "")) > 0 {
 				complete++
 			}
 		}
@@ -216,10 +216,10 @@ func TestOrdersTraceInJaeger(t *testing.T) {
 		return got[0]
 	}
 	place := one(first, "place order", "")
-	create := one(first, "create orders.placed", "")
-	send := one(first, "send orders.placed", "")
-	process := one(first, "process orders.placed", "")
-	ack := one(first, "ack orders.placed", "")
+	create := one(first, "create orders_placed", "")
+	send := one(first, "send orders_placed", "")
+	process := one(first, "process orders_placed", "")
+	ack := one(first, "ack orders_placed", "")
 	for _, link := range []struct {
 		child, parent jaegerSpan
 	}{{create, place}, {send, create}, {process, send}, {ack, process}} {
@@ -239,7 +239,7 @@ func TestOrdersTraceInJaeger(t *testing.T) {
 	}
 
 	// Order A-007: the e-mail's attempts and its dead-letter publish.
-	emails := bounced.find("process orders.charged", "")
+	emails := bounced.find("process orders_charged", "")
 	outcomes := map[string]int{}
 	events := 0
 	var deadProcess jaegerSpan
@@ -259,12 +259,12 @@ func TestOrdersTraceInJaeger(t *testing.T) {
 	if outcomes["retry"] != 1 || outcomes["dead_lettered"] != 1 || events != 3 {
 		t.Fatalf("A-007's e-mail deliveries: outcomes %v, %d failed-attempt events; want a retry, a dead-letter and 3 attempts", outcomes, events)
 	}
-	parkSpan := one(bounced, "park orders.charged", "")
+	parkSpan := one(bounced, "park orders_charged", "")
 	if parkSpan.parent() != deadProcess.SpanID || parkSpan.tag("settle.outcome") != "dead_lettered" {
 		t.Errorf("the parked row is not a span under the dead-lettered delivery: %v", parkSpan.Tags)
 	}
 	if deadProcess.tag("otel.status_code") != "ERROR" {
 		t.Errorf("the dead-lettered delivery's span has no error status: %v", deadProcess.Tags)
 	}
-	one(bounced, "nack orders.charged", "")
+	one(bounced, "nack orders_charged", "")
 }

@@ -23,6 +23,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/settle-go/settle/internal/amqpcheck"
+	"github.com/settle-go/settle/internal/settlement"
 	"github.com/settle-go/settle/internal/telemetry"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -413,18 +414,6 @@ func (r *Relay) Drain(ctx context.Context) error {
 // signal wakes the relay's loop; a wake-up already pending absorbs it.
 func (r *Relay) signal() { poke(r.wake) }
 
-// sleep waits d, or until ctx ends; it reports whether ctx is still live.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
-}
-
 // loop claims batches while they come back full, then waits for a wake-up
 // or the poll tick. A tick first asks, in one statement, whether anything is
 // pending (an idle relay costs one statement per PollInterval) and carries
@@ -452,7 +441,7 @@ func (r *Relay) loop(ctx context.Context) {
 				}
 				err = r.o.schemaHint(context.WithoutCancel(ctx), err)
 				r.cfg.Logger.Error("outbox: relay batch failed; retrying", err, watermill.LogFields{"retry_in": r.cfg.RetryInterval})
-				if !sleep(ctx, r.cfg.RetryInterval) {
+				if !settlement.Sleep(ctx, r.cfg.RetryInterval) {
 					return
 				}
 				continue
@@ -463,7 +452,7 @@ func (r *Relay) loop(ctx context.Context) {
 				if res.stopped {
 					r.cfg.Logger.Info("outbox: two publishes failed in a row; pausing the relay", watermill.LogFields{"retry_in": r.cfg.RetryInterval})
 				}
-				if !sleep(ctx, r.cfg.RetryInterval) {
+				if !settlement.Sleep(ctx, r.cfg.RetryInterval) {
 					return
 				}
 				continue
@@ -1066,7 +1055,7 @@ func (r *Relay) listen(ctx context.Context) {
 			return
 		}
 		r.cfg.Logger.Error("outbox: LISTEN connection lost; polling until it is back", err, watermill.LogFields{"retry_in": r.cfg.RetryInterval})
-		if !sleep(ctx, r.cfg.RetryInterval) {
+		if !settlement.Sleep(ctx, r.cfg.RetryInterval) {
 			return
 		}
 	}

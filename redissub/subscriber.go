@@ -15,6 +15,7 @@ import (
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/deliverymark"
+	"github.com/settle-go/settle/internal/settlement"
 )
 
 // Defaults of Config.
@@ -283,7 +284,7 @@ func (st *stream) readLoop(ctx context.Context) {
 				continue
 			}
 			st.s.logger.Error("redissub: XREADGROUP failed", err, st.fields)
-			sleep(ctx, 500*time.Millisecond)
+			settlement.Sleep(ctx, 500*time.Millisecond)
 			continue
 		}
 		used := 0
@@ -528,7 +529,7 @@ func (st *stream) ack(id string, fields watermill.LogFields) {
 		if err == nil {
 			return
 		}
-		if !sleep(ctx, 100*time.Millisecond) {
+		if !settlement.Sleep(ctx, 100*time.Millisecond) {
 			st.s.logger.Error("redissub: XACK failed; the entry will be delivered again", err, fields)
 			return
 		}
@@ -566,15 +567,4 @@ func (st *stream) message(xm redis.XMessage, count int64) (*message.Message, err
 	msg.Metadata[deliverymark.Meta] = deliverymark.Sign(msg.UUID, c)
 	msg.Metadata[settle.MetaRedelivered] = strconv.FormatBool(count > 1)
 	return msg, nil
-}
-
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
 }
