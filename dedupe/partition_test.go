@@ -1,7 +1,6 @@
 package dedupe_test
 
 import (
-	"context"
 	"database/sql"
 	"fmt"
 	"slices"
@@ -12,7 +11,6 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/dedupe/dedupetest"
 	"github.com/settle-go/settle/internal/testenv"
-	"github.com/settle-go/settle/sqldb"
 )
 
 // testPeriod is the partitions' period in the tests: short, so that the
@@ -33,18 +31,7 @@ func partitionedStore(t *testing.T, db testenv.DB) *dedupe.SQLStore[*sql.Tx] {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, s := range store.Schema() {
-		if _, err := db.ExecContext(t.Context(), s); err != nil {
-			t.Fatalf("create %s: %v", table, err)
-		}
-	}
-	t.Cleanup(func() {
-		q := `DROP TABLE IF EXISTS "` + table + `"`
-		if db.Dialect == sqldb.MySQL {
-			q = "DROP TABLE IF EXISTS `" + table + "`"
-		}
-		_, _ = db.ExecContext(context.Background(), q)
-	})
+	testenv.CreateTable(t, db, table, store.Schema())
 	return store
 }
 

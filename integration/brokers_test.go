@@ -362,13 +362,16 @@ func natsHarness(t *testing.T, settles bool) brokertest.Harness {
 
 // --- Redis Streams ---
 
-// redisPubSub is the Redis Streams publisher and subscribers
-// (watermill-redisstream): one consumer group, a consumer name each (the
-// library's default, a new UUID), each on a client of its own. A dead
-// consumer's pending entries are claimed by a live one after MaxIdleTime,
-// checked every ClaimInterval; both are short here so that the kill case
-// takes seconds, not the defaults' minute.
-func redisPubSub(t *testing.T, url string) (message.Publisher, func(t *testing.T) message.Subscriber) {
+// redisPubSub is the Redis Streams publisher (watermill-redisstream) and
+// subscribers: one consumer group, each subscriber on a client of its own.
+// Without settles they are watermill-redisstream's (a consumer name each,
+// the library's default, a new UUID); with it settle's redissub (Redis's
+// delivery count, no consumer deletion, entries kept from going idle while
+// a handler runs). A dead consumer's pending entries are claimed by a live
+// one after MaxIdleTime, checked every ClaimInterval; both are short here
+// so that the kill case takes seconds, not the defaults' minute.
+func redisPubSub(t *testing.T, url string, settles bool) (message.Publisher, func(t *testing.T) message.Subscriber) {
+	const maxIdle, claimInterval = time.Second, 200 * time.Millisecond
 	opts, err := redis.ParseURL(url)
 	if err != nil {
 		t.Fatal(err)
@@ -379,43 +382,27 @@ func redisPubSub(t *testing.T, url string) (message.Publisher, func(t *testing.T
 	}
 	closeOnCleanup(t, "publisher", pub)
 	return pub, func(t *testing.T) message.Subscriber {
-		sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
-			Client:        redis.NewClient(opts), // closed by the subscriber's Close
-			ConsumerGroup: "settle",
-			MaxIdleTime:   time.Second,
-			ClaimInterval: 200 * time.Millisecond,
-			// Else the first XREADGROUP blocks without a timeout and its
-			// goroutine outlives Close.
-			DisableIndefiniteInitialBlock: true,
-		}, nil)
-		if err != nil {
-			t.Fatal(err)
+		var (
+			sub message.Subscriber
+			err error
+		)
+		if settles {
+			client := redis.NewClient(opts) // redissub does not close it
+			closeOnCleanup(t, "redis client", client)
+			sub, err = redissub.NewSubscriber(redissub.Config{
+				Client: client, ConsumerGroup: "settle", MaxIdleTime: maxIdle, ClaimInterval: claimInterval,
+			}, nil)
+		} else {
+			sub, err = redisstream.NewSubscriber(redisstream.SubscriberConfig{
+				Client:        redis.NewClient(opts), // closed by the subscriber's Close
+				ConsumerGroup: "settle",
+				MaxIdleTime:   maxIdle,
+				ClaimInterval: claimInterval,
+				// Else the first XREADGROUP blocks without a timeout and its
+				// goroutine outlives Close.
+				DisableIndefiniteInitialBlock: true,
+			}, nil)
 		}
-		closeOnCleanup(t, "subscriber", sub)
-		return sub
-	}
-}
-
-// redissubPubSub is settle's Redis Streams set-up: watermill-redisstream's
-// publisher and redissub's subscriber (Redis's delivery count, no consumer
-// deletion, entries kept from going idle while a handler runs), with the
-// same short MaxIdleTime and ClaimInterval as redisPubSub's.
-func redissubPubSub(t *testing.T, url string) (message.Publisher, func(t *testing.T) message.Subscriber) {
-	opts, err := redis.ParseURL(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{Client: redis.NewClient(opts)}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	closeOnCleanup(t, "publisher", pub)
-	return pub, func(t *testing.T) message.Subscriber {
-		client := redis.NewClient(opts) // redissub does not close it
-		closeOnCleanup(t, "redis client", client)
-		sub, err := redissub.NewSubscriber(redissub.Config{
-			Client: client, ConsumerGroup: "settle", MaxIdleTime: time.Second, ClaimInterval: 200 * time.Millisecond,
-		}, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -427,10 +414,7 @@ func redissubPubSub(t *testing.T, url string) (message.Publisher, func(t *testin
 func redisHarness(t *testing.T, settles bool) brokertest.Harness {
 	url := testenv.RedisURL(t)
 	db := testenv.Postgres(t)
-	pub, newSub := redisPubSub(t, url)
-	if settles {
-		pub, newSub = redissubPubSub(t, url)
-	}
+	pub, newSub := redisPubSub(t, url, settles)
 	opts, err := redis.ParseURL(url)
 	if err != nil {
 		t.Fatal(err)

@@ -161,7 +161,15 @@ func DedupeTable(t testing.TB, db DB) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, s := range store.Schema() {
+	CreateTable(t, db, table, store.Schema())
+	return table
+}
+
+// CreateTable runs ddl, the statements that create table, in db and drops
+// the table when the test ends.
+func CreateTable(t testing.TB, db DB, table string, ddl []string) {
+	t.Helper()
+	for _, s := range ddl {
 		if _, err := db.ExecContext(t.Context(), s); err != nil {
 			t.Fatalf("create %s: %v", table, err)
 		}
@@ -173,5 +181,4 @@ func DedupeTable(t testing.TB, db DB) string {
 		}
 		_, _ = db.ExecContext(context.Background(), q)
 	})
-	return table
 }
