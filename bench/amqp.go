@@ -19,6 +19,7 @@ import (
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/amqpmarshal"
+	"github.com/settle-go/settle/amqpsub"
 	"github.com/settle-go/settle/pipeline"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -264,22 +265,49 @@ func (b *amqpBench) raw(ctx context.Context, c, n int) (float64, error) {
 // rawSteady is raw with a warm-up (see consumeSteady), and the processor
 // time of its window.
 func (b *amqpBench) rawSteady(ctx context.Context, c, n, warm int) (float64, steadyWindow, error) {
-	router, count, first, err := b.rawRouter(ctx, c, n)
+	return b.rawSteadyOn(ctx, subWatermill, c, n, warm)
+}
+
+// rawSteadyOn is rawSteady through the subscriber kind: c competing
+// watermill-amqp subscriptions (subWatermill), or one amqpsub subscription
+// with c deliveries in flight (subOne).
+func (b *amqpBench) rawSteadyOn(ctx context.Context, kind string, c, n, warm int) (float64, steadyWindow, error) {
+	router, count, first, err := b.rawRouter(ctx, kind, c, n)
 	if err != nil {
 		return 0, steadyWindow{}, err
 	}
 	return consumeSteady(ctx, router, count, first, n, warm, "")
 }
 
-// rawRouter prefills a queue with n messages and returns a router with c
-// competing watermill-amqp subscriptions on it and a no-op handler that
-// counts. Its subscriber closes with the router.
-func (b *amqpBench) rawRouter(ctx context.Context, c, n int) (*message.Router, *atomic.Int64, *atomic.Int64, error) {
+// rawRouter prefills a queue with n messages and returns a router with a
+// no-op handler that counts, on c competing watermill-amqp subscriptions
+// (kind subWatermill, watermill-amqp's default marshaler) or on one amqpsub
+// subscription with c deliveries in flight (subOne, settle's marshaler).
+// Its subscriber closes with the router.
+func (b *amqpBench) rawRouter(ctx context.Context, kind string, c, n int) (*message.Router, *atomic.Int64, *atomic.Int64, error) {
 	queue := "bench_raw_" + randomID()
-	if err := b.prefill(ctx, queue, amqp.DefaultMarshaler{}, n); err != nil {
+	var m amqp.Marshaler = amqp.DefaultMarshaler{}
+	if kind == subOne {
+		am, err := amqpmarshal.New(amqpmarshal.Config{})
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		m = am
+	}
+	if err := b.prefill(ctx, queue, m, n); err != nil {
 		return nil, nil, nil, err
 	}
-	sub, err := amqp.NewSubscriber(b.config(amqp.DefaultMarshaler{}), watermill.NopLogger{})
+	var (
+		sub      message.Subscriber
+		err      error
+		handlers = c
+	)
+	if kind == subOne {
+		sub, err = amqpsub.NewSubscriber(amqpsub.Config{AMQP: b.config(m), InFlight: c}, watermill.NopLogger{})
+		handlers = 1
+	} else {
+		sub, err = amqp.NewSubscriber(b.config(m), watermill.NopLogger{})
+	}
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -289,7 +317,7 @@ func (b *amqpBench) rawRouter(ctx context.Context, c, n int) (*message.Router, *
 		return nil, nil, nil, err
 	}
 	var count, first atomic.Int64
-	for i := range c {
+	for i := range handlers {
 		router.AddConsumerHandler("raw#"+strconv.Itoa(i+1), queue, sub, func(*message.Message) error {
 			markFirst(&first)
 			count.Add(1)

@@ -122,6 +122,17 @@ type batchDB struct {
 	db      *sql.DB
 	dialect sqldb.Dialect
 	tables  []string
+	// stmts counts the statements sent on db, where it is counted (see
+	// openCountedPG); nil otherwise.
+	stmts *stmtCounter
+}
+
+// statements is how many statements db has sent so far; 0 if uncounted.
+func (d *batchDB) statements() int64 {
+	if d.stmts == nil {
+		return 0
+	}
+	return d.stmts.n.Load()
 }
 
 func (d *batchDB) ph(n int) string {
@@ -323,41 +334,73 @@ func (b *amqpBench) rawTx(ctx context.Context, d *batchDB, inFlight int) (float6
 // latencies from publish to commit are returned. The first warm messages of
 // a throughput run are not timed.
 func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, kind string, inFlight int, cell string, n, warm, rate int) (float64, steadyWindow, []float64, error) {
-	var win steadyWindow
+	prof := ""
+	if b.o.profile != "" && rate == 0 {
+		prof = filepath.Join(b.o.profile, "batch-"+d.name+"-"+kind+"-"+cell)
+	}
+	r, err := b.runSettle(ctx, d, settleRun{kind: kind, inFlight: inFlight, cell: cell, n: n, warm: warm, rate: rate, prof: prof})
+	return r.rate, r.win, r.lat, err
+}
+
+// settleRun is one run of a settle transactional handler on RabbitMQ.
+type settleRun struct {
+	kind     string // subWatermill or subOne
+	inFlight int    // subscriptions (subWatermill) or InFlight (subOne)
+	// cell is the handler: batchPerMsg (one-statement), batchPaused,
+	// batchGrouped, batchHandler, or anchorsDefault (TxConfig's defaults).
+	cell          string
+	n, warm, rate int
+	tracing       bool   // keep pipeline's tracing middleware (global provider); off otherwise
+	prof          string // CPU profile into this path prefix
+}
+
+// runResult is what a run measured: the throughput and its window (rate
+// 0), or the latencies from publish to commit in ms (paced runs), and the
+// SQL statements sent while the router ran, when the database counts them.
+type runResult struct {
+	rate       float64
+	win        steadyWindow
+	lat        []float64
+	statements int64
+}
+
+// runSettle runs s (see batchSettle) and checks one effect row per message.
+func (b *amqpBench) runSettle(ctx context.Context, d *batchDB, s settleRun) (runResult, error) {
+	var res runResult
 	m, err := amqpmarshal.New(amqpmarshal.Config{})
 	if err != nil {
-		return 0, win, nil, err
+		return res, err
 	}
 	queue := "bench_batch_" + randomID()
-	if rate == 0 {
-		if err := b.prefill(ctx, queue, m, n); err != nil {
-			return 0, win, nil, err
-		}
-	} else if err := b.prefill(ctx, queue, m, 0); err != nil {
-		return 0, win, nil, err
+	prefilled := s.n
+	if s.rate > 0 {
+		prefilled = 0
+	}
+	if err := b.prefill(ctx, queue, m, prefilled); err != nil {
+		return res, err
 	}
 	store, err := d.store(ctx)
 	if err != nil {
-		return 0, win, nil, err
+		return res, err
 	}
 	effects, err := d.effectTable(ctx)
 	if err != nil {
-		return 0, win, nil, err
+		return res, err
 	}
 	cfg := b.config(m)
 	cfg.Consume.Qos.PrefetchCount = max(b.o.prefetch, batchPrefetch)
 	var sub message.Subscriber
-	concurrency := inFlight
-	if kind == subOne {
+	concurrency := s.inFlight
+	if s.kind == subOne {
 		// One subscription, all the deliveries in flight on it; the
 		// prefetch is raised to 4 × InFlight.
-		sub, err = amqpsub.NewSubscriber(amqpsub.Config{AMQP: cfg, InFlight: inFlight}, watermill.NopLogger{})
+		sub, err = amqpsub.NewSubscriber(amqpsub.Config{AMQP: cfg, InFlight: s.inFlight}, watermill.NopLogger{})
 		concurrency = 1
 	} else {
 		sub, err = amqp.NewSubscriber(cfg, watermill.NopLogger{})
 	}
 	if err != nil {
-		return 0, win, nil, err
+		return res, err
 	}
 	defer sub.Close()
 	// The pipeline refuses a publisher that does not wait for RabbitMQ's
@@ -365,22 +408,21 @@ func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, kind string, in
 	cfg.Publish.ConfirmDelivery = true
 	pub, err := amqp.NewPublisher(cfg, watermill.NopLogger{})
 	if err != nil {
-		return 0, win, nil, err
+		return res, err
 	}
 	defer pub.Close()
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	if err != nil {
-		return 0, win, nil, err
+		return res, err
 	}
-	p, err := pipeline.New(router, pipeline.Config{Publisher: pub, Store: store, Concurrency: concurrency, DisableTracing: true})
+	p, err := pipeline.New(router, pipeline.Config{Publisher: pub, Store: store, Concurrency: concurrency, DisableTracing: !s.tracing})
 	if err != nil {
-		return 0, win, nil, err
+		return res, err
 	}
 	insert := "INSERT INTO " + effects + " (id, msg) VALUES (" + d.ph(1) + ", " + d.ph(2) + ")"
 	var (
 		count, first, id atomic.Int64
-		mu               sync.Mutex
-		lat              []float64
+		lat              latencies
 		hs               pipeline.Handlers
 	)
 	perMessage := func(ctx context.Context, tx *sql.Tx, msg *message.Message, _ message.Publisher) error {
@@ -389,7 +431,9 @@ func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, kind string, in
 		return err
 	}
 	batched := pipeline.BatchConfig{MaxSize: batchInFlight}
-	switch cell {
+	switch s.cell {
+	case anchorsDefault:
+		hs, err = pipeline.HandleTx(p, "tx", queue, sub, pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(d.db, d.dialect)}, perMessage)
 	case batchPerMsg:
 		hs, err = pipeline.HandleTx(p, "tx", queue, sub, pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(d.db, d.dialect), OneStatement: true}, perMessage)
 	case batchPaused:
@@ -423,46 +467,74 @@ func (b *amqpBench) batchSettle(ctx context.Context, d *batchDB, kind string, in
 			_, err := tx.ExecContext(ctx, q.String(), args...)
 			return err
 		})
+	default:
+		err = fmt.Errorf("unknown settle cell %q", s.cell)
 	}
 	if err != nil {
-		return 0, win, nil, err
+		return res, err
 	}
 	// Innermost: the handler has returned, so its transaction committed.
 	hs.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			out, err := h(msg)
 			if err == nil {
-				if sent, perr := strconv.ParseInt(msg.Metadata.Get("bench_sent_ns"), 10, 64); perr == nil {
-					mu.Lock()
-					lat = append(lat, float64(time.Now().UnixNano()-sent)/1e6)
-					mu.Unlock()
-				}
+				lat.record(msg)
 				count.Add(1)
 			}
 			return out, err
 		}
 	})
-	if rate > 0 {
-		go func() {
-			tick := time.NewTicker(time.Second / time.Duration(rate))
-			defer tick.Stop()
-			for i := 0; i < n && ctx.Err() == nil; i++ {
-				<-tick.C
-				msg := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
-				msg.Metadata.Set("bench_sent_ns", strconv.FormatInt(time.Now().UnixNano(), 10))
-				_ = pub.Publish(queue, msg)
-			}
-		}()
+	if s.rate > 0 {
+		go publishPaced(ctx, pub, queue, s.n, s.rate)
 	}
-	prof := ""
-	if b.o.profile != "" && rate == 0 {
-		prof = filepath.Join(b.o.profile, "batch-"+d.name+"-"+kind+"-"+cell)
-	}
-	r, win, err := consumeSteady(ctx, router, &count, &first, n, warm, prof)
+	stmts := d.statements()
+	res.rate, res.win, err = consumeSteady(ctx, router, &count, &first, s.n, s.warm, s.prof)
+	res.statements = d.statements() - stmts
 	if err != nil {
-		return 0, win, nil, err
+		return res, err
 	}
-	return r, win, lat, d.checkEffects(ctx, effects, n)
+	res.lat = lat.all()
+	return res, d.checkEffects(ctx, effects, s.n)
+}
+
+// sentHeader is the metadata key of a paced message's publish time, in
+// nanoseconds since the epoch.
+const sentHeader = "bench_sent_ns"
+
+// publishPaced publishes n messages to queue at rate a second, each with
+// its publish time in sentHeader, until done or ctx ends.
+func publishPaced(ctx context.Context, pub message.Publisher, queue string, n, rate int) {
+	tick := time.NewTicker(time.Second / time.Duration(rate))
+	defer tick.Stop()
+	for i := 0; i < n && ctx.Err() == nil; i++ {
+		<-tick.C
+		msg := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
+		msg.Metadata.Set(sentHeader, strconv.FormatInt(time.Now().UnixNano(), 10))
+		_ = pub.Publish(queue, msg)
+	}
+}
+
+// latencies collects, for the messages that carry sentHeader, the time
+// from their publish to record (after their commit), in ms.
+type latencies struct {
+	mu sync.Mutex
+	ms []float64
+}
+
+func (l *latencies) record(msg *message.Message) {
+	sent, err := strconv.ParseInt(msg.Metadata.Get(sentHeader), 10, 64)
+	if err != nil {
+		return
+	}
+	l.mu.Lock()
+	l.ms = append(l.ms, float64(time.Now().UnixNano()-sent)/1e6)
+	l.mu.Unlock()
+}
+
+func (l *latencies) all() []float64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.ms)
 }
 
 func percentile(xs []float64, p float64) float64 {

@@ -64,6 +64,7 @@ func renderDoc(res *Results) (string, error) {
 		"Batch":             batchTable(res.Batch),
 		"BatchVerdict":      batchVerdict(res.Batch),
 		"Brokers":           brokersTable(res.Brokers),
+		"Anchors":           anchorsTable(res.Anchors),
 		"BrokersN":          "– messages for settle's cells and –",
 		"Outbox":            "(not measured)",
 		"OutboxTitle":       "",
@@ -259,6 +260,7 @@ func summary(res *Results) string {
 			}
 		}
 	}
+	anchorsSummary(&b, res.Anchors, met)
 	return b.String()
 }
 

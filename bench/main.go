@@ -44,6 +44,15 @@
 //     message and batched (group commit), 16 subscriptions, in interleaved
 //     rounds, with processor time per message (-quick: about a minute).
 //     NATS and Redis are read from SETTLE_NATS_URL and SETTLE_REDIS_URL.
+//   - anchors: RabbitMQ + PostgreSQL (-anchors-dbs adds MariaDB), 16
+//     deliveries in flight: settle beside the anchors a team would otherwise
+//     choose, in interleaved rounds (5, -quick 2; cell order rotated): the
+//     raw consume (16 watermill-amqp subscriptions; one amqpsub
+//     subscription), the hand-written exactly-once consumer (a table of
+//     keys and the effect in one transaction, bare router), and settle's
+//     default, one-statement, group-commit and batch-handler modes; msgs/s,
+//     processor time per message, statements per message, and latency from
+//     publish to commit at 500 msgs/s, with an exactly-once check.
 //   - outbox: runs ./outbox (a separate command) and includes its table.
 //   - growth: per-message cost as the message count and the dedupe table
 //     grow, and the cost of Prune on a million confirmed keys.
@@ -90,7 +99,7 @@ import (
 )
 
 // sections in the order they run and appear in the document.
-var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "brokers", "outbox", "growth", "attempts", "parked", "scale", "nats", "redis"}
+var sections = []string{"stack", "stores", "txcost", "pgx", "amqp", "batch", "brokers", "anchors", "outbox", "growth", "attempts", "parked", "scale", "nats", "redis"}
 
 type options struct {
 	quick    bool
@@ -108,6 +117,10 @@ type options struct {
 	scaleLayouts []string
 	scaleDBs     []string // the databases it measures them on
 	scaleSizes   []int    // the sizes; none: its defaults
+	// runsGiven says -runs was given: the anchors section takes it for its
+	// rounds instead of its own default.
+	runsGiven  bool
+	anchorsDBs []string // the databases the anchors section measures on
 }
 
 // settleDir is settle's module, relative to the harness's: the directory
@@ -163,13 +176,16 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.runs, "runs", 0, "runs per cell, the median is reported (default 3, 1 with -quick)")
 	fs.IntVar(&o.prefetch, "prefetch", 1, "RabbitMQ prefetch count per subscription (each has its own channel)")
 	fs.Float64Var(&o.maxLoad, "max-load", 0, "wait (up to 10 minutes) until the 1-minute load average is below this; 0 does not wait")
-	var layouts, dbs, sizes string
+	var layouts, dbs, sizes, anchorsDBs string
+	fs.StringVar(&anchorsDBs, "anchors-dbs", "postgres", "the databases the anchors section measures on: postgres, mariadb, or both comma-separated")
 	fs.StringVar(&dbs, "scale-dbs", "postgres,mariadb", "the databases the scale section measures on (the others' figures are kept from -results)")
 	fs.StringVar(&sizes, "scale-sizes", "", "the table sizes the scale section measures, comma-separated (default 1000000,10000000; -quick 100000)")
 	fs.StringVar(&layouts, "scale-layouts", "table,partitioned", "the claims table layouts the scale section measures (the others' figures are kept from -results)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
+	fs.Visit(func(f *flag.Flag) { o.runsGiven = o.runsGiven || f.Name == "runs" })
+	o.anchorsDBs = strings.Split(anchorsDBs, ",")
 	if fs.NArg() > 0 {
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
@@ -225,6 +241,7 @@ type Results struct {
 	AMQP     *AMQPResults     `json:"amqp,omitempty"`
 	Batch    *BatchResults    `json:"batch,omitempty"`
 	Brokers  *BrokersResults  `json:"brokers,omitempty"`
+	Anchors  *AnchorsResults  `json:"anchors,omitempty"`
 	Outbox   *OutboxResults   `json:"outbox,omitempty"`
 	Growth   *GrowthResults   `json:"growth,omitempty"`
 	Attempts *AttemptsResults `json:"attempts,omitempty"`
@@ -274,6 +291,14 @@ func run(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		{"amqp", func() (err error) { res.AMQP, err = runAMQP(ctx, o, stderr); return }},
 		{"batch", func() (err error) { res.Batch, err = runBatch(ctx, o, stderr); return }},
 		{"brokers", func() (err error) { res.Brokers, err = runBrokers(ctx, o, stderr); return }},
+		{"anchors", func() (err error) {
+			res.Anchors, err = runAnchors(ctx, o, stderr)
+			if at, ok := res.Runs["anchors"]; ok {
+				at.Runs = anchorsRounds(o) // its own default rounds
+				res.Runs["anchors"] = at
+			}
+			return
+		}},
 		{"outbox", func() (err error) { res.Outbox, err = runOutbox(ctx, o, stderr); return }},
 		{"growth", func() (err error) { res.Growth, err = runGrowth(ctx, o, stderr); return }},
 		{"attempts", func() (err error) { res.Attempts, err = runAttempts(ctx, o, stderr); return }},

@@ -63,6 +63,8 @@ func sectionTables(res *Results, name string) string {
 		return batchTable(res.Batch)
 	case "brokers":
 		return brokersTable(res.Brokers)
+	case "anchors":
+		return anchorsTable(res.Anchors)
 	case "outbox":
 		if res.Outbox == nil {
 			return ""
