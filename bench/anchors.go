@@ -36,9 +36,6 @@ const (
 	ancBatch   = "settle-batch-handler" // HandleBatchTx, one amqpsub subscription, 16 in flight
 )
 
-// anchorsDefault is runSettle's cell for TxConfig's default mode.
-const anchorsDefault = ancDefault
-
 // anchorsCells in the order of the first round; each round rotates them.
 var anchorsCells = []string{ancRaw, ancRawOne, ancHand, ancDefault, ancOne, ancGroup, ancBatch}
 
@@ -331,7 +328,7 @@ func (b *amqpBench) anchorsCell(ctx context.Context, d *batchDB, cell string, re
 	s := settleRun{kind: subWatermill, inFlight: res.InFlight, n: n, warm: warm, rate: rate, tracing: true, prof: prof}
 	switch cell {
 	case ancDefault:
-		s.cell = anchorsDefault
+		s.cell = ancDefault
 	case ancOne:
 		s.cell = batchPerMsg
 	case ancGroup:

@@ -347,7 +347,7 @@ type settleRun struct {
 	kind     string // subWatermill or subOne
 	inFlight int    // subscriptions (subWatermill) or InFlight (subOne)
 	// cell is the handler: batchPerMsg (one-statement), batchPaused,
-	// batchGrouped, batchHandler, or anchorsDefault (TxConfig's defaults).
+	// batchGrouped, batchHandler, or ancDefault (TxConfig's defaults).
 	cell          string
 	n, warm, rate int
 	tracing       bool   // keep pipeline's tracing middleware (global provider); off otherwise
@@ -432,7 +432,7 @@ func (b *amqpBench) runSettle(ctx context.Context, d *batchDB, s settleRun) (run
 	}
 	batched := pipeline.BatchConfig{MaxSize: batchInFlight}
 	switch s.cell {
-	case anchorsDefault:
+	case ancDefault:
 		hs, err = pipeline.HandleTx(p, "tx", queue, sub, pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(d.db, d.dialect)}, perMessage)
 	case batchPerMsg:
 		hs, err = pipeline.HandleTx(p, "tx", queue, sub, pipeline.TxConfig[*sql.Tx]{DB: sqldb.Std(d.db, d.dialect), OneStatement: true}, perMessage)
