@@ -251,9 +251,12 @@ func (b *amqpBench) anchorsRow(ctx context.Context, d *batchDB, res *AnchorsResu
 			} else {
 				row.Checked += n
 			}
-			perMsg := float64(out.statements) / float64(n)
-			fmt.Fprintf(b.log, "round %d %s %s: %.0f msgs/s; CPU ms per 1,000: go %.0f, machine %.0f (broker %.0f, db %.0f); %.2f statements per message\n",
-				r+1, d.name, cell, out.rate, use.Go, use.Busy, use.Broker, use.DB, perMsg)
+			perMsg, counted := float64(out.statements)/float64(n), ""
+			if d.stmts != nil {
+				counted = fmt.Sprintf("; %.2f statements per message", perMsg)
+			}
+			fmt.Fprintf(b.log, "round %d %s %s: %.0f msgs/s; CPU ms per 1,000: go %.0f, machine %.0f (broker %.0f, db %.0f)%s\n",
+				r+1, d.name, cell, out.rate, use.Go, use.Busy, use.Broker, use.DB, counted)
 			if before != nil {
 				logStatements(b.log, cell, before, d.stmts.texts(), n)
 			}
