@@ -112,3 +112,34 @@ func TestCPUGrownPerProcess(t *testing.T) {
 		t.Errorf("grown = %s, want 2s (1s of pid 1, 1s of the new pid 3, nothing of the exited pid 2)", got)
 	}
 }
+
+func TestAnchorsRoundsRotateAndSummary(t *testing.T) {
+	t.Parallel()
+	if got := strings.Join(rotate([]string{"a", "b", "c"}, 4), ","); got != "b,c,a" {
+		t.Errorf("rotate by 4 = %s, want b,c,a", got)
+	}
+	row := AnchorsRow{DB: "postgres", Rate: map[string]float64{}, Rates: map[string][]float64{},
+		AddedP50: map[string][]float64{ancGroup: {1, 3}, ancBatch: {0.5, 0.7}}}
+	for c, rs := range map[string][]float64{ancRaw: {1000, 2000}, ancRawOne: {1000, 1000}, ancHand: {100, 200}, ancDefault: {120, 180}, ancOne: {150, 220}, ancGroup: {500, 700}, ancBatch: {900, 800}} {
+		row.Rates[c], row.Rate[c] = rs, median(append([]float64(nil), rs...))
+	}
+	var b strings.Builder
+	anchorsSummary(&b, &AnchorsResults{LatencyRate: 500, Rows: []AnchorsRow{row}}, func(r, t float64) string {
+		if r >= t {
+			return "yes"
+		}
+		return "no"
+	})
+	for _, want := range []string{
+		"settle-default | 150 msgs/s | 150 msgs/s (hand-written, same rounds; per round 0.90x–1.20x) | 1.00x | 1.00x | yes |",
+		"settle-one | 185 msgs/s | 150 msgs/s (hand-written, same rounds; per round 1.10x–1.50x) | 1.23x | 1.20x | yes |",
+		"settle-batch-handler | 850 msgs/s | 1,000 msgs/s (raw-consume-amqpsub, same rounds; per round 0.80x–0.90x) | 0.85x | 0.80x | yes |",
+		"settle-group | 600 msgs/s | 1,500 msgs/s (raw-consume, same rounds; per round 0.35x–0.50x) | 0.40x | 0.60x | no |",
+		"settle-group at 500 msgs/s, latency added at p50 | 2.00 ms |",
+		"settle-batch-handler at 500 msgs/s, latency added at p50 | 0.60 ms |",
+	} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("summary lacks %q:\n%s", want, b.String())
+		}
+	}
+}
