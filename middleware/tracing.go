@@ -85,6 +85,11 @@ type tracing struct {
 // it becomes span data: an OTLP exporter refuses a whole batch for one
 // string that is not valid UTF-8.
 //
+// When the tracer provider's sampler drops a process span, no ack or nack
+// span is started under it (it would be dropped with it, or an orphan), and
+// the process span gets no outcome attributes; the metrics still count the
+// settlement.
+//
 // Metrics: settle.settlements (by outcome and handler), settle.handler.duration
 // (seconds) and settle.retries (in-process retries).
 //
