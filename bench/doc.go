@@ -279,7 +279,14 @@ func stackVerdict(s *StackResults) string {
 		out = append(out, fmt.Sprintf("settle without tracing is at %s of the bare router, below the %s target: the bare router's no-op path costs only a few microseconds per message, so the fixed work settle must do per message (the key and its claim in the store, the claim's holder, the settlement record and the `settle_attempt` write) is a large share of it. With any handler that does real work the share falls accordingly: on RabbitMQ (section 4) the Go process is not the bottleneck at all.", x(rs), x(targetStack)))
 	}
 	if tr.Anchor != "" && tr.AnchorRatio < targetTracing {
-		out = append(out, fmt.Sprintf("With tracing, settle is at %s of `%s` (the bare router with one consumer span), below the %s target: settle's own work (the settle row's share) is in it as well as the spans.", x(tr.AnchorRatio), tr.Anchor, x(targetTracing)))
+		msg := fmt.Sprintf("With tracing, settle is at %s of `%s` (the bare router with one consumer span), below the %s target: settle's own work (the settle row's share) is in it as well as the spans.", x(tr.AnchorRatio), tr.Anchor, x(targetTracing))
+		if b, sp, st := s.Modes[modeBare].Rate, s.Modes[tr.Anchor].Rate, s.Modes[modeSettle].Rate; b > 0 && sp > 0 && st > 0 {
+			// Per message: one span's time plus settle's own, if tracing
+			// cost settle no more than one span.
+			tb, tsp, tst := 1/b, 1/sp, 1/st
+			msg += fmt.Sprintf(" Even if settle's tracing cost no more than that one span, the time settle adds without tracing would put it at %s of `%s` in this run.", x(tsp/(tsp+tst-tb)), tr.Anchor)
+		}
+		out = append(out, msg)
 	}
 	if dr.Anchor != "" && dr.AnchorRatio < targetDropped {
 		out = append(out, fmt.Sprintf("With a sampler that drops every trace, settle is at %s of settle without tracing, below the %s target (10%% more time per message).", x(dr.AnchorRatio), x(targetDropped)))
