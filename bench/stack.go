@@ -32,12 +32,24 @@ import (
 // Stack modes.
 const (
 	modeBare    = "bare"
+	modeSpan    = "bare+span"
 	modeSettle  = "settle"
 	modeTracing = "settle+tracing"
+	modeDropped = "settle+tracing-dropped"
 	modeOTel    = "bare+otel"
 )
 
-var stackModes = []string{modeBare, modeOTel, modeSettle, modeTracing}
+var stackModes = []string{modeBare, modeSpan, modeOTel, modeSettle, modeTracing, modeDropped}
+
+// stackAnchor is the cell each mode is compared with besides the bare
+// router: what the same work costs without settle (bare+span for
+// settle+tracing), or settle itself (for settle with a sampler that drops
+// every trace, whose target is the cost over settle without tracing).
+var stackAnchor = map[string]string{modeTracing: modeSpan, modeDropped: modeSettle}
+
+// stackWindow is how many messages the publisher keeps in flight (published
+// and not yet handled), as a broker's prefetch bounds them for a consumer.
+const stackWindow = 64
 
 // StackResults: section stack.
 type StackResults struct {
@@ -52,10 +64,17 @@ type StackCell struct {
 	AllocsMsg float64   `json:"allocs_per_msg"`
 	BytesMsg  float64   `json:"bytes_per_msg"`
 	All       []float64 `json:"all_msgs_per_s"`
-	// cpuMsg is the process's CPU time (user and system, all threads) per
-	// message: logged, not kept, as a figure that other work on a shared
-	// machine disturbs less than the rate.
-	cpuMsg time.Duration
+	// CPUMsg is the process's CPU time (user and system, all threads) per
+	// message, in microseconds (median): a figure that other work on a
+	// shared machine disturbs less than the rate.
+	CPUMsg float64 `json:"cpu_us_per_msg"`
+	// Anchor is the mode this one is compared with besides bare
+	// (stackAnchor), AnchorRatio the median of the per-round rate ratios to
+	// it and AnchorCPU of the per-round ratios of CPU time per message.
+	Anchor      string  `json:"anchor,omitempty"`
+	AnchorRatio float64 `json:"ratio_to_anchor,omitempty"`
+	AnchorCPU   float64 `json:"cpu_ratio_to_anchor,omitempty"`
+	cpuMsg      time.Duration
 }
 
 // discardExporter drops spans after the batch processor collected them.
@@ -74,6 +93,9 @@ func runStack(ctx context.Context, o options, log io.Writer) (*StackResults, err
 	allocs := map[string][]float64{}
 	bytes := map[string][]float64{}
 	ratios := map[string][]float64{}
+	cpus := map[string][]float64{}
+	anchorRatios := map[string][]float64{}
+	anchorCPU := map[string][]float64{}
 	// Warm up once (page in code, grow the heap) so the first mode measured
 	// is not penalised.
 	if _, err := stackRun(ctx, modeSettle, n/10, dedupe.NewMemoryStore(), ""); err != nil {
@@ -94,19 +116,47 @@ func runStack(ctx context.Context, o options, log io.Writer) (*StackResults, err
 			allocs[mode] = append(allocs[mode], s.AllocsMsg)
 			bytes[mode] = append(bytes[mode], s.BytesMsg)
 			ratios[mode] = append(ratios[mode], s.Rate/rates[modeBare][r])
+			cpus[mode] = append(cpus[mode], float64(s.cpuMsg.Nanoseconds())/1e3)
+		}
+		// Anchors run earlier in the round (stackModes' order), so every
+		// ratio is between runs of one round.
+		for mode, a := range stackAnchor {
+			anchorRatios[mode] = append(anchorRatios[mode], rates[mode][r]/rates[a][r])
+			if c := cpus[mode][r]; c > 0 {
+				anchorCPU[mode] = append(anchorCPU[mode], c/cpus[a][r])
+			}
 		}
 	}
 	for _, mode := range stackModes {
 		all := append([]float64(nil), rates[mode]...)
-		res.Modes[mode] = StackCell{Rate: median(rates[mode]), Ratio: median(ratios[mode]), AllocsMsg: median(allocs[mode]), BytesMsg: median(bytes[mode]), All: all}
+		c := StackCell{Rate: median(rates[mode]), Ratio: median(ratios[mode]), AllocsMsg: median(allocs[mode]), BytesMsg: median(bytes[mode]), All: all, CPUMsg: median(cpus[mode])}
+		if a, ok := stackAnchor[mode]; ok {
+			c.Anchor, c.AnchorRatio = a, median(anchorRatios[mode])
+			if len(anchorCPU[mode]) > 0 {
+				c.AnchorCPU = median(anchorCPU[mode])
+			}
+		}
+		res.Modes[mode] = c
 	}
 	return res, nil
 }
 
 // stackRun pushes n messages through a router on GoChannel with a no-op
-// handler: the bare router, the bare router with the OpenTelemetry floor
-// (otelFloor), or settle's stack (store, tracing off or on).
-// With prof set it writes prof+".cpu" and prof+".allocs".
+// handler: the bare router, the bare router with one consumer span
+// (spanFloor) or with the OpenTelemetry floor of DESIGN.md (otelFloor), or
+// settle's stack (store, tracing off, on, or on with a sampler that drops
+// every trace). With prof set it writes prof+".cpu" and prof+".allocs".
+//
+// The publisher keeps at most stackWindow messages in flight, as a broker's
+// prefetch does: GoChannel starts two goroutines per published message that
+// wait for the subscriber, so a publisher running ahead of the router by the
+// whole run (as this harness did until 2026-12-02) leaves up to 2N goroutines
+// parked on one mutex, whose creation, scheduling and scanning by the
+// collector the bare router then pays per message as much as settle does:
+// fixed costs that made every ratio look better than on a real broker.
+// Each message carries a sampled W3C traceparent, as the output of a traced
+// producer does, so that the spans continue a trace (and so that every mode
+// copies a message with metadata, as a broker delivers it).
 func stackRun(ctx context.Context, mode string, n int, store dedupe.Store, prof string) (StackCell, error) {
 	logger := watermill.NopLogger{}
 	ps := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, logger)
@@ -117,20 +167,34 @@ func stackRun(ctx context.Context, mode string, n int, store dedupe.Store, prof 
 	}
 	var done atomic.Int64
 	finished := make(chan struct{})
+	window := make(chan struct{}, stackWindow)
 	total := int64(n)
 	handler := func(*message.Message) error {
+		<-window
 		if done.Add(1) == total {
 			close(finished)
 		}
 		return nil
 	}
+	// Every tracing mode has the same SDK setup: the batch span processor
+	// into an exporter that discards, the default sampler (parent-based,
+	// always on) or, for modeDropped, one that drops every trace.
+	providers := func(sampler sdktrace.Sampler) (*sdktrace.TracerProvider, *sdkmetric.MeterProvider, func()) {
+		tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(discardExporter{}), sdktrace.WithSampler(sampler))
+		mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
+		return tp, mp, func() { _ = tp.Shutdown(context.Background()); _ = mp.Shutdown(context.Background()) }
+	}
+	sampled := sdktrace.ParentBased(sdktrace.AlwaysSample())
 	switch mode {
 	case modeBare:
 		router.AddConsumerHandler("h", "t", ps, handler)
+	case modeSpan:
+		tp, _, stop := providers(sampled)
+		defer stop()
+		router.AddConsumerHandler("h", "t", ps, handler).AddMiddleware(spanFloor(tp))
 	case modeOTel:
-		tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(discardExporter{}))
-		mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
-		defer func() { _ = tp.Shutdown(context.Background()); _ = mp.Shutdown(context.Background()) }()
+		tp, mp, stop := providers(sampled)
+		defer stop()
 		mw, err := otelFloor(tp, mp)
 		if err != nil {
 			return StackCell{}, err
@@ -138,10 +202,13 @@ func stackRun(ctx context.Context, mode string, n int, store dedupe.Store, prof 
 		router.AddConsumerHandler("h", "t", ps, handler).AddMiddleware(mw)
 	default:
 		cfg := pipeline.Config{Publisher: ps, Store: store, DisableTracing: mode == modeSettle}
-		if mode == modeTracing {
-			tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(discardExporter{}))
-			mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
-			defer func() { _ = tp.Shutdown(context.Background()); _ = mp.Shutdown(context.Background()) }()
+		if mode == modeTracing || mode == modeDropped {
+			sampler := sampled
+			if mode == modeDropped {
+				sampler = sdktrace.NeverSample()
+			}
+			tp, mp, stop := providers(sampler)
+			defer stop()
 			cfg.Tracing = []settle.Option{settle.WithTracerProvider(tp), settle.WithMeterProvider(mp)}
 		}
 		p, err := pipeline.New(router, cfg)
@@ -164,6 +231,7 @@ func stackRun(ctx context.Context, mode string, n int, store dedupe.Store, prof 
 	msgs := make([]*message.Message, n)
 	for i := range msgs {
 		msgs[i] = message.NewMessage(prefix+strconv.Itoa(i), nil)
+		msgs[i].Metadata.Set("traceparent", traceparent(i))
 	}
 	runtime.GC()
 	var before, after runtime.MemStats
@@ -175,8 +243,15 @@ func stackRun(ctx context.Context, mode string, n int, store dedupe.Store, prof 
 	cpuBefore := processCPU()
 	start := time.Now()
 	pubErr := make(chan error, 1)
+	stopPub := make(chan struct{})
+	defer close(stopPub)
 	go func() {
 		for _, m := range msgs {
+			select {
+			case window <- struct{}{}:
+			case <-stopPub:
+				return
+			}
 			if err := ps.Publish("t", m); err != nil {
 				pubErr <- err
 				return
@@ -205,6 +280,40 @@ func stackRun(ctx context.Context, mode string, n int, store dedupe.Store, prof 
 		BytesMsg:  float64(after.TotalAlloc-before.TotalAlloc) / float64(n),
 		cpuMsg:    cpu / time.Duration(n),
 	}, nil
+}
+
+// traceparent is a sampled W3C trace context for message i: its own trace
+// and parent span IDs.
+func traceparent(i int) string {
+	return fmt.Sprintf("00-%016x%016x-%016x-01", uint64(0x5e771e)+1, uint64(i)+1, uint64(i)+1)
+}
+
+// spanFloor is what watermill-opentelemetry's subscriber middleware adds to
+// the bare router, written directly with the SDK: per delivery one consumer
+// span, started from the trace context propagated in the metadata, with the
+// messaging attributes, ended when the handler returns. The anchor of
+// settle+tracing.
+func spanFloor(tp *sdktrace.TracerProvider) message.HandlerMiddleware {
+	tracer := tp.Tracer("floor")
+	prop := propagation.TraceContext{}
+	ids := []attribute.KeyValue{semconv.MessagingSystemKey.String("watermill"), attribute.String("settle.handler", "h"), semconv.MessagingDestinationName("t")}
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			parent := prop.Extract(msg.Context(), propagation.MapCarrier(msg.Metadata))
+			ctx, span := tracer.Start(parent, "process t", trace.WithSpanKind(trace.SpanKindConsumer),
+				trace.WithAttributes(ids...),
+				trace.WithAttributes(semconv.MessagingMessageID(msg.UUID), semconv.MessagingOperationTypeProcess, semconv.MessagingOperationName("process")))
+			orig := msg.Context()
+			msg.SetContext(ctx)
+			out, err := h(msg)
+			msg.SetContext(orig)
+			if err != nil {
+				span.RecordError(err)
+			}
+			span.End()
+			return out, err
+		}
+	}
 }
 
 // otelFloor is the least the tracing DESIGN.md asks for, made directly with

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"go.opentelemetry.io/otel/metric/noop"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/settle-go/settle"
@@ -62,3 +63,38 @@ func BenchmarkRouterPublished(b *testing.B) {
 		})
 	}
 }
+
+// The tracing middleware by itself, called directly on a message carrying a
+// sampled traceparent: sampled (two spans, the metrics), and with a sampler
+// that drops every trace (the metrics only). The spans go through the batch
+// span processor into an exporter that discards them, as in bench's stack
+// section.
+func BenchmarkTracingMiddleware(b *testing.B) {
+	for _, c := range []struct {
+		name    string
+		sampler sdktrace.Sampler
+	}{{"sampled", sdktrace.ParentBased(sdktrace.AlwaysSample())}, {"dropped", sdktrace.NeverSample()}} {
+		b.Run(c.name, func(b *testing.B) {
+			tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(discardSpans{}), sdktrace.WithSampler(c.sampler))
+			defer tp.Shutdown(context.Background())
+			mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
+			defer mp.Shutdown(context.Background())
+			mw, err := middleware.NewTracing(settle.WithTracerProvider(tp), settle.WithMeterProvider(mp))
+			if err != nil {
+				b.Fatal(err)
+			}
+			h := mw(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+			msg := message.NewMessage("m-1", nil)
+			msg.Metadata.Set("traceparent", "00-0000000000000001000000000000005e-0000000000000001-01")
+			b.ReportAllocs()
+			for b.Loop() {
+				_, _ = h(msg)
+			}
+		})
+	}
+}
+
+type discardSpans struct{}
+
+func (discardSpans) ExportSpans(context.Context, []sdktrace.ReadOnlySpan) error { return nil }
+func (discardSpans) Shutdown(context.Context) error                             { return nil }

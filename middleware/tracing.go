@@ -85,6 +85,11 @@ type tracing struct {
 // it becomes span data: an OTLP exporter refuses a whole batch for one
 // string that is not valid UTF-8.
 //
+// When the tracer provider's sampler drops a process span, no ack or nack
+// span is started under it (it would be dropped with it, or an orphan), and
+// the process span gets no outcome attributes; the metrics still count the
+// settlement.
+//
 // Metrics: settle.settlements (by outcome and handler), settle.handler.duration
 // (seconds) and settle.retries (in-process retries).
 //
@@ -335,29 +340,34 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 	case err != nil && outcome != settle.Deferred && outcome != settle.Retry:
 		outcome = settle.Retry
 	}
-	attrs := make([]attribute.KeyValue, 0, 4)
-	attrs = append(attrs, outcomeKey.String(string(outcome)), retriesKey.Int(retries))
-	if n, aerr := strconv.Atoi(msg.Metadata.Get(settle.MetaAttempt)); aerr == nil {
-		attrs = append(attrs, attemptKey.Int(n))
-	}
-	if parkedTo != "" {
-		attrs = append(attrs, parkedToKey.String(telemetry.ID(parkedTo)))
-	}
-	span.SetAttributes(attrs...)
-	switch outcome {
-	case settle.Retry:
-		if err != nil {
-			telemetry.RecordError(span, err)
+	// A span the sampler dropped records nothing: none of its attributes
+	// are built, and no settle span is started under it (see below).
+	recording := span.IsRecording()
+	if recording {
+		attrs := make([]attribute.KeyValue, 0, 4)
+		attrs = append(attrs, outcomeKey.String(string(outcome)), retriesKey.Int(retries))
+		if n, aerr := strconv.Atoi(msg.Metadata.Get(settle.MetaAttempt)); aerr == nil {
+			attrs = append(attrs, attemptKey.Int(n))
 		}
-	case settle.DeadLettered, settle.Poisoned:
-		if reason != nil {
-			telemetry.RecordError(span, reason)
-		} else {
-			span.SetStatus(codes.Error, string(outcome))
+		if parkedTo != "" {
+			attrs = append(attrs, parkedToKey.String(telemetry.ID(parkedTo)))
 		}
-	}
-	if err != nil && errors.Is(err, context.Canceled) {
-		span.SetAttributes(attribute.Bool("settle.cancelled", true))
+		span.SetAttributes(attrs...)
+		switch outcome {
+		case settle.Retry:
+			if err != nil {
+				telemetry.RecordError(span, err)
+			}
+		case settle.DeadLettered, settle.Poisoned:
+			if reason != nil {
+				telemetry.RecordError(span, reason)
+			} else {
+				span.SetStatus(codes.Error, string(outcome))
+			}
+		}
+		if err != nil && errors.Is(err, context.Canceled) {
+			span.SetAttributes(attribute.Bool("settle.cancelled", true))
+		}
 	}
 	span.End()
 	end := time.Now()
@@ -368,6 +378,13 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 	t.duration.Record(ctx, end.Sub(start).Seconds(), m.record...)
 	if retries > 0 {
 		t.retries.Add(ctx, int64(retries), t.measurement("", d.handler).add...)
+	}
+	if !recording {
+		// The sampler dropped the delivery's trace: its settle span would
+		// be a child of a span nobody sees (the parent-based samplers drop
+		// it too; any other would make it an orphan). The metrics above
+		// still count the settlement.
+		return
 	}
 
 	op, name, opName := "ack", d.ack, operationAck

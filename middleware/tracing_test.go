@@ -542,3 +542,61 @@ func TestTraceProducedAloneDoesNothing(t *testing.T) {
 		t.Fatalf("output %v with metadata %v; want it untouched", out, out[0].Metadata)
 	}
 }
+
+// dropConsumer samples every span but a consumer span: a sampler that is
+// not parent-based, which would keep a child of a dropped process span.
+type dropConsumer struct{}
+
+func (dropConsumer) ShouldSample(p sdktrace.SamplingParameters) sdktrace.SamplingResult {
+	if p.Kind == trace.SpanKindConsumer {
+		return sdktrace.SamplingResult{Decision: sdktrace.Drop}
+	}
+	return sdktrace.SamplingResult{Decision: sdktrace.RecordAndSample}
+}
+func (dropConsumer) Description() string { return "dropConsumer" }
+
+// A delivery whose process span the sampler dropped gets no settle span (it
+// would be an orphan, or dropped by a parent-based sampler anyway), and its
+// settlement is still counted in the metrics.
+func TestDroppedDeliveryStartsNoSettleSpanAndIsCounted(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name    string
+		err     error
+		outcome string
+	}{{"success", nil, "done"}, {"error", errors.New("fail"), "retry"}} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			rec := tracetest.NewSpanRecorder()
+			tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec), sdktrace.WithSampler(dropConsumer{}))
+			reader := sdkmetric.NewManualReader()
+			mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+			t.Cleanup(func() { _ = tp.Shutdown(context.Background()); _ = mp.Shutdown(context.Background()) })
+			mw, err := middleware.NewTracing(settle.WithTracerProvider(tp), settle.WithMeterProvider(mp))
+			must(t, err)
+			h := mw(func(*message.Message) ([]*message.Message, error) { return nil, c.err })
+			for i := range 3 {
+				_, _ = h(message.NewMessage("m-"+string(rune('a'+i)), nil))
+			}
+			if spans := rec.Ended(); len(spans) != 0 {
+				t.Fatalf("%d spans ended (first %q); want none under dropped process spans", len(spans), spans[0].Name())
+			}
+			var rm metricdata.ResourceMetrics
+			must(t, reader.Collect(context.Background(), &rm))
+			got := map[string]int64{}
+			for _, sm := range rm.ScopeMetrics {
+				for _, m := range sm.Metrics {
+					if d, ok := m.Data.(metricdata.Sum[int64]); ok && m.Name == "settle.settlements" {
+						for _, dp := range d.DataPoints {
+							o, _ := dp.Attributes.Value(attribute.Key("settle.outcome"))
+							got[o.AsString()] += dp.Value
+						}
+					}
+				}
+			}
+			if got[c.outcome] != 3 || len(got) != 1 {
+				t.Fatalf("settle.settlements = %v, want 3 %s", got, c.outcome)
+			}
+		})
+	}
+}
