@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"testing"
 	"time"
 
@@ -31,30 +32,15 @@ func (discard) Close() error                              { return nil }
 // at most one per PollInterval, the heartbeat, LISTEN and the pool's
 // health checks included.
 func TestIdleRelayOnTheWire(t *testing.T) {
-	run := func(t *testing.T, rawURL string, open func(t *testing.T, u string) (relayOutbox, func(cfg outbox.Config) error)) {
-		w, u := newWire(t, rawURL)
-		ob, initSchema := open(t, u)
-		if err := initSchema(outbox.Config{}); err != nil {
-			t.Fatal(err)
-		}
-		r, err := ob.NewRelay(discard{}, outbox.RelayConfig{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		runUntilEnd(t, r, func(error) {})
-		// Past the start (register, LISTEN, the first scan, the pool's
-		// first connections), then count.
-		time.Sleep(1500 * time.Millisecond)
-		before, kinds := w.statements(), w.messages()
-		time.Sleep(idleWindow)
-		n := w.statements() - before
-		t.Logf("%d statements in %v idle (%.2f/s); messages before: %s; after: %s", n, idleWindow, float64(n)/idleWindow.Seconds(), kinds, w.messages())
-		if limit := int(idleWindow/time.Second) + 1; n > limit {
-			t.Errorf("an idle relay sent %d statements in %v on the wire, want <= %d (one per PollInterval); messages before: %s; after: %s", n, idleWindow, limit, kinds, w.messages())
+	run := func(t *testing.T, rawURL string, open opener) {
+		// The default, and a heartbeat every 2 s, so that heartbeats fall
+		// in the window: they ride on the polls.
+		for _, cfg := range []outbox.RelayConfig{{}, {HeartbeatInterval: 2 * time.Second}} {
+			t.Run(fmt.Sprintf("heartbeat=%v", cfg.HeartbeatInterval), func(t *testing.T) { idleRun(t, rawURL, open, cfg) })
 		}
 	}
 	t.Run("postgres-pgx", func(t *testing.T) {
-		run(t, testenv.Require(t, testenv.PostgresURLEnv), func(t *testing.T, u string) (relayOutbox, func(outbox.Config) error) {
+		run(t, testenv.Require(t, testenv.PostgresURLEnv), func(t *testing.T, u string) (relayOutbox, func() error) {
 			pool, err := pgxpool.New(context.Background(), u)
 			if err != nil {
 				t.Fatal(err)
@@ -64,15 +50,45 @@ func TestIdleRelayOnTheWire(t *testing.T) {
 		})
 	})
 	t.Run("postgres-std", func(t *testing.T) {
-		run(t, testenv.Require(t, testenv.PostgresURLEnv), func(t *testing.T, u string) (relayOutbox, func(outbox.Config) error) {
+		run(t, testenv.Require(t, testenv.PostgresURLEnv), func(t *testing.T, u string) (relayOutbox, func() error) {
 			return idleOutbox(t, sqldb.Std(openURL(t, u), sqldb.Postgres), testenv.Postgres(t))
 		})
 	})
 	t.Run("mysql", func(t *testing.T) {
-		run(t, testenv.Require(t, testenv.MySQLURLEnv), func(t *testing.T, u string) (relayOutbox, func(outbox.Config) error) {
+		run(t, testenv.Require(t, testenv.MySQLURLEnv), func(t *testing.T, u string) (relayOutbox, func() error) {
 			return idleOutbox(t, sqldb.Std(openURL(t, u), sqldb.MySQL), testenv.MySQL(t))
 		})
 	})
+}
+
+// opener returns an outbox on the database at u, and the function that
+// creates its table.
+type opener func(t *testing.T, u string) (relayOutbox, func() error)
+
+// idleRun runs a relay with cfg on connections through a wire proxy to
+// rawURL's server and fails if it sends more than one statement per second
+// while idle.
+func idleRun(t *testing.T, rawURL string, open opener, cfg outbox.RelayConfig) {
+	w, u := newWire(t, rawURL)
+	ob, initSchema := open(t, u)
+	if err := initSchema(); err != nil {
+		t.Fatal(err)
+	}
+	r, err := ob.NewRelay(discard{}, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runUntilEnd(t, r, func(error) {})
+	// Past the start (register, LISTEN, the first scan, the pool's first
+	// connections), then count.
+	time.Sleep(1500 * time.Millisecond)
+	before, kinds := w.statements(), w.messages()
+	time.Sleep(idleWindow)
+	n := w.statements() - before
+	t.Logf("%d statements in %v idle (%.2f/s); messages before: %s; after: %s", n, idleWindow, float64(n)/idleWindow.Seconds(), kinds, w.messages())
+	if limit := int(idleWindow/time.Second) + 1; n > limit {
+		t.Errorf("an idle relay sent %d statements in %v on the wire, want <= %d (one per PollInterval); messages before: %s; after: %s", n, idleWindow, limit, kinds, w.messages())
+	}
 }
 
 type relayOutbox interface {
@@ -91,7 +107,7 @@ func openURL(t *testing.T, u string) *sql.DB {
 
 // idleOutbox returns an outbox of a table of the test on d, and the
 // function that creates the table (dropped, through db, when the test ends).
-func idleOutbox[TTx any](t *testing.T, d sqldb.Driver[TTx], db testenv.DB) (relayOutbox, func(outbox.Config) error) {
+func idleOutbox[TTx any](t *testing.T, d sqldb.Driver[TTx], db testenv.DB) (relayOutbox, func() error) {
 	name := testenv.Name(t, "idle")
 	topic := "idle" + name[len(name)-9:] // Config.Topic's bound is below Name's
 	ob, err := outbox.New(d, outbox.Config{Topic: topic})
@@ -108,5 +124,5 @@ func idleOutbox[TTx any](t *testing.T, d sqldb.Driver[TTx], db testenv.DB) (rela
 		_, _ = db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+q(topic))
 		_, _ = db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+q(topic+"_relays"))
 	})
-	return ob, func(outbox.Config) error { return ob.InitSchema(t.Context()) }
+	return ob, func() error { return ob.InitSchema(t.Context()) }
 }
