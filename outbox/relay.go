@@ -43,8 +43,9 @@ type RelayConfig struct {
 	// PollInterval is how often an idle relay looks for committed rows
 	// nobody told it about: the fallback behind PostgreSQL's LISTEN/NOTIFY
 	// and Outbox.Notify, and the lag of a row committed by another process
-	// on MySQL and SQLite. Each poll is one statement. Defaults to 1s. Must
-	// be > 0.
+	// on MySQL and SQLite. Each poll is one statement, the heartbeat
+	// included; on PostgreSQL it runs on the LISTEN connection, where no
+	// pool's health check pings first. Defaults to 1s. Must be > 0.
 	PollInterval time.Duration
 	// BatchSize is the most rows one relay transaction claims and
 	// forwards. Defaults to 100. Must be 1-1000.
