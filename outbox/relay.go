@@ -341,18 +341,22 @@ func (r *Relay) Run(ctx context.Context) error {
 	})
 	r.o.addWaker(r.wake)
 	defer r.o.removeWaker(r.wake)
+	var listening sync.WaitGroup
 	switch n := r.o.db.MaxConns(); {
 	case r.o.q.d != sqldb.Postgres:
 	case n > 0 && n < 2:
 		r.cfg.Logger.Info("outbox: db allows one connection, which LISTEN would hold for good: the relay polls", nil)
 	default:
-		wg.Go(func() { r.listen(ctx) })
+		// Waited for below, before unregister: its poll may carry a
+		// heartbeat that must not land after unregister's delete.
+		listening.Go(func() { r.listen(ctx) })
 	}
 	r.register(ctx)
 	defer r.unregister()
 	close(r.running)
 	r.loop(ctx)
 	cancel()
+	listening.Wait()
 	return nil
 }
 
