@@ -427,9 +427,9 @@ func (r *Relay) signal() { poke(r.wake) }
 // loop claims batches while they come back full, then waits for a wake-up
 // or the poll tick. A tick asks, in one statement, whether anything is
 // pending (an idle relay costs one statement per PollInterval), and carries
-// the heartbeat: folded into that statement on PostgreSQL, instead of it on
-// MySQL and SQLite. While the LISTEN connection polls (see pollIdle), the
-// tick sends nothing.
+// the heartbeat: folded into that statement on PostgreSQL, one statement
+// more on MySQL and SQLite. While the LISTEN connection polls (see
+// pollIdle), the tick sends nothing.
 func (r *Relay) loop(ctx context.Context) {
 	tick := time.NewTicker(r.cfg.PollInterval)
 	defer tick.Stop()
@@ -533,9 +533,10 @@ func (r *Relay) beatArg() any {
 }
 
 // probe asks, on ex, whether any row is pending, and with beat renews the
-// relay's heartbeat: in the same statement on PostgreSQL; on MySQL and
-// SQLite the heartbeat is the one statement, and probe reports nothing
-// pending (the next poll looks).
+// relay's heartbeat: in the same statement on PostgreSQL, in one statement
+// more on MySQL and SQLite. (A beat there that took the probe's place left
+// a relay whose rows wait for their retry without a heartbeat for a whole
+// PollInterval: TestStatusCountsLiveRelaysAlways.)
 //
 // A heartbeat is not cancelled by Close: a write the client gave up on may
 // still land on the server after unregister's delete, and leave the relay
@@ -551,7 +552,7 @@ func (r *Relay) probe(ctx context.Context, ex sqldb.Executor, beat bool) (bool, 
 			return false, fmt.Errorf("heartbeat: %w", err)
 		}
 		r.lastBeat.Store(time.Now().UnixNano())
-		return false, nil
+		beat = false
 	}
 	q, args := r.o.q.probe, []any(nil)
 	if beat {
