@@ -132,7 +132,7 @@ type core struct {
 type database interface {
 	Dialect() sqldb.Dialect
 	DB() sqldb.Executor
-	Listen(ctx context.Context, channel string, wake func()) error
+	Listen(ctx context.Context, channel string, wake func(), every time.Duration, idle func(context.Context, sqldb.Executor)) error
 	MaxConns() int
 	begin(ctx context.Context, opts *sql.TxOptions, setup string) (txn, error)
 }

@@ -43,8 +43,9 @@ type RelayConfig struct {
 	// PollInterval is how often an idle relay looks for committed rows
 	// nobody told it about: the fallback behind PostgreSQL's LISTEN/NOTIFY
 	// and Outbox.Notify, and the lag of a row committed by another process
-	// on MySQL and SQLite. Each poll is one statement. Defaults to 1s. Must
-	// be > 0.
+	// on MySQL and SQLite. Each poll is one statement, the heartbeat
+	// included; on PostgreSQL it runs on the LISTEN connection, where no
+	// pool's health check pings first. Defaults to 1s. Must be > 0.
 	PollInterval time.Duration
 	// BatchSize is the most rows one relay transaction claims and
 	// forwards. Defaults to 100. Must be 1-1000.
@@ -209,6 +210,11 @@ type Relay struct {
 	failed    atomic.Int64
 
 	health health // the loop's only
+
+	// lastBeat is when the relay last renewed its heartbeat, polled when
+	// its LISTEN connection last polled (see pollIdle); Unix nanoseconds.
+	lastBeat atomic.Int64
+	polled   atomic.Int64
 }
 
 // ErrUnconfirmedPublisher is wrapped by the error NewRelay and Forward
@@ -335,18 +341,22 @@ func (r *Relay) Run(ctx context.Context) error {
 	})
 	r.o.addWaker(r.wake)
 	defer r.o.removeWaker(r.wake)
+	var listening sync.WaitGroup
 	switch n := r.o.db.MaxConns(); {
 	case r.o.q.d != sqldb.Postgres:
 	case n > 0 && n < 2:
 		r.cfg.Logger.Info("outbox: db allows one connection, which LISTEN would hold for good: the relay polls", nil)
 	default:
-		wg.Go(func() { r.listen(ctx) })
+		// Waited for below, before unregister: its poll may carry a
+		// heartbeat that must not land after unregister's delete.
+		listening.Go(func() { r.listen(ctx) })
 	}
 	r.register(ctx)
 	defer r.unregister()
 	close(r.running)
 	r.loop(ctx)
 	cancel()
+	listening.Wait()
 	return nil
 }
 
@@ -415,23 +425,24 @@ func (r *Relay) Drain(ctx context.Context) error {
 func (r *Relay) signal() { poke(r.wake) }
 
 // loop claims batches while they come back full, then waits for a wake-up
-// or the poll tick. A tick first asks, in one statement, whether anything is
-// pending (an idle relay costs one statement per PollInterval) and carries
-// the heartbeat on PostgreSQL.
+// or the poll tick. A tick asks, in one statement, whether anything is
+// pending (an idle relay costs one statement per PollInterval), and carries
+// the heartbeat: folded into that statement on PostgreSQL, one statement
+// more on MySQL and SQLite. While the LISTEN connection polls (see
+// pollIdle), the tick sends nothing.
 func (r *Relay) loop(ctx context.Context) {
 	tick := time.NewTicker(r.cfg.PollInterval)
 	defer tick.Stop()
-	lastBeat := time.Now()
+	r.lastBeat.Store(time.Now().UnixNano()) // register beat
 	claim := true
 	for ctx.Err() == nil {
-		if claim && time.Since(lastBeat) >= r.cfg.HeartbeatInterval {
+		if claim && r.beatDue() {
 			// Batches that keep coming (a backlog, or failures retried
 			// after RetryInterval) never reach the tick below: beat here,
 			// so that Status counts a busy or failing relay as alive.
-			if _, err := r.probe(ctx, true); err != nil && ctx.Err() == nil {
+			if _, err := r.probe(ctx, r.o.db.DB(), true); err != nil && ctx.Err() == nil {
 				r.cfg.Logger.Error("outbox: relay heartbeat failed", err, nil)
 			}
-			lastBeat = time.Now()
 		}
 		if claim {
 			res, err := r.batch(ctx)
@@ -468,20 +479,45 @@ func (r *Relay) loop(ctx context.Context) {
 		case <-r.wake:
 			claim = true
 		case <-tick.C:
-			beat := time.Since(lastBeat) >= r.cfg.HeartbeatInterval
-			pending, err := r.probe(ctx, beat)
+			if time.Since(time.Unix(0, r.polled.Load())) < 2*r.cfg.PollInterval {
+				continue // the LISTEN connection polls
+			}
+			pending, err := r.probe(ctx, r.o.db.DB(), r.beatDue())
 			if err != nil {
 				if ctx.Err() == nil {
 					r.cfg.Logger.Error("outbox: relay poll failed", err, nil)
 				}
 				continue
 			}
-			if beat {
-				lastBeat = time.Now()
-			}
 			claim = pending
 		}
 	}
+}
+
+// pollIdle is the poll of a relay whose LISTEN connection is in place, run
+// on that connection between two waits for a notification, every
+// PollInterval: there it is the one statement of the poll, where the pool
+// would add a health-check ping before it (pgx's pool and database/sql
+// over pgx ping a connection idle for over a second, which a connection
+// used once per PollInterval of 1 s often is). It wakes the loop when rows
+// are pending.
+func (r *Relay) pollIdle(ctx context.Context, ex sqldb.Executor) {
+	pending, err := r.probe(ctx, ex, r.beatDue())
+	if err != nil {
+		if ctx.Err() == nil {
+			r.cfg.Logger.Error("outbox: relay poll failed", err, nil)
+		}
+		return
+	}
+	r.polled.Store(time.Now().UnixNano())
+	if pending {
+		r.signal()
+	}
+}
+
+// beatDue reports whether the relay's heartbeat is due.
+func (r *Relay) beatDue() bool {
+	return time.Since(time.Unix(0, r.lastBeat.Load())) >= r.cfg.HeartbeatInterval
 }
 
 // ttl is how long a heartbeat keeps the relay alive in Status.
@@ -496,26 +532,38 @@ func (r *Relay) beatArg() any {
 	return r.ttl().Seconds()
 }
 
+// probe asks, on ex, whether any row is pending, and with beat renews the
+// relay's heartbeat: in the same statement on PostgreSQL, in one statement
+// more on MySQL and SQLite. (A beat there that took the probe's place left
+// a relay whose rows wait for their retry without a heartbeat for a whole
+// PollInterval: TestStatusCountsLiveRelaysAlways.)
+//
 // A heartbeat is not cancelled by Close: a write the client gave up on may
 // still land on the server after unregister's delete, and leave the relay
 // looking alive for a heartbeat's lifetime after it stopped.
-func (r *Relay) probe(ctx context.Context, beat bool) (bool, error) {
+func (r *Relay) probe(ctx context.Context, ex sqldb.Executor, beat bool) (bool, error) {
 	if beat {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), r.cfg.AckDeadline)
 		defer cancel()
 	}
-	q, args := r.o.q.probe, []any(nil)
-	if beat {
-		if r.o.q.probeBeat != "" {
-			q, args = r.o.q.probeBeat, []any{r.id, r.beatArg()}
-		} else if _, err := r.o.db.DB().Exec(ctx, r.o.q.beat, r.id, r.beatArg()); err != nil {
+	if beat && r.o.q.probeBeat == "" {
+		if _, err := ex.Exec(ctx, r.o.q.beat, r.id, r.beatArg()); err != nil {
 			return false, fmt.Errorf("heartbeat: %w", err)
 		}
+		r.lastBeat.Store(time.Now().UnixNano())
+		beat = false
+	}
+	q, args := r.o.q.probe, []any(nil)
+	if beat {
+		q, args = r.o.q.probeBeat, []any{r.id, r.beatArg()}
 	}
 	var pending bool
-	if err := r.o.db.DB().QueryRow(ctx, q, args, &pending); err != nil {
+	if err := ex.QueryRow(ctx, q, args, &pending); err != nil {
 		return false, err
+	}
+	if beat {
+		r.lastBeat.Store(time.Now().UnixNano())
 	}
 	return pending, nil
 }
@@ -1046,7 +1094,7 @@ func errorText(err error) string {
 // for the commits it may have missed.
 func (r *Relay) listen(ctx context.Context) {
 	for {
-		err := r.o.db.Listen(ctx, r.o.q.qTable, r.signal)
+		err := r.o.db.Listen(ctx, r.o.q.qTable, r.signal, r.cfg.PollInterval, r.pollIdle)
 		if ctx.Err() != nil {
 			return
 		}

@@ -85,7 +85,7 @@ func (d pgxDriver) Rollback(ctx context.Context, tx pgx.Tx) error {
 	return nil
 }
 
-func (d pgxDriver) Listen(ctx context.Context, channel string, wake func()) error {
+func (d pgxDriver) Listen(ctx context.Context, channel string, wake func(), every time.Duration, idle func(context.Context, Executor)) error {
 	if d.pool == nil {
 		return errNilPool
 	}
@@ -99,7 +99,7 @@ func (d pgxDriver) Listen(ctx context.Context, channel string, wake func()) erro
 		defer cancel()
 		_ = c.Hijack().Close(cctx)
 	}()
-	return listenOn(ctx, c.Conn(), channel, wake)
+	return listenOn(ctx, c.Conn(), channel, wake, every, idle)
 }
 
 // pgxQuerier is what *pgxpool.Pool and pgx.Tx have in common.

@@ -105,7 +105,7 @@ func TestReview25NilPoolIsAnError(t *testing.T) {
 			return sqldb.Std(nil, sqldb.MySQL).DB().QueryRow(t.Context(), "SELECT 1", nil, new(int))
 		}},
 		{"std-begin", func() error { _, err := sqldb.Std(nil, sqldb.SQLite).Begin(t.Context(), nil, ""); return err }},
-		{"std-listen", func() error { return sqldb.Std(nil, sqldb.Postgres).Listen(t.Context(), `"x"`, func() {}) }},
+		{"std-listen", func() error { return sqldb.Std(nil, sqldb.Postgres).Listen(t.Context(), `"x"`, func() {}, 0, nil) }},
 		{"std-maxconns", func() error { _ = sqldb.Std(nil, sqldb.Postgres).MaxConns(); return errors.New("no panic") }},
 		{"pgx-exec", func() error { _, err := sqldb.Pgx(nil).DB().Exec(t.Context(), "SELECT 1"); return err }},
 		{"pgx-begin", func() error { _, err := sqldb.Pgx(nil).Begin(t.Context(), nil, ""); return err }},

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 )
 
 // Dialect is the SQL dialect of a database.
@@ -47,10 +48,16 @@ type Driver[TTx any] interface {
 	// Listen holds one connection in PostgreSQL's LISTEN on channel (a
 	// quoted identifier), calls wake once the LISTEN is in place and at
 	// each notification, and returns when ctx ends or the connection
-	// fails. The connection is closed, never handed back to the pool. A
-	// driver that cannot LISTEN returns an error wrapping
+	// fails. With every > 0 and idle set, it also calls idle with an
+	// Executor on that connection every that long (the first time every
+	// after the LISTEN), between two waits for a notification: a periodic
+	// statement run there costs one statement, where on the pool pgx's and
+	// database/sql's health checks add a ping before it whenever the
+	// connection they hand out has been idle for over a second. idle must
+	// not keep the Executor. The connection is closed, never handed back
+	// to the pool. A driver that cannot LISTEN returns an error wrapping
 	// errors.ErrUnsupported at once.
-	Listen(ctx context.Context, channel string, wake func()) error
+	Listen(ctx context.Context, channel string, wake func(), every time.Duration, idle func(context.Context, Executor)) error
 	// MaxConns is the pool's limit on open connections, 0 for none.
 	MaxConns() int
 }

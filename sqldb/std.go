@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"reflect"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -115,7 +116,7 @@ func rollbackStd(tx *sql.Tx) error {
 // errNoListen: the connection under database/sql is not pgx's.
 var errNoListen = fmt.Errorf("sqldb: the database/sql driver is not pgx (github.com/jackc/pgx/v5/stdlib), which alone can LISTEN: %w", errors.ErrUnsupported)
 
-func (d stdDriver) Listen(ctx context.Context, channel string, wake func()) error {
+func (d stdDriver) Listen(ctx context.Context, channel string, wake func(), every time.Duration, idle func(context.Context, Executor)) error {
 	if d.dialect != Postgres {
 		return fmt.Errorf("sqldb: LISTEN is PostgreSQL's: %w", errors.ErrUnsupported)
 	}
@@ -134,22 +135,37 @@ func (d stdDriver) Listen(ctx context.Context, channel string, wake func()) erro
 		}
 		// driver.ErrBadConn: the connection is LISTENing (or broken),
 		// database/sql must not hand it back to the pool.
-		return errors.Join(listenOn(ctx, pc.Conn(), channel, wake), driver.ErrBadConn)
+		return errors.Join(listenOn(ctx, pc.Conn(), channel, wake, every, idle), driver.ErrBadConn)
 	})
 }
 
 // listenOn runs LISTEN on c and waits for notifications until ctx ends or
-// c fails.
-func listenOn(ctx context.Context, c *pgx.Conn, channel string, wake func()) error {
+// c fails, and calls idle on c every that long (see Driver.Listen). A wait
+// cut short by its deadline leaves c usable: pgx closes a connection only
+// on an error other than a timeout.
+func listenOn(ctx context.Context, c *pgx.Conn, channel string, wake func(), every time.Duration, idle func(context.Context, Executor)) error {
 	if _, err := c.Exec(ctx, "LISTEN "+channel); err != nil {
 		return err
 	}
 	wake()
+	polls := every > 0 && idle != nil
+	next := time.Now().Add(every)
 	for {
-		if _, err := c.WaitForNotification(ctx); err != nil {
-			return err
+		wctx, cancel := ctx, context.CancelFunc(func() {})
+		if polls {
+			wctx, cancel = context.WithDeadline(ctx, next)
 		}
-		wake()
+		_, err := c.WaitForNotification(wctx)
+		cancel()
+		switch {
+		case err == nil:
+			wake()
+		case ctx.Err() != nil || !polls || !errors.Is(wctx.Err(), context.DeadlineExceeded) || c.IsClosed():
+			return err
+		default:
+			idle(ctx, pgxExec{q: c})
+			next = time.Now().Add(every)
+		}
 	}
 }
 

@@ -33,9 +33,15 @@ import (
 	"github.com/settle-go/settle/sqldb"
 )
 
-// counter counts the statements a relay sends, through pgx's tracer: the
-// same count for database/sql over pgx's stdlib and for a pgx pool.
-type counter struct{ n atomic.Int64 }
+// counter counts the statements a relay sends twice: through pgx's tracer
+// (n; the same count for database/sql over pgx's stdlib and for a pgx
+// pool), and on the wire (w, a proxy its connections go through, which also
+// sees what the tracer does not: the pools' health-check pings).
+type counter struct {
+	n   atomic.Int64
+	w   *wire
+	url string // the database URL through w
+}
 
 func (c *counter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
 	c.n.Add(1)
@@ -104,7 +110,8 @@ type lagSubject struct {
 type lagRow struct {
 	p50, p99, bp50, bp99 time.Duration
 	rate                 float64 // commits per second the producers reached
-	idle                 float64 // statements per second
+	idle                 float64 // statements per second, pgx's tracer
+	idleWire             float64 // statements per second, on the wire
 }
 
 func (b *bench) runLag(ctx context.Context, stdout io.Writer) error {
@@ -125,15 +132,15 @@ func (b *bench) runLag(ctx context.Context, stdout io.Writer) error {
 			if err != nil {
 				return fmt.Errorf("lag %s: %w", s.name, err)
 			}
-			fmt.Fprintf(b.log, "run %d lag %s: %.0f commits/s, p50 %s p99 %s; with a blocker p50 %s p99 %s; idle %.2f statements/s\n",
-				run+1, s.name, r.rate, ms(r.p50), ms(r.p99), ms(r.bp50), ms(r.bp99), r.idle)
+			fmt.Fprintf(b.log, "run %d lag %s: %.0f commits/s, p50 %s p99 %s; with a blocker p50 %s p99 %s; idle %.2f statements/s (tracer), %.2f on the wire\n",
+				run+1, s.name, r.rate, ms(r.p50), ms(r.p99), ms(r.bp50), ms(r.bp99), r.idle, r.idleWire)
 			rows[s.name] = append(rows[s.name], r)
 		}
 	}
-	fmt.Fprintf(stdout, "\nLag, one transaction per message at %d msgs/s for %s, %d producers; blocker: one write transaction held open 1 s every 5 s on another table; idle: statements/s of one relay over %s with nothing to do; median of %d runs\n\n",
-		b.o.rate, b.o.paced, b.o.producers, b.o.idle, b.o.runs)
+	fmt.Fprintf(stdout, "\nLag, one transaction per message at %d msgs/s for %s, %d producers; blocker: one write transaction held open 1 s every 5 s on another table; idle: statements/s of one relay over %s with nothing to do, counted by pgx's tracer and on the wire (a proxy reading the protocol's messages: Query, Execute, Close; pings included)%s; median of %d runs\n\n",
+		b.o.rate, b.o.paced, b.o.producers, b.o.idle, wireNote(b.o.wire), b.o.runs)
 	var t strings.Builder
-	t.WriteString("| path | commits/s reached | p50 | p99 | p50 with blocker | p99 with blocker | idle statements/s |\n|---|---:|---:|---:|---:|---:|---:|\n")
+	t.WriteString("| path | commits/s reached | p50 | p99 | p50 with blocker | p99 with blocker | idle statements/s (tracer) | idle statements/s (wire) |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, s := range subjects {
 		rs := rows[s.name]
 		med := func(f func(lagRow) float64) float64 {
@@ -146,10 +153,10 @@ func (b *bench) runLag(ctx context.Context, stdout io.Writer) error {
 		d := func(f func(lagRow) time.Duration) string {
 			return ms(time.Duration(med(func(r lagRow) float64 { return float64(f(r)) })))
 		}
-		fmt.Fprintf(&t, "| %s | %.0f | %s | %s | %s | %s | %.2f |\n", s.name, med(func(r lagRow) float64 { return r.rate }),
+		fmt.Fprintf(&t, "| %s | %.0f | %s | %s | %s | %s | %.2f | %.2f |\n", s.name, med(func(r lagRow) float64 { return r.rate }),
 			d(func(r lagRow) time.Duration { return r.p50 }), d(func(r lagRow) time.Duration { return r.p99 }),
 			d(func(r lagRow) time.Duration { return r.bp50 }), d(func(r lagRow) time.Duration { return r.bp99 }),
-			med(func(r lagRow) float64 { return r.idle }))
+			med(func(r lagRow) float64 { return r.idle }), med(func(r lagRow) float64 { return r.idleWire }))
 	}
 	fmt.Fprint(stdout, t.String())
 	return nil
@@ -157,7 +164,15 @@ func (b *bench) runLag(ctx context.Context, stdout io.Writer) error {
 
 // lagOnce runs one subject: paced without and with a blocker, then idle.
 func (b *bench) lagOnce(ctx context.Context, s lagSubject, blockTable string) (lagRow, error) {
-	var ctr counter
+	w, u, err := newWire(b.o.dbURL)
+	if err != nil {
+		return lagRow{}, err
+	}
+	defer w.Close()
+	ctr := counter{w: w, url: u}
+	if !b.o.wire {
+		ctr.url = b.o.dbURL
+	}
 	rec := &recorder{}
 	stop, err := s.start(ctx, &ctr, rec)
 	if err != nil {
@@ -175,9 +190,10 @@ func (b *bench) lagOnce(ctx context.Context, s lagSubject, blockTable string) (l
 		}
 		// Idle: let the last wake-ups and retries pass, then count.
 		time.Sleep(2 * time.Second)
-		before := ctr.n.Load()
+		before, beforeWire := ctr.n.Load(), w.n.Load()
 		time.Sleep(b.o.idle)
 		r.idle = float64(ctr.n.Load()-before) / b.o.idle.Seconds()
+		r.idleWire = float64(w.n.Load()-beforeWire) / b.o.idle.Seconds()
 		return nil
 	}()
 	return r, errors.Join(err, stop())
@@ -255,7 +271,7 @@ func (b *bench) block(ctx context.Context, table string) {
 // countedDB opens a database/sql handle over pgx's stdlib whose statements
 // ctr counts.
 func (b *bench) countedDB(ctr *counter) (*sql.DB, error) {
-	cfg, err := pgx.ParseConfig(b.o.dbURL)
+	cfg, err := pgx.ParseConfig(ctr.url)
 	if err != nil {
 		return nil, err
 	}
@@ -265,7 +281,7 @@ func (b *bench) countedDB(ctr *counter) (*sql.DB, error) {
 
 // countedPool opens a pgx pool whose statements ctr counts.
 func (b *bench) countedPool(ctx context.Context, ctr *counter) (*pgxpool.Pool, error) {
-	cfg, err := pgxpool.ParseConfig(b.o.dbURL)
+	cfg, err := pgxpool.ParseConfig(ctr.url)
 	if err != nil {
 		return nil, err
 	}
@@ -434,6 +450,15 @@ func (b *bench) lagSubjects(ctx context.Context) ([]lagSubject, func(), error) {
 	return subjects, cleanup, nil
 }
 
+// wireNote says where the lag was measured from: with -wire, every path's
+// connections go through the counting proxy, one more local hop each way.
+func wireNote(on bool) string {
+	if on {
+		return "; the relays' connections go through that proxy during the lag runs too"
+	}
+	return "; -wire=false: the wire column counts nothing"
+}
+
 func closeNotifier(n *outbox.Notifier) error {
 	if n == nil {
 		return nil
@@ -507,7 +532,7 @@ func (b *bench) riverSubject(ctx context.Context) (lagSubject, func(), error) {
 			return time.Now(), nil
 		},
 		start: func(ctx context.Context, ctr *counter, rec *recorder) (func() error, error) {
-			pcfg, err := pgxpool.ParseConfig(b.o.dbURL)
+			pcfg, err := pgxpool.ParseConfig(ctr.url)
 			if err != nil {
 				return nil, err
 			}

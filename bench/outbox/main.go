@@ -88,6 +88,7 @@ type options struct {
 	cpuprofile string
 	verbose    bool
 	idle       time.Duration
+	wire       bool
 	lagPaths   string
 }
 
@@ -128,6 +129,7 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.amqpPool, "amqp-pool", 0, "RabbitMQ: Publish.ChannelPoolSize (0, the config's default, opens and closes a channel per Publish)")
 	fs.DurationVar(&o.timeout, "timeout", 20*time.Minute, "bound on the whole run")
 	fs.DurationVar(&o.idle, "idle", 10*time.Second, "lag scenario: how long each relay's idle statements are counted")
+	fs.BoolVar(&o.wire, "wire", true, "lag scenario: run each path's connections through a proxy that counts their statements on the wire")
 	fs.StringVar(&o.lagPaths, "lag-paths", "", "lag scenario: run only the paths whose name contains this text")
 	fs.BoolVar(&o.verbose, "v", false, "log the forwarders' errors and infos to stderr")
 	fs.StringVar(&o.cpuprofile, "cpuprofile", "", "write a CPU profile of the whole run to this file")

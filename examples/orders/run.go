@@ -321,8 +321,10 @@ func run(parent context.Context, cfg config) (err error) {
 		return err
 	}
 
-	relayCfg := outbox.RelayConfig{PollInterval: 20 * time.Millisecond}
-	relay, err := ob.NewRelay(br.pub, relayCfg)
+	// The default PollInterval (1 s) is only the fallback: the charge
+	// handler's commits (pipeline.HandleTx) and placeOrder wake the relay
+	// through Outbox.Notify, and on PostgreSQL the INSERT's NOTIFY does.
+	relay, err := ob.NewRelay(br.pub, outbox.RelayConfig{})
 	if err != nil {
 		return err
 	}

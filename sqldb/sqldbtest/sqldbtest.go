@@ -291,7 +291,7 @@ func listen[TTx any](t *testing.T, d sqldb.Driver[TTx]) {
 	channel := fmt.Sprintf(`"sqldbtest_%d"`, time.Now().UnixNano())
 	done := make(chan error, 1)
 	go func() {
-		done <- d.Listen(ctx, channel, func() { wakes.Add(1); woke <- struct{}{} })
+		done <- d.Listen(ctx, channel, func() { wakes.Add(1); woke <- struct{}{} }, 0, nil)
 	}()
 	if d.Dialect() != sqldb.Postgres {
 		select {

@@ -1,0 +1,135 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/settle-go/settle/internal/sqlurl"
+	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/outbox"
+	"github.com/settle-go/settle/sqldb"
+)
+
+// idleWindow is how long TestIdleRelayOnTheWire counts; at the default
+// PollInterval of 1 s an idle relay may send idleWindow/1s statements, and
+// one more for a tick on the window's edge.
+const idleWindow = 5 * time.Second
+
+type discard struct{}
+
+func (discard) Publish(string, ...*message.Message) error { return nil }
+func (discard) Close() error                              { return nil }
+
+// TestIdleRelayOnTheWire counts, on the wire (a proxy reading the protocol's
+// messages), the statements an idle relay sends on its own connections in
+// the default RelayConfig, which is also the guide's and the examples':
+// at most one per PollInterval, the heartbeat, LISTEN and the pool's
+// health checks included.
+func TestIdleRelayOnTheWire(t *testing.T) {
+	run := func(t *testing.T, rawURL string, open opener) {
+		// The default, and on PostgreSQL a heartbeat every 2 s, so that
+		// heartbeats fall in the window: they ride on the polls there. On
+		// MySQL a heartbeat is one statement more (1.1/s at the defaults,
+		// within the default's window; not yet folded into the poll).
+		cfgs := []outbox.RelayConfig{{}}
+		if !strings.HasPrefix(rawURL, "mysql") {
+			cfgs = append(cfgs, outbox.RelayConfig{HeartbeatInterval: 2 * time.Second})
+		}
+		for _, cfg := range cfgs {
+			t.Run(fmt.Sprintf("heartbeat=%v", cfg.HeartbeatInterval), func(t *testing.T) { idleRun(t, rawURL, open, cfg) })
+		}
+	}
+	t.Run("postgres-pgx", func(t *testing.T) {
+		run(t, testenv.Require(t, testenv.PostgresURLEnv), func(t *testing.T, u string) (relayOutbox, func() error) {
+			pool, err := pgxpool.New(context.Background(), u)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(pool.Close)
+			return idleOutbox(t, sqldb.Pgx(pool), testenv.Postgres(t))
+		})
+	})
+	t.Run("postgres-std", func(t *testing.T) {
+		run(t, testenv.Require(t, testenv.PostgresURLEnv), func(t *testing.T, u string) (relayOutbox, func() error) {
+			return idleOutbox(t, sqldb.Std(openURL(t, u), sqldb.Postgres), testenv.Postgres(t))
+		})
+	})
+	t.Run("mysql", func(t *testing.T) {
+		run(t, testenv.Require(t, testenv.MySQLURLEnv), func(t *testing.T, u string) (relayOutbox, func() error) {
+			return idleOutbox(t, sqldb.Std(openURL(t, u), sqldb.MySQL), testenv.MySQL(t))
+		})
+	})
+}
+
+// opener returns an outbox on the database at u, and the function that
+// creates its table.
+type opener func(t *testing.T, u string) (relayOutbox, func() error)
+
+// idleRun runs a relay with cfg on connections through a wire proxy to
+// rawURL's server and fails if it sends more than one statement per second
+// while idle.
+func idleRun(t *testing.T, rawURL string, open opener, cfg outbox.RelayConfig) {
+	w, u := newWire(t, rawURL)
+	ob, initSchema := open(t, u)
+	if err := initSchema(); err != nil {
+		t.Fatal(err)
+	}
+	r, err := ob.NewRelay(discard{}, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runUntilEnd(t, r, func(error) {})
+	// Past the start (register, LISTEN, the first scan, the pool's first
+	// connections), then count.
+	time.Sleep(1500 * time.Millisecond)
+	before, kinds := w.statements(), w.messages()
+	time.Sleep(idleWindow)
+	n := w.statements() - before
+	t.Logf("%d statements in %v idle (%.2f/s); messages before: %s; after: %s", n, idleWindow, float64(n)/idleWindow.Seconds(), kinds, w.messages())
+	if limit := int(idleWindow/time.Second) + 1; n > limit {
+		t.Errorf("an idle relay sent %d statements in %v on the wire, want <= %d (one per PollInterval); messages before: %s; after: %s", n, idleWindow, limit, kinds, w.messages())
+	}
+}
+
+type relayOutbox interface {
+	NewRelay(message.Publisher, outbox.RelayConfig) (*outbox.Relay, error)
+}
+
+func openURL(t *testing.T, u string) *sql.DB {
+	t.Helper()
+	db, _, err := sqlurl.Open(u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	return db
+}
+
+// idleOutbox returns an outbox of a table of the test on d, and the
+// function that creates the table (dropped, through db, when the test ends).
+func idleOutbox[TTx any](t *testing.T, d sqldb.Driver[TTx], db testenv.DB) (relayOutbox, func() error) {
+	name := testenv.Name(t, "idle")
+	topic := "idle" + name[len(name)-9:] // Config.Topic's bound is below Name's
+	ob, err := outbox.New(d, outbox.Config{Topic: topic})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		q := func(s string) string {
+			if db.Dialect == sqldb.MySQL {
+				return "`" + s + "`"
+			}
+			return `"` + s + `"`
+		}
+		_, _ = db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+q(topic))
+		_, _ = db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+q(topic+"_relays"))
+	})
+	return ob, func() error { return ob.InitSchema(t.Context()) }
+}
