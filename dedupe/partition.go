@@ -750,6 +750,11 @@ func (s *SQLStore[TTx]) dropPartition(ctx context.Context, p partition) (int64, 
 	if err == nil {
 		return n, nil
 	}
+	if sqlkit.SQLState(err) == "55000" {
+		// PostgreSQL detaches one partition of a table at a time: another
+		// prune is detaching one. This one is left to a later prune.
+		return 0, nil
+	}
 	parts, lerr := s.partitions(ctx)
 	if lerr != nil {
 		return 0, err
@@ -850,18 +855,36 @@ func (s *SQLStore[TTx]) partUpdate(ctx context.Context, op, query string, c Clai
 }
 
 // keyLock takes the named lock of key (MySQL) on the store's executor and
-// returns its release.
+// returns its release. In a transaction of the store's own it waits up to
+// mysqlLockWait; in a caller's transaction only up to mysqlTxLockWait, and
+// then fails with errTxKeyLock: the caller's transaction may hold the lock
+// of a row of the key (its earlier claim, or a read at SERIALIZABLE) that
+// the holder of the named lock waits for, a cycle through two kinds of
+// lock that neither InnoDB nor the named locks see.
 func (s *SQLStore[TTx]) keyLock(ctx context.Context, k []byte) (unlock func(), err error) {
 	name := fmt.Sprintf("settle-dedupe-%016x", uint64(lockKey(s.table, k)))
+	wait := mysqlLockWait
+	if s.ex.InTx() {
+		wait = mysqlTxLockWait
+	}
 	var got sql.NullInt64
-	if err := s.queryRow(ctx, "SELECT GET_LOCK(?, ?)", []any{name, mysqlLockWait}, &got); err != nil {
+	if err := s.queryRow(ctx, "SELECT GET_LOCK(?, ?)", []any{name, wait}, &got); err != nil {
 		return nil, err
 	}
 	if got.Int64 != 1 {
-		return nil, fmt.Errorf("the lock of the key was not granted within %d s", mysqlLockWait)
+		if s.ex.InTx() {
+			return nil, errTxKeyLock
+		}
+		return nil, fmt.Errorf("the lock of the key was not granted within %d s", wait)
 	}
 	return func() { _, _ = s.exec(context.WithoutCancel(ctx), "DO RELEASE_LOCK(?)", name) }, nil
 }
+
+// mysqlTxLockWait is keyLock's wait, in seconds, in a caller's transaction.
+const mysqlTxLockWait = 5
+
+// errTxKeyLock is keyLock's failure in a caller's transaction.
+var errTxKeyLock = fmt.Errorf("the key's lock was not granted within %d s: another claim of the key may be waiting for a lock this transaction holds; roll the transaction back and run it again", mysqlTxLockWait)
 
 // retryPartition runs write, and again once after creating the partitions
 // it found missing.
