@@ -887,7 +887,7 @@ const mysqlTxLockWait = 5
 var errTxKeyLock = fmt.Errorf("the key's lock was not granted within %d s: another claim of the key may be waiting for a lock this transaction holds; roll the transaction back and run it again", mysqlTxLockWait)
 
 // retryPartition runs write, and again once after creating the partitions
-// it found missing.
+// it found missing, outside a caller's transaction.
 // On a partitioned MySQL table an UPDATE that moves a row to another
 // partition can deadlock with a claim's gap locks; the statement was rolled
 // back whole and runs again.
@@ -898,7 +898,10 @@ func (s *SQLStore[TTx]) retryPartition(ctx context.Context, ahead time.Duration,
 			return err
 		}
 		switch {
-		case sqlkit.Deadlock(err):
+		case sqlkit.Deadlock(err) || movedRow(err):
+			// Rolled back whole. PostgreSQL refuses to update a row that a
+			// concurrent claim moved to another partition (its takeover of
+			// an expired claim); run again, the UPDATE finds the row there.
 			time.Sleep(time.Duration(rand.Int64N(int64(time.Millisecond) * int64(min(attempt+1, 10)))))
 		case s.noPartition(err):
 			if err := s.ensurePartitions(ctx, ahead); err != nil {
