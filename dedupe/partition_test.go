@@ -65,13 +65,16 @@ func TestSQLStorePartitioned(t *testing.T) {
 				if err := s.Check(t.Context()); err != nil {
 					t.Fatalf("Check of a partitioned table: %v", err)
 				}
-				// The partitions of the next five minutes, as a service's
-				// regular Prune makes the next periods' (a day each, say):
-				// a write in a caller's transaction makes none.
+				// The partitions of the next five minutes, made again every
+				// twenty seconds while the case runs, as a service's regular
+				// Prune makes the next periods' (a day each, say): a write in
+				// a caller's transaction makes none. Apart from the case's
+				// calls, so that the time it takes does not count in them.
 				if err := s.AddPartitions(t.Context(), time.Now(), time.Now().Add(5*time.Minute)); err != nil {
 					t.Fatal(err)
 				}
-				h := storeHarness(t, db, db.Driver(), s, table, partitionedLevels(t, db, s))
+				ahead(t, s)
+				h := storeHarness(t, db, db.Driver(), s, table, partitionedLevels(t, db))
 				// A key's lock not granted in a caller's transaction (MySQL):
 				// the transaction must be run again, as after a deadlock.
 				h.TxAborted = func(err error) bool { return txAborted(err) || errors.Is(err, dedupe.ErrTxKeyLock) }
@@ -82,34 +85,36 @@ func TestSQLStorePartitioned(t *testing.T) {
 }
 
 // partitionedLevels are the isolation levels at which a partitioned table
-// on db takes claims in a caller's transaction. A transaction begun more
-// than half a minute after the last one makes the partitions of the next
-// five minutes first, as a service's regular Prune does (a parallel case's
-// transactions may begin minutes after its harness was made, on a loaded
-// machine). Its failure is left to the claims to report: creating a
-// partition may time out behind the other transactions on the table, and
-// the ones made before still last minutes.
-func partitionedLevels(t *testing.T, db testenv.DB, s *dedupe.SQLStore[*sql.Tx]) []level[*sql.Tx] {
+// on db takes claims in a caller's transaction.
+func partitionedLevels(t *testing.T, db testenv.DB) []level[*sql.Tx] {
 	levels := isolationLevels(t, db)
-	if db.Dialect == sqldb.Postgres {
-		levels = slices.DeleteFunc(levels, func(l level[*sql.Tx]) bool { return l.name != "read-committed" })
+	if db.Dialect != sqldb.Postgres {
+		return levels
 	}
-	var (
-		mu   sync.Mutex
-		last = time.Now()
-	)
-	for i, l := range levels {
-		levels[i].begin = func(ctx context.Context) (*sql.Tx, func(), error) {
-			mu.Lock()
-			if time.Since(last) > 30*time.Second {
-				last = time.Now()
+	return slices.DeleteFunc(levels, func(l level[*sql.Tx]) bool { return l.name != "read-committed" })
+}
+
+// ahead makes the partitions of s's next five minutes every twenty seconds
+// until t ends. A failure (creating a partition may time out behind the
+// transactions on the table) is left to the claims to report: the
+// partitions made before last minutes.
+func ahead(t *testing.T, s *dedupe.SQLStore[*sql.Tx]) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		tick := time.NewTicker(20 * time.Second)
+		defer tick.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
 				_ = s.AddPartitions(ctx, time.Now(), time.Now().Add(5*time.Minute))
 			}
-			mu.Unlock()
-			return l.begin(ctx)
 		}
-	}
-	return levels
+	}()
+	t.Cleanup(func() { cancel(); <-done })
 }
 
 // TestPartitionedClaimInSnapshotRefused: on PostgreSQL a claim on a
