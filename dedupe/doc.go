@@ -71,9 +71,10 @@
 //
 // For tables of many millions of keys, [SQLConfig.Partition] makes the
 // claims table partitioned by time on PostgreSQL and MySQL/MariaDB: Prune
-// drops whole partitions instead of deleting rows, and each claim runs in a
-// transaction of its own that locks the key and looks for it in every
-// partition, so that a key is still claimed once across partitions.
+// drops whole partitions instead of deleting rows, and each claim locks the
+// key and looks for it in every partition, so that a key is still claimed
+// once across partitions: in a transaction of its own, or in the caller's
+// (at READ COMMITTED on PostgreSQL, at any level on MySQL/MariaDB).
 //
 // # What it does not guarantee
 //

@@ -34,3 +34,7 @@ func PartitionBuckets[TTx any](ctx context.Context, s *SQLStore[TTx]) ([]int64, 
 	}
 	return bs, err
 }
+
+// ErrTxKeyLock is the error of a partitioned MySQL store's operation in a
+// caller's transaction whose key lock was not granted in time.
+var ErrTxKeyLock = errTxKeyLock

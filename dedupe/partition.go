@@ -1,6 +1,7 @@
 package dedupe
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -11,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/settle-go/settle/internal/sqlkit"
@@ -76,9 +78,39 @@ const partRetries = 40
 // detach began). Such a row was prunable; the claim runs again.
 var errRowChanged = errors.New("the locked row left its partition")
 
-// errPartTx is returned for a claim inside a caller's transaction on a
-// partitioned table.
-var errPartTx = errors.New("dedupe: a partitioned claims table takes claims in transactions of its own only, not in a caller's transaction (WithTx, ClaimConfirmed)")
+// errPartIsolation is returned for a claim inside a caller's transaction
+// on a partitioned PostgreSQL table when the transaction reads a snapshot.
+var errPartIsolation = errors.New("dedupe: a partitioned claims table on PostgreSQL takes a claim inside a caller's transaction (WithTx, ClaimConfirmed, ClaimConfirmedAll) only at READ COMMITTED: " +
+	"at REPEATABLE READ and SERIALIZABLE the transaction's snapshot, taken before the key's lock, cannot see the row of a claim that committed in another partition after it, and the key would be claimed twice; " +
+	"claim outside the transaction (Claim, then ConfirmTx in it), or run the transaction at READ COMMITTED")
+
+// partState is what the stores on one partitioned table (a store and the
+// copies WithTx makes) share.
+type partState struct {
+	// horizon is the end (µs, the database's clock) of the last partition
+	// the store saw: a claim inside a caller's transaction whose row ends
+	// before it needs no partition made first.
+	horizon atomic.Int64
+	// insertDone and takeoverDone are partInsert and partTakeover for
+	// ClaimConfirmed: the row written as confirmed. Args: key (insert);
+	// now, key, its until_at (takeover).
+	insertDone, takeoverDone string
+}
+
+func newPartState(d sqldb.Dialect, table string) *partState {
+	t := sqlkit.Quote(d, table)
+	now := nowMicros(d)
+	p := &partState{}
+	switch d {
+	case sqldb.Postgres:
+		p.insertDone = `INSERT INTO ` + t + ` (key, state, token, attempts, expires_at, updated_at, first_at, until_at) VALUES ($1, 2, '', 1, 0, ` + now + `, 0, ` + now + `)`
+		p.takeoverDone = `UPDATE ` + t + ` SET state = 2, token = '', attempts = attempts + 1, expires_at = 0, updated_at = $1, until_at = $1 WHERE key = $2 AND until_at = $3`
+	default:
+		p.insertDone = "INSERT INTO " + t + " (`key`, state, token, attempts, expires_at, updated_at, first_at, until_at) VALUES (?, 2, '', 1, 0, " + now + ", 0, " + now + ")"
+		p.takeoverDone = "UPDATE " + t + " SET state = 2, token = '', attempts = attempts + 1, expires_at = 0, updated_at = ?, until_at = updated_at WHERE `key` = ? AND until_at = ?"
+	}
+	return p
+}
 
 // partitionedSchema is schemaOf for a partitioned table.
 func partitionedSchema(d sqldb.Dialect, table string) []string {
@@ -158,20 +190,33 @@ func lockKey(table string, key []byte) int64 {
 	return int64(h.Sum64())
 }
 
-// claimPartitioned is Claim on a partitioned table.
-func (s *SQLStore[TTx]) claimPartitioned(ctx context.Context, key string, ttl time.Duration) (Claim, error) {
-	if s.ex.InTx() {
-		return Claim{}, errPartTx
+// claimPartitioned is Claim on a partitioned table; done claims the key
+// as confirmed at once (ClaimConfirmed).
+func (s *SQLStore[TTx]) claimPartitioned(ctx context.Context, key string, ttl time.Duration, done bool) (Claim, error) {
+	op := "claim"
+	if done {
+		op = "claim confirmed"
 	}
 	k := []byte(key)
+	if s.ex.InTx() {
+		c, err := s.claimPartitionedInTx(ctx, k, ttl, done)
+		if s.noPartition(err) {
+			err = fmt.Errorf("no partition for the claim's row, and a claim inside a caller's transaction makes none: run Prune at least once a period (it makes the next two periods' partitions), or AddPartitions: %w", err)
+		}
+		if err != nil {
+			return Claim{}, fmt.Errorf("dedupe: %s: %w", op, err)
+		}
+		c.Key = key
+		return c, nil
+	}
 	for attempt := 0; ; attempt++ {
-		c, err := s.claimPartitionedOnce(ctx, k, ttl)
+		c, err := s.claimPartitionedOnce(ctx, k, ttl, done)
 		if err == nil {
 			c.Key = key
 			return c, nil
 		}
 		if attempt >= partRetries || ctx.Err() != nil {
-			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
+			return Claim{}, fmt.Errorf("dedupe: %s: %w", op, err)
 		}
 		switch {
 		case sqlkit.Deadlock(err) || sqlkit.Conflict(err) || movedRow(err) || errors.Is(err, errRowChanged):
@@ -181,31 +226,32 @@ func (s *SQLStore[TTx]) claimPartitioned(ctx context.Context, key string, ttl ti
 			time.Sleep(time.Duration(rand.Int64N(int64(time.Millisecond) * int64(min(attempt+1, 10)))))
 		case s.noPartition(err):
 			if err := s.ensurePartitions(ctx, ttl); err != nil {
-				return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
+				return Claim{}, fmt.Errorf("dedupe: %s: %w", op, err)
 			}
 		default:
-			return Claim{}, fmt.Errorf("dedupe: claim: %w", err)
+			return Claim{}, fmt.Errorf("dedupe: %s: %w", op, err)
 		}
 	}
 }
 
 // claimPartitionedOnce runs one claim transaction.
-func (s *SQLStore[TTx]) claimPartitionedOnce(ctx context.Context, k []byte, ttl time.Duration) (c Claim, err error) {
+func (s *SQLStore[TTx]) claimPartitionedOnce(ctx context.Context, k []byte, ttl time.Duration, confirmed bool) (c Claim, err error) {
 	tx, err := s.db.Begin(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted}, "")
 	if err != nil {
 		return Claim{}, err
 	}
 	done := false
-	release := func() error { return nil }
 	defer func() {
 		if !done {
 			_ = s.db.Rollback(context.WithoutCancel(ctx), tx)
 		}
 	}()
 	st := s.WithTx(tx)
-	lock := lockKey(s.table, k)
 	if s.dialect == sqldb.Postgres {
-		if _, err := st.exec(ctx, `SELECT pg_advisory_xact_lock($1)`, lock); err != nil {
+		if _, err := st.exec(ctx, `SELECT pg_advisory_xact_lock($1)`, lockKey(s.table, k)); err != nil {
+			return Claim{}, err
+		}
+		if c, err = st.claimLocked(ctx, k, ttl, confirmed); err != nil {
 			return Claim{}, err
 		}
 	} else {
@@ -213,18 +259,124 @@ func (s *SQLStore[TTx]) claimPartitionedOnce(ctx context.Context, k []byte, ttl 
 		if err != nil {
 			return Claim{}, err
 		}
-		defer func() {
-			// Before the commit (the lock is the connection's, and the
-			// connection goes back to the pool with it), or on the way out.
-			if !done {
-				unlock()
-			}
-		}()
-		release = func() error { unlock(); return nil }
+		// Released before the commit: the lock is the connection's, and
+		// the connection goes back to the pool with it.
+		c, err = st.claimLocked(ctx, k, ttl, confirmed)
+		unlock()
+		if err != nil {
+			return Claim{}, err
+		}
 	}
+	done = true
+	if err := s.db.Commit(ctx, tx); err != nil {
+		return Claim{}, err
+	}
+	return c, nil
+}
+
+// claimPartitionedInTx is a claim on a partitioned table inside the
+// caller's transaction, which s runs on.
+//
+// PostgreSQL: the transaction must be at READ COMMITTED (errPartIsolation
+// otherwise), asked in the statement that takes the key's advisory lock;
+// the lock is held until the caller's transaction ends, as the row lock of
+// a claim on a plain table is, and the probe that follows takes a snapshot
+// of its own, after the lock, so it sees the row of any claim that held
+// the lock before. At REPEATABLE READ and SERIALIZABLE every statement
+// reads the transaction's snapshot, which may predate the other claim's
+// commit: a row it inserted in another partition would go unseen.
+//
+// MySQL/MariaDB, at any level: the named lock is taken and released around
+// the probe and the write, and the locking read (FOR UPDATE) reads the
+// latest committed row whatever the level, waiting for the row of a claim
+// not committed yet, as in a claim's own transaction. At REPEATABLE READ and
+// SERIALIZABLE the read also takes gap locks, so that concurrent claims of
+// new keys may deadlock: the database then rolls one transaction back, and
+// its caller must run it again.
+//
+// Nothing here creates partitions inside the caller's transaction (DDL
+// there would commit it on MySQL, and wait for it on both). On PostgreSQL
+// the partitions the claim's row may need are made first, on a connection
+// of their own, when the last partition the store saw ends too soon and
+// the caller's transaction has not used the table yet (aheadOutsideTx);
+// otherwise they must have been made by Prune, which makes the next two
+// periods' partitions, or by a claim outside a transaction.
+func (s *SQLStore[TTx]) claimPartitionedInTx(ctx context.Context, k []byte, ttl time.Duration, confirmed bool) (Claim, error) {
+	s.aheadOutsideTx(ctx, ttl)
+	if s.dialect == sqldb.Postgres {
+		var ok bool
+		err := s.queryRow(ctx, `SELECT CASE WHEN current_setting('transaction_isolation') IN ('read committed', 'read uncommitted')
+	THEN (SELECT true FROM (SELECT pg_advisory_xact_lock($1)) l) ELSE false END`, []any{lockKey(s.table, k)}, &ok)
+		if err != nil {
+			return Claim{}, err
+		}
+		if !ok {
+			return Claim{}, errPartIsolation
+		}
+		return s.claimLocked(ctx, k, ttl, confirmed)
+	}
+	unlock, err := s.keyLock(ctx, k)
+	if err != nil {
+		return Claim{}, err
+	}
+	defer unlock()
+	return s.claimLocked(ctx, k, ttl, confirmed)
+}
+
+// aheadOutsideTx makes, on PostgreSQL and on a connection of its own, the
+// partitions that a claim inside a caller's transaction may write its row to, unless the last
+// partition the store saw ends late enough (with half a period to spare
+// for the distance between this machine's clock and the database's). It
+// waits at most partAheadWait: the caller's transaction may itself hold a
+// lock on the table that creating a partition waits for. Whatever it could
+// not make, the claim's write reports (no partition for the row).
+func (s *SQLStore[TTx]) aheadOutsideTx(ctx context.Context, ttl time.Duration) {
+	if micros(time.Now())+ttl.Microseconds()+s.period/2 < s.part.horizon.Load() {
+		return
+	}
+	if s.dialect != sqldb.Postgres {
+		// MySQL/MariaDB cannot tell whether the caller's transaction holds
+		// the table's metadata lock, which ADD PARTITION waits for (while
+		// every statement on the table queues behind it).
+		return
+	}
+	{
+		// Creating a partition waits for every transaction that has used
+		// the table: if the caller's has, it would wait for itself.
+		var used bool
+		err := s.queryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'relation' AND relation = $1::regclass)`,
+			[]any{sqlkit.Quote(s.dialect, s.table)}, &used)
+		if err != nil || used {
+			return
+		}
+	}
+	out := *s
+	out.ex = s.db.DB()
+	ctx, cancel := context.WithTimeout(ctx, partAheadWait)
+	defer cancel()
+	_ = out.ensurePartitions(ctx, ttl)
+}
+
+// partAheadWait bounds aheadOutsideTx.
+const partAheadWait = 5 * time.Second
+
+// claimLocked probes the key's row in every partition and writes the claim,
+// with the key's lock held, in the transaction s runs on.
+func (s *SQLStore[TTx]) claimLocked(ctx context.Context, k []byte, ttl time.Duration, confirmed bool) (Claim, error) {
+	for range partRetries {
+		c, err := s.claimLockedOnce(ctx, k, ttl, confirmed)
+		if errors.Is(err, errRowChanged) {
+			continue // the row's partition was being dropped: it was prunable
+		}
+		return c, err
+	}
+	return Claim{}, errRowChanged
+}
+
+func (s *SQLStore[TTx]) claimLockedOnce(ctx context.Context, k []byte, ttl time.Duration, confirmed bool) (Claim, error) {
 	var r row
 	var until int64
-	err = st.queryRow(ctx, s.q.partProbe, []any{k}, append(r.columns(), &until)...)
+	err := s.queryRow(ctx, s.q.partProbe, []any{k}, append(r.columns(), &until)...)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
 	case err != nil:
@@ -235,6 +387,22 @@ func (s *SQLStore[TTx]) claimPartitionedOnce(ctx context.Context, k []byte, ttl 
 	if res, ok := r.settled(); ok {
 		return Claim{Result: res, Attempt: r.attempts}, nil
 	}
+	if confirmed {
+		if !r.found {
+			if _, err := s.exec(ctx, s.part.insertDone, k); err != nil {
+				return Claim{}, err
+			}
+			return Claim{Result: Acquired, Attempt: 1}, nil
+		}
+		n, err := s.exec(ctx, s.part.takeoverDone, r.now, k, until)
+		if err != nil {
+			return Claim{}, err
+		}
+		if n != 1 {
+			return Claim{}, errRowChanged
+		}
+		return Claim{Result: Acquired, Attempt: r.attempts + 1}, nil
+	}
 	token := newToken()
 	now, exp := r.now, r.now+ttl.Microseconds()
 	if !r.found {
@@ -243,40 +411,62 @@ func (s *SQLStore[TTx]) claimPartitionedOnce(ctx context.Context, k []byte, ttl 
 		ttlUS := ttl.Microseconds()
 		switch {
 		case s.dialect == sqldb.Postgres:
-			err = st.queryRow(ctx, s.q.partInsert, []any{k, token, ttlUS}, &exp, &now)
+			err = s.queryRow(ctx, s.q.partInsert, []any{k, token, ttlUS}, &exp, &now)
 		case s.returning(ctx):
-			err = st.queryRow(ctx, s.q.partInsert+" RETURNING expires_at, first_at", []any{k, token, ttlUS, ttlUS}, &exp, &now)
+			err = s.queryRow(ctx, s.q.partInsert+" RETURNING expires_at, first_at", []any{k, token, ttlUS, ttlUS}, &exp, &now)
 		default:
-			if _, err = st.exec(ctx, s.q.partInsert, k, token, ttlUS, ttlUS); err == nil {
-				err = st.queryRow(ctx, "SELECT expires_at, first_at FROM "+sqlkit.Quote(s.dialect, s.table)+" WHERE `key` = ? AND state = 1 AND token = ?", []any{k, token}, &exp, &now)
+			if _, err = s.exec(ctx, s.q.partInsert, k, token, ttlUS, ttlUS); err == nil {
+				err = s.queryRow(ctx, "SELECT expires_at, first_at FROM "+sqlkit.Quote(s.dialect, s.table)+" WHERE `key` = ? AND state = 1 AND token = ?", []any{k, token}, &exp, &now)
 			}
 		}
 		if err != nil {
 			return Claim{}, err
 		}
-		c = Claim{Result: Acquired, Token: token, Attempt: 1, FirstAt: firstAt(now), ExpiresAt: fromMicros(exp)}
-	} else {
-		n, err := st.exec(ctx, s.q.partTakeover, token, exp, now, k, until)
+		return Claim{Result: Acquired, Token: token, Attempt: 1, FirstAt: firstAt(now), ExpiresAt: fromMicros(exp)}, nil
+	}
+	n, err := s.exec(ctx, s.q.partTakeover, token, exp, now, k, until)
+	if err != nil {
+		return Claim{}, err
+	}
+	if n != 1 {
+		return Claim{}, errRowChanged
+	}
+	first := r.first
+	if first == 0 {
+		first = now
+	}
+	return Claim{Result: Acquired, Token: token, Attempt: r.attempts + 1, FirstAt: firstAt(first), ExpiresAt: fromMicros(exp)}, nil
+}
+
+// claimConfirmedAllPartitioned is ClaimConfirmedAll on a partitioned table:
+// the keys one after the other, in the order of their locks, so that two
+// batches sharing keys take them in the same order and never wait for
+// each other in a cycle.
+func (s *SQLStore[TTx]) claimConfirmedAllPartitioned(ctx context.Context, keys []string) ([]Claim, error) {
+	claims := make([]Claim, len(keys))
+	order := make([]int, len(keys))
+	seen := make(map[string]bool, len(keys))
+	for i, k := range keys {
+		if err := validateKey(k); err != nil {
+			return nil, err
+		}
+		if seen[k] {
+			return nil, fmt.Errorf("dedupe: claim confirmed: key %q given twice", k)
+		}
+		seen[k] = true
+		order[i] = i
+	}
+	slices.SortFunc(order, func(a, b int) int {
+		return cmp.Compare(uint64(lockKey(s.table, []byte(keys[a]))), uint64(lockKey(s.table, []byte(keys[b]))))
+	})
+	for _, i := range order {
+		c, err := s.claimPartitioned(ctx, keys[i], 0, true)
 		if err != nil {
-			return Claim{}, err
+			return nil, err
 		}
-		if n != 1 {
-			return Claim{}, errRowChanged
-		}
-		first := r.first
-		if first == 0 {
-			first = now
-		}
-		c = Claim{Result: Acquired, Token: token, Attempt: r.attempts + 1, FirstAt: firstAt(first), ExpiresAt: fromMicros(exp)}
+		claims[i] = c
 	}
-	if err := release(); err != nil {
-		return Claim{}, err
-	}
-	done = true
-	if err := s.db.Commit(ctx, tx); err != nil {
-		return Claim{}, err
-	}
-	return c, nil
+	return claims, nil
 }
 
 // mysqlLockWait is how long, in seconds, a claim on a partitioned MySQL
@@ -304,6 +494,10 @@ type partition struct {
 	bucket  int64  // upper / period - 1; -1 for MySQL's first, empty, partition
 	upper   int64  // µs
 	pending bool   // PostgreSQL: a detach that did not finish
+	// rows is the database's estimate of the partition's rows, from its
+	// statistics (PostgreSQL's reltuples, InnoDB's TABLE_ROWS); -1 when
+	// the partition was never analyzed (PostgreSQL).
+	rows int64
 }
 
 var pgBound = regexp.MustCompile(`FROM \('?(-?\d+)'?\) TO \('?(-?\d+)'?\)`)
@@ -313,12 +507,13 @@ func (s *SQLStore[TTx]) partitions(ctx context.Context) ([]partition, error) {
 	var parts []partition
 	switch s.dialect {
 	case sqldb.Postgres:
-		err := s.query(ctx, `SELECT n.nspname, c.relname, pg_get_expr(c.relpartbound, c.oid), i.inhdetachpending
+		err := s.query(ctx, `SELECT n.nspname, c.relname, pg_get_expr(c.relpartbound, c.oid), i.inhdetachpending, c.reltuples::bigint
 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE i.inhparent = $1::regclass`, []any{sqlkit.Quote(s.dialect, s.table)}, func(scan func(dest ...any) error) error {
 			var nsp, name, bound string
 			var pending bool
-			if err := scan(&nsp, &name, &bound, &pending); err != nil {
+			var rows int64
+			if err := scan(&nsp, &name, &bound, &pending, &rows); err != nil {
 				return err
 			}
 			m := pgBound.FindStringSubmatch(bound)
@@ -327,7 +522,7 @@ WHERE i.inhparent = $1::regclass`, []any{sqlkit.Quote(s.dialect, s.table)}, func
 			}
 			upper, _ := strconv.ParseInt(m[2], 10, 64)
 			parts = append(parts, partition{name: sqlkit.Quote(s.dialect, nsp) + "." + sqlkit.Quote(s.dialect, name),
-				bucket: upper/s.period - 1, upper: upper, pending: pending})
+				bucket: upper/s.period - 1, upper: upper, pending: pending, rows: rows})
 			return nil
 		})
 		if err != nil {
@@ -338,17 +533,18 @@ WHERE i.inhparent = $1::regclass`, []any{sqlkit.Quote(s.dialect, s.table)}, func
 		if i := strings.LastIndexByte(s.table, '.'); i >= 0 {
 			schema, name = s.table[:i], s.table[i+1:]
 		}
-		err := s.query(ctx, `SELECT partition_name, partition_description FROM information_schema.PARTITIONS
+		err := s.query(ctx, `SELECT partition_name, partition_description, COALESCE(table_rows, 0) FROM information_schema.PARTITIONS
 WHERE table_schema = COALESCE(NULLIF(?, ''), DATABASE()) AND table_name = ? AND partition_name IS NOT NULL`, []any{schema, name}, func(scan func(dest ...any) error) error {
 			var pname, desc string
-			if err := scan(&pname, &desc); err != nil {
+			var rows int64
+			if err := scan(&pname, &desc, &rows); err != nil {
 				return err
 			}
 			upper, err := strconv.ParseInt(desc, 10, 64)
 			if err != nil {
 				return fmt.Errorf("partition %s: bound %q is not a number", pname, desc)
 			}
-			parts = append(parts, partition{name: "`" + pname + "`", bucket: upper/s.period - 1, upper: upper})
+			parts = append(parts, partition{name: "`" + pname + "`", bucket: upper/s.period - 1, upper: upper, rows: rows})
 			return nil
 		})
 		if err != nil {
@@ -391,6 +587,7 @@ func (s *SQLStore[TTx]) addPartitions(ctx context.Context, from, to int64) error
 		have[p.bucket] = true
 		last = max(last, p.upper)
 	}
+	s.seePartitions(last)
 	t := sqlkit.Quote(s.dialect, s.table)
 	var add []string
 	for b := floorDiv(from, s.period); b <= floorDiv(to, s.period); b++ {
@@ -415,10 +612,20 @@ func (s *SQLStore[TTx]) addPartitions(ctx context.Context, from, to int64) error
 			add = append(add, "PARTITION p"+strconv.FormatInt(b, 10)+" VALUES LESS THAN ("+strconv.FormatInt(hi, 10)+")")
 		}
 	}
+	covered := (floorDiv(to, s.period) + 1) * s.period
 	if len(add) == 0 {
+		s.seePartitions(covered)
 		return nil
 	}
-	_, err = s.exec(ctx, "ALTER TABLE "+t+" ADD PARTITION ("+strings.Join(add, ", ")+")")
+	// On MariaDB the ALTER waits at most a few seconds for the transactions
+	// that use the table (a caller's transaction holding a claim may be
+	// one): waiting, it would hold up every statement on the table queued
+	// behind it.
+	bounded := ""
+	if s.returning(ctx) {
+		bounded = "SET STATEMENT lock_wait_timeout = " + strconv.Itoa(int(partAheadWait/time.Second)) + " FOR "
+	}
+	_, err = s.exec(ctx, bounded+"ALTER TABLE "+t+" ADD PARTITION ("+strings.Join(add, ", ")+")")
 	if n, ok := sqlkit.MySQLNumber(err); ok && (n == 1517 || n == 1493) {
 		// Added by another process meanwhile (duplicate partition name,
 		// bounds no longer increasing): look again.
@@ -427,11 +634,25 @@ func (s *SQLStore[TTx]) addPartitions(ctx context.Context, from, to int64) error
 	if err != nil {
 		return fmt.Errorf("add partitions: %w", err)
 	}
+	s.seePartitions(covered)
 	return nil
 }
 
+// seePartitions records that the table has partitions up to end (µs).
+func (s *SQLStore[TTx]) seePartitions(end int64) {
+	for {
+		h := s.part.horizon.Load()
+		if end <= h || s.part.horizon.CompareAndSwap(h, end) {
+			return
+		}
+	}
+}
+
 // pgPartName is the name of the table's partition b: the table's name
-// followed by _p and b, within PostgreSQL's 63 bytes. A name that would be
+// followed by _p and b, within 62 bytes: PostgreSQL's names are 63, and
+// the array type it makes for the partition's row type is named "_" and the
+// name cut to 63, so two partitions whose names differ only in their 63rd
+// byte could not both be made. A name that would be
 // longer keeps a prefix and a hash of the whole name, so that two tables
 // whose names begin alike do not name their partitions alike.
 func pgPartName(table string, b int64) string {
@@ -440,11 +661,12 @@ func pgPartName(table string, b int64) string {
 	if i := strings.LastIndexByte(table, '.'); i >= 0 {
 		schema, name = table[:i+1], table[i+1:]
 	}
-	if len(name)+len(suffix) > 63 {
+	const maxName = 62
+	if len(name)+len(suffix) > maxName {
 		h := fnv.New32a()
 		h.Write([]byte(name))
 		tag := fmt.Sprintf("_%08x", h.Sum32())
-		name = name[:63-len(suffix)-len(tag)] + tag
+		name = name[:maxName-len(suffix)-len(tag)] + tag
 	}
 	return schema + name + suffix
 }
@@ -485,10 +707,18 @@ func (s *SQLStore[TTx]) AddPartitions(ctx context.Context, from, to time.Time) e
 // are not over yet when the cutoff is in the future), and creates the
 // partitions of the next periods.
 func (s *SQLStore[TTx]) prunePartitioned(ctx context.Context, before time.Time) (int64, error) {
-	if err := s.ensurePartitions(ctx, 0); err != nil {
+	cut := floorDiv(micros(before), s.period) * s.period
+	if s.ex.InTx() {
+		// Inside a caller's transaction: no DDL (MySQL would commit the
+		// transaction; PostgreSQL detaches concurrently only outside one),
+		// the rows are deleted as on a plain table.
+		return s.pruneRows(ctx, time.UnixMicro(cut))
+	}
+	// Two periods ahead: claims inside callers' transactions, which make no
+	// partition, find theirs made as long as a prune runs once a period.
+	if err := s.ensurePartitions(ctx, time.Duration(s.period)*time.Microsecond); err != nil {
 		return 0, fmt.Errorf("dedupe: prune: %w", err)
 	}
-	cut := floorDiv(micros(before), s.period) * s.period
 	now, err := s.dbNow(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("dedupe: prune: %w", err)
@@ -512,12 +742,18 @@ func (s *SQLStore[TTx]) prunePartitioned(ctx context.Context, before time.Time) 
 	return total + n, err
 }
 
-// dropPartition removes p whole and returns how many rows it held. A
-// partition that another prune is dropping at the same time is left to it.
+// dropPartition removes p whole and returns how many rows it held, as the
+// database estimates them (partition.rows). A partition that another prune
+// is dropping at the same time is left to it.
 func (s *SQLStore[TTx]) dropPartition(ctx context.Context, p partition) (int64, error) {
 	n, err := s.dropPartitionOnce(ctx, p)
 	if err == nil {
 		return n, nil
+	}
+	if sqlkit.SQLState(err) == "55000" {
+		// PostgreSQL detaches one partition of a table at a time: another
+		// prune is detaching one. This one is left to a later prune.
+		return 0, nil
 	}
 	parts, lerr := s.partitions(ctx)
 	if lerr != nil {
@@ -531,16 +767,21 @@ func (s *SQLStore[TTx]) dropPartition(ctx context.Context, p partition) (int64, 
 	return 0, nil // gone, or being detached by another prune
 }
 
+// dropPartitionOnce drops p. The rows it returns are the database's
+// estimate from its statistics, not a count: a count reads the whole
+// partition, a day's rows, which took seconds of the prune's time on
+// MariaDB (where it ran before the drop, whose metadata lock waited for it)
+// and grows with the day on both. Only a PostgreSQL partition that was
+// never analyzed, which autovacuum does to any partition of some size, is
+// counted (after its detach, holding no lock a claim needs).
 func (s *SQLStore[TTx]) dropPartitionOnce(ctx context.Context, p partition) (int64, error) {
 	t := sqlkit.Quote(s.dialect, s.table)
-	var n int64
+	n := max(p.rows, 0)
 	switch s.dialect {
 	case sqldb.Postgres:
 		// Detached concurrently, the partition leaves the parent without
 		// the lock on the parent that DROP TABLE of a partition takes, which
 		// would stop every claim until the transactions in flight end.
-		// Nothing can be written to it any more (its rows' until_at is in
-		// the past), so its rows are counted afterwards.
 		detach := ` CONCURRENTLY`
 		if p.pending {
 			detach = ` FINALIZE`
@@ -548,16 +789,15 @@ func (s *SQLStore[TTx]) dropPartitionOnce(ctx context.Context, p partition) (int
 		if _, err := s.exec(ctx, `ALTER TABLE `+t+` DETACH PARTITION `+p.name+detach); err != nil {
 			return 0, fmt.Errorf("detach partition %s: %w", p.name, err)
 		}
-		if err := s.queryRow(ctx, `SELECT count(*) FROM `+p.name, nil, &n); err != nil {
-			return 0, fmt.Errorf("count partition %s: %w", p.name, err)
+		if p.rows < 0 {
+			if err := s.queryRow(ctx, `SELECT count(*) FROM `+p.name, nil, &n); err != nil {
+				return 0, fmt.Errorf("count partition %s: %w", p.name, err)
+			}
 		}
 		if _, err := s.exec(ctx, `DROP TABLE `+p.name); err != nil {
 			return 0, fmt.Errorf("drop partition %s: %w", p.name, err)
 		}
 	default:
-		if err := s.queryRow(ctx, "SELECT COUNT(*) FROM "+t+" PARTITION ("+p.name+")", nil, &n); err != nil {
-			return 0, fmt.Errorf("count partition %s: %w", p.name, err)
-		}
 		if _, err := s.exec(ctx, "ALTER TABLE "+t+" DROP PARTITION "+p.name); err != nil {
 			return 0, fmt.Errorf("drop partition %s: %w", p.name, err)
 		}
@@ -615,21 +855,39 @@ func (s *SQLStore[TTx]) partUpdate(ctx context.Context, op, query string, c Clai
 }
 
 // keyLock takes the named lock of key (MySQL) on the store's executor and
-// returns its release.
+// returns its release. In a transaction of the store's own it waits up to
+// mysqlLockWait; in a caller's transaction only up to mysqlTxLockWait, and
+// then fails with errTxKeyLock: the caller's transaction may hold the lock
+// of a row of the key (its earlier claim, or a read at SERIALIZABLE) that
+// the holder of the named lock waits for, a cycle through two kinds of
+// lock that neither InnoDB nor the named locks see.
 func (s *SQLStore[TTx]) keyLock(ctx context.Context, k []byte) (unlock func(), err error) {
 	name := fmt.Sprintf("settle-dedupe-%016x", uint64(lockKey(s.table, k)))
+	wait := mysqlLockWait
+	if s.ex.InTx() {
+		wait = mysqlTxLockWait
+	}
 	var got sql.NullInt64
-	if err := s.queryRow(ctx, "SELECT GET_LOCK(?, ?)", []any{name, mysqlLockWait}, &got); err != nil {
+	if err := s.queryRow(ctx, "SELECT GET_LOCK(?, ?)", []any{name, wait}, &got); err != nil {
 		return nil, err
 	}
 	if got.Int64 != 1 {
-		return nil, fmt.Errorf("the lock of the key was not granted within %d s", mysqlLockWait)
+		if s.ex.InTx() {
+			return nil, errTxKeyLock
+		}
+		return nil, fmt.Errorf("the lock of the key was not granted within %d s", wait)
 	}
 	return func() { _, _ = s.exec(context.WithoutCancel(ctx), "DO RELEASE_LOCK(?)", name) }, nil
 }
 
+// mysqlTxLockWait is keyLock's wait, in seconds, in a caller's transaction.
+const mysqlTxLockWait = 5
+
+// errTxKeyLock is keyLock's failure in a caller's transaction.
+var errTxKeyLock = fmt.Errorf("the key's lock was not granted within %d s: another claim of the key may be waiting for a lock this transaction holds; roll the transaction back and run it again", mysqlTxLockWait)
+
 // retryPartition runs write, and again once after creating the partitions
-// it found missing.
+// it found missing, outside a caller's transaction.
 // On a partitioned MySQL table an UPDATE that moves a row to another
 // partition can deadlock with a claim's gap locks; the statement was rolled
 // back whole and runs again.
@@ -640,7 +898,10 @@ func (s *SQLStore[TTx]) retryPartition(ctx context.Context, ahead time.Duration,
 			return err
 		}
 		switch {
-		case sqlkit.Deadlock(err):
+		case sqlkit.Deadlock(err) || movedRow(err):
+			// Rolled back whole. PostgreSQL refuses to update a row that a
+			// concurrent claim moved to another partition (its takeover of
+			// an expired claim); run again, the UPDATE finds the row there.
 			time.Sleep(time.Duration(rand.Int64N(int64(time.Millisecond) * int64(min(attempt+1, 10)))))
 		case s.noPartition(err):
 			if err := s.ensurePartitions(ctx, ahead); err != nil {

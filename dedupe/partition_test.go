@@ -1,9 +1,12 @@
 package dedupe_test
 
 import (
+	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -11,6 +14,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/dedupe/dedupetest"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // testPeriod is the partitions' period in the tests: short, so that the
@@ -26,34 +30,146 @@ func partitionedDBs(t *testing.T) []testenv.DB {
 // partitionedStore makes a partitioned claims table of its own on db.
 func partitionedStore(t *testing.T, db testenv.DB) *dedupe.SQLStore[*sql.Tx] {
 	t.Helper()
+	s, _ := partitionedStoreTable(t, db)
+	return s
+}
+
+// partitionedStoreTable is partitionedStore, and the table's name.
+func partitionedStoreTable(t *testing.T, db testenv.DB) (*dedupe.SQLStore[*sql.Tx], string) {
+	t.Helper()
 	table := testenv.Name(t, "dp")
 	store, err := dedupe.NewSQLStore(db.Driver(), dedupe.SQLConfig{Table: table, Partition: testPeriod})
 	if err != nil {
 		t.Fatal(err)
 	}
 	testenv.CreateTable(t, db, table, store.Schema())
-	return store
+	return store, table
 }
 
 // The conformance suite, linearizability and the prune races included, on
 // a partitioned table with partitions of two seconds: the runs cross
 // partition boundaries, rows move between partitions as they are written,
 // and the pruners drop partitions whole under the claims. The suite's
-// transaction cases are skipped: a partitioned table takes claims in
-// transactions of its own only.
+// transaction cases run every operation (the claim included) inside a
+// caller's transaction whose snapshot is taken first, at every isolation
+// level the database offers on MySQL/MariaDB and at READ COMMITTED on
+// PostgreSQL, the only level at which a partitioned table there takes a
+// claim in a caller's transaction (TestPartitionedClaimInSnapshotRefused).
 func TestSQLStorePartitioned(t *testing.T) {
 	t.Parallel()
 	for _, db := range partitionedDBs(t) {
 		t.Run(string(db.Dialect), func(t *testing.T) {
 			t.Parallel()
 			dedupetest.Run(t, func(t *testing.T) dedupetest.Harness {
-				s := partitionedStore(t, db)
+				s, table := partitionedStoreTable(t, db)
 				if err := s.Check(t.Context()); err != nil {
 					t.Fatalf("Check of a partitioned table: %v", err)
 				}
-				return dedupetest.Harness{Store: s, ClaimTTL: 600 * time.Millisecond}
+				// The partitions of the next five minutes, made again every
+				// twenty seconds while the case runs, as a service's regular
+				// Prune makes the next periods' (a day each, say): a write in
+				// a caller's transaction makes none. Apart from the case's
+				// calls, so that the time it takes does not count in them.
+				if err := s.AddPartitions(t.Context(), time.Now(), time.Now().Add(5*time.Minute)); err != nil {
+					t.Fatal(err)
+				}
+				ahead(t, s)
+				h := storeHarness(t, db, db.Driver(), s, table, partitionedLevels(t, db))
+				// A key's lock not granted in a caller's transaction (MySQL):
+				// the transaction must be run again, as after a deadlock.
+				h.TxAborted = func(err error) bool { return txAborted(err) || errors.Is(err, dedupe.ErrTxKeyLock) }
+				return h
 			})
 		})
+	}
+}
+
+// partitionedLevels are the isolation levels at which a partitioned table
+// on db takes claims in a caller's transaction.
+func partitionedLevels(t *testing.T, db testenv.DB) []level[*sql.Tx] {
+	levels := isolationLevels(t, db)
+	if db.Dialect != sqldb.Postgres {
+		return levels
+	}
+	return slices.DeleteFunc(levels, func(l level[*sql.Tx]) bool { return l.name != "read-committed" })
+}
+
+// ahead makes the partitions of s's next five minutes every twenty seconds
+// until t ends. A failure (creating a partition may time out behind the
+// transactions on the table) is left to the claims to report: the
+// partitions made before last minutes.
+func ahead(t *testing.T, s *dedupe.SQLStore[*sql.Tx]) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		tick := time.NewTicker(20 * time.Second)
+		defer tick.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+				_ = s.AddPartitions(ctx, time.Now(), time.Now().Add(5*time.Minute))
+			}
+		}
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+}
+
+// TestPartitionedClaimInSnapshotRefused: on PostgreSQL a claim on a
+// partitioned table inside a caller's transaction at REPEATABLE READ or
+// SERIALIZABLE is refused, every way it can be asked for (Claim,
+// ClaimConfirmed, ClaimConfirmedAll), and writes nothing; the claim taken
+// outside the transaction and confirmed in it (ConfirmTx, the pipeline's
+// default) still works at those levels.
+func TestPartitionedClaimInSnapshotRefused(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	ctx := t.Context()
+	s, table := partitionedStoreTable(t, db)
+	for _, iso := range []sql.IsolationLevel{sql.LevelRepeatableRead, sql.LevelSerializable} {
+		for _, op := range []string{"Claim", "ClaimConfirmed", "ClaimConfirmedAll"} {
+			key := fmt.Sprintf("refused-%v-%s", iso, op)
+			tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: iso})
+			if err != nil {
+				t.Fatal(err)
+			}
+			st := s.WithTx(tx)
+			switch op {
+			case "Claim":
+				_, err = st.Claim(ctx, key, time.Minute)
+			case "ClaimConfirmed":
+				_, err = st.ClaimConfirmed(ctx, key)
+			default:
+				_, err = st.ClaimConfirmedAll(ctx, []string{key, key + "-2"})
+			}
+			_ = tx.Rollback()
+			if err == nil || !strings.Contains(err.Error(), "only at READ COMMITTED") {
+				t.Fatalf("%s at %v in a caller's transaction: err = %v, want the refusal", op, iso, err)
+			}
+			var n int
+			if err := db.QueryRowContext(ctx, `SELECT count(*) FROM "`+table+`" WHERE convert_from(key, 'UTF8') LIKE 'refused-%'`).Scan(&n); err != nil || n != 0 {
+				t.Fatalf("after the refused %s at %v: %d rows (%v), want none", op, iso, n, err)
+			}
+		}
+		c, err := s.Claim(ctx, fmt.Sprintf("outside-%v", iso), time.Minute)
+		if err != nil || c.Result != dedupe.Acquired {
+			t.Fatalf("Claim: %v, %v", c.Result, err)
+		}
+		tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: iso})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.WithTx(tx).Confirm(ctx, c); err != nil {
+			t.Fatalf("Confirm at %v in a caller's transaction: %v", iso, err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		if d, err := s.Claim(ctx, c.Key, time.Minute); err != nil || d.Result != dedupe.Duplicate {
+			t.Fatalf("after the confirmation at %v: %v, %v; want duplicate", iso, d.Result, err)
+		}
 	}
 }
 
@@ -81,8 +197,10 @@ func TestPartitionedClaimUniqueAcrossPartitions(t *testing.T) {
 				for w := range workers {
 					wg.Go(func() {
 						<-start
-						// 1s, 3s, 5s, ...: a partition of 2s each apart.
-						c, err := s.Claim(t.Context(), key, time.Second+time.Duration(w)*testPeriod)
+						// 30s, 32s, 34s, ...: a partition of 2s each apart, and
+						// none expires while the round's workers, on a
+						// loaded machine, wait for each other.
+						c, err := s.Claim(t.Context(), key, 30*time.Second+time.Duration(w)*testPeriod)
 						if err != nil {
 							t.Errorf("Claim: %v", err)
 							return

@@ -28,9 +28,10 @@ type SQLConfig struct {
 	// aligned on the Unix epoch: 24h for a partition a day. Prune then drops
 	// whole partitions instead of deleting rows, and creates the next ones;
 	// see docs/dedupe.md for when to choose it. Schema returns the
-	// partitioned table's statements. Claims run in a transaction of their
-	// own, so a store on a partitioned table takes no claim inside a
-	// caller's transaction. At least a second; zero is a plain table.
+	// partitioned table's statements. A claim inside a caller's transaction
+	// (WithTx, ClaimConfirmed, ClaimConfirmedAll) needs READ COMMITTED on
+	// PostgreSQL; any level does on MySQL/MariaDB. At least a second; zero
+	// is a plain table.
 	Partition time.Duration
 }
 
@@ -98,7 +99,8 @@ type SQLStore[TTx any] struct {
 	table     string
 	batch     int
 	q         queries
-	period    int64 // µs; 0 for a plain table (SQLConfig.Partition)
+	period    int64      // µs; 0 for a plain table (SQLConfig.Partition)
+	part      *partState // a partitioned table's, shared with the copies WithTx makes
 	now       func() time.Time
 	server    *server // shared with the copies WithTx makes
 }
@@ -173,8 +175,10 @@ func NewSQLStore[TTx any](db sqldb.Driver[TTx], cfg SQLConfig) (*SQLStore[TTx], 
 		return nil, errors.New("dedupe: SQLConfig.Partition: SQLite tables are not partitioned")
 	}
 	q := queriesOf(d, cfg.Table)
+	var part *partState
 	if cfg.Partition != 0 {
 		q = partitionedQueries(d, cfg.Table, q)
+		part = newPartState(d, cfg.Table)
 	}
 	return &SQLStore[TTx]{
 		db:        db,
@@ -185,6 +189,7 @@ func NewSQLStore[TTx any](db sqldb.Driver[TTx], cfg SQLConfig) (*SQLStore[TTx], 
 		batch:     cfg.PruneBatch,
 		q:         q,
 		period:    cfg.Partition.Microseconds(),
+		part:      part,
 		now:       time.Now,
 		server:    &server{},
 	}, nil
@@ -271,7 +276,7 @@ func (s *SQLStore[TTx]) Claim(ctx context.Context, key string, ttl time.Duration
 		return Claim{}, err
 	}
 	if s.period != 0 {
-		return s.claimPartitioned(ctx, key, ttl)
+		return s.claimPartitioned(ctx, key, ttl, false)
 	}
 	k := []byte(key)
 	for range claimRetries {
@@ -505,8 +510,11 @@ func (s *SQLStore[TTx]) Release(ctx context.Context, c Claim) error {
 // a partition boundary (keys are kept up to one period longer), drops the
 // partitions that end before it and before now whole, deletes what else
 // the rounded cutoff removes in batches, and creates the partitions of the
-// next periods. The number it returns counts the rows of the partitions
-// dropped.
+// next periods. The number it returns adds, for each partition dropped,
+// the database's estimate of its rows (from its statistics: PostgreSQL's
+// reltuples, InnoDB's TABLE_ROWS), not a count, which would read a day of
+// rows. Inside a caller's transaction it drops and creates no partition:
+// it deletes the rows, as on a plain table.
 func (s *SQLStore[TTx]) Prune(ctx context.Context, before time.Time) (int64, error) {
 	if s.period != 0 {
 		return s.prunePartitioned(ctx, before)
@@ -555,7 +563,7 @@ func (s *SQLStore[TTx]) ClaimConfirmed(ctx context.Context, key string) (Claim, 
 		return Claim{}, err
 	}
 	if s.period != 0 {
-		return Claim{}, errPartTx
+		return s.claimPartitioned(ctx, key, 0, true)
 	}
 	k := []byte(key)
 	for range claimRetries {
@@ -662,7 +670,7 @@ func (s *SQLStore[TTx]) readBackUntaken(ctx context.Context, claims []Claim, key
 // distinct.
 func (s *SQLStore[TTx]) ClaimConfirmedAll(ctx context.Context, keys []string) ([]Claim, error) {
 	if s.period != 0 {
-		return nil, errPartTx
+		return s.claimConfirmedAllPartitioned(ctx, keys)
 	}
 	claims := make([]Claim, len(keys))
 	if len(keys) == 0 {

@@ -104,6 +104,11 @@ func sqlHarness[TTx any](t *testing.T, db testenv.DB, drv sqldb.Driver[TTx], lev
 	if withoutReturning {
 		dedupe.WithoutReturning(store)
 	}
+	return storeHarness(t, db, drv, store, table, levels)
+}
+
+// storeHarness is sqlHarness for store, on table.
+func storeHarness[TTx any](t *testing.T, db testenv.DB, drv sqldb.Driver[TTx], store *dedupe.SQLStore[TTx], table string, levels []level[TTx]) dedupetest.Harness {
 	fx := newTxFixture(t, db, table)
 	var txLevels []dedupetest.TxLevel
 	for _, lv := range levels {

@@ -19,12 +19,15 @@ func runDedupePrune(e *env, args []string) (err error) {
 	const name = "dedupe prune"
 	fs := newFlagSet(name)
 	db := dedupeFlags(fs)
+	partition := partitionFlag(fs, "the table is partitioned in periods of this length (SQLConfig.Partition): the prune drops whole partitions past the cutoff, rounded down to a period")
 	var pf pruneFlags
 	pf.register(fs, "confirmed and released keys last touched")
 	if err := pf.parse(e, fs, name, args, whyDedupeFloor); err != nil {
 		return err
 	}
-	d, store, err := openStore(e, *db.url, *db.driver, "-table", dedupeTable(*db.table))
+	d, store, err := openStore(e, *db.url, *db.driver, "-table", func(d *database) (dedupeStore, error) {
+		return d.newStore(dedupe.SQLConfig{Table: *db.table, Partition: *partition})
+	})
 	if err != nil {
 		return err
 	}
@@ -38,6 +41,11 @@ func runDedupePrune(e *env, args []string) (err error) {
 	if err != nil {
 		return fmt.Errorf("count the keys to prune in %s: %w", *db.table, err)
 	}
+	if *partition != 0 {
+		// The partitioned table's prune keeps keys up to a period longer:
+		// the dry run counts with the cutoff it uses.
+		at = time.UnixMicro(cutoff.UnixMicro() / partition.Microseconds() * partition.Microseconds()).UTC().Format(time.RFC3339)
+	}
 	if !pf.yes {
 		fmt.Fprintf(e.stdout, "would delete %d keys from %s (confirmed or released, last touched before %s)", n, *db.table, at)
 		return writeDryRun(e.stdout, n > 0, []string{"KEY", "STATE", "LAST TOUCHED"}, sample)
@@ -47,8 +55,18 @@ func runDedupePrune(e *env, args []string) (err error) {
 	if err != nil {
 		return fmt.Errorf("prune %s (%d rows removed before the error): %w", *db.table, n, err)
 	}
+	if *partition != 0 {
+		fmt.Fprintf(e.stdout, "pruned about %d rows from %s (keys settled before %s; the rows of the partitions dropped are the database's estimate)\n", n, *db.table, at)
+		return nil
+	}
 	fmt.Fprintf(e.stdout, "pruned %d rows from %s (keys settled before %s)\n", n, *db.table, at)
 	return nil
+}
+
+// partitionFlag defines the -partition flag of the dedupe commands that
+// know a partitioned claims table (SQLConfig.Partition).
+func partitionFlag(fs *flag.FlagSet, usage string) *time.Duration {
+	return fs.Duration("partition", 0, usage)
 }
 
 func runDedupeSchema(e *env, args []string) error {
@@ -56,17 +74,26 @@ func runDedupeSchema(e *env, args []string) error {
 	fs := newFlagSet(name)
 	dialect := dialectFlag(fs)
 	table := fs.String("table", defaultDedupeTable, "the dedupe table, optionally schema-qualified")
+	partition := partitionFlag(fs, "print the table partitioned by time in periods of this length, e.g. 24h (SQLConfig.Partition; postgres and mysql)")
 	if err := parseSchema(e, fs, name, args, dialect); err != nil {
 		return err
 	}
 	d := schemaDatabase(*dialect)
 	defer d.Close()
-	store, err := d.newStore(dedupe.SQLConfig{Table: *table})
+	store, err := d.newStore(dedupe.SQLConfig{Table: *table, Partition: *partition})
 	if err != nil {
-		return usagef(fs, name, "-table: %v", err)
+		flagName := "-table"
+		if *partition != 0 {
+			flagName = "-partition"
+		}
+		return usagef(fs, name, "%s: %v", flagName, err)
 	}
 	stmts := store.Schema()
-	return writeSQL(e.stdout, fmt.Sprintf("settle dedupe table %s (%s)", *table, *dialect), stmts)
+	header := fmt.Sprintf("settle dedupe table %s (%s)", *table, *dialect)
+	if *partition != 0 {
+		header = fmt.Sprintf("settle dedupe table %s (%s), partitioned in periods of %v: the store creates the partitions (SQLConfig.Partition %v)", *table, *dialect, *partition, *partition)
+	}
+	return writeSQL(e.stdout, header, stmts)
 }
 
 func runOutboxSchema(e *env, args []string) error {

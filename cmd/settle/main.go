@@ -14,10 +14,10 @@
 //	settle dlq show     -queue Q [-json] [-force] ID
 //	settle dlq replay   -queue Q [-id ID ...] [-handler H] [-reason SUBSTR] [-all]
 //	                    [-to Q | -allow-topics T,... | -any-destination] [-force] [-yes]
-//	settle dedupe prune -db URL [-driver pgx|sql] [-table T] -older-than 7d [-force] [-yes]
+//	settle dedupe prune -db URL [-driver pgx|sql] [-table T] [-partition 24h] -older-than 7d [-force] [-yes]
 //	settle dedupe show  -db URL [-driver pgx|sql] [-table T] (-handler H | -scope S) -key KEY
 //	settle dedupe inflight -db URL [-driver pgx|sql] [-table T] [-limit N]
-//	settle dedupe schema -dialect postgres|mysql|sqlite [-table T]
+//	settle dedupe schema -dialect postgres|mysql|sqlite [-table T] [-partition 24h]
 //	settle outbox schema -dialect postgres|mysql|sqlite [-topic T] [-upgrade]
 //	settle outbox status -db URL [-driver pgx|sql] [-topic T] [-stuck-after D] [-list N] [-json]
 //	settle outbox prune -db URL [-driver pgx|sql] [-topic T] -older-than 7d [-force] [-yes]

@@ -14,7 +14,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/sqldb"
 )
 
 // pruneDatabases are the databases the prune commands are tried on, with
@@ -263,4 +265,76 @@ func deletedOf(before, after []string) []string {
 		}
 	}
 	return gone
+}
+
+// On a partitioned claims table (the schema from `dedupe schema
+// -partition`) `dedupe prune -partition` shows what it would delete and
+// deletes nothing without -yes; with -yes it drops the partitions past the
+// cutoff, and the keys in them are gone, while a recent key stays.
+func TestDedupePrunePartitioned(t *testing.T) {
+	t.Parallel()
+	for _, tc := range pruneDatabases()[:3] {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			u := tc.url(t)
+			db, dialect := openTestDB(t, u)
+			table := shortName("cli_pp_")
+			createFromSchema(t, db, "dedupe", "schema", "-dialect", dialect, "-table", table, "-partition", "24h")
+			q, key, ph := `"`+table+`"`, "key", "$1, 2, '', 1, 0, $2, $2"
+			if dialect == "mysql" {
+				q, key, ph = "`"+table+"`", "`key`", "?, 2, '', 1, 0, ?, ?"
+			}
+			t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), `DROP TABLE IF EXISTS `+q) })
+			var partitioned int
+			pq := `SELECT count(*) FROM pg_partitioned_table WHERE partrelid = '` + q + `'::regclass`
+			if dialect == "mysql" {
+				pq = `SELECT count(*) FROM information_schema.PARTITIONS WHERE table_schema = DATABASE() AND table_name = '` + table + `' AND partition_name IS NOT NULL`
+			}
+			if err := db.QueryRowContext(t.Context(), pq).Scan(&partitioned); err != nil || partitioned == 0 {
+				t.Fatalf("the table from dedupe schema -partition is not partitioned: %d, %v", partitioned, err)
+			}
+			r := mustRun(t, exitOK, append(append([]string{"dedupe", "prune", "-db", u, "-table", table}, tc.driver...), "-partition", "24h", "-older-than", "7d")...)
+			if !strings.Contains(r.stdout, "would delete 0 keys") {
+				t.Fatalf("dry run on an empty table:\n%v", r)
+			}
+			old, recent := time.Now().Add(-9*24*time.Hour).UnixMicro(), time.Now().Add(-time.Hour).UnixMicro()
+			// The partitions of the last ten days, as a migration makes them
+			// (a dry run makes none).
+			store, err := dedupe.NewSQLStore(sqldb.Std(db, sqldb.Dialect(dialect)), dedupe.SQLConfig{Table: table, Partition: 24 * time.Hour})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := store.AddPartitions(t.Context(), time.UnixMicro(old), time.Now()); err != nil {
+				t.Fatal(err)
+			}
+			for k, at := range map[string]int64{"old": old, "recent": recent} {
+				args := []any{[]byte(k), at, at}
+				if dialect == "postgres" {
+					args = args[:2]
+				}
+				if _, err := db.ExecContext(t.Context(), `INSERT INTO `+q+` (`+key+`, state, token, attempts, expires_at, updated_at, until_at) VALUES (`+ph+`)`, args...); err != nil {
+					t.Fatalf("insert %s: %v", k, err)
+				}
+			}
+			count := func() (n int) {
+				t.Helper()
+				if err := db.QueryRowContext(t.Context(), `SELECT count(*) FROM `+q).Scan(&n); err != nil {
+					t.Fatal(err)
+				}
+				return n
+			}
+			prune := append(append([]string{"dedupe", "prune", "-db", u, "-table", table}, tc.driver...), "-partition", "24h", "-older-than", "7d")
+			if n, shown := dryRun(t, prune...); n != 1 || !slices.Equal(shown, []string{"old"}) || count() != 2 {
+				t.Fatalf("dry run: would delete %d %v, %d rows left; want 1 [old], 2 rows", n, shown, count())
+			}
+			r = mustRun(t, exitOK, append(prune, "-yes")...)
+			if !strings.Contains(r.stdout, "pruned about") || !strings.Contains(r.stdout, "estimate") {
+				t.Fatalf("prune -yes:\n%v", r)
+			}
+			var left []byte
+			if err := db.QueryRowContext(t.Context(), `SELECT `+key+` FROM `+q).Scan(&left); err != nil || string(left) != "recent" || count() != 1 {
+				t.Fatalf("after the prune: %q (%v), %d rows; want only recent", left, err, count())
+			}
+		})
+	}
 }
