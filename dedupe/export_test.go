@@ -34,3 +34,9 @@ func PartitionBuckets[TTx any](ctx context.Context, s *SQLStore[TTx]) ([]int64, 
 	}
 	return bs, err
 }
+
+// AsLease marks ctx as the middleware does with Config.ConfirmInTx.
+var AsLease = asLease
+
+// LeaseQuery is the PostgreSQL claim statement of a lease (ConfirmInTx).
+func LeaseQuery[TTx any](s *SQLStore[TTx]) string { return s.q.claimLease }
