@@ -127,8 +127,9 @@ type Config struct {
 	// its own, which comes after it. What a crash of the database can lose
 	// is a claim whose transaction it killed too: nothing of that attempt
 	// landed, and its redelivery claims the key afresh, with the attempt
-	// count one lower than it would be. A renewal, a release and a claim in
-	// a caller's transaction (SQLStore.WithTx) commit as usual. It changes
+	// count one lower than it would be. A renewal, a release, a claim in a
+	// caller's transaction (SQLStore.WithTx) and a claim on a partitioned
+	// table (SQLConfig.Partition) commit as usual. It changes
 	// nothing on MySQL/MariaDB and SQLite. Leave it unset for a handler
 	// with any effect outside the database (an e-mail, an HTTP call), whose
 	// attempt count must survive a crash of the database.
