@@ -90,6 +90,13 @@ type queries struct {
 	// expires_at) and nothing when it wrote none; MySQL has no RETURNING, so
 	// the row is read back with readBack.
 	claim string
+	// claimLease (PostgreSQL only) is claim whose implicit transaction
+	// commits without waiting for the WAL flush: set_config(…, true) in
+	// its RETURNING sets synchronous_commit for that transaction alone,
+	// before its commit reads it (see Config.ConfirmInTx). It returns one
+	// more column, the setting's value. A statement that takes no key
+	// returns no row, sets nothing, and has nothing to flush.
+	claimLease string
 	// insert (SQLite only) inserts a new claimed row unless the key exists;
 	// takeover then takes over a released or expired row. On the happy path
 	// this is one plain insert, which SQLite parses, plans and runs (holding
@@ -167,6 +174,7 @@ ON CONFLICT (key) DO UPDATE SET state = 1, token = excluded.token, attempts = cu
 	first_at = CASE WHEN cur.first_at = 0 THEN excluded.first_at ELSE cur.first_at END
 WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
 RETURNING attempts, expires_at, first_at`
+		q.claimLease = q.claim + `, set_config('synchronous_commit', 'off', true)`
 		q.claimDone = `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
 VALUES ($1, 2, $2, 1, 0, ` + now + `)
 ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at

@@ -82,6 +82,9 @@
 // e-mail, an HTTP call) can still run twice: if the process dies after the
 // effect but before Confirm, the claim expires and a redelivery runs the
 // handler again. The window is the time between the effect and Confirm.
+// With [Config.ConfirmInTx] on PostgreSQL, the claim of an attempt that a
+// crash of the database cut short may be lost with it, and its attempt
+// count with it: the count is one lower than it would be.
 // Keys are confirmed forever unless pruned: run [Store.Prune] with a
 // retention longer than the longest time the broker may redeliver a message.
 package dedupe

@@ -38,3 +38,9 @@ func PartitionBuckets[TTx any](ctx context.Context, s *SQLStore[TTx]) ([]int64, 
 // ErrTxKeyLock is the error of a partitioned MySQL store's operation in a
 // caller's transaction whose key lock was not granted in time.
 var ErrTxKeyLock = errTxKeyLock
+
+// AsLease marks ctx as the middleware does with Config.ConfirmInTx.
+var AsLease = asLease
+
+// LeaseQuery is the PostgreSQL claim statement of a lease (ConfirmInTx).
+func LeaseQuery[TTx any](s *SQLStore[TTx]) string { return s.q.claimLease }

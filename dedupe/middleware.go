@@ -117,6 +117,23 @@ type Config struct {
 	// MaxUnavailableDelay caps UnavailableDelay's growth. Defaults to 30s.
 	// Must be >= UnavailableDelay.
 	MaxUnavailableDelay time.Duration
+	// ConfirmInTx says that the handler confirms every claim inside its own
+	// transaction on the store's database (ConfirmTx) and that all its
+	// effects are writes in that transaction: pipeline's transactional
+	// handlers in their default mode set it. On PostgreSQL the claim is
+	// then a lease whose commit does not wait for its WAL to reach disk
+	// (synchronous_commit off, for the claim's statement alone): the
+	// commit that confirms it does wait, and flushes the claim's WAL with
+	// its own, which comes after it. What a crash of the database can lose
+	// is a claim whose transaction it killed too: nothing of that attempt
+	// landed, and its redelivery claims the key afresh, with the attempt
+	// count one lower than it would be. A renewal, a release, a claim in a
+	// caller's transaction (SQLStore.WithTx) and a claim on a partitioned
+	// table (SQLConfig.Partition) commit as usual. It changes
+	// nothing on MySQL/MariaDB and SQLite. Leave it unset for a handler
+	// with any effect outside the database (an e-mail, an HTTP call), whose
+	// attempt count must survive a crash of the database.
+	ConfirmInTx bool
 }
 
 func (c *Config) setDefaults() {
@@ -333,6 +350,9 @@ func (m *mw) claim(ctx context.Context, key string) (Claim, error) {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, d)
 		defer cancel()
+	}
+	if m.cfg.ConfirmInTx {
+		ctx = asLease(ctx)
 	}
 	return m.cfg.Store.Claim(ctx, key, m.cfg.ClaimTimeout)
 }

@@ -334,6 +334,11 @@ func (s *SQLStore[TTx]) tryClaim(ctx context.Context, k []byte, token string, tt
 		}
 		expires = exp
 	default:
+		if s.lease(ctx) {
+			var sync string // set_config's result, the setting's new value
+			err = s.queryRow(ctx, s.q.claimLease, []any{k, token, ttl.Microseconds()}, &attempts, &expires, &first, &sync)
+			break
+		}
 		err = s.queryRow(ctx, s.q.claim, []any{k, token, ttl.Microseconds()}, &attempts, &expires, &first)
 	}
 	switch {
@@ -343,6 +348,23 @@ func (s *SQLStore[TTx]) tryClaim(ctx context.Context, k []byte, token string, tt
 		return Claim{}, false, row{}, err
 	}
 	return Claim{Attempt: attempts, ExpiresAt: fromMicros(expires), FirstAt: firstAt(first)}, true, row{}, nil
+}
+
+// leaseCtxKey marks the context of a claim that the handler confirms in a
+// transaction of its own on the store's database (Config.ConfirmInTx).
+type leaseCtxKey struct{}
+
+// asLease marks ctx for a lease claim (see Config.ConfirmInTx).
+func asLease(ctx context.Context) context.Context {
+	return context.WithValue(ctx, leaseCtxKey{}, true)
+}
+
+// lease reports whether a claim under ctx is written as a lease whose
+// commit does not wait for the disk (Config.ConfirmInTx): on PostgreSQL,
+// in a statement that is its own transaction. Never in a caller's
+// transaction, whose commit the setting would change.
+func (s *SQLStore[TTx]) lease(ctx context.Context) bool {
+	return s.dialect == sqldb.Postgres && !s.ex.InTx() && ctx.Value(leaseCtxKey{}) != nil
 }
 
 // returned runs a MariaDB claim statement with RETURNING and reads the row

@@ -273,7 +273,7 @@ type txFixture struct {
 	table, effects string
 }
 
-func newTxFixture(t *testing.T, db testenv.DB, table string) *txFixture {
+func newTxFixture(t testing.TB, db testenv.DB, table string) *txFixture {
 	fx := &txFixture{db: db, table: table, effects: testenv.Name(t, "ef")}
 	if _, err := db.ExecContext(t.Context(), "CREATE TABLE "+fx.effects+" (k VARCHAR(255) NOT NULL)"); err != nil {
 		t.Fatal(err)

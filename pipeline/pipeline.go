@@ -247,7 +247,7 @@ func New(router *message.Router, cfg Config) (*Pipeline, error) {
 		}
 	}
 	// Build the per-handler pieces once to check their configuration.
-	if _, err := p.stack("check", "", nil, nil, false); err != nil {
+	if _, err := p.stack("check", "", nil, nil, false, false); err != nil {
 		return nil, err
 	}
 	return p, nil
@@ -259,8 +259,10 @@ type noDeclarer struct{}
 func (noDeclarer) SubscribeInitialize(string) error { return nil }
 
 // stack returns the middleware for one handler subscribed to topic on sub.
-// store overrides cfg.Store when not nil.
-func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, store dedupe.Store, noDedupe bool) ([]message.HandlerMiddleware, error) {
+// store overrides cfg.Store when not nil. confirmInTx: the handler is
+// transactional and confirms the dedupe claims in its transaction
+// (dedupe.Config.ConfirmInTx).
+func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, store dedupe.Store, noDedupe, confirmInTx bool) ([]message.HandlerMiddleware, error) {
 	dlTopic, poisonTopic := p.cfg.DeadLetterTopic, p.cfg.PoisonTopic
 	if dlTopic == "" && p.cfg.ParkStore == nil {
 		dlTopic = topic + ".dead_letter"
@@ -314,7 +316,7 @@ func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, sto
 		dd, err := dedupe.NewMiddleware(dedupe.Config{
 			Store: store, Key: p.cfg.Key, ClaimTimeout: p.cfg.ClaimTimeout, RenewInterval: p.cfg.RenewInterval, StoreTimeout: p.cfg.StoreTimeout,
 			BusyDelay: p.cfg.BusyDelay, UnavailableDelay: p.cfg.UnavailableDelay, MaxUnavailableDelay: p.cfg.MaxUnavailableDelay,
-			Logger: p.cfg.Logger, Publisher: pub,
+			Logger: p.cfg.Logger, Publisher: pub, ConfirmInTx: confirmInTx,
 		})
 		if err != nil {
 			return nil, err
@@ -415,7 +417,7 @@ func (p *Pipeline) add(name string, sub message.Subscriber, mws []message.Handle
 
 // Handle adds a handler that consumes topic with the whole stack.
 func (p *Pipeline) Handle(name, topic string, sub message.Subscriber, h message.NoPublishHandlerFunc) (Handlers, error) {
-	mws, err := p.stack(topic, "", sub, nil, false)
+	mws, err := p.stack(topic, "", sub, nil, false, false)
 	if err != nil {
 		return nil, err
 	}
@@ -432,7 +434,7 @@ func (p *Pipeline) HandleProducing(name, topic string, sub message.Subscriber, p
 	if publishTopic == "" {
 		return nil, errors.New("pipeline: HandleProducing: publishTopic is required")
 	}
-	mws, err := p.stack(topic, publishTopic, sub, nil, false)
+	mws, err := p.stack(topic, publishTopic, sub, nil, false, false)
 	if err != nil {
 		return nil, err
 	}
@@ -535,7 +537,13 @@ func (p *Pipeline) addTx(name, topic string, sub message.Subscriber, s dedupe.St
 	if err != nil {
 		return nil, err
 	}
-	mws, err := p.stack(topic, "", sub, s, oneStatement)
+	// Behind the middleware (the default mode) every claim is confirmed
+	// in the handler's transaction: on PostgreSQL it is a lease whose
+	// commit does not wait for the disk (dedupe.Config.ConfirmInTx). It
+	// saves the delivery one WAL flush of two: dedupe's
+	// BenchmarkConfirmInTx, same run, 16 goroutines, median of 4: 530
+	// msgs/s waiting, 624 as a lease (+18%).
+	mws, err := p.stack(topic, "", sub, s, oneStatement, !oneStatement)
 	if err != nil {
 		return nil, err
 	}
