@@ -32,10 +32,9 @@ const (
 	pgRaw       = "pg-raw-tx"      // BEGIN; INSERT; COMMIT alone, no broker
 	settleOne   = "settle-one"     // settle's stack, HandleTx with OneStatement
 	settleTwoSt = "settle-default" // settle's stack, HandleTx default (claim outside, confirm inside)
-	amqpHand    = "hand-tx"        // bare router, hand-written exactly-once handler (BEGIN; INSERT key; INSERT effect; COMMIT)
 )
 
-var amqpCells = []string{amqpRaw, pgRaw, amqpHand, settleOne, settleTwoSt}
+var amqpCells = []string{amqpRaw, pgRaw, settleOne, settleTwoSt}
 
 // AMQPResults: section amqp.
 type AMQPResults struct {
@@ -88,8 +87,6 @@ func runAMQP(ctx context.Context, o options, log io.Writer) (*AMQPResults, error
 					rate, err = b.raw(ctx, n, res.RawN)
 				case pgRaw:
 					rate, err = b.pgTx(ctx, n)
-				case amqpHand:
-					rate, err = b.hand(ctx, n, res.TxN)
 				default:
 					rate, err = b.settle(ctx, n, res.TxN, cell == settleOne, prof)
 					row.Checked += res.TxN
@@ -348,73 +345,6 @@ func (b *amqpBench) pgTx(ctx context.Context, c int) (float64, error) {
 		return 0, err
 	}
 	return float64(n) / el.Seconds(), nil
-}
-
-// hand consumes n prefilled messages with c competing watermill-amqp
-// subscriptions on a bare router and the exactly-once handler one writes by
-// hand: BEGIN; INSERT the key ON CONFLICT DO NOTHING (no row: a duplicate,
-// committed and acked without work); INSERT the effect; COMMIT. The anchor
-// settle's transactional handlers are measured against; then checks that
-// every message left exactly one effect row.
-func (b *amqpBench) hand(ctx context.Context, c, n int) (float64, error) {
-	queue := "bench_hand_" + randomID()
-	if err := b.prefill(ctx, queue, amqp.DefaultMarshaler{}, n); err != nil {
-		return 0, err
-	}
-	keys := "bench_keys_" + randomID()
-	b.p.tables = append(b.p.tables, keys)
-	if _, err := b.p.db.ExecContext(ctx, "CREATE TABLE "+keys+" (key TEXT PRIMARY KEY)"); err != nil {
-		return 0, err
-	}
-	effects, err := b.p.effectTable(ctx)
-	if err != nil {
-		return 0, err
-	}
-	sub, err := amqp.NewSubscriber(b.config(amqp.DefaultMarshaler{}), watermill.NopLogger{})
-	if err != nil {
-		return 0, err
-	}
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
-	if err != nil {
-		_ = sub.Close()
-		return 0, err
-	}
-	claim := "INSERT INTO " + keys + " (key) VALUES ($1) ON CONFLICT DO NOTHING"
-	insert := "INSERT INTO " + effects + " (msg) VALUES ($1)"
-	var count, first atomic.Int64
-	handle := func(msg *message.Message) error {
-		markFirst(&first)
-		ctx := msg.Context()
-		tx, err := b.p.db.BeginTx(ctx, nil)
-		if err != nil {
-			return err
-		}
-		defer func() { _ = tx.Rollback() }()
-		res, err := tx.ExecContext(ctx, claim, msg.UUID)
-		if err != nil {
-			return err
-		}
-		if n, err := res.RowsAffected(); err != nil {
-			return err
-		} else if n == 1 {
-			if _, err := tx.ExecContext(ctx, insert, msg.UUID); err != nil {
-				return err
-			}
-		}
-		if err := tx.Commit(); err != nil {
-			return err
-		}
-		count.Add(1)
-		return nil
-	}
-	for i := range c {
-		router.AddConsumerHandler("hand#"+strconv.Itoa(i+1), queue, sub, handle)
-	}
-	rate, err := consume(ctx, router, &count, &first, n, "")
-	if err != nil {
-		return 0, err
-	}
-	return rate, b.p.checkEffects(ctx, effects, n)
 }
 
 // settle consumes n prefilled messages with settle's stack (tracing on, into
