@@ -9,16 +9,18 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 )
 
-// settling is one settle span and the delivery it reports.
+// settling is the spans of one delivery still to end at its settlement: its
+// process span, and the settle span under it when there is one (a nack, or
+// a wait on the router's publish).
 type settling struct {
 	msg     *message.Message
-	span    trace.Span
-	decided string // "ack" or "nack": what the middleware decided
+	process trace.Span
+	span    trace.Span // nil for a plain ack: the process span tells it
+	decided string     // "ack" or "nack": what the middleware decided
 }
 
 // settled says whether the message was acked or nacked already (inside the
@@ -34,30 +36,47 @@ func (w settling) settled() bool {
 	}
 }
 
-// endNow ends the span for the settlement the router is about to make
-// (routerAcks), or for the one already made if the message was settled
-// inside the chain. It runs on the delivery's goroutine.
-func (w settling) endNow(routerAcks bool) {
+// acks says whether the delivery is acked: by the settlement already made
+// if the message was settled inside the chain, else by the one the router
+// is about to make (routerAcks).
+func (w settling) acks(routerAcks bool) bool {
 	select {
 	case <-w.msg.Acked():
-		w.end(true)
+		return true
 	case <-w.msg.Nacked():
-		w.end(false)
+		return false
 	default:
-		w.end(routerAcks)
+		return routerAcks
 	}
 }
 
-// end ends the span for the router's ack (true) or nack.
+// endNow ends the spans for the settlement the router is about to make
+// (routerAcks), or for the one already made if the message was settled
+// inside the chain. It runs on the delivery's goroutine.
+func (w settling) endNow(routerAcks bool) { w.end(w.acks(routerAcks)) }
+
+// end ends the spans for the router's ack (true) or nack: the settle span,
+// if any, then the process span, which records the settlement.
 func (w settling) end(acked bool) {
+	settled, on := "ack", w.span
+	if !acked {
+		settled = "nack"
+	}
+	if on == nil {
+		on = w.process
+	}
 	switch {
 	case acked && w.decided != "ack":
-		w.span.SetAttributes(attribute.String("settle.router_decision", "ack"))
+		on.SetAttributes(routerDecisionKey.String("ack"))
 	case !acked && w.decided != "nack":
-		w.span.SetAttributes(attribute.String("settle.router_decision", "nack"))
-		w.span.SetStatus(codes.Error, "the router nacked a message the middleware settled as ack (publishing its produced messages failed?)")
+		on.SetAttributes(routerDecisionKey.String("nack"))
+		on.SetStatus(codes.Error, "the router nacked a message the middleware settled as ack (publishing its produced messages failed?)")
 	}
-	w.span.End()
+	if w.span != nil {
+		w.span.End()
+	}
+	w.process.SetAttributes(settledKey.String(settled))
+	w.process.End()
 }
 
 // pendingKey is the context key under which each message the chain returns
@@ -162,6 +181,7 @@ func (p *pending) await() {
 func (p *pending) expire() {
 	p.span.SetStatus(codes.Error, "not acked or nacked within "+p.t.cfg.SettleWait.String())
 	p.span.End()
+	p.process.End()
 }
 
 // published ends the span once the router's publish of the delivery's

@@ -29,6 +29,12 @@ const (
 	handlerKey  = attribute.Key("settle.handler")
 	retriesKey  = attribute.Key("settle.retries")
 	parkedToKey = attribute.Key("settle.parked_to")
+	// settledKey is what the router did with the delivery, on its process
+	// span: "ack" or "nack".
+	settledKey = attribute.Key("settle.settled")
+	// routerDecisionKey marks a settlement other than the one the
+	// middleware decided.
+	routerDecisionKey = attribute.Key("settle.router_decision")
 )
 
 // Defaults of the options NewTracing reads.
@@ -369,7 +375,6 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 			span.SetAttributes(attribute.Bool("settle.cancelled", true))
 		}
 	}
-	span.End()
 	end := time.Now()
 
 	ctx := msg.Context()
@@ -380,17 +385,44 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 		t.retries.Add(ctx, int64(retries), t.measurement("", d.handler).add...)
 	}
 	if !recording {
-		// The sampler dropped the delivery's trace: its settle span would
-		// be a child of a span nobody sees (the parent-based samplers drop
+		// The sampler dropped the delivery's trace: no child span is
+		// started under a span nobody sees (the parent-based samplers drop
 		// it too; any other would make it an orphan). The metrics above
 		// still count the settlement.
+		span.End()
 		return
 	}
 
-	op, name, opName := "ack", d.ack, operationAck
+	s := settling{msg: msg, process: span, decided: "ack"}
 	if err != nil {
-		op, name, opName = "nack", d.nack, operationNack
+		s.decided = "nack"
 	}
+	if err == nil && len(produced) > 0 && publishes && !s.settled() {
+		// The router publishes the handler's output after this middleware
+		// returns, then acks, or nacks when publishing failed: the process
+		// span stays open until that publish returns (TracePublished), or
+		// else until the router acks or nacks, under a settle span that
+		// shows the wait.
+		s.span = t.settleSpan(pctx, msg, rec, d, d.ack, operationAck, outcome)
+		t.awaitPublish(s, d, produced)
+		return
+	}
+	// Nothing is left for the router to decide: it nacks an error and acks
+	// a success at once (and nacks a success with output but no publisher).
+	// The spans end here, on the delivery's own goroutine, which
+	// router.Close waits for: so they have ended when Close returns, and a
+	// tracer provider shut down right after still exports them. A plain
+	// ack is told by the process span alone; a nack gets a settle span of
+	// its own, so that a message handed back to the broker shows as such.
+	if !s.acks(err == nil && len(produced) == 0) {
+		s.span = t.settleSpan(pctx, msg, rec, d, d.nack, operationNack, outcome)
+	}
+	s.endNow(err == nil && len(produced) == 0)
+}
+
+// settleSpan starts a delivery's settle span (operation type settle) under
+// its process span.
+func (t *tracing) settleSpan(pctx context.Context, msg *message.Message, rec *settlement.Record, d *spanNames, name string, op attribute.KeyValue, outcome settle.Outcome) trace.Span {
 	ids := rec.Attributes()
 	sattrs := make([]attribute.KeyValue, 0, len(ids)+5)
 	sattrs = append(sattrs, ids...)
@@ -398,25 +430,11 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 		d.destination,
 		telemetry.MessageID(msg.UUID),
 		semconv.MessagingOperationTypeSettle,
-		opName,
+		op,
 		outcomeKey.String(string(outcome)),
 	)
-	_, settleSpan := t.tracer.Start(pctx, name, t.client, trace.WithAttributes(sattrs...))
-	s := settling{msg: msg, span: settleSpan, decided: op}
-	if err == nil && len(produced) > 0 && publishes && !s.settled() {
-		// The router publishes the handler's output after this middleware
-		// returns, then acks, or nacks when publishing failed: the span
-		// ends when that publish returns (TracePublished), or else when
-		// the router acks or nacks.
-		t.awaitPublish(s, d, produced)
-		return
-	}
-	// Nothing is left for the router to decide: it nacks an error and acks
-	// a success at once (and nacks a success with output but no publisher).
-	// The span ends here, on the delivery's own goroutine, which
-	// router.Close waits for: so it has ended when Close returns, and a
-	// tracer provider shut down right after still exports it.
-	s.endNow(err == nil && len(produced) == 0)
+	_, span := t.tracer.Start(pctx, name, t.client, trace.WithAttributes(sattrs...))
+	return span
 }
 
 type metricKey struct {
