@@ -21,6 +21,17 @@ type settling struct {
 	process trace.Span
 	span    trace.Span // nil for a plain ack: the process span tells it
 	decided string     // "ack" or "nack": what the middleware decided
+	// recorded says the process span has its settle.settled already (the
+	// settlement was known when the middleware finished).
+	recorded bool
+}
+
+// settledName is the settle.settled value of an ack (true) or a nack.
+func settledName(acked bool) string {
+	if acked {
+		return "ack"
+	}
+	return "nack"
 }
 
 // settled says whether the message was acked or nacked already (inside the
@@ -58,10 +69,7 @@ func (w settling) endNow(routerAcks bool) { w.end(w.acks(routerAcks)) }
 // end ends the spans for the router's ack (true) or nack: the settle span,
 // if any, then the process span, which records the settlement.
 func (w settling) end(acked bool) {
-	settled, on := "ack", w.span
-	if !acked {
-		settled = "nack"
-	}
+	on := w.span
 	if on == nil {
 		on = w.process
 	}
@@ -75,7 +83,9 @@ func (w settling) end(acked bool) {
 	if w.span != nil {
 		w.span.End()
 	}
-	w.process.SetAttributes(settledKey.String(settled))
+	if !w.recorded {
+		w.process.SetAttributes(settledKey.String(settledName(acked)))
+	}
 	w.process.End()
 }
 

@@ -349,9 +349,23 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 	// A span the sampler dropped records nothing: none of its attributes
 	// are built, and no settle span is started under it (see below).
 	recording := span.IsRecording()
+	s := settling{msg: msg, process: span, decided: "ack"}
+	if err != nil {
+		s.decided = "nack"
+	}
+	// awaits: the router publishes the handler's output after this
+	// middleware returns, then acks, or nacks when publishing failed.
+	// Otherwise the settlement is known now.
+	awaits := err == nil && len(produced) > 0 && publishes && !s.settled()
+	routerAcks := err == nil && len(produced) == 0
+	acked := s.acks(routerAcks)
 	if recording {
-		attrs := make([]attribute.KeyValue, 0, 4)
+		attrs := make([]attribute.KeyValue, 0, 5)
 		attrs = append(attrs, outcomeKey.String(string(outcome)), retriesKey.Int(retries))
+		if !awaits {
+			s.recorded = true
+			attrs = append(attrs, settledKey.String(settledName(acked)))
+		}
 		if n, aerr := strconv.Atoi(msg.Metadata.Get(settle.MetaAttempt)); aerr == nil {
 			attrs = append(attrs, attemptKey.Int(n))
 		}
@@ -393,11 +407,7 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 		return
 	}
 
-	s := settling{msg: msg, process: span, decided: "ack"}
-	if err != nil {
-		s.decided = "nack"
-	}
-	if err == nil && len(produced) > 0 && publishes && !s.settled() {
+	if awaits {
 		// The router publishes the handler's output after this middleware
 		// returns, then acks, or nacks when publishing failed: the process
 		// span stays open until that publish returns (TracePublished), or
@@ -414,10 +424,10 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 	// tracer provider shut down right after still exports them. A plain
 	// ack is told by the process span alone; a nack gets a settle span of
 	// its own, so that a message handed back to the broker shows as such.
-	if !s.acks(err == nil && len(produced) == 0) {
+	if !acked {
 		s.span = t.settleSpan(pctx, msg, rec, d, d.nack, operationNack, outcome)
 	}
-	s.endNow(err == nil && len(produced) == 0)
+	s.end(acked)
 }
 
 // settleSpan starts a delivery's settle span (operation type settle) under

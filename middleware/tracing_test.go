@@ -430,7 +430,7 @@ func TestProducerContextIsParentOrLink(t *testing.T) {
 			t.Fatal(err)
 		}
 		m.Ack()
-		return tr.spans(t, 2)[0]
+		return tr.spans(t, 1)[0]
 	}
 	parent := run(newTraced(t))
 	if parent.Parent().SpanID() != producer.SpanContext().SpanID() || parent.SpanContext().TraceID() != producer.SpanContext().TraceID() {
@@ -536,7 +536,7 @@ func TestProducedMessagesContinueTheTrace(t *testing.T) {
 			})
 			must(t, ps.Publish("in", message.NewMessage("m-1", nil)))
 			eventually(t, 5*time.Second, "both deliveries acked", func() bool {
-				return len(byName(tr.rec.Ended(), "ack in")) == 1 && len(byName(tr.rec.Ended(), "ack mid")) == 1
+				return len(byName(tr.rec.Ended(), "process in")) == 1 && len(byName(tr.rec.Ended(), "process mid")) == 1
 			})
 			spans := tr.rec.Ended()
 			one := func(name string) sdktrace.ReadOnlySpan {
