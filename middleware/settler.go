@@ -229,11 +229,12 @@ func (t *tracing) reportUnpublished(d *spanNames) {
 //
 // The router publishes a handler's output after the middleware chain has
 // returned, then acks the delivery, or nacks it when publishing failed.
-// With TracePublished, the delivery's settle span ends when that publish
+// The delivery's process span stays open until then, with an ack span under
+// it for the wait. With TracePublished, both end when that publish
 // returns, on the delivery's own goroutine, before the router settles the
 // message; router.Close waits for that goroutine, so the span has ended
 // when Close returns, and a tracer provider shut down right after exports
-// it. Without it, the span ends when the router acks or nacks, on a
+// them. Without it, they end when the router acks or nacks, on a
 // goroutine of its own, which can be just after Close returns; the tracing
 // middleware then reports the missing decorator once to the OpenTelemetry
 // error handler (otel.Handle).
@@ -244,7 +245,7 @@ func (t *tracing) reportUnpublished(d *spanNames) {
 // other than a traced delivery's output pass through as they are, and
 // Close closes the publisher it decorates. Not needed when the output is
 // published inside the chain (pipeline, or dedupe.Config.Publisher): the
-// settle span then ends before the chain returns.
+// spans then end before the chain returns.
 func TracePublished(pub message.Publisher) (message.Publisher, error) {
 	if pub == nil {
 		return nil, nil

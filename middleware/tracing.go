@@ -66,10 +66,16 @@ type tracing struct {
 //
 //   - a consumer span "process <topic>" (operation type process, plus
 //     settle.outcome, settle.attempt), whose parent is the producer's
-//     context read from the message's metadata;
-//   - a client span "ack <topic>" or "nack <topic>" (operation type settle)
-//     under it, named for what the router does with the message (see
-//     below for when it ends);
+//     context read from the message's metadata. It ends at the
+//     settlement and records it: settle.settled is "ack" or "nack", what
+//     the router does with the message (see below for when it ends). A
+//     plainly acked delivery is this one span;
+//   - a client span "nack <topic>" (operation type settle, with
+//     settle.outcome) under it when the router nacks the message, so that
+//     a delivery handed back to the broker shows as such;
+//   - a client span "ack <topic>" (operation type settle) under it only
+//     when the router publishes the messages the chain returned: it shows
+//     the wait for that publish, from the chain's return to the settlement;
 //   - a producer span "create <topic>" under it for each message the handler
 //     returns, whose context is written into that message's metadata, so
 //     the consumers of the handler's output continue the same trace (see
@@ -91,34 +97,34 @@ type tracing struct {
 // it becomes span data: an OTLP exporter refuses a whole batch for one
 // string that is not valid UTF-8.
 //
-// When the tracer provider's sampler drops a process span, no ack or nack
-// span is started under it (it would be dropped with it, or an orphan), and
+// When the tracer provider's sampler drops a process span, it ends when the
+// middleware returns, no ack or nack span is started under it (it would be dropped with it, or an orphan), and
 // the process span gets no outcome attributes; the metrics still count the
 // settlement.
 //
 // Metrics: settle.settlements (by outcome and handler), settle.handler.duration
 // (seconds) and settle.retries (in-process retries).
 //
-// The settle span reports the router's settlement. It ends before the
-// router acks or nacks, on the delivery's own goroutine, which router.Close
-// waits for: so a tracer provider shut down right after Close exports it.
-// When the chain returns an error (the router nacks) or no messages for the
-// router to publish (it acks), nothing is left for the router to decide,
-// and the span ends before the middleware returns. When the router still
-// has to publish messages the chain returned, the span ends when that
-// publish returns (the router then acks, or nacks if it failed), provided
-// the router has TracePublished among its publisher decorators:
+// The process span, and the ack or nack span under it if any, end before
+// the router acks or nacks, on the delivery's own goroutine, which
+// router.Close waits for: so a tracer provider shut down right after Close
+// exports them. When the chain returns an error (the router nacks) or no
+// messages for the router to publish (it acks), nothing is left for the
+// router to decide, and the spans end before the middleware returns. When
+// the router still has to publish messages the chain returned, they end
+// when that publish returns (the router then acks, or nacks if it failed),
+// provided the router has TracePublished among its publisher decorators:
 //
 //	router.AddPublisherDecorators(middleware.TracePublished)
 //
-// Without it, such a span ends when the router acks or nacks, on a goroutine
+// Without it, such spans end when the router acks or nacks, on a goroutine
 // of that delivery (or after the settle wait), which can be just after Close
 // returns; the middleware then reports the missing decorator once to the
 // OpenTelemetry error handler. A middleware inside this one that publishes
 // the output itself (dedupe.Config.Publisher, as pipeline does) leaves the
 // router nothing to publish and needs no decorator.
 // A middleware outside this one that changes what the chain returns is not
-// seen: the settle span names what the chain returned.
+// seen: settle.settled names what the chain returned.
 func NewTracing(opts ...settle.Option) (message.HandlerMiddleware, error) {
 	cfg := telemetry.Resolve(opts)
 	if cfg.System == "" {
