@@ -69,7 +69,9 @@ func ExampleNewTracing() {
 	msg := message.NewMessage("m-1", nil)
 	_, _ = h(msg)
 	msg.Ack() // what the router does after the chain returns
-	failing := tracing(func(msg *message.Message) ([]*message.Message, error) { return nil, errors.New("smtp: connection refused") })
+	failing := tracing(func(msg *message.Message) ([]*message.Message, error) {
+		return nil, errors.New("smtp: connection refused")
+	})
 	msg = message.NewMessage("m-2", nil)
 	_, _ = failing(msg)
 	msg.Nack()

@@ -232,7 +232,7 @@ func (t *tracing) reportUnpublished(d *spanNames) {
 // The delivery's process span stays open until then, with an ack span under
 // it for the wait. With TracePublished, both end when that publish
 // returns, on the delivery's own goroutine, before the router settles the
-// message; router.Close waits for that goroutine, so the span has ended
+// message; router.Close waits for that goroutine, so they have ended
 // when Close returns, and a tracer provider shut down right after exports
 // them. Without it, they end when the router acks or nacks, on a
 // goroutine of its own, which can be just after Close returns; the tracing
