@@ -372,7 +372,29 @@ func settleSpanWaitsForTheRoutersPublish(t *testing.T, decorated bool) {
 			}
 		}
 		eventually(t, 5*time.Second, "the settle span", func() bool { return len(settleSpans()) >= n })
-		return settleSpans()[n-1]
+		s := settleSpans()[n-1]
+		// The process span stays open until the settlement, so it ends
+		// with (just after) its ack span, and records what the router did.
+		var proc sdktrace.ReadOnlySpan
+		for _, p := range byName(tr.rec.Ended(), "process in") {
+			if p.SpanContext().SpanID() == s.Parent().SpanID() {
+				proc = p
+			}
+		}
+		if proc == nil {
+			t.Fatalf("settle span %d: its process span has not ended with it", n)
+		}
+		if proc.EndTime().Before(s.EndTime()) {
+			t.Errorf("settle span %d: the process span ended %v before it, want at the settlement", n, s.EndTime().Sub(proc.EndTime()))
+		}
+		want := "ack"
+		if release != nil {
+			want = "nack"
+		}
+		if got := attr(proc, settledKey).AsString(); got != want && wait < time.Second {
+			t.Errorf("settle span %d: process span settle.settled %q, want %q", n, got, want)
+		}
+		return s
 	}
 
 	must(t, ps.Publish("in", message.NewMessage("m-1", nil)))
