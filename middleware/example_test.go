@@ -54,8 +54,10 @@ func ExampleNewRetry() {
 }
 
 // The tracing middleware, outermost, turns each delivery into a process span
-// and a settle span for what the router does with it. With nothing left for
-// the router to publish, both have ended when the chain returns.
+// that ends at the settlement and records it (settle.settled): a plainly
+// acked delivery is that one span; a nacked one has a nack span under it too.
+// With nothing left for the router to publish, they have ended when the
+// chain returns.
 func ExampleNewTracing() {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
@@ -67,19 +69,33 @@ func ExampleNewTracing() {
 	msg := message.NewMessage("m-1", nil)
 	_, _ = h(msg)
 	msg.Ack() // what the router does after the chain returns
+	failing := tracing(func(msg *message.Message) ([]*message.Message, error) {
+		return nil, errors.New("smtp: connection refused")
+	})
+	msg = message.NewMessage("m-2", nil)
+	_, _ = failing(msg)
+	msg.Nack()
 	for _, s := range rec.Ended() {
-		fmt.Println(s.Name(), s.SpanKind())
+		line := s.Name() + " " + s.SpanKind().String()
+		for _, a := range s.Attributes() {
+			if a.Key == "settle.settled" {
+				line += " settled=" + a.Value.AsString()
+			}
+		}
+		fmt.Println(line)
 	}
 	// Output:
-	// process consumer
-	// ack client
+	// process consumer settled=ack
+	// nack client
+	// process consumer settled=nack
 }
 
 // A router assembled by hand whose handler returns messages for the router
-// to publish: with TracePublished among its publisher decorators, the settle
-// span ends when the router's publish returns, before the router acks, so it
-// has ended when router.Close returns and a tracer provider shut down right
-// after exports it.
+// to publish: the delivery's process span stays open while the router
+// publishes, with an ack span under it for that wait. With TracePublished
+// among its publisher decorators, both end when the router's publish
+// returns, before the router acks, so they have ended when router.Close
+// returns and a tracer provider shut down right after exports them.
 func ExampleTracePublished() {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
@@ -119,6 +135,6 @@ func ExampleTracePublished() {
 	}
 	// Output:
 	// create shipments
-	// process orders
 	// ack orders
+	// process orders
 }

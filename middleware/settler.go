@@ -9,16 +9,29 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 )
 
-// settling is one settle span and the delivery it reports.
+// settling is the spans of one delivery still to end at its settlement: its
+// process span, and the settle span under it when there is one (a nack, or
+// a wait on the router's publish).
 type settling struct {
 	msg     *message.Message
-	span    trace.Span
-	decided string // "ack" or "nack": what the middleware decided
+	process trace.Span
+	span    trace.Span // nil for a plain ack: the process span tells it
+	decided string     // "ack" or "nack": what the middleware decided
+	// recorded says the process span has its settle.settled already (the
+	// settlement was known when the middleware finished).
+	recorded bool
+}
+
+// settledName is the settle.settled value of an ack (true) or a nack.
+func settledName(acked bool) string {
+	if acked {
+		return "ack"
+	}
+	return "nack"
 }
 
 // settled says whether the message was acked or nacked already (inside the
@@ -34,30 +47,46 @@ func (w settling) settled() bool {
 	}
 }
 
-// endNow ends the span for the settlement the router is about to make
-// (routerAcks), or for the one already made if the message was settled
-// inside the chain. It runs on the delivery's goroutine.
-func (w settling) endNow(routerAcks bool) {
+// acks says whether the delivery is acked: by the settlement already made
+// if the message was settled inside the chain, else by the one the router
+// is about to make (routerAcks).
+func (w settling) acks(routerAcks bool) bool {
 	select {
 	case <-w.msg.Acked():
-		w.end(true)
+		return true
 	case <-w.msg.Nacked():
-		w.end(false)
+		return false
 	default:
-		w.end(routerAcks)
+		return routerAcks
 	}
 }
 
-// end ends the span for the router's ack (true) or nack.
+// endNow ends the spans for the settlement the router is about to make
+// (routerAcks), or for the one already made if the message was settled
+// inside the chain. It runs on the delivery's goroutine.
+func (w settling) endNow(routerAcks bool) { w.end(w.acks(routerAcks)) }
+
+// end ends the spans for the router's ack (true) or nack: the settle span,
+// if any, then the process span, which records the settlement.
 func (w settling) end(acked bool) {
+	on := w.span
+	if on == nil {
+		on = w.process
+	}
 	switch {
 	case acked && w.decided != "ack":
-		w.span.SetAttributes(attribute.String("settle.router_decision", "ack"))
+		on.SetAttributes(routerDecisionKey.String("ack"))
 	case !acked && w.decided != "nack":
-		w.span.SetAttributes(attribute.String("settle.router_decision", "nack"))
-		w.span.SetStatus(codes.Error, "the router nacked a message the middleware settled as ack (publishing its produced messages failed?)")
+		on.SetAttributes(routerDecisionKey.String("nack"))
+		on.SetStatus(codes.Error, "the router nacked a message the middleware settled as ack (publishing its produced messages failed?)")
 	}
-	w.span.End()
+	if w.span != nil {
+		w.span.End()
+	}
+	if !w.recorded {
+		w.process.SetAttributes(settledKey.String(settledName(acked)))
+	}
+	w.process.End()
 }
 
 // pendingKey is the context key under which each message the chain returns
@@ -162,6 +191,7 @@ func (p *pending) await() {
 func (p *pending) expire() {
 	p.span.SetStatus(codes.Error, "not acked or nacked within "+p.t.cfg.SettleWait.String())
 	p.span.End()
+	p.process.End()
 }
 
 // published ends the span once the router's publish of the delivery's
@@ -199,11 +229,12 @@ func (t *tracing) reportUnpublished(d *spanNames) {
 //
 // The router publishes a handler's output after the middleware chain has
 // returned, then acks the delivery, or nacks it when publishing failed.
-// With TracePublished, the delivery's settle span ends when that publish
+// The delivery's process span stays open until then, with an ack span under
+// it for the wait. With TracePublished, both end when that publish
 // returns, on the delivery's own goroutine, before the router settles the
-// message; router.Close waits for that goroutine, so the span has ended
+// message; router.Close waits for that goroutine, so they have ended
 // when Close returns, and a tracer provider shut down right after exports
-// it. Without it, the span ends when the router acks or nacks, on a
+// them. Without it, they end when the router acks or nacks, on a
 // goroutine of its own, which can be just after Close returns; the tracing
 // middleware then reports the missing decorator once to the OpenTelemetry
 // error handler (otel.Handle).
@@ -214,7 +245,7 @@ func (t *tracing) reportUnpublished(d *spanNames) {
 // other than a traced delivery's output pass through as they are, and
 // Close closes the publisher it decorates. Not needed when the output is
 // published inside the chain (pipeline, or dedupe.Config.Publisher): the
-// settle span then ends before the chain returns.
+// spans then end before the chain returns.
 func TracePublished(pub message.Publisher) (message.Publisher, error) {
 	if pub == nil {
 		return nil, nil

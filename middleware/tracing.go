@@ -29,6 +29,12 @@ const (
 	handlerKey  = attribute.Key("settle.handler")
 	retriesKey  = attribute.Key("settle.retries")
 	parkedToKey = attribute.Key("settle.parked_to")
+	// settledKey is what the router did with the delivery, on its process
+	// span: "ack" or "nack".
+	settledKey = attribute.Key("settle.settled")
+	// routerDecisionKey marks a settlement other than the one the
+	// middleware decided.
+	routerDecisionKey = attribute.Key("settle.router_decision")
 )
 
 // Defaults of the options NewTracing reads.
@@ -60,10 +66,16 @@ type tracing struct {
 //
 //   - a consumer span "process <topic>" (operation type process, plus
 //     settle.outcome, settle.attempt), whose parent is the producer's
-//     context read from the message's metadata;
-//   - a client span "ack <topic>" or "nack <topic>" (operation type settle)
-//     under it, named for what the router does with the message (see
-//     below for when it ends);
+//     context read from the message's metadata. It ends at the
+//     settlement and records it: settle.settled is "ack" or "nack", what
+//     the router does with the message (see below for when it ends). A
+//     plainly acked delivery is this one span;
+//   - a client span "nack <topic>" (operation type settle, with
+//     settle.outcome) under it when the router nacks the message, so that
+//     a delivery handed back to the broker shows as such;
+//   - a client span "ack <topic>" (operation type settle) under it only
+//     when the router publishes the messages the chain returned: it shows
+//     the wait for that publish, from the chain's return to the settlement;
 //   - a producer span "create <topic>" under it for each message the handler
 //     returns, whose context is written into that message's metadata, so
 //     the consumers of the handler's output continue the same trace (see
@@ -85,34 +97,34 @@ type tracing struct {
 // it becomes span data: an OTLP exporter refuses a whole batch for one
 // string that is not valid UTF-8.
 //
-// When the tracer provider's sampler drops a process span, no ack or nack
-// span is started under it (it would be dropped with it, or an orphan), and
+// When the tracer provider's sampler drops a process span, it ends when the
+// middleware returns, no ack or nack span is started under it (it would be dropped with it, or an orphan), and
 // the process span gets no outcome attributes; the metrics still count the
 // settlement.
 //
 // Metrics: settle.settlements (by outcome and handler), settle.handler.duration
 // (seconds) and settle.retries (in-process retries).
 //
-// The settle span reports the router's settlement. It ends before the
-// router acks or nacks, on the delivery's own goroutine, which router.Close
-// waits for: so a tracer provider shut down right after Close exports it.
-// When the chain returns an error (the router nacks) or no messages for the
-// router to publish (it acks), nothing is left for the router to decide,
-// and the span ends before the middleware returns. When the router still
-// has to publish messages the chain returned, the span ends when that
-// publish returns (the router then acks, or nacks if it failed), provided
-// the router has TracePublished among its publisher decorators:
+// The process span, and the ack or nack span under it if any, end before
+// the router acks or nacks, on the delivery's own goroutine, which
+// router.Close waits for: so a tracer provider shut down right after Close
+// exports them. When the chain returns an error (the router nacks) or no
+// messages for the router to publish (it acks), nothing is left for the
+// router to decide, and the spans end before the middleware returns. When
+// the router still has to publish messages the chain returned, they end
+// when that publish returns (the router then acks, or nacks if it failed),
+// provided the router has TracePublished among its publisher decorators:
 //
 //	router.AddPublisherDecorators(middleware.TracePublished)
 //
-// Without it, such a span ends when the router acks or nacks, on a goroutine
+// Without it, such spans end when the router acks or nacks, on a goroutine
 // of that delivery (or after the settle wait), which can be just after Close
 // returns; the middleware then reports the missing decorator once to the
 // OpenTelemetry error handler. A middleware inside this one that publishes
 // the output itself (dedupe.Config.Publisher, as pipeline does) leaves the
 // router nothing to publish and needs no decorator.
 // A middleware outside this one that changes what the chain returns is not
-// seen: the settle span names what the chain returned.
+// seen: settle.settled names what the chain returned.
 func NewTracing(opts ...settle.Option) (message.HandlerMiddleware, error) {
 	cfg := telemetry.Resolve(opts)
 	if cfg.System == "" {
@@ -343,9 +355,23 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 	// A span the sampler dropped records nothing: none of its attributes
 	// are built, and no settle span is started under it (see below).
 	recording := span.IsRecording()
+	s := settling{msg: msg, process: span, decided: "ack"}
+	if err != nil {
+		s.decided = "nack"
+	}
+	// awaits: the router publishes the handler's output after this
+	// middleware returns, then acks, or nacks when publishing failed.
+	// Otherwise the settlement is known now.
+	awaits := err == nil && len(produced) > 0 && publishes && !s.settled()
+	routerAcks := err == nil && len(produced) == 0
+	acked := s.acks(routerAcks)
 	if recording {
-		attrs := make([]attribute.KeyValue, 0, 4)
+		attrs := make([]attribute.KeyValue, 0, 5)
 		attrs = append(attrs, outcomeKey.String(string(outcome)), retriesKey.Int(retries))
+		if !awaits {
+			s.recorded = true
+			attrs = append(attrs, settledKey.String(settledName(acked)))
+		}
 		if n, aerr := strconv.Atoi(msg.Metadata.Get(settle.MetaAttempt)); aerr == nil {
 			attrs = append(attrs, attemptKey.Int(n))
 		}
@@ -369,7 +395,6 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 			span.SetAttributes(attribute.Bool("settle.cancelled", true))
 		}
 	}
-	span.End()
 	end := time.Now()
 
 	ctx := msg.Context()
@@ -380,17 +405,40 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 		t.retries.Add(ctx, int64(retries), t.measurement("", d.handler).add...)
 	}
 	if !recording {
-		// The sampler dropped the delivery's trace: its settle span would
-		// be a child of a span nobody sees (the parent-based samplers drop
+		// The sampler dropped the delivery's trace: no child span is
+		// started under a span nobody sees (the parent-based samplers drop
 		// it too; any other would make it an orphan). The metrics above
 		// still count the settlement.
+		span.End()
 		return
 	}
 
-	op, name, opName := "ack", d.ack, operationAck
-	if err != nil {
-		op, name, opName = "nack", d.nack, operationNack
+	if awaits {
+		// The router publishes the handler's output after this middleware
+		// returns, then acks, or nacks when publishing failed: the process
+		// span stays open until that publish returns (TracePublished), or
+		// else until the router acks or nacks, under a settle span that
+		// shows the wait.
+		s.span = t.settleSpan(pctx, msg, rec, d, d.ack, operationAck, outcome)
+		t.awaitPublish(s, d, produced)
+		return
 	}
+	// Nothing is left for the router to decide: it nacks an error and acks
+	// a success at once (and nacks a success with output but no publisher).
+	// The spans end here, on the delivery's own goroutine, which
+	// router.Close waits for: so they have ended when Close returns, and a
+	// tracer provider shut down right after still exports them. A plain
+	// ack is told by the process span alone; a nack gets a settle span of
+	// its own, so that a message handed back to the broker shows as such.
+	if !acked {
+		s.span = t.settleSpan(pctx, msg, rec, d, d.nack, operationNack, outcome)
+	}
+	s.end(acked)
+}
+
+// settleSpan starts a delivery's settle span (operation type settle) under
+// its process span.
+func (t *tracing) settleSpan(pctx context.Context, msg *message.Message, rec *settlement.Record, d *spanNames, name string, op attribute.KeyValue, outcome settle.Outcome) trace.Span {
 	ids := rec.Attributes()
 	sattrs := make([]attribute.KeyValue, 0, len(ids)+5)
 	sattrs = append(sattrs, ids...)
@@ -398,25 +446,11 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 		d.destination,
 		telemetry.MessageID(msg.UUID),
 		semconv.MessagingOperationTypeSettle,
-		opName,
+		op,
 		outcomeKey.String(string(outcome)),
 	)
-	_, settleSpan := t.tracer.Start(pctx, name, t.client, trace.WithAttributes(sattrs...))
-	s := settling{msg: msg, span: settleSpan, decided: op}
-	if err == nil && len(produced) > 0 && publishes && !s.settled() {
-		// The router publishes the handler's output after this middleware
-		// returns, then acks, or nacks when publishing failed: the span
-		// ends when that publish returns (TracePublished), or else when
-		// the router acks or nacks.
-		t.awaitPublish(s, d, produced)
-		return
-	}
-	// Nothing is left for the router to decide: it nacks an error and acks
-	// a success at once (and nacks a success with output but no publisher).
-	// The span ends here, on the delivery's own goroutine, which
-	// router.Close waits for: so it has ended when Close returns, and a
-	// tracer provider shut down right after still exports it.
-	s.endNow(err == nil && len(produced) == 0)
+	_, span := t.tracer.Start(pctx, name, t.client, trace.WithAttributes(sattrs...))
+	return span
 }
 
 type metricKey struct {

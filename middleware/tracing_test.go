@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sort"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -126,17 +127,33 @@ func TestTracingOutcomes(t *testing.T) {
 			if (last.Status().Code == codes.Error) != c.statusErr {
 				t.Errorf("status %v, want error=%v", last.Status(), c.statusErr)
 			}
-			eventually(t, 5*time.Second, "the settle span", func() bool { return len(byName(tr.rec.Ended(), c.settleOp+" "+topic)) > 0 })
-			spans := tr.rec.Ended()
-			settles := byName(spans, c.settleOp+" "+topic)
-			if len(settles) == 0 {
-				t.Fatalf("no %q span among %d", c.settleOp+" "+topic, len(spans))
+			// The process span ends at the settlement and records it; a
+			// nack has a settle span of its own under it, a plain ack none.
+			if got := attr(last, settledKey).AsString(); got != c.settleOp {
+				t.Fatalf("process span settle.settled = %q, want %q", got, c.settleOp)
 			}
-			st := settles[len(settles)-1]
-			if st.SpanKind() != trace.SpanKindClient || attr(st, "messaging.operation.type").AsString() != "settle" ||
-				st.Parent().SpanID() != last.SpanContext().SpanID() {
-				t.Fatalf("settle span kind=%v op=%q parent=%v; want a client settle span under the process span",
-					st.SpanKind(), attr(st, "messaging.operation.type").AsString(), st.Parent().SpanID())
+			spans := tr.rec.Ended()
+			if c.settleOp == "ack" {
+				n := 0
+				for _, st := range append(byName(spans, "ack "+topic), byName(spans, "nack "+topic)...) {
+					if st.Parent().SpanID() == last.SpanContext().SpanID() {
+						n++
+					}
+				}
+				if n != 0 {
+					t.Fatalf("%d settle spans for a plain ack, want none: the process span tells it", n)
+				}
+			} else {
+				settles := byName(spans, "nack "+topic)
+				if len(settles) == 0 {
+					t.Fatalf("no %q span among %d", "nack "+topic, len(spans))
+				}
+				st := settles[len(settles)-1]
+				if st.SpanKind() != trace.SpanKindClient || attr(st, "messaging.operation.type").AsString() != "settle" ||
+					st.Parent().SpanID() != last.SpanContext().SpanID() {
+					t.Fatalf("settle span kind=%v op=%q parent=%v; want a client settle span under the process span",
+						st.SpanKind(), attr(st, "messaging.operation.type").AsString(), st.Parent().SpanID())
+				}
 			}
 			checkIdentified(t, spans, "gochannel")
 			if c.wantParked != "" {
@@ -165,8 +182,8 @@ func TestTracingRetryAndDuplicate(t *testing.T) {
 	s.waitAcked(1)
 	s.publish(message.NewMessage(uuid, nil)) // a redelivery after success
 	s.waitAcked(2)
-	eventually(t, 5*time.Second, "settle spans", func() bool { return len(byName(tr.rec.Ended(), "ack "+topic)) == 2 })
-	spans := tr.spans(t, 6)
+	eventually(t, 5*time.Second, "settlements", func() bool { return len(byName(tr.rec.Ended(), "process "+topic)) == 3 })
+	spans := tr.spans(t, 4)
 	procs := byName(spans, "process "+topic)
 	sort.Slice(procs, func(i, j int) bool { return procs[i].StartTime().Before(procs[j].StartTime()) })
 	var outcomes []string
@@ -184,8 +201,15 @@ func TestTracingRetryAndDuplicate(t *testing.T) {
 	if n := len(byName(spans, "nack "+topic)); n != 1 {
 		t.Fatalf("%d nack spans, want 1", n)
 	}
-	if n := len(byName(spans, "ack "+topic)); n != 2 {
-		t.Fatalf("%d ack spans, want 2", n)
+	if n := len(byName(spans, "ack "+topic)); n != 0 {
+		t.Fatalf("%d ack spans, want none: a plain ack is told by its process span", n)
+	}
+	var settled []string
+	for _, p := range procs {
+		settled = append(settled, attr(p, settledKey).AsString())
+	}
+	if strings.Join(settled, " ") != "nack ack ack" {
+		t.Fatalf("process spans settle.settled %v, want [nack ack ack]", settled)
 	}
 	var rm metricdata.ResourceMetrics
 	must(t, tr.reader.Collect(t.Context(), &rm))
@@ -228,14 +252,32 @@ func TestSettleSpanEndsBeforeTheMiddlewareReturns(t *testing.T) {
 			h := tr.mw(func(*message.Message) ([]*message.Message, error) { return c.out, c.err })
 			_, _ = h(message.NewMessage("m-1", nil))
 			got := tr.rec.Ended()
-			if len(got) != 2 || got[0].Name() != "process" || got[1].Name() != c.want {
-				t.Fatalf("when the middleware returned, %d spans had ended; want process, then %s", len(got), c.want)
+			// A plain ack: the process span alone. A nack: its settle
+			// span, then the process span, which ends at the settlement.
+			var proc, settle sdktrace.ReadOnlySpan
+			switch {
+			case c.want == "ack" && c.decision == "" && len(got) == 1 && got[0].Name() == "process":
+				proc = got[0]
+			case len(got) == 2 && got[0].Name() == "nack" && got[1].Name() == "process":
+				settle, proc = got[0], got[1]
+			default:
+				t.Fatalf("when the middleware returned, %d spans had ended; want the process span (and a nack span before it for a nack)", len(got))
 			}
-			if d := attr(got[1], "settle.router_decision").AsString(); d != c.decision {
+			want := c.want
+			if c.decision != "" {
+				want = c.decision
+			}
+			if s := attr(proc, settledKey).AsString(); s != want {
+				t.Errorf("settle.settled %q, want %q", s, want)
+			}
+			if settle == nil {
+				return
+			}
+			if d := attr(settle, "settle.router_decision").AsString(); d != c.decision {
 				t.Errorf("settle.router_decision %q, want %q", d, c.decision)
 			}
-			if c.decision == "nack" && got[1].Status().Code != codes.Error {
-				t.Errorf("a success the router nacks: settle span status %v, want an error", got[1].Status())
+			if c.decision == "nack" && settle.Status().Code != codes.Error {
+				t.Errorf("a success the router nacks: settle span status %v, want an error", settle.Status())
 			}
 		})
 	}
@@ -330,7 +372,29 @@ func settleSpanWaitsForTheRoutersPublish(t *testing.T, decorated bool) {
 			}
 		}
 		eventually(t, 5*time.Second, "the settle span", func() bool { return len(settleSpans()) >= n })
-		return settleSpans()[n-1]
+		s := settleSpans()[n-1]
+		// The process span stays open until the settlement, so it ends
+		// with (just after) its ack span, and records what the router did.
+		var proc sdktrace.ReadOnlySpan
+		for _, p := range byName(tr.rec.Ended(), "process in") {
+			if p.SpanContext().SpanID() == s.Parent().SpanID() {
+				proc = p
+			}
+		}
+		if proc == nil {
+			t.Fatalf("settle span %d: its process span has not ended with it", n)
+		}
+		if proc.EndTime().Before(s.EndTime()) {
+			t.Errorf("settle span %d: the process span ended %v before it, want at the settlement", n, s.EndTime().Sub(proc.EndTime()))
+		}
+		want := "ack"
+		if release != nil {
+			want = "nack"
+		}
+		if got := attr(proc, settledKey).AsString(); got != want && wait < time.Second {
+			t.Errorf("settle span %d: process span settle.settled %q, want %q", n, got, want)
+		}
+		return s
 	}
 
 	must(t, ps.Publish("in", message.NewMessage("m-1", nil)))
@@ -388,7 +452,7 @@ func TestProducerContextIsParentOrLink(t *testing.T) {
 			t.Fatal(err)
 		}
 		m.Ack()
-		return tr.spans(t, 2)[0]
+		return tr.spans(t, 1)[0]
 	}
 	parent := run(newTraced(t))
 	if parent.Parent().SpanID() != producer.SpanContext().SpanID() || parent.SpanContext().TraceID() != producer.SpanContext().TraceID() {
@@ -494,7 +558,7 @@ func TestProducedMessagesContinueTheTrace(t *testing.T) {
 			})
 			must(t, ps.Publish("in", message.NewMessage("m-1", nil)))
 			eventually(t, 5*time.Second, "both deliveries acked", func() bool {
-				return len(byName(tr.rec.Ended(), "ack in")) == 1 && len(byName(tr.rec.Ended(), "ack mid")) == 1
+				return len(byName(tr.rec.Ended(), "process in")) == 1 && len(byName(tr.rec.Ended(), "process mid")) == 1
 			})
 			spans := tr.rec.Ended()
 			one := func(name string) sdktrace.ReadOnlySpan {
@@ -600,3 +664,6 @@ func TestDroppedDeliveryStartsNoSettleSpanAndIsCounted(t *testing.T) {
 		})
 	}
 }
+
+// settledKey is what the router did with a delivery, on its process span.
+const settledKey = attribute.Key("settle.settled")

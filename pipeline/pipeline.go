@@ -326,7 +326,7 @@ func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, sto
 		// Without a store the output is published here too, not by the
 		// router after the chain has returned: so a failed publish is a
 		// failed run, as with a store, and the tracing middleware ends the
-		// delivery's settle span before the chain returns, which
+		// delivery's spans before the chain returns, which
 		// router.Close waits for (see middleware.NewTracing).
 		mws = append(mws, publishOutput(p.cfg.Publisher, publishTopic))
 	}

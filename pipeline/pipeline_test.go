@@ -210,11 +210,11 @@ func TestPipelineProducingAndTx(t *testing.T) {
 		must(t, h.pubsub.Publish("orders", message.NewMessage("o-1", []byte(`{"id":"A-1","cents":5}`))))
 		must(t, h.pubsub.Publish("payments", message.NewMessage("p-1", []byte(`{"id":"A-1","cents":5}`))))
 	}
-	// All four deliveries settled (their ack spans ended), then count effects.
+	// All four deliveries settled (their process spans, which record it, ended), then count effects.
 	waitFor(t, "four acked deliveries", func() bool {
 		n := 0
 		for _, s := range h.spans.Ended() {
-			if strings.HasPrefix(s.Name(), "ack ") {
+			if settledAs(s) == "ack" {
 				n++
 			}
 		}

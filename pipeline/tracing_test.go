@@ -3,6 +3,7 @@ package pipeline_test
 import (
 	"context"
 	"database/sql"
+	"strings"
 	"testing"
 	"time"
 
@@ -54,7 +55,11 @@ func TestProducedMessagesContinueTheTrace(t *testing.T) {
 		}
 		return out
 	}
-	waitFor(t, "both deliveries acked", func() bool { return len(byName("ack orders")) == 1 && len(byName("ack shipments")) == 1 })
+	acked := func(name string) bool {
+		got := byName(name)
+		return len(got) == 1 && settledAs(got[0]) == "ack"
+	}
+	waitFor(t, "both deliveries acked", func() bool { return acked("process orders") && acked("process shipments") })
 	procs, creates, notify := byName("process orders"), byName("create shipments"), byName("process shipments")
 	if len(procs) != 1 || len(creates) != 1 || len(notify) != 1 {
 		t.Fatalf("%d process orders, %d create shipments, %d process shipments spans; want one each", len(procs), len(creates), len(notify))
@@ -123,4 +128,18 @@ func TestTxOutboxMessagesContinueTheTrace(t *testing.T) {
 	if handler == "" {
 		t.Fatalf("the create span has no settle.handler: %v", create.Attributes())
 	}
+}
+
+// settledAs is what the router did with a delivery, as its process span
+// records it (settle.settled): "ack", "nack", or "" for any other span.
+func settledAs(s sdktrace.ReadOnlySpan) string {
+	if !strings.HasPrefix(s.Name(), "process ") {
+		return ""
+	}
+	for _, a := range s.Attributes() {
+		if a.Key == "settle.settled" {
+			return a.Value.AsString()
+		}
+	}
+	return ""
 }

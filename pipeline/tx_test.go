@@ -463,7 +463,7 @@ func pipelineHandleTx[TTx any](t *testing.T, d db[TTx]) {
 		waitFor(t, "three acked deliveries", func() bool {
 			n := 0
 			for _, s := range h.spans.Ended() {
-				if strings.HasPrefix(s.Name(), "ack ") {
+				if settledAs(s) == "ack" {
 					n++
 				}
 			}

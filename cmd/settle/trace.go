@@ -358,7 +358,8 @@ func order(t jTrace) []row {
 }
 
 // notes are what a span's line says besides its name: settle's outcome and
-// attempt, the error, and where a parked copy went.
+// attempt, where a parked copy went, what the router did with the delivery
+// (acked or nacked), and the error.
 func notes(s jSpan) []string {
 	var n []string
 	if h := s.tag("settle.handler"); h != "" && s.tag("messaging.operation.type") == "process" {
@@ -372,6 +373,14 @@ func notes(s jSpan) []string {
 	}
 	if p := s.tag("settle.parked_to"); p != "" {
 		n = append(n, "parked to "+p)
+	}
+	// What the router did with the delivery, recorded on its process span
+	// (a nack also has a span of its own under it).
+	switch s.tag("settle.settled") {
+	case "ack":
+		n = append(n, "acked")
+	case "nack":
+		n = append(n, "nacked")
 	}
 	if d := s.tag("settle.router_decision"); d != "" {
 		n = append(n, "router "+d)

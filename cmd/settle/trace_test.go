@@ -173,13 +173,13 @@ func TestTraceCommandShowsADeliveryFromJaeger(t *testing.T) {
 	if err := errors.Join(router.Close(), <-done, ps.Close()); err != nil {
 		t.Fatal(err)
 	}
-	// The settle spans end on the router's ack, on the tracing middleware's
-	// own goroutine, which may come after Close: a span ended after the
-	// provider's shutdown would never be exported.
+	// The poisoned delivery's process span ends at its settlement, which it
+	// records; a span ended after the provider's shutdown would never be
+	// exported.
 	settled := time.Now().Add(10 * time.Second)
-	for !hasEnded(ended, "ack shipments") {
+	for !hasEnded(ended, "process shipments") {
 		if time.Now().After(settled) {
-			t.Fatal("the settle span of the poisoned delivery did not end within 10s")
+			t.Fatal("the process span of the poisoned delivery did not end within 10s")
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
@@ -193,7 +193,7 @@ func TestTraceCommandShowsADeliveryFromJaeger(t *testing.T) {
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		r = runCmd(t.Context(), nil, "trace", "-jaeger", j.query, "-service", service, "-message", uuid)
-		if r.code == exitOK && strings.Contains(r.stdout, "ack shipments") {
+		if r.code == exitOK && strings.Contains(r.stdout, "send shipments.poison") && strings.Count(r.stdout, "acked") == 2 {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -217,12 +217,15 @@ func TestTraceCommandShowsADeliveryFromJaeger(t *testing.T) {
 		return 0
 	}
 	in, create, mid := depth("process orders"), depth("create shipments"), depth("process shipments")
-	send, ack := depth("send shipments.poison"), depth("ack shipments")
-	if !(in < create && create < mid && mid < send && send == ack) {
-		t.Errorf("columns: process orders %d, create %d, process shipments %d, send %d, ack %d; want each under the one before, send and ack siblings:\n%s",
-			in, create, mid, send, ack, r.stdout)
+	send := depth("send shipments.poison")
+	if !(in < create && create < mid && mid < send) {
+		t.Errorf("columns: process orders %d, create %d, process shipments %d, send %d; want each under the one before:\n%s",
+			in, create, mid, send, r.stdout)
 	}
-	for _, want := range []string{"[handler notify, poisoned, attempt 1, parked to shipments.poison, ERROR permanent: no such customer]", "└─ ", "├─ "} {
+	if strings.Contains(r.stdout, "ack shipments") || strings.Contains(r.stdout, "ack orders") {
+		t.Errorf("a plain ack shows as a span of its own, want it on the process span:\n%s", r.stdout)
+	}
+	for _, want := range []string{"[handler notify, poisoned, attempt 1, parked to shipments.poison, acked, ERROR permanent: no such customer]", "└─ "} {
 		if !strings.Contains(r.stdout, want) {
 			t.Errorf("the tree lacks %q:\n%s", want, r.stdout)
 		}
@@ -274,11 +277,10 @@ func TestTraceFromASavedResponse(t *testing.T) {
 	saved := `{"data":[
  {"traceID":"aa","processes":{"p1":{"serviceName":"svc"}},"spans":[
   {"spanID":"1","operationName":"process orders","startTime":1000,"duration":50,"processID":"p1",
-   "tags":[{"key":"settle.outcome","value":"done"},{"key":"settle.handler","value":"charge"},{"key":"messaging.operation.type","value":"process"},{"key":"order.id","value":"A-1"}]},
-  {"spanID":"2","operationName":"ack orders","startTime":1040,"duration":5,"processID":"p1","references":[{"refType":"CHILD_OF","spanID":"1"}]}]},
+   "tags":[{"key":"settle.outcome","value":"done"},{"key":"settle.handler","value":"charge"},{"key":"messaging.operation.type","value":"process"},{"key":"settle.settled","value":"ack"},{"key":"order.id","value":"A-1"}]}]},
  {"traceID":"bb","processes":{"p1":{"serviceName":"svc"}},"spans":[
   {"spanID":"3","operationName":"process orders","startTime":5000,"duration":70,"processID":"p1",
-   "tags":[{"key":"settle.outcome","value":"retry"},{"key":"otel.status_code","value":"ERROR"},{"key":"otel.status_description","value":"boom"},{"key":"order.id","value":"A-1"}],
+   "tags":[{"key":"settle.outcome","value":"retry"},{"key":"otel.status_code","value":"ERROR"},{"key":"otel.status_description","value":"boom"},{"key":"settle.settled","value":"nack"},{"key":"order.id","value":"A-1"}],
    "logs":[{"timestamp":5010,"fields":[{"key":"event","value":"settle.attempt_failed"},{"key":"settle.attempt","value":1}]}]},
   {"spanID":"4","operationName":"nack orders","startTime":5060,"duration":5,"processID":"p1","references":[{"refType":"CHILD_OF","spanID":"3"}]}]}]}`
 	path := filepath.Join(t.TempDir(), "traces.json")
@@ -288,14 +290,14 @@ func TestTraceFromASavedResponse(t *testing.T) {
 	r := mustRun(t, exitOK, "trace", "-in", path, "-tag", "order.id=A-1")
 	want := "trace bb: 2 spans in 70µs, service svc\n\n" +
 		"    start  duration  span\n" +
-		"      0µs      70µs  process orders  [retry, ERROR boom]\n" +
+		"      0µs      70µs  process orders  [retry, nacked, ERROR boom]\n" +
 		"     10µs               · settle.attempt_failed settle.attempt=1\n" +
 		"     60µs       5µs  └─ nack orders\n"
 	if r.stdout != want || !strings.Contains(r.stderr, "1 more traces match; showing the newest") {
 		t.Errorf("got\n%s\nwant\n%s\nstderr: %s", r.stdout, want, r.stderr)
 	}
 	r = mustRun(t, exitOK, "trace", "-in", path, "-id", "aa")
-	if !strings.Contains(r.stdout, "process orders  [handler charge, done]") || !strings.Contains(r.stdout, "└─ ack orders") {
+	if !strings.Contains(r.stdout, "process orders  [handler charge, done, acked]") || strings.Contains(r.stdout, "ack orders") {
 		t.Errorf("-id aa:\n%v", r)
 	}
 	mustRun(t, exitFail, "trace", "-in", path, "-tag", "order.id=A-2")
