@@ -44,3 +44,7 @@ var AsLease = asLease
 
 // LeaseQuery is the PostgreSQL claim statement of a lease (ConfirmInTx).
 func LeaseQuery[TTx any](s *SQLStore[TTx]) string { return s.q.claimLease }
+
+// SetTxLockWait sets how long, in seconds, a partitioned MySQL store waits
+// for a key's lock in a caller's transaction. Only before any test runs.
+func SetTxLockWait(seconds int) { txLockWait = seconds }

@@ -865,7 +865,7 @@ func (s *SQLStore[TTx]) keyLock(ctx context.Context, k []byte) (unlock func(), e
 	name := fmt.Sprintf("settle-dedupe-%016x", uint64(lockKey(s.table, k)))
 	wait := mysqlLockWait
 	if s.ex.InTx() {
-		wait = mysqlTxLockWait
+		wait = txLockWait
 	}
 	var got sql.NullInt64
 	if err := s.queryRow(ctx, "SELECT GET_LOCK(?, ?)", []any{name, wait}, &got); err != nil {
@@ -882,6 +882,11 @@ func (s *SQLStore[TTx]) keyLock(ctx context.Context, k []byte) (unlock func(), e
 
 // mysqlTxLockWait is keyLock's wait, in seconds, in a caller's transaction.
 const mysqlTxLockWait = 5
+
+// txLockWait is mysqlTxLockWait, shortened by the package's tests before
+// any runs (a cycle at SERIALIZABLE, where reads lock rows, otherwise costs
+// the linearizability run minutes of waits).
+var txLockWait = mysqlTxLockWait
 
 // errTxKeyLock is keyLock's failure in a caller's transaction.
 var errTxKeyLock = fmt.Errorf("the key's lock was not granted within %d s: another claim of the key may be waiting for a lock this transaction holds; roll the transaction back and run it again", mysqlTxLockWait)
