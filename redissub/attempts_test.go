@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/redis/go-redis/v9"
 
@@ -48,12 +47,7 @@ func TestForgedDeliveryCountRuns(t *testing.T) {
 
 			var sub message.Subscriber
 			if stock {
-				s, err := redisstream.NewSubscriber(redissub.SubscriberConfig(newClient(t), group), nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { _ = s.Close() })
-				sub = s
+				sub = stockSub(t, redissub.SubscriberConfig(newClient(t), group))
 			} else {
 				sub = newSub(t, c, redissub.Config{ConsumerGroup: group})
 			}

@@ -1,6 +1,8 @@
 package redissub
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"math"
 	"time"
@@ -47,7 +49,13 @@ const (
 //     TestIdleConsumerDeletion). A consumer that has gone stays listed in
 //     the group, with nothing pending: a few bytes each;
 //   - DisableIndefiniteInitialBlock: every read returns within BlockTime,
-//     so that a subscriber of an empty stream notices Close at once.
+//     so that a subscriber of an empty stream notices Close at once;
+//   - ShouldStopOnReadErrors stops the reader on a cancelled context or a
+//     closed client, the errors Close causes: without it the reader sleeps
+//     500ms after the failed read and only then returns, and Close does not
+//     wait for it, so a goroutine outlives Close (a test checking for leaked
+//     goroutines sees it). watermill-redisstream logs "stop reading after
+//     error" at error level when it stops the reader this way.
 //
 // Set Unmarshaller or the other fields on the result as needed, and pass it
 // through CheckSubscriberConfig if you change them.
@@ -60,7 +68,14 @@ func SubscriberConfig(client redis.UniversalClient, group string) redisstream.Su
 		ConsumerTimeout:               never,
 		CheckConsumersInterval:        stockCheckConsumers,
 		DisableIndefiniteInitialBlock: true,
+		ShouldStopOnReadErrors:        closedByClose,
 	}
+}
+
+// closedByClose reports whether err is one a read fails with once its
+// subscriber is closed or its subscription's context cancelled.
+func closedByClose(err error) bool {
+	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, redis.ErrClosed)
 }
 
 // CheckSubscriberConfig reports, in an error wrapping ErrInvalidConfig, a

@@ -106,11 +106,7 @@ func TestIdleConsumerDeletion(t *testing.T) {
 			// deletes itself: the same race, in one process).
 			vcfg := tune(tc.cfg(newClient(t), group), "victim")
 			vcfg.CheckConsumersInterval = 100 * time.Hour
-			victim, err := redisstream.NewSubscriber(vcfg, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = victim.Close() })
+			victim := stockSub(t, vcfg)
 			vch, err := victim.Subscribe(t.Context(), stream)
 			if err != nil {
 				t.Fatal(err)
@@ -137,11 +133,7 @@ func TestIdleConsumerDeletion(t *testing.T) {
 			// watermill-redisstream's reader sleeps 500ms after a failed read
 			// (the held-back XREADGROUP), and Close does not wait for it.
 			t.Cleanup(func() { time.Sleep(600 * time.Millisecond) })
-			survivor, err := redisstream.NewSubscriber(tune(tc.cfg(sc, group), "survivor"), nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = survivor.Close() })
+			survivor := stockSub(t, tune(tc.cfg(sc, group), "survivor"))
 			sch, err := survivor.Subscribe(t.Context(), stream)
 			if err != nil {
 				t.Fatal(err)

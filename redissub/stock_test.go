@@ -1,23 +1,29 @@
 package redissub_test
 
 import (
+	"bytes"
+	"fmt"
+	"runtime"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/settle-go/settle/redissub"
 )
 
 // stockSub returns watermill-redisstream's subscriber of cfg, closed at
-// the test's end. It closes cfg.Client.
+// the test's end.
 func stockSub(t testing.TB, cfg redisstream.SubscriberConfig) *redisstream.Subscriber {
 	t.Helper()
-	// Its reader may sleep 500ms after a failed read when Close closed the
-	// client, and Close does not wait for it.
-	t.Cleanup(func() { time.Sleep(600 * time.Millisecond) })
+	if cfg.ShouldStopOnReadErrors == nil {
+		// Its reader sleeps 500ms after the read Close makes fail, and
+		// Close does not wait for it (SubscriberConfig stops it at once).
+		t.Cleanup(func() { time.Sleep(600 * time.Millisecond) })
+	}
 	s, err := redisstream.NewSubscriber(cfg, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -119,4 +125,52 @@ func TestInFlightPerSubscription(t *testing.T) {
 			waitPending(t, admin, stream, group, 0)
 		})
 	}
+}
+
+// With SubscriberConfig, no reader of watermill-redisstream's subscriber is
+// left once Close has returned: the read that Close makes fail stops it,
+// where the package's own config sleeps 500ms first.
+func TestStockCloseLeavesNoReader(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name  string
+		cfg   func(redis.UniversalClient, string) redisstream.SubscriberConfig
+		wants bool // a reader still there right after Close
+	}{
+		{"SubscriberConfig", redissub.SubscriberConfig, false},
+		{"package defaults", func(c redis.UniversalClient, g string) redisstream.SubscriberConfig {
+			return redisstream.SubscriberConfig{Client: c, ConsumerGroup: g, DisableIndefiniteInitialBlock: true}
+		}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			c := newClient(t)
+			stream, group := names(t, c)
+			publish(t, c, stream, message.NewMessage(watermill.NewUUID(), []byte("x")))
+			sub := stockSub(t, tc.cfg(c, group))
+			ch, err := sub.Subscribe(t.Context(), stream)
+			if err != nil {
+				t.Fatal(err)
+			}
+			receive(t, ch, 5*time.Second).Ack()
+			// The reader is now blocked in XREADGROUP on the empty stream.
+			time.Sleep(50 * time.Millisecond)
+			if err := sub.Close(); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(100 * time.Millisecond)
+			if got := readerOf(sub); got != tc.wants {
+				t.Fatalf("a reader left 100ms after Close: %v, want %v", got, tc.wants)
+			}
+		})
+	}
+}
+
+// readerOf reports whether a goroutine of watermill-redisstream's reader
+// is running for sub, the read method's receiver, whose address the
+// goroutines' stacks show as its first argument.
+func readerOf(sub *redisstream.Subscriber) bool {
+	buf := make([]byte, 1<<22)
+	buf = buf[:runtime.Stack(buf, true)]
+	return bytes.Contains(buf, fmt.Appendf(nil, "redisstream.(*Subscriber).read(%p,", sub))
 }
