@@ -212,11 +212,42 @@ func eventually(t *testing.T, within time.Duration, what string, cond func() boo
 }
 
 func testExpiryTakeover(t *testing.T, h Harness) {
-	old := claim(t, h.Store, "k", h.ClaimTTL, dedupe.Acquired)
-	claim(t, h.Store, "k", h.ClaimTTL, dedupe.Busy)
+	// A claim of the key right after the first must find it busy, unless
+	// the test stalled (GC, a loaded CI machine, a caller's transaction
+	// begun again after a conflict) for the claim's whole lifetime between
+	// the two: then the second claim takes the expired key over rightly,
+	// which proves nothing either way, and the case starts again on a new
+	// key, as testRenewal does. A key acquired sooner than ClaimTTL after
+	// the first claim began fails the test.
+	for attempt := range 5 {
+		key := "k"
+		if attempt > 0 {
+			key = fmt.Sprintf("k-%d", attempt)
+		}
+		if expiryTakeover(t, h, key) {
+			return
+		}
+		t.Logf("attempt %d: the test stalled longer than the claim's lifetime (%v); again on a new key", attempt+1, h.ClaimTTL)
+	}
+	t.Fatalf("every attempt stalled longer than the claim's lifetime (%v)", h.ClaimTTL)
+}
+
+// expiryTakeover is testExpiryTakeover on key. It reports false when the
+// test stalled for the claim's lifetime before the busy check.
+func expiryTakeover(t *testing.T, h Harness, key string) bool {
+	start := time.Now() // no later than the database's time of the first claim
+	old := claim(t, h.Store, key, h.ClaimTTL, dedupe.Acquired)
+	busy, err := h.Store.Claim(t.Context(), key, h.ClaimTTL)
+	mustOK(t, "Claim", err)
+	if busy.Result != dedupe.Busy {
+		if since := time.Since(start); since < h.ClaimTTL || busy.Result != dedupe.Acquired {
+			t.Fatalf("Claim(%q) %v after the first claim began = %v, want busy", key, since, busy.Result)
+		}
+		return false
+	}
 	var taken dedupe.Claim
 	eventually(t, 20*h.ClaimTTL, "expired claim taken over", func() bool {
-		c, err := h.Store.Claim(t.Context(), "k", longTTL)
+		c, err := h.Store.Claim(t.Context(), key, longTTL)
 		mustOK(t, "Claim", err)
 		taken = c
 		return c.Result == dedupe.Acquired
@@ -231,7 +262,8 @@ func testExpiryTakeover(t *testing.T, h Harness) {
 	mustLost(t, "old owner Release", h.Store.Release(t.Context(), old))
 	mustLost(t, "old owner Renew", h.Store.Renew(t.Context(), old, longTTL))
 	mustOK(t, "new owner Confirm", h.Store.Confirm(t.Context(), taken))
-	claim(t, h.Store, "k", longTTL, dedupe.Duplicate)
+	claim(t, h.Store, key, longTTL, dedupe.Duplicate)
+	return true
 }
 
 func testRenewal(t *testing.T, h Harness) {
