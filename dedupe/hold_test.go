@@ -85,7 +85,14 @@ func TestHoldTxOnPostgresAtEveryIsolationLevel(t *testing.T) {
 				t.Parallel()
 				db := testenv.Postgres(t)
 				store, run := c.setup(t, db, testenv.DedupeTable(t, db))
-				mw, err := dedupe.NewMiddleware(dedupe.Config{Store: store, ClaimTimeout: 600 * time.Millisecond, RenewInterval: 150 * time.Millisecond})
+				// A claim timeout of 2s renewed every 150ms: at READ COMMITTED the
+				// renewals go on beside the transaction, and on a loaded machine
+				// (a PostgreSQL round trip under -race beside other packages'
+				// tests) one took longer than the 450ms a timeout of 600ms left
+				// it, the claim lapsed, and the handler was cancelled. The
+				// handler outlives the timeout all the same.
+				const claimTimeout = 2 * time.Second
+				mw, err := dedupe.NewMiddleware(dedupe.Config{Store: store, ClaimTimeout: claimTimeout, RenewInterval: 150 * time.Millisecond})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -98,9 +105,17 @@ func TestHoldTxOnPostgresAtEveryIsolationLevel(t *testing.T) {
 				h := mw(func(msg *message.Message) ([]*message.Message, error) {
 					runs++
 					return nil, run(msg.Context(), iso, func(ctx context.Context) error {
-						time.Sleep(700 * time.Millisecond) // past the claim timeout: renewals, or the hold, keep it
-						// Another worker's claim of the key.
-						cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+						time.Sleep(claimTimeout + 100*time.Millisecond) // past the claim timeout: renewals, or the hold, keep it
+						// Another worker's claim of the key. Where the transaction
+						// holds the row it waits on it: cut short after 300ms, it
+						// must get no answer. At READ COMMITTED it must be told
+						// Busy without waiting, in whatever time a loaded machine
+						// takes to ask (300ms was not always enough).
+						wait := 300 * time.Millisecond
+						if iso == "read committed" {
+							wait = claimTimeout
+						}
+						cctx, cancel := context.WithTimeout(ctx, wait)
 						defer cancel()
 						other, err := store.Claim(cctx, key, time.Minute)
 						switch {
