@@ -45,7 +45,9 @@ type RelayConfig struct {
 	// and Outbox.Notify, and the lag of a row committed by another process
 	// on MySQL and SQLite. Each poll is one statement, the heartbeat
 	// included; on PostgreSQL it runs on the LISTEN connection, where no
-	// pool's health check pings first. Defaults to 1s. Must be > 0.
+	// pool's health check pings first. An idle relay polls every
+	// HeartbeatInterval instead when that is shorter, to renew its
+	// heartbeat. Defaults to 1s. Must be > 0.
 	PollInterval time.Duration
 	// BatchSize is the most rows one relay transaction claims and
 	// forwards. Defaults to 100. Must be 1-1000.
@@ -431,7 +433,7 @@ func (r *Relay) signal() { poke(r.wake) }
 // more on MySQL and SQLite. While the LISTEN connection polls (see
 // pollIdle), the tick sends nothing.
 func (r *Relay) loop(ctx context.Context) {
-	tick := time.NewTicker(r.cfg.PollInterval)
+	tick := time.NewTicker(r.idlePoll())
 	defer tick.Stop()
 	r.lastBeat.Store(time.Now().UnixNano()) // register beat
 	claim := true
@@ -479,7 +481,7 @@ func (r *Relay) loop(ctx context.Context) {
 		case <-r.wake:
 			claim = true
 		case <-tick.C:
-			if time.Since(time.Unix(0, r.polled.Load())) < 2*r.cfg.PollInterval {
+			if time.Since(time.Unix(0, r.polled.Load())) < 2*r.idlePoll() {
 				continue // the LISTEN connection polls
 			}
 			pending, err := r.probe(ctx, r.o.db.DB(), r.beatDue())
@@ -514,6 +516,13 @@ func (r *Relay) pollIdle(ctx context.Context, ex sqldb.Executor) {
 		r.signal()
 	}
 }
+
+// idlePoll is how often an idle relay polls: every PollInterval, or every
+// HeartbeatInterval when that is shorter, since the idle relay's heartbeat
+// rides on its polls. (Polls of a PollInterval longer than three
+// heartbeat intervals left an idle relay counted dead by Status for most
+// of each: TestIdleRelayBeatsEveryHeartbeatInterval.)
+func (r *Relay) idlePoll() time.Duration { return min(r.cfg.PollInterval, r.cfg.HeartbeatInterval) }
 
 // beatDue reports whether the relay's heartbeat is due.
 func (r *Relay) beatDue() bool {
@@ -1094,7 +1103,7 @@ func errorText(err error) string {
 // for the commits it may have missed.
 func (r *Relay) listen(ctx context.Context) {
 	for {
-		err := r.o.db.Listen(ctx, r.o.q.qTable, r.signal, r.cfg.PollInterval, r.pollIdle)
+		err := r.o.db.Listen(ctx, r.o.q.qTable, r.signal, r.idlePoll(), r.pollIdle)
 		if ctx.Err() != nil {
 			return
 		}

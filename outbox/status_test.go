@@ -302,6 +302,30 @@ func TestStatusCountsLiveRelaysAlways(t *testing.T) {
 	})
 }
 
+// An idle relay whose PollInterval is longer than its heartbeats live
+// still beats every HeartbeatInterval, as that field says: Status counts
+// it all along. (Its heartbeat rode on the polls alone, so for most of each
+// 1s poll it was counted dead: TestStatusCountsLiveRelaysAlways's failing
+// relay, idle while its rows waited for their retry, failed so on a loaded
+// machine.)
+func TestIdleRelayBeatsEveryHeartbeatInterval(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *env) {
+		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: time.Second, HeartbeatInterval: 200 * time.Millisecond})
+		deadline := time.Now().Add(2500 * time.Millisecond) // > 2 polls, > 3 heartbeats' lifetimes
+		for time.Now().Before(deadline) {
+			st, err := e.ob.Status(t.Context())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.LiveRelays != 1 {
+				t.Fatalf("status of an idle outbox while its relay runs: %+v; want it counted", st)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	})
+}
+
 // metered returns e's outbox (the same topic, on the same pool) with its
 // relay's metrics recorded by mp.
 func (e *env) metered(t *testing.T, mp metric.MeterProvider) *obx {
