@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -261,7 +262,7 @@ func TestReview25SQLStoreUnderDSNOptions(t *testing.T) {
 			t.Parallel()
 			db := openWith(t, testenv.Require(t, c.env), c.opts)
 			dedupetest.Run(t, func(t *testing.T) dedupetest.Harness {
-				return sqlHarness(t, db, db.Driver(), isolationLevels(t, db), false)
+				return sqlHarness(t, db, db.Driver(), dsnLevels(isolationLevels(t, db)), false)
 			})
 		})
 	}
@@ -280,10 +281,26 @@ func TestReview25SQLStoreUnderDSNOptions(t *testing.T) {
 			t.Cleanup(pool.Close)
 			drv := sqldb.Pgx(pool)
 			dedupetest.Run(t, func(t *testing.T) dedupetest.Harness {
-				return sqlHarness(t, db, drv, driverLevels(drv, postgresLevels), false)
+				return sqlHarness(t, db, drv, dsnLevels(driverLevels(drv, postgresLevels)), false)
 			})
 		})
 	}
+}
+
+// dsnLevels are the isolation levels at which the DSN options' runs take
+// the suite's transaction cases: READ COMMITTED, SERIALIZABLE, and MariaDB's
+// snapshot isolation. An option changes how the statements, their
+// arguments and their results and errors travel, which is the same at
+// every level; what a level changes (snapshots, locking reads, which
+// conflict error the server returns) TestSQLStore runs at every level on
+// the same drivers. The levels kept return each kind of error: none to
+// speak of, serialization failures and deadlocks, and the snapshot
+// isolation's failed locking read. (The levels left out took 4% of the
+// package's test time.)
+func dsnLevels[TTx any](levels []level[TTx]) []level[TTx] {
+	return slices.DeleteFunc(levels, func(l level[TTx]) bool {
+		return l.name != "read-committed" && l.name != "serializable" && l.name != "repeatable-read-snapshot-isolation"
+	})
 }
 
 func withOpts(u, opts string) string {
