@@ -287,8 +287,11 @@ func TestStatusCountsLiveRelaysAlways(t *testing.T) {
 		for i := range 20 {
 			e.placeOrder(t, t.Context(), fmt.Sprintf("L-%d", i), true, message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
 		}
-		startRelay(t, e, refuse{}, outbox.RelayConfig{PollInterval: time.Second, RetryInterval: 5 * time.Millisecond, MaxRetryInterval: 5 * time.Millisecond, HeartbeatInterval: 200 * time.Millisecond})
-		deadline := time.Now().Add(2 * time.Second) // > 3 heartbeats
+		// The relay beats between its batches: a heartbeat of 200ms (alive
+		// for 600ms) was missed under load whenever a failing batch took
+		// over 400ms on a loaded database. One of 1s leaves a batch 2s.
+		startRelay(t, e, refuse{}, outbox.RelayConfig{PollInterval: time.Second, RetryInterval: 5 * time.Millisecond, MaxRetryInterval: 5 * time.Millisecond, HeartbeatInterval: time.Second})
+		deadline := time.Now().Add(3500 * time.Millisecond) // > 3 heartbeats
 		for time.Now().Before(deadline) {
 			st, err := ob.Status(t.Context())
 			if err != nil {
