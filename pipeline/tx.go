@@ -13,6 +13,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/replay"
 	"github.com/settle-go/settle/internal/settlement"
+	"github.com/settle-go/settle/internal/sqlkit"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -358,12 +359,18 @@ func (b *outboxBinding) flushOutbox(ctx context.Context) error {
 // handler. Run again, not deferred at once, because behind the dedupe
 // middleware the claim the delivery holds is its attempt count: a
 // redelivery would claim the key again and count once more.
+//
+// A transaction whose confirmation found that the hold of the claim went by
+// the wrong isolation level (sqlkit.ErrGuessedLevel; see dedupe.HoldTx) is
+// run again the same way, the level then asked.
 func runTx(ctx context.Context, f txFlow, msg *message.Message) error {
+	ask := false
 	for rerun := 0; ; rerun++ {
-		lost, err := runTxOnce(ctx, f, msg)
+		lost, err := runTxOnce(ctx, f, msg, ask)
 		if !lost {
 			return err
 		}
+		ask = ask || errors.Is(err, sqlkit.ErrGuessedLevel)
 		if rerun == connReruns || !settlement.Sleep(ctx, f.busyDelay) {
 			return unavailable(ctx, f.busyDelay, err)
 		}
@@ -375,10 +382,17 @@ func runTx(ctx context.Context, f txFlow, msg *message.Message) error {
 // point where running it again is safe: nothing of it landed, or (a commit
 // that lost its connection, in the one-statement mode) the claim of the key
 // in the next transaction says whether it did.
-func runTxOnce(ctx context.Context, f txFlow, msg *message.Message) (lost bool, err error) {
+//
+// ask: the transaction's isolation level is to be asked, not taken from the
+// transactions before (sqlkit.TxHints.Ask); it also reports lost after
+// sqlkit.ErrGuessedLevel.
+func runTxOnce(ctx context.Context, f txFlow, msg *message.Message, ask bool) (lost bool, err error) {
 	t, err := f.begin(ctx)
 	if err != nil {
 		return false, unavailable(ctx, f.busyDelay, fmt.Errorf("pipeline: begin: %w", err))
+	}
+	if bt, ok := t.(*boundTxn); ok {
+		bt.ask = ask
 	}
 	defer func() {
 		// After a commit this is a no-op; after an error or a panic it is
@@ -424,6 +438,11 @@ func runTxOnce(ctx context.Context, f txFlow, msg *message.Message) (lost bool, 
 	}
 	if !inTx {
 		if err = t.confirm(ctx); err != nil {
+			if errors.Is(err, sqlkit.ErrGuessedLevel) {
+				// Nothing landed, and the claim is still the delivery's
+				// unless the next hold finds it lost.
+				return true, err
+			}
 			if !claimsOwnFailure(err) && lostOnce(err) {
 				// Nothing landed, and the claim is still the delivery's
 				// (a takeover would fail the next confirmation).
