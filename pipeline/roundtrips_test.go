@@ -112,7 +112,9 @@ func (p pgOn) handler(t *testing.T, claims string, store *pgOn, cfg pipeline.TxC
 		d := sqldb.Pgx(p.pgx)
 		h, err = pipeline.NewTxHandler(pipeline.TxConfig[pgx.Tx]{DB: d, Store: st, OneStatement: cfg.OneStatement, TxOptions: cfg.TxOptions,
 			CallTimeout: cfg.CallTimeout, BusyDelay: cfg.BusyDelay},
-			func(ctx context.Context, tx pgx.Tx, msg *message.Message, _ message.Publisher) error { return fn(ctx, d.Tx(tx), msg) })
+			func(ctx context.Context, tx pgx.Tx, msg *message.Message, _ message.Publisher) error {
+				return fn(ctx, d.Tx(tx), msg)
+			})
 		must(t, err)
 		s = st
 	} else {
