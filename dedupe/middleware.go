@@ -762,8 +762,12 @@ func ConfirmTx[TTx any](ctx context.Context, tx TTx) error {
 // already is reported as lost (ErrClaimLost). At READ COMMITTED, and on
 // MySQL/MariaDB at every level (InnoDB's UPDATE reads the latest row, not
 // the snapshot), the renewal lands beside the transaction and HoldTx
-// changes nothing (on PostgreSQL it asks the level, a SHOW that takes no
-// snapshot and no lock).
+// changes nothing. On PostgreSQL it asks the level (a SHOW that takes no
+// snapshot and no lock), except in a pipeline handler's transaction, which
+// tells it the level its TxOptions set, or lets it go by the level that its
+// last transaction's confirmation read: this one's confirmation checks
+// it, and the pipeline runs the transaction again, the level asked, when
+// it was wrong.
 func HoldTx[TTx any](ctx context.Context, tx TTx) error {
 	return holdIn(ctx, tx)
 }

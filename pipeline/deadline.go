@@ -49,8 +49,7 @@ func validCallTimeout(d time.Duration) error {
 // of settle's its server-side bounds for the rest of it (SET LOCAL: that
 // transaction only; and SET takes no snapshot, unlike a SELECT of
 // set_config, so that at REPEATABLE READ and SERIALIZABLE the snapshot is
-// still taken by the statement after it, dedupe.HoldTx's when it runs
-// first): lock_timeout, so that none of its statements waits longer than
+// still taken by the statement after it): lock_timeout, so that none of its statements waits longer than
 // half a call for a lock (one held by a client that vanished behind a
 // partition, above all), and idle_in_transaction_session_timeout, so that
 // the server ends the session, and frees its locks, when the client falls
@@ -59,11 +58,19 @@ func validCallTimeout(d time.Duration) error {
 // while the others join).
 //
 // They bound settle's own statements, not the handler's work: a
-// transaction sets them at BEGIN only when the handler's function runs
+// transaction sets them before the handler's function only when it runs
 // with the call's deadline anyway (OneStatement, batches: see
 // bounded.early), and otherwise (behind the dedupe middleware, where the
-// function runs as long as it takes) just before settle's final
-// statements, the confirmation and COMMIT.
+// function runs as long as it takes) with settle's final statements, the
+// confirmation and COMMIT. These statements are sent only where no
+// statement of the dedupe store set the values first (serverTimeoutMillis,
+// sqlkit.TxHints): a batch's BEGIN, and a confirmation or claim that did
+// not carry them. Carried, they cost no round trip, which on database/sql
+// was one per message (pgx sends setup with BEGIN); but they take effect
+// when the statement runs, after it took its table locks (at parse, or
+// when a cached plan is checked), so a wait for a table lock held by DDL
+// is bounded by the call's deadline, not lock_timeout. Row locks, which
+// other consumers and their zombies hold, are waited for after.
 func serverTimeouts(d, wait time.Duration) string {
 	lock, idle := serverTimeoutMillis(d, wait)
 	return "SET LOCAL lock_timeout = " + lock + "; SET LOCAL idle_in_transaction_session_timeout = " + idle

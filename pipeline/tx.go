@@ -90,20 +90,27 @@ type TxConfig[TTx any] struct {
 	// is abandoned: its connection is closed (and dropped from the pool),
 	// the transaction is rolled back and the delivery deferred (an error
 	// wrapping ErrCallTimeout and dedupe.ErrUnavailable), no attempt spent.
-	// On PostgreSQL each transaction also sets, for itself only (SET
-	// LOCAL), lock_timeout to CallTimeout/2 and
+	// On PostgreSQL each transaction also sets, for itself only,
+	// lock_timeout to CallTimeout/2 and
 	// idle_in_transaction_session_timeout to 2*CallTimeout, so that
-	// settle's statements do not wait longer for a lock held by a vanished
-	// client and the server ends a transaction whose client fell silent
-	// (pgx sends them in BEGIN's round trip, database/sql right after it).
-	// They bound settle's statements, not the handler's work: behind the
-	// dedupe middleware, where the handler's function runs as long as it
-	// takes, they are set after it returns, before the confirmation and
-	// COMMIT (one statement), and the function runs under the session's own
-	// settings; in OneStatement and Batch modes, where the function has
-	// CallTimeout as its deadline anyway, they are set at BEGIN and hold
-	// for its statements too (a lock wait past CallTimeout/2 fails it; a
-	// batch's idle limit also allows for Batch.MaxWait). What ends a
+	// settle's statements do not wait longer for a row lock held by a
+	// vanished client and the server ends a transaction whose client fell
+	// silent. They cost no round trip of their own: the statement of
+	// settle's that comes first sets them (set_config in the claim of the
+	// key with OneStatement, in the confirmation behind the dedupe
+	// middleware, before either locks the key's row); a batch's
+	// transaction sets them at BEGIN (pgx sends them in BEGIN's round trip,
+	// database/sql right after it). A wait for a table lock (a migration's
+	// ALTER TABLE on the claims table) that the statement setting them
+	// meets before it runs is bounded by CallTimeout alone. They bound
+	// settle's statements, not the handler's work: behind the dedupe
+	// middleware, where the handler's function runs as long as it takes,
+	// they are set after it returns, by the confirmation, and the function
+	// runs under the session's own settings; in OneStatement and Batch
+	// modes, where the function has CallTimeout as its deadline anyway,
+	// they are set before it and hold for its statements too (a lock wait
+	// past CallTimeout/2 fails it; a batch's idle limit also allows for
+	// Batch.MaxWait). What ends a
 	// vanished consumer's transaction while its handler runs behind the
 	// middleware is the server's TCP keepalive, or an
 	// idle_in_transaction_session_timeout of the session's own; see
