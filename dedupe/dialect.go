@@ -136,6 +136,18 @@ type queries struct {
 	// later): the claim in one round trip instead of two.
 	claimReturning, claimDoneReturning string
 
+	// claimDoneLimited and confirmLimited (PostgreSQL only) are claimDone
+	// and confirm that also set a transactional handler's server-side
+	// limits for the rest of its transaction (sqlkit.TxHints; args: those
+	// of claimDone and confirm, then the lock and idle timeouts in ms),
+	// before they lock the key's row: the SET LOCAL they replace was a
+	// round trip of its own. confirmLimited returns the transaction's
+	// isolation level (one row: the claim is still the caller's).
+	claimDoneLimited, confirmLimited string
+	// confirmLevel is confirm returning the transaction's isolation level,
+	// without the limits.
+	confirmLevel string
+
 	// partProbe, partInsert and partTakeover are the claim's statements on
 	// a partitioned table (partition.go): the key's row in any partition,
 	// locked, with readBack's columns and until_at; the insert of a new
@@ -180,9 +192,16 @@ VALUES ($1, 2, $2, 1, 0, ` + now + `)
 ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
 WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
 RETURNING attempts`
+		q.claimDoneLimited = `INSERT INTO ` + t + ` AS cur (key, state, token, attempts, expires_at, updated_at)
+SELECT $1, 2, $2, 1, 0, ` + now + ` WHERE ` + sqlkit.PostgresLimitsGate(3) + `
+ON CONFLICT (key) DO UPDATE SET state = 2, token = excluded.token, attempts = cur.attempts + 1, expires_at = 0, updated_at = excluded.updated_at
+WHERE cur.state = 0 OR (cur.state = 1 AND cur.expires_at <= excluded.updated_at)
+RETURNING attempts`
 		q.readBack = `SELECT state, token, attempts, expires_at, first_at, ` + now + ` FROM ` + t + ` WHERE key = $1`
 		q.renew = `UPDATE ` + t + ` SET expires_at = ` + now + ` + $1 WHERE key = $2 AND state = 1 AND token = $3`
 		q.confirm = `UPDATE ` + t + ` SET state = 2, token = '', expires_at = 0, updated_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
+		q.confirmLevel = q.confirm + ` RETURNING current_setting('transaction_isolation')`
+		q.confirmLimited = q.confirm + ` AND ` + sqlkit.PostgresLimitsGate(3) + ` RETURNING current_setting('transaction_isolation')`
 		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
 		// The filter is repeated outside the subquery: when a selected row is
 		// changed by a concurrent claim before the DELETE reaches it, PostgreSQL

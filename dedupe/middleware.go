@@ -16,6 +16,7 @@ import (
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/replay"
 	"github.com/settle-go/settle/internal/settlement"
+	"github.com/settle-go/settle/internal/sqlkit"
 	"github.com/settle-go/settle/sqldb"
 )
 
@@ -531,6 +532,9 @@ type held struct {
 	ren           renewal       // allocated with the holder; started while the handler runs
 	hctx          handlerCtx    // the handler's context, allocated with the holder
 	confirmedInTx bool
+	// guessedRC: HoldTx took the transaction to be READ COMMITTED from the
+	// transactions before it, without asking (holdPostgres).
+	guessedRC bool
 }
 
 // handlerCtx is the handler's context: its parent h (the message's context
@@ -713,6 +717,12 @@ func ConfirmTx[TTx any](ctx context.Context, tx TTx) error {
 	st.ren.pause(ctx)
 	st.stopRenew()
 	if err := s.Confirm(ctx, st.claim); err != nil {
+		if st.guessedRC && sqlkit.Conflict(err) {
+			// The transaction read a snapshot after all, and the renewal
+			// beside it may be what it conflicts with (holdPostgres).
+			pool.server.defaultLevel.Store(levelUnknown)
+			return fmt.Errorf("dedupe: confirm in transaction: %w: %w", sqlkit.ErrGuessedLevel, err)
+		}
 		if errors.Is(err, ErrClaimLost) && pool.holds(ctx, st.claim) {
 			// The claim is not lost: tx cannot see it.
 			return errors.New("dedupe: confirm in transaction: the transaction does not see the claim, which the store still holds: tx must be a transaction of the store's database (and table), begun after the claim was taken")
@@ -752,8 +762,12 @@ func ConfirmTx[TTx any](ctx context.Context, tx TTx) error {
 // already is reported as lost (ErrClaimLost). At READ COMMITTED, and on
 // MySQL/MariaDB at every level (InnoDB's UPDATE reads the latest row, not
 // the snapshot), the renewal lands beside the transaction and HoldTx
-// changes nothing (on PostgreSQL it asks the level, a SHOW that takes no
-// snapshot and no lock).
+// changes nothing. On PostgreSQL it asks the level (a SHOW that takes no
+// snapshot and no lock), except in a pipeline handler's transaction, which
+// tells it the level its TxOptions set, or lets it go by the level that its
+// last transaction's confirmation read: this one's confirmation checks
+// it, and the pipeline runs the transaction again, the level asked, when
+// it was wrong.
 func HoldTx[TTx any](ctx context.Context, tx TTx) error {
 	return holdIn(ctx, tx)
 }

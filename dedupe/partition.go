@@ -305,10 +305,19 @@ func (s *SQLStore[TTx]) claimPartitionedInTx(ctx context.Context, k []byte, ttl 
 	s.aheadOutsideTx(ctx, ttl)
 	if s.dialect == sqldb.Postgres {
 		var ok bool
-		err := s.queryRow(ctx, `SELECT CASE WHEN current_setting('transaction_isolation') IN ('read committed', 'read uncommitted')
-	THEN (SELECT true FROM (SELECT pg_advisory_xact_lock($1)) l) ELSE false END`, []any{lockKey(s.table, k)}, &ok)
+		query, args := partLockQuery, []any{lockKey(s.table, k)}
+		h := s.limitsToCarry(ctx)
+		if h != nil {
+			// A pipeline transaction's server-side limits, set before
+			// the lock is waited for (sqlkit.PostgresLimitsGate).
+			query, args = partLockLimitedQuery, append(args, h.LockMillis, h.IdleMillis)
+		}
+		err := s.queryRow(ctx, query, args, &ok)
 		if err != nil {
 			return Claim{}, err
+		}
+		if h != nil {
+			h.Carried = true
 		}
 		if !ok {
 			return Claim{}, errPartIsolation
@@ -322,6 +331,16 @@ func (s *SQLStore[TTx]) claimPartitionedInTx(ctx context.Context, k []byte, ttl 
 	defer unlock()
 	return s.claimLocked(ctx, k, ttl, confirmed)
 }
+
+// partLockQuery takes a key's advisory lock in a caller's transaction on
+// PostgreSQL if the transaction is at READ COMMITTED, and says whether it
+// was (claimPartitionedInTx); partLockLimitedQuery also sets a pipeline
+// transaction's server-side limits first (args: the key's lock, the lock
+// and idle timeouts in ms).
+const partLockQuery = `SELECT CASE WHEN current_setting('transaction_isolation') IN ('read committed', 'read uncommitted')
+	THEN (SELECT true FROM (SELECT pg_advisory_xact_lock($1)) l) ELSE false END`
+
+var partLockLimitedQuery = partLockQuery + ` WHERE ` + sqlkit.PostgresLimitsGate(2)
 
 // aheadOutsideTx makes, on PostgreSQL and on a connection of its own, the
 // partitions that a claim inside a caller's transaction may write its row to, unless the last

@@ -111,6 +111,11 @@ type server struct {
 	// takes INSERT … RETURNING (MariaDB 10.5 and later), 2 it does not
 	// (MySQL).
 	returning atomic.Int32
+	// defaultLevel, on PostgreSQL: the isolation level that the last
+	// confirmation in a pipeline transaction begun at the session's
+	// default found (levelUnknown, levelReadCommitted, levelSnapshot), for
+	// HoldTx to go by instead of asking (see holdPostgres).
+	defaultLevel atomic.Int32
 }
 
 // returning reports whether claims can read the row they wrote back in the
@@ -512,7 +517,69 @@ func (s *SQLStore[TTx]) Confirm(ctx context.Context, c Claim) error {
 	if s.dialect == sqldb.SQLite {
 		return s.update(ctx, "confirm", s.q.confirm, c, micros(s.now()))
 	}
+	if h := sqlkit.TxHintsFrom(ctx); h != nil && s.dialect == sqldb.Postgres && s.ex.InTx() {
+		return s.retryPartition(ctx, 0, func() error { return s.confirmHinted(ctx, c, h) })
+	}
 	return s.retryPartition(ctx, 0, func() error { return s.partUpdate(ctx, "confirm", s.q.confirm, c) })
+}
+
+// confirmHinted is Confirm in a pipeline transaction on PostgreSQL (h, its
+// hints): the statement also sets the transaction's server-side limits if
+// h has them still to set, before it locks the row, and reads the
+// transaction's isolation level, which, for a transaction at the
+// session's default, the store keeps for the next HoldTx.
+func (s *SQLStore[TTx]) confirmHinted(ctx context.Context, c Claim, h *sqlkit.TxHints) error {
+	if err := checkOwned(c); err != nil {
+		return err
+	}
+	query, args := s.q.confirmLevel, []any{[]byte(c.Key), c.Token}
+	limits := h.Limits && !h.Carried
+	if limits {
+		query, args = s.q.confirmLimited, append(args, h.LockMillis, h.IdleMillis)
+	}
+	var level string
+	err := s.queryRow(ctx, query, args, &level)
+	switch {
+	case err == nil:
+		h.Carried = h.Carried || limits
+		if h.Level == "" {
+			s.server.defaultLevel.Store(levelCode(level))
+		}
+		return nil
+	case errors.Is(err, sql.ErrNoRows):
+		h.Carried = h.Carried || limits
+		return ErrClaimLost
+	case sqlkit.Conflict(err):
+		return fmt.Errorf("dedupe: confirm: the caller's transaction conflicts with a change of the key's row since its snapshot (a takeover or a renewal); roll it back: %w", err)
+	}
+	return fmt.Errorf("dedupe: confirm: %w", err)
+}
+
+// The isolation levels a store tells apart (server.defaultLevel).
+const (
+	levelUnknown int32 = iota
+	levelReadCommitted
+	levelSnapshot // REPEATABLE READ or SERIALIZABLE: statements read the transaction's snapshot
+)
+
+// levelCode is PostgreSQL's name of an isolation level as a store tells it.
+func levelCode(level string) int32 {
+	if level == "repeatable read" || level == "serializable" {
+		return levelSnapshot
+	}
+	return levelReadCommitted
+}
+
+// limitsToCarry returns the hints in ctx whose server-side limits a
+// statement of s in a caller's transaction on PostgreSQL is to set, or nil.
+func (s *SQLStore[TTx]) limitsToCarry(ctx context.Context) *sqlkit.TxHints {
+	if s.dialect != sqldb.Postgres || !s.ex.InTx() {
+		return nil
+	}
+	if h := sqlkit.TxHintsFrom(ctx); h != nil && h.Limits && !h.Carried {
+		return h
+	}
+	return nil
 }
 
 // Release implements Store.
@@ -628,7 +695,12 @@ func (s *SQLStore[TTx]) tryClaimDone(ctx context.Context, k []byte, token string
 	case sqldb.SQLite:
 		err = s.queryRow(ctx, s.q.claimDone, []any{k, token, micros(s.now())}, &attempts)
 	default:
-		err = s.queryRow(ctx, s.q.claimDone, []any{k, token}, &attempts)
+		if h := s.limitsToCarry(ctx); h != nil {
+			err = s.queryRow(ctx, s.q.claimDoneLimited, []any{k, token, h.LockMillis, h.IdleMillis}, &attempts)
+			h.Carried = err == nil || errors.Is(err, sql.ErrNoRows)
+		} else {
+			err = s.queryRow(ctx, s.q.claimDone, []any{k, token}, &attempts)
+		}
 	}
 	switch {
 	case errors.Is(err, sql.ErrNoRows):

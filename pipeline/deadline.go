@@ -2,6 +2,7 @@ package pipeline
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"strconv"
@@ -11,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/settle-go/settle/dedupe"
+	"github.com/settle-go/settle/internal/sqlkit"
 	"github.com/settle-go/settle/sqldb"
 )
 
@@ -47,8 +49,7 @@ func validCallTimeout(d time.Duration) error {
 // of settle's its server-side bounds for the rest of it (SET LOCAL: that
 // transaction only; and SET takes no snapshot, unlike a SELECT of
 // set_config, so that at REPEATABLE READ and SERIALIZABLE the snapshot is
-// still taken by the statement after it, dedupe.HoldTx's when it runs
-// first): lock_timeout, so that none of its statements waits longer than
+// still taken by the statement after it): lock_timeout, so that none of its statements waits longer than
 // half a call for a lock (one held by a client that vanished behind a
 // partition, above all), and idle_in_transaction_session_timeout, so that
 // the server ends the session, and frees its locks, when the client falls
@@ -57,16 +58,29 @@ func validCallTimeout(d time.Duration) error {
 // while the others join).
 //
 // They bound settle's own statements, not the handler's work: a
-// transaction sets them at BEGIN only when the handler's function runs
+// transaction sets them before the handler's function only when it runs
 // with the call's deadline anyway (OneStatement, batches: see
 // bounded.early), and otherwise (behind the dedupe middleware, where the
-// function runs as long as it takes) just before settle's final
-// statements, the confirmation and COMMIT.
+// function runs as long as it takes) with settle's final statements, the
+// confirmation and COMMIT. These statements are sent only where no
+// statement of the dedupe store set the values first (serverTimeoutMillis,
+// sqlkit.TxHints): a batch's BEGIN, and a confirmation or claim that did
+// not carry them. Carried, they cost no round trip, which on database/sql
+// was one per message (pgx sends setup with BEGIN); but they take effect
+// when the statement runs, after it took its table locks (at parse, or
+// when a cached plan is checked), so a wait for a table lock held by DDL
+// is bounded by the call's deadline, not lock_timeout. Row locks, which
+// other consumers and their zombies hold, are waited for after.
 func serverTimeouts(d, wait time.Duration) string {
-	lock := max(d/2, time.Millisecond).Milliseconds()
-	idle := max(2*d+max(wait, 0), time.Millisecond).Milliseconds()
-	return "SET LOCAL lock_timeout = " + strconv.FormatInt(lock, 10) + "; " +
-		"SET LOCAL idle_in_transaction_session_timeout = " + strconv.FormatInt(idle, 10)
+	lock, idle := serverTimeoutMillis(d, wait)
+	return "SET LOCAL lock_timeout = " + lock + "; SET LOCAL idle_in_transaction_session_timeout = " + idle
+}
+
+// serverTimeoutMillis is serverTimeouts' lock_timeout and
+// idle_in_transaction_session_timeout, in milliseconds.
+func serverTimeoutMillis(d, wait time.Duration) (lock, idle string) {
+	return strconv.FormatInt(max(d/2, time.Millisecond).Milliseconds(), 10),
+		strconv.FormatInt(max(2*d+max(wait, 0), time.Millisecond).Milliseconds(), 10)
 }
 
 // batchWait is how long a batch's transaction, begun when its first
@@ -85,8 +99,17 @@ func batchWait(c BatchConfig) time.Duration {
 // bounded is what bound needs to know of a flow.
 type bounded struct {
 	d time.Duration
-	// limits is serverTimeouts' statements, or "" (not PostgreSQL).
-	limits string
+	// limits is serverTimeouts' statements, or "" (not PostgreSQL);
+	// lockMs and idleMs are their values.
+	limits, lockMs, idleMs string
+	// carried: the flow's first statement of settle's after BEGIN is the
+	// claim of the key in the transaction (OneStatement, one delivery per
+	// transaction), which sets the limits itself (sqlkit.TxHints) rather
+	// than a SET LOCAL at BEGIN, a round trip of its own on database/sql.
+	carried bool
+	// level is the isolation level the transactions begin at, as
+	// PostgreSQL names it, or "" for the session's default.
+	level string
 	// batchFn: the flow runs a batch function (callBatch), which always
 	// has the call's deadline.
 	batchFn bool
@@ -122,7 +145,7 @@ func (b bounded) bound(begin func(ctx context.Context, limits string) (txn, erro
 	}
 	return func(ctx context.Context) (txn, error) {
 		now, later := b.limits, ""
-		if !b.early(ctx) {
+		if !b.early(ctx) || b.carried {
 			now, later = "", b.limits
 		}
 		tctx, cancel := context.WithCancelCause(ctx)
@@ -157,9 +180,16 @@ type boundTxn struct {
 	end   context.CancelCauseFunc // cancels the transaction's context
 	ended bool                    // committed, or rolled back
 	// pending is the server-side limits not set at BEGIN (see
-	// bounded.early), set before settle's first statement after the
-	// handler's function; "" once set, or when there are none.
+	// bounded.early and bounded.carried), set by the claim in the
+	// transaction (carried), else by the confirmation, else by a SET
+	// LOCAL before the commit; "" once set, or when there are none.
 	pending string
+	// hints carry pending to the dedupe store's statement, and what the
+	// transaction knows of its isolation level.
+	hints sqlkit.TxHints
+	// ask: the level is to be asked, not taken from the transactions
+	// before (a rerun after sqlkit.ErrGuessedLevel).
+	ask bool
 	// calls are the contexts of the handler calls, cancelled when the
 	// transaction ends: what a handler published may still be written
 	// with them after it returned (a batch's outbox rows).
@@ -201,19 +231,42 @@ func (t *boundTxn) within(ctx context.Context, op func(context.Context) error) e
 	return timedOut(cctx, op(cctx))
 }
 
-func (t *boundTxn) hold(ctx context.Context) error { return t.within(ctx, t.txn.hold) }
+// hold passes what the transaction knows of its isolation level to
+// dedupe.HoldTx, which then need not ask; not the limits, which would
+// bound the handler's function.
+func (t *boundTxn) hold(ctx context.Context) error {
+	return t.within(sqlkit.WithTxHints(ctx, &sqlkit.TxHints{Level: t.level, Ask: t.ask}), t.txn.hold)
+}
 
+// confirm confirms the claim with the limits still pending set by the
+// confirmation's own statement, before it locks the claim's row (on
+// PostgreSQL; a store that did not set them leaves them to limit).
 func (t *boundTxn) confirm(ctx context.Context) error {
-	if err := t.limit(ctx); err != nil {
+	if err := t.within(t.withHints(ctx), t.txn.confirm); err != nil {
 		return err
 	}
-	return t.within(ctx, t.txn.confirm)
+	return t.limit(ctx)
+}
+
+// withHints returns ctx carrying the transaction's hints, with the limits
+// pending if any.
+func (t *boundTxn) withHints(ctx context.Context) context.Context {
+	t.hints = sqlkit.TxHints{Level: t.level, Ask: t.ask}
+	if t.pending != "" {
+		t.hints.Limits, t.hints.LockMillis, t.hints.IdleMillis = true, t.lockMs, t.idleMs
+	}
+	return sqlkit.WithTxHints(ctx, &t.hints)
 }
 
 // limit sets the server-side limits left for after the handler's function
-// (pending), within a call's deadline.
+// (pending), within a call's deadline, unless a statement of the dedupe
+// store set them (hints.Carried).
 func (t *boundTxn) limit(ctx context.Context) error {
 	if t.pending == "" {
+		return nil
+	}
+	if t.hints.Carried {
+		t.pending = ""
 		return nil
 	}
 	cctx, cancel := t.callCtx(ctx)
@@ -318,11 +371,17 @@ type boundClaimer struct {
 	t *boundTxn
 }
 
+// ClaimConfirmed claims key with the limits still pending set by the
+// claim's own statement, before it locks the key's row; when the store did
+// not set them, a SET LOCAL does, before the handler's function runs.
 func (b boundClaimer) ClaimConfirmed(ctx context.Context, key string) (dedupe.Claim, error) {
 	cctx, cancel := b.t.callCtx(ctx)
 	defer cancel()
-	c, err := b.c.ClaimConfirmed(cctx, key)
-	return c, timedOut(cctx, err)
+	c, err := b.c.ClaimConfirmed(b.t.withHints(cctx), key)
+	if err != nil {
+		return c, timedOut(cctx, err)
+	}
+	return c, b.t.limit(ctx)
 }
 
 func (b boundClaimer) ClaimConfirmedAll(ctx context.Context, keys []string) ([]dedupe.Claim, error) {
@@ -343,8 +402,32 @@ func (cfg TxConfig[TTx]) bounds(batchFn bool) bounded {
 		return bounded{}
 	case sqldb.Postgres:
 		b.limits = serverTimeouts(b.d, batchWait(cfg.Batch))
+		b.lockMs, b.idleMs = serverTimeoutMillis(b.d, batchWait(cfg.Batch))
+		b.carried = cfg.OneStatement && !cfg.Batch.enabled() && !batchFn
+		b.level = postgresLevel(cfg.TxOptions)
 	}
 	return b
+}
+
+// postgresLevel is the isolation level opts begin a transaction at, as
+// PostgreSQL names it (SHOW transaction_isolation), or "" for the session's
+// default (nil opts, sql.LevelDefault) or a level PostgreSQL does not have
+// (which BEGIN refuses).
+func postgresLevel(opts *sql.TxOptions) string {
+	if opts == nil {
+		return ""
+	}
+	switch opts.Isolation {
+	case sql.LevelReadUncommitted:
+		return "read uncommitted"
+	case sql.LevelReadCommitted:
+		return "read committed"
+	case sql.LevelRepeatableRead, sql.LevelSnapshot:
+		return "repeatable read"
+	case sql.LevelSerializable, sql.LevelLinearizable:
+		return "serializable"
+	}
+	return ""
 }
 
 // warnServerTimeouts tells, when a transactional handler on MySQL or

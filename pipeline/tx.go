@@ -13,6 +13,7 @@ import (
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/internal/replay"
 	"github.com/settle-go/settle/internal/settlement"
+	"github.com/settle-go/settle/internal/sqlkit"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -89,20 +90,27 @@ type TxConfig[TTx any] struct {
 	// is abandoned: its connection is closed (and dropped from the pool),
 	// the transaction is rolled back and the delivery deferred (an error
 	// wrapping ErrCallTimeout and dedupe.ErrUnavailable), no attempt spent.
-	// On PostgreSQL each transaction also sets, for itself only (SET
-	// LOCAL), lock_timeout to CallTimeout/2 and
+	// On PostgreSQL each transaction also sets, for itself only,
+	// lock_timeout to CallTimeout/2 and
 	// idle_in_transaction_session_timeout to 2*CallTimeout, so that
-	// settle's statements do not wait longer for a lock held by a vanished
-	// client and the server ends a transaction whose client fell silent
-	// (pgx sends them in BEGIN's round trip, database/sql right after it).
-	// They bound settle's statements, not the handler's work: behind the
-	// dedupe middleware, where the handler's function runs as long as it
-	// takes, they are set after it returns, before the confirmation and
-	// COMMIT (one statement), and the function runs under the session's own
-	// settings; in OneStatement and Batch modes, where the function has
-	// CallTimeout as its deadline anyway, they are set at BEGIN and hold
-	// for its statements too (a lock wait past CallTimeout/2 fails it; a
-	// batch's idle limit also allows for Batch.MaxWait). What ends a
+	// settle's statements do not wait longer for a row lock held by a
+	// vanished client and the server ends a transaction whose client fell
+	// silent. They cost no round trip of their own: the statement of
+	// settle's that comes first sets them (set_config in the claim of the
+	// key with OneStatement, in the confirmation behind the dedupe
+	// middleware, before either locks the key's row); a batch's
+	// transaction sets them at BEGIN (pgx sends them in BEGIN's round trip,
+	// database/sql right after it). A wait for a table lock (a migration's
+	// ALTER TABLE on the claims table) that the statement setting them
+	// meets before it runs is bounded by CallTimeout alone. They bound
+	// settle's statements, not the handler's work: behind the dedupe
+	// middleware, where the handler's function runs as long as it takes,
+	// they are set after it returns, by the confirmation, and the function
+	// runs under the session's own settings; in OneStatement and Batch
+	// modes, where the function has CallTimeout as its deadline anyway,
+	// they are set before it and hold for its statements too (a lock wait
+	// past CallTimeout/2 fails it; a batch's idle limit also allows for
+	// Batch.MaxWait). What ends a
 	// vanished consumer's transaction while its handler runs behind the
 	// middleware is the server's TCP keepalive, or an
 	// idle_in_transaction_session_timeout of the session's own; see
@@ -358,12 +366,18 @@ func (b *outboxBinding) flushOutbox(ctx context.Context) error {
 // handler. Run again, not deferred at once, because behind the dedupe
 // middleware the claim the delivery holds is its attempt count: a
 // redelivery would claim the key again and count once more.
+//
+// A transaction whose confirmation found that the hold of the claim went by
+// the wrong isolation level (sqlkit.ErrGuessedLevel; see dedupe.HoldTx) is
+// run again the same way, the level then asked.
 func runTx(ctx context.Context, f txFlow, msg *message.Message) error {
+	ask := false
 	for rerun := 0; ; rerun++ {
-		lost, err := runTxOnce(ctx, f, msg)
+		lost, err := runTxOnce(ctx, f, msg, ask)
 		if !lost {
 			return err
 		}
+		ask = ask || errors.Is(err, sqlkit.ErrGuessedLevel)
 		if rerun == connReruns || !settlement.Sleep(ctx, f.busyDelay) {
 			return unavailable(ctx, f.busyDelay, err)
 		}
@@ -375,10 +389,17 @@ func runTx(ctx context.Context, f txFlow, msg *message.Message) error {
 // point where running it again is safe: nothing of it landed, or (a commit
 // that lost its connection, in the one-statement mode) the claim of the key
 // in the next transaction says whether it did.
-func runTxOnce(ctx context.Context, f txFlow, msg *message.Message) (lost bool, err error) {
+//
+// ask: the transaction's isolation level is to be asked, not taken from the
+// transactions before (sqlkit.TxHints.Ask); it also reports lost after
+// sqlkit.ErrGuessedLevel.
+func runTxOnce(ctx context.Context, f txFlow, msg *message.Message, ask bool) (lost bool, err error) {
 	t, err := f.begin(ctx)
 	if err != nil {
 		return false, unavailable(ctx, f.busyDelay, fmt.Errorf("pipeline: begin: %w", err))
+	}
+	if bt, ok := t.(*boundTxn); ok {
+		bt.ask = ask
 	}
 	defer func() {
 		// After a commit this is a no-op; after an error or a panic it is
@@ -424,6 +445,11 @@ func runTxOnce(ctx context.Context, f txFlow, msg *message.Message) (lost bool, 
 	}
 	if !inTx {
 		if err = t.confirm(ctx); err != nil {
+			if errors.Is(err, sqlkit.ErrGuessedLevel) {
+				// Nothing landed, and the claim is still the delivery's
+				// unless the next hold finds it lost.
+				return true, err
+			}
 			if !claimsOwnFailure(err) && lostOnce(err) {
 				// Nothing landed, and the claim is still the delivery's
 				// (a takeover would fail the next confirmation).
