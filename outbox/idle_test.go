@@ -13,6 +13,7 @@ import (
 
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/internal/wirecount"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -89,13 +90,26 @@ func idleRun(t *testing.T, rawURL string, open opener, cfg outbox.RelayConfig) {
 	// Past the start (register, LISTEN, the first scan, the pool's first
 	// connections), then count.
 	time.Sleep(1500 * time.Millisecond)
-	before, kinds := w.statements(), w.messages()
+	before, kinds := w.Statements(), w.Messages()
 	time.Sleep(idleWindow)
-	n := w.statements() - before
-	t.Logf("%d statements in %v idle (%.2f/s); messages before: %s; after: %s", n, idleWindow, float64(n)/idleWindow.Seconds(), kinds, w.messages())
-	if limit := int(idleWindow/time.Second) + 1; n > limit {
-		t.Errorf("an idle relay sent %d statements in %v on the wire, want <= %d (one per PollInterval); messages before: %s; after: %s", n, idleWindow, limit, kinds, w.messages())
+	n := w.Statements() - before
+	t.Logf("%d statements in %v idle (%.2f/s); messages before: %s; after: %s", n, idleWindow, float64(n)/idleWindow.Seconds(), kinds, w.Messages())
+	if limit := int64(idleWindow/time.Second) + 1; n > limit {
+		t.Errorf("an idle relay sent %d statements in %v on the wire, want <= %d (one per PollInterval); messages before: %s; after: %s", n, idleWindow, limit, kinds, w.Messages())
 	}
+}
+
+// newWire starts a wirecount proxy to the server of rawURL, stopped when
+// the test ends, and returns it with the URL that reaches the server
+// through it.
+func newWire(t *testing.T, rawURL string) (*wirecount.Proxy, string) {
+	t.Helper()
+	w, u, err := wirecount.Start(rawURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(w.Close)
+	return w, u
 }
 
 type relayOutbox interface {
