@@ -65,26 +65,39 @@ func (c *counted) has(id string) bool {
 func TestRelaySurvivesLosingItsListenConnection(t *testing.T) {
 	t.Parallel()
 	pgURL := testenv.Require(t, testenv.PostgresURLEnv)
-	t.Run("pgx", func(t *testing.T) {
-		t.Parallel()
-		listenKillRun(t, pgURL, func(t *testing.T, u string) (relayOutbox, func() error) {
-			pool, err := pgxpool.New(context.Background(), u)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(pool.Close)
-			return idleOutbox(t, sqldb.Pgx(pool), testenv.Postgres(t))
+	pgxOpen := func(t *testing.T, u string) (relayOutbox, func() error) {
+		pool, err := pgxpool.New(context.Background(), u)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(pool.Close)
+		return idleOutbox(t, sqldb.Pgx(pool), testenv.Postgres(t))
+	}
+	stdOpen := func(t *testing.T, u string) (relayOutbox, func() error) {
+		return idleOutbox(t, sqldb.Std(openURL(t, u), sqldb.Postgres), testenv.Postgres(t))
+	}
+	for _, tc := range []struct {
+		name string
+		open opener
+		cfg  outbox.RelayConfig
+		// minDelay is the least time between a new LISTEN and its kill.
+		minDelay time.Duration
+	}{
+		{name: "pgx", open: pgxOpen, minDelay: 200 * time.Millisecond},
+		{name: "std", open: stdOpen, minDelay: 200 * time.Millisecond},
+		// A connection that LISTENed for a PollInterval is replaced at
+		// once, not after RetryInterval: the commits made meanwhile do not
+		// wait a minute for the relay's poll on the pool either.
+		{name: "pgx/RetryInterval=1m", open: pgxOpen, cfg: outbox.RelayConfig{RetryInterval: time.Minute}, minDelay: 1200 * time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			listenKillRun(t, pgURL, tc.open, tc.cfg, tc.minDelay)
 		})
-	})
-	t.Run("std", func(t *testing.T) {
-		t.Parallel()
-		listenKillRun(t, pgURL, func(t *testing.T, u string) (relayOutbox, func() error) {
-			return idleOutbox(t, sqldb.Std(openURL(t, u), sqldb.Postgres), testenv.Postgres(t))
-		})
-	})
+	}
 }
 
-func listenKillRun(t *testing.T, pgURL string, open opener) {
+func listenKillRun(t *testing.T, pgURL string, open opener, cfg outbox.RelayConfig, minDelay time.Duration) {
 	w, u := newWire(t, pgURL)
 	ob, initSchema := open(t, u)
 	if err := initSchema(); err != nil {
@@ -99,7 +112,7 @@ func listenKillRun(t *testing.T, pgURL string, open opener) {
 		t.Fatal(err)
 	}
 	dest := &counted{got: map[string]int{}, at: map[string]time.Time{}}
-	r, err := ob.NewRelay(dest, outbox.RelayConfig{})
+	r, err := ob.NewRelay(dest, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -180,7 +193,7 @@ func listenKillRun(t *testing.T, pgURL string, open opener) {
 	var killed []int
 	for k := range listenKills {
 		port := listener(killed)
-		time.Sleep(time.Duration(200+rand.IntN(1500)) * time.Millisecond)
+		time.Sleep(minDelay + time.Duration(rand.IntN(1500))*time.Millisecond)
 		var pid int
 		var last string
 		if err := db.QueryRowContext(t.Context(), "SELECT pid, query FROM pg_stat_activity WHERE client_port = $1", port).Scan(&pid, &last); err != nil {

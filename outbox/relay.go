@@ -1092,9 +1092,20 @@ func errorText(err error) string {
 // listen holds one connection of the pool in LISTEN on the outbox's channel and
 // wakes the relay on each notification, and once after each (re)connect
 // for the commits it may have missed.
+//
+// A connection lost after it had LISTENed for a PollInterval (the server
+// ended it: pg_terminate_backend, a restart, a proxy) is replaced at once,
+// so that the commits made meanwhile wait for no RetryInterval; one lost
+// sooner, or a connect that failed, is tried again after RetryInterval.
+// Meanwhile the loop polls on the pool.
 func (r *Relay) listen(ctx context.Context) {
 	for {
-		err := r.o.db.Listen(ctx, r.o.q.qTable, r.signal, r.cfg.PollInterval, r.pollIdle)
+		var since atomic.Int64 // when the LISTEN was in place, Unix nanoseconds
+		wake := func() {
+			since.CompareAndSwap(0, time.Now().UnixNano())
+			r.signal()
+		}
+		err := r.o.db.Listen(ctx, r.o.q.qTable, wake, r.cfg.PollInterval, r.pollIdle)
 		if ctx.Err() != nil {
 			return
 		}
@@ -1102,8 +1113,12 @@ func (r *Relay) listen(ctx context.Context) {
 			r.cfg.Logger.Info("outbox: "+err.Error(), nil)
 			return
 		}
-		r.cfg.Logger.Error("outbox: LISTEN connection lost; polling until it is back", err, watermill.LogFields{"retry_in": r.cfg.RetryInterval})
-		if !settlement.Sleep(ctx, r.cfg.RetryInterval) {
+		wait := r.cfg.RetryInterval
+		if s := since.Load(); s != 0 && time.Since(time.Unix(0, s)) >= r.cfg.PollInterval {
+			wait = 0
+		}
+		r.cfg.Logger.Error("outbox: LISTEN connection lost; polling until it is back", err, watermill.LogFields{"retry_in": wait})
+		if !settlement.Sleep(ctx, wait) {
 			return
 		}
 	}
