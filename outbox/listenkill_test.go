@@ -78,7 +78,7 @@ func TestRelaySurvivesLosingItsListenConnection(t *testing.T) {
 	}
 	for _, tc := range []struct {
 		name string
-		open opener
+		open func(t *testing.T, u string) (relayOutbox, func() error)
 		cfg  outbox.RelayConfig
 		// minDelay is the least time between a new LISTEN and its kill.
 		minDelay time.Duration
@@ -97,7 +97,7 @@ func TestRelaySurvivesLosingItsListenConnection(t *testing.T) {
 	}
 }
 
-func listenKillRun(t *testing.T, pgURL string, open opener, cfg outbox.RelayConfig, minDelay time.Duration) {
+func listenKillRun(t *testing.T, pgURL string, open func(t *testing.T, u string) (relayOutbox, func() error), cfg outbox.RelayConfig, minDelay time.Duration) {
 	w, u := newWire(t, pgURL)
 	ob, initSchema := open(t, u)
 	if err := initSchema(); err != nil {

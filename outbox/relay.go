@@ -44,8 +44,11 @@ type RelayConfig struct {
 	// nobody told it about: the fallback behind PostgreSQL's LISTEN/NOTIFY
 	// and Outbox.Notify, and the lag of a row committed by another process
 	// on MySQL and SQLite. Each poll is one statement, the heartbeat
-	// included; on PostgreSQL it runs on the LISTEN connection, where no
-	// pool's health check pings first. Defaults to 1s. Must be > 0.
+	// included: on PostgreSQL the heartbeat rides in the poll, which runs
+	// on the LISTEN connection, where no pool's health check pings first;
+	// on MySQL and SQLite it takes the place of one poll every
+	// HeartbeatInterval, so such a row may then wait up to two
+	// PollIntervals. Defaults to 1s. Must be > 0.
 	PollInterval time.Duration
 	// BatchSize is the most rows one relay transaction claims and
 	// forwards. Defaults to 100. Must be 1-1000.
@@ -427,8 +430,8 @@ func (r *Relay) signal() { poke(r.wake) }
 // loop claims batches while they come back full, then waits for a wake-up
 // or the poll tick. A tick asks, in one statement, whether anything is
 // pending (an idle relay costs one statement per PollInterval), and carries
-// the heartbeat: folded into that statement on PostgreSQL, one statement
-// more on MySQL and SQLite. While the LISTEN connection polls (see
+// the heartbeat: folded into that statement on PostgreSQL, in its place on
+// MySQL and SQLite (see probe). While the LISTEN connection polls (see
 // pollIdle), the tick sends nothing.
 func (r *Relay) loop(ctx context.Context) {
 	tick := time.NewTicker(r.cfg.PollInterval)
@@ -533,10 +536,13 @@ func (r *Relay) beatArg() any {
 }
 
 // probe asks, on ex, whether any row is pending, and with beat renews the
-// relay's heartbeat: in the same statement on PostgreSQL, in one statement
-// more on MySQL and SQLite. (A beat there that took the probe's place left
-// a relay whose rows wait for their retry without a heartbeat for a whole
-// PollInterval: TestStatusCountsLiveRelaysAlways.)
+// relay's heartbeat: in the same statement on PostgreSQL. On MySQL and
+// SQLite, which cannot write the heartbeat and read the answer in one
+// statement, the heartbeat takes the probe's place and probe reports
+// nothing pending: the next tick asks, so an idle relay sends one
+// statement per PollInterval there too, and a row no wake-up announced
+// (committed by another process, or waiting for its retry) may wait a
+// PollInterval more, once every HeartbeatInterval.
 //
 // A heartbeat is not cancelled by Close: a write the client gave up on may
 // still land on the server after unregister's delete, and leave the relay
@@ -552,7 +558,7 @@ func (r *Relay) probe(ctx context.Context, ex sqldb.Executor, beat bool) (bool, 
 			return false, fmt.Errorf("heartbeat: %w", err)
 		}
 		r.lastBeat.Store(time.Now().UnixNano())
-		beat = false
+		return false, nil
 	}
 	q, args := r.o.q.probe, []any(nil)
 	if beat {
