@@ -430,14 +430,20 @@ func (r *Relay) signal() { poke(r.wake) }
 // loop claims batches while they come back full, then waits for a wake-up
 // or the poll tick. A tick asks, in one statement, whether anything is
 // pending (an idle relay costs one statement per PollInterval), and carries
-// the heartbeat: folded into that statement on PostgreSQL, in its place on
-// MySQL and SQLite (see probe). While the LISTEN connection polls (see
+// the heartbeat: folded into that statement on PostgreSQL. On MySQL and
+// SQLite the heartbeat takes the place of the poll when the poll before
+// found nothing, and never of two polls in a row (a heartbeat of its own
+// and a poll otherwise): an idle relay sends one statement per
+// PollInterval there too, and a row no wake-up announced (committed by
+// another process, or waiting for its retry) may wait a PollInterval
+// more, once every HeartbeatInterval. While the LISTEN connection polls (see
 // pollIdle), the tick sends nothing.
 func (r *Relay) loop(ctx context.Context) {
 	tick := time.NewTicker(r.cfg.PollInterval)
 	defer tick.Stop()
 	r.lastBeat.Store(time.Now().UnixNano()) // register beat
 	claim := true
+	quiet := false // the last poll of the tick found nothing pending
 	for ctx.Err() == nil {
 		if claim && r.beatDue() {
 			// Batches that keep coming (a backlog, or failures retried
@@ -481,11 +487,24 @@ func (r *Relay) loop(ctx context.Context) {
 			return
 		case <-r.wake:
 			claim = true
+			quiet = false
 		case <-tick.C:
 			if time.Since(time.Unix(0, r.polled.Load())) < 2*r.cfg.PollInterval {
 				continue // the LISTEN connection polls
 			}
-			pending, err := r.probe(ctx, r.o.db.DB(), r.beatDue())
+			beat := r.beatDue()
+			if beat && quiet && r.o.q.probeBeat == "" {
+				quiet = false // the next tick polls
+				bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.AckDeadline) // as probe's
+				err := r.heartbeat(bctx, r.o.db.DB())
+				cancel()
+				if err != nil && ctx.Err() == nil {
+					r.cfg.Logger.Error("outbox: relay heartbeat failed", err, nil)
+				}
+				continue
+			}
+			pending, err := r.probe(ctx, r.o.db.DB(), beat)
+			quiet = err == nil && !pending
 			if err != nil {
 				if ctx.Err() == nil {
 					r.cfg.Logger.Error("outbox: relay poll failed", err, nil)
@@ -536,13 +555,10 @@ func (r *Relay) beatArg() any {
 }
 
 // probe asks, on ex, whether any row is pending, and with beat renews the
-// relay's heartbeat: in the same statement on PostgreSQL. On MySQL and
-// SQLite, which cannot write the heartbeat and read the answer in one
-// statement, the heartbeat takes the probe's place and probe reports
-// nothing pending: the next tick asks, so an idle relay sends one
-// statement per PollInterval there too, and a row no wake-up announced
-// (committed by another process, or waiting for its retry) may wait a
-// PollInterval more, once every HeartbeatInterval.
+// relay's heartbeat: in the same statement on PostgreSQL, in one statement
+// more on MySQL and SQLite, which cannot write the heartbeat and read the
+// answer in one statement (there the loop lets a heartbeat take the place
+// of a poll of an idle relay instead; see loop).
 //
 // A heartbeat is not cancelled by Close: a write the client gave up on may
 // still land on the server after unregister's delete, and leave the relay
@@ -554,11 +570,10 @@ func (r *Relay) probe(ctx context.Context, ex sqldb.Executor, beat bool) (bool, 
 		defer cancel()
 	}
 	if beat && r.o.q.probeBeat == "" {
-		if _, err := ex.Exec(ctx, r.o.q.beat, r.id, r.beatArg()); err != nil {
-			return false, fmt.Errorf("heartbeat: %w", err)
+		if err := r.heartbeat(ctx, ex); err != nil {
+			return false, err
 		}
-		r.lastBeat.Store(time.Now().UnixNano())
-		return false, nil
+		beat = false
 	}
 	q, args := r.o.q.probe, []any(nil)
 	if beat {
@@ -572,6 +587,16 @@ func (r *Relay) probe(ctx context.Context, ex sqldb.Executor, beat bool) (bool, 
 		r.lastBeat.Store(time.Now().UnixNano())
 	}
 	return pending, nil
+}
+
+// heartbeat renews the relay's heartbeat on ex, in a statement of its own.
+// The caller bounds ctx (see probe).
+func (r *Relay) heartbeat(ctx context.Context, ex sqldb.Executor) error {
+	if _, err := ex.Exec(ctx, r.o.q.beat, r.id, r.beatArg()); err != nil {
+		return fmt.Errorf("heartbeat: %w", err)
+	}
+	r.lastBeat.Store(time.Now().UnixNano())
+	return nil
 }
 
 // register writes the relay's first heartbeat and sweeps relays expired
