@@ -494,7 +494,7 @@ func (r *Relay) loop(ctx context.Context) {
 			}
 			beat := r.beatDue()
 			if beat && quiet && r.o.q.probeBeat == "" {
-				quiet = false // the next tick polls
+				quiet = false                                                                      // the next tick polls
 				bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.AckDeadline) // as probe's
 				err := r.heartbeat(bctx, r.o.db.DB())
 				cancel()
