@@ -494,8 +494,9 @@ func (r *Relay) loop(ctx context.Context) {
 			}
 			beat := r.beatDue()
 			if beat && quiet && r.o.q.probeBeat == "" {
-				quiet = false                                                                      // the next tick polls
-				bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.AckDeadline) // as probe's
+				quiet = false // the next tick polls
+				// Bounded, not cancelled, as probe's heartbeat.
+				bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.AckDeadline)
 				err := r.heartbeat(bctx, r.o.db.DB())
 				cancel()
 				if err != nil && ctx.Err() == nil {
