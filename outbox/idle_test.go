@@ -163,3 +163,29 @@ func idleOutbox[TTx any](t *testing.T, d sqldb.Driver[TTx], db testenv.DB) (rela
 	})
 	return ob, func() error { return ob.InitSchema(t.Context()) }
 }
+
+// A heartbeat due at every tick (HeartbeatInterval < PollInterval) still
+// leaves the relay polling: a row no wake-up announced (written by another
+// process) is forwarded. On MySQL and SQLite a heartbeat takes the place of
+// a poll only after a poll that found nothing.
+func TestRelayPollsWhileHeartbeatsAreDueAtEveryTick(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *env) {
+		got, err := e.pubsub.Subscribe(t.Context(), "orders")
+		if err != nil {
+			t.Fatal(err)
+		}
+		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: 100 * time.Millisecond, HeartbeatInterval: time.Microsecond}) // due at every tick
+		time.Sleep(500 * time.Millisecond) // idle: polls, heartbeats
+		e.rawInsert(t, "unannounced", "orders", []byte(`{}`), `{}`)
+		select {
+		case m := <-got:
+			m.Ack()
+			if m.UUID != "unannounced" {
+				t.Fatalf("got %s", m.UUID)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("a row committed without a wake-up was not forwarded in 10 s (100 ms polls)")
+		}
+	})
+}
