@@ -176,7 +176,7 @@ func TestRelayPollsWhileHeartbeatsAreDueAtEveryTick(t *testing.T) {
 			t.Fatal(err)
 		}
 		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: 100 * time.Millisecond, HeartbeatInterval: time.Microsecond}) // due at every tick
-		time.Sleep(500 * time.Millisecond) // idle: polls, heartbeats
+		time.Sleep(500 * time.Millisecond)                                                                                        // idle: polls, heartbeats
 		e.rawInsert(t, "unannounced", "orders", []byte(`{}`), `{}`)
 		select {
 		case m := <-got:
