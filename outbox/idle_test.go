@@ -175,8 +175,9 @@ func TestRelayPollsWhileHeartbeatsAreDueAtEveryTick(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: 100 * time.Millisecond, HeartbeatInterval: time.Microsecond}) // due at every tick
-		time.Sleep(500 * time.Millisecond)                                                                                        // idle: polls, heartbeats
+		// A heartbeat due at every tick.
+		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: 100 * time.Millisecond, HeartbeatInterval: time.Microsecond})
+		time.Sleep(500 * time.Millisecond) // idle: polls, heartbeats
 		e.rawInsert(t, "unannounced", "orders", []byte(`{}`), `{}`)
 		select {
 		case m := <-got:
