@@ -182,14 +182,15 @@ func (p *Proxy) accept() {
 			_ = c.Close()
 		})
 		both.Go(func() {
-			// The tee forwards what the parser reads as it reads it.
-			r := bufio.NewReader(io.TeeReader(c, s))
+			// The parser forwards each message once it has counted it, so
+			// that a client that has its answer finds it counted.
+			r := bufio.NewReader(c)
 			if p.mysql {
-				_ = p.readMySQL(r)
+				_ = p.readMySQL(r, s)
 			} else {
-				_ = p.readPostgres(r, cn)
+				_ = p.readPostgres(r, s, cn)
 			}
-			_, _ = io.Copy(s, c) // whatever the parser left (an error)
+			_, _ = io.Copy(s, r) // whatever the parser left (an error)
 			_ = s.Close()
 		})
 		p.wg.Go(func() {
@@ -204,63 +205,71 @@ func (p *Proxy) accept() {
 // pgNames are the PostgreSQL frontend messages by type byte.
 var pgNames = map[byte]string{'Q': "Query", 'P': "Parse", 'B': "Bind", 'D': "Describe", 'E': "Execute", 'S': "Sync", 'C': "Close", 'H': "Flush", 'X': "Terminate", 'p': "Password"}
 
-// readPostgres reads the frontend's messages: untyped ones until the
-// startup message (an SSL or GSS request may come first; a cancel request
-// comes alone), then typed ones.
-func (p *Proxy) readPostgres(r *bufio.Reader, cn *conn) error {
-	var hdr [8]byte
+// readPostgres reads the frontend's messages and forwards each to w: untyped
+// ones until the startup message (an SSL or GSS request may come first; a
+// cancel request comes alone), then typed ones.
+func (p *Proxy) readPostgres(r *bufio.Reader, w io.Writer, cn *conn) error {
+	var msg []byte
 	for {
-		if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		var err error
+		if msg, err = readMsg(r, msg, 4, 0); err != nil {
 			return err
 		}
-		n := int(binary.BigEndian.Uint32(hdr[:4]))
-		code := binary.BigEndian.Uint32(hdr[4:])
-		if _, err := r.Discard(n - 8); err != nil {
-			return err
-		}
+		code := binary.BigEndian.Uint32(msg[4:8])
 		if code == 80877102 {
 			p.count("CancelRequest", false)
-			return nil
+			_, err = w.Write(msg)
+			return err
+		}
+		if _, err := w.Write(msg); err != nil {
+			return err
 		}
 		if code != 80877103 && code != 80877104 { // not SSLRequest, GSSENCRequest (refused: sslmode=disable)
 			break
 		}
 	}
-	var body []byte
 	for {
-		if _, err := io.ReadFull(r, hdr[:5]); err != nil {
+		var err error
+		if msg, err = readMsg(r, msg, 5, 1); err != nil {
 			return err
 		}
-		n := int(binary.BigEndian.Uint32(hdr[1:5])) - 4
-		typ := hdr[0]
-		if typ == 'Q' || typ == 'P' {
-			// Read the text, to see a LISTEN.
-			if cap(body) < n {
-				body = make([]byte, n)
+		typ := msg[0]
+		body := msg[5:]
+		if typ == 'P' { // the statement's name comes first
+			if i := bytes.IndexByte(body, 0); i >= 0 {
+				body = body[i+1:]
 			}
-			body = body[:n]
-			if _, err := io.ReadFull(r, body); err != nil {
-				return err
-			}
-			if typ == 'P' { // the statement's name comes first
-				if i := bytes.IndexByte(body, 0); i >= 0 {
-					body = body[i+1:]
-				}
-			}
-			if isListen(body) {
-				p.mu.Lock()
-				cn.listens = true
-				p.mu.Unlock()
-			}
-		} else if _, err := r.Discard(n); err != nil {
-			return err
+		}
+		if (typ == 'Q' || typ == 'P') && isListen(body) {
+			p.mu.Lock()
+			cn.listens = true
+			p.mu.Unlock()
 		}
 		name := pgNames[typ]
 		if name == "" {
-			name = string(hdr[:1])
+			name = string(msg[:1])
 		}
 		p.count(name, typ == 'Q' || typ == 'E' || typ == 'C')
+		if _, err := w.Write(msg); err != nil {
+			return err
+		}
 	}
+}
+
+// readMsg reads one PostgreSQL message into buf: a header of hdr bytes whose
+// 4-byte big-endian length starts at lenAt and counts itself and the body.
+func readMsg(r *bufio.Reader, buf []byte, hdr, lenAt int) ([]byte, error) {
+	buf = append(buf[:0], make([]byte, hdr)...)
+	if _, err := io.ReadFull(r, buf); err != nil {
+		return buf, err
+	}
+	n := lenAt + int(binary.BigEndian.Uint32(buf[lenAt:lenAt+4]))
+	if n < hdr {
+		return buf, fmt.Errorf("wirecount: message length %d", n)
+	}
+	buf = append(buf, make([]byte, n-hdr)...)
+	_, err := io.ReadFull(r, buf[hdr:])
+	return buf, err
 }
 
 // isListen reports whether the query text starts with LISTEN.
@@ -273,37 +282,35 @@ func isListen(q []byte) bool {
 // mysqlNames are the MySQL commands by their first byte.
 var mysqlNames = map[byte]string{0x01: "COM_QUIT", 0x02: "COM_INIT_DB", 0x03: "COM_QUERY", 0x0e: "COM_PING", 0x16: "COM_STMT_PREPARE", 0x17: "COM_STMT_EXECUTE", 0x19: "COM_STMT_CLOSE", 0x1f: "COM_RESET_CONNECTION"}
 
-// readMySQL reads the client's packets: a command starts a new sequence
-// (sequence id 0); the handshake's packets do not.
-func (p *Proxy) readMySQL(r *bufio.Reader) error {
-	var hdr [4]byte
+// readMySQL reads the client's packets and forwards each to w: a command
+// starts a new sequence (sequence id 0); the handshake's packets do not.
+func (p *Proxy) readMySQL(r *bufio.Reader, w io.Writer) error {
+	var pkt []byte
 	for {
-		if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		pkt = append(pkt[:0], 0, 0, 0, 0)
+		if _, err := io.ReadFull(r, pkt); err != nil {
 			return err
 		}
-		n := int(hdr[0]) | int(hdr[1])<<8 | int(hdr[2])<<16
-		if hdr[3] != 0 || n == 0 {
-			if _, err := r.Discard(n); err != nil {
-				return err
+		n := int(pkt[0]) | int(pkt[1])<<8 | int(pkt[2])<<16
+		pkt = append(pkt, make([]byte, n)...)
+		if _, err := io.ReadFull(r, pkt[4:]); err != nil {
+			return err
+		}
+		if pkt[3] == 0 && n > 0 {
+			cmd := pkt[4]
+			name := mysqlNames[cmd]
+			if name == "" {
+				name = fmt.Sprintf("COM_%#x", cmd)
 			}
-			continue
+			switch cmd {
+			case 0x02, 0x03, 0x0e, 0x17, 0x1f:
+				p.count(name, true)
+			default:
+				p.count(name, false)
+			}
 		}
-		cmd, err := r.ReadByte()
-		if err != nil {
+		if _, err := w.Write(pkt); err != nil {
 			return err
-		}
-		if _, err := r.Discard(n - 1); err != nil {
-			return err
-		}
-		name := mysqlNames[cmd]
-		if name == "" {
-			name = fmt.Sprintf("COM_%#x", cmd)
-		}
-		switch cmd {
-		case 0x02, 0x03, 0x0e, 0x17, 0x1f:
-			p.count(name, true)
-		default:
-			p.count(name, false)
 		}
 	}
 }
