@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
-	"strings"
 	"testing"
 	"time"
 
@@ -13,6 +12,7 @@ import (
 
 	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
+	"github.com/settle-go/settle/internal/wirecount"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -31,53 +31,70 @@ func (discard) Close() error                              { return nil }
 // messages), the statements an idle relay sends on its own connections in
 // the default RelayConfig, which is also the guide's and the examples':
 // at most one per PollInterval, the heartbeat, LISTEN and the pool's
-// health checks included.
+// health checks included. SQLite has no wire: there it counts what the
+// relay's pool asks the driver to run (see stmtCount).
 func TestIdleRelayOnTheWire(t *testing.T) {
-	run := func(t *testing.T, rawURL string, open opener) {
-		// The default, and on PostgreSQL a heartbeat every 2 s, so that
-		// heartbeats fall in the window: they ride on the polls there. On
-		// MySQL a heartbeat is one statement more (1.1/s at the defaults,
-		// within the default's window; not yet folded into the poll).
-		cfgs := []outbox.RelayConfig{{}}
-		if !strings.HasPrefix(rawURL, "mysql") {
-			cfgs = append(cfgs, outbox.RelayConfig{HeartbeatInterval: 2 * time.Second})
-		}
+	// The default, and a heartbeat every 2 s, so that heartbeats fall in
+	// the window: on PostgreSQL they ride on the polls, on MySQL and SQLite
+	// they take a poll's place.
+	cfgs := []outbox.RelayConfig{{}, {HeartbeatInterval: 2 * time.Second}}
+	run := func(t *testing.T, open opener) {
 		for _, cfg := range cfgs {
-			t.Run(fmt.Sprintf("heartbeat=%v", cfg.HeartbeatInterval), func(t *testing.T) { idleRun(t, rawURL, open, cfg) })
+			t.Run(fmt.Sprintf("heartbeat=%v", cfg.HeartbeatInterval), func(t *testing.T) { idleRun(t, open, cfg) })
 		}
 	}
 	t.Run("postgres-pgx", func(t *testing.T) {
-		run(t, testenv.Require(t, testenv.PostgresURLEnv), func(t *testing.T, u string) (relayOutbox, func() error) {
+		rawURL := testenv.Require(t, testenv.PostgresURLEnv)
+		run(t, func(t *testing.T) (counter, relayOutbox, func() error) {
+			w, u := newWire(t, rawURL)
 			pool, err := pgxpool.New(context.Background(), u)
 			if err != nil {
 				t.Fatal(err)
 			}
 			t.Cleanup(pool.Close)
-			return idleOutbox(t, sqldb.Pgx(pool), testenv.Postgres(t))
+			ob, initSchema := idleOutbox(t, sqldb.Pgx(pool), testenv.Postgres(t))
+			return w, ob, initSchema
 		})
 	})
 	t.Run("postgres-std", func(t *testing.T) {
-		run(t, testenv.Require(t, testenv.PostgresURLEnv), func(t *testing.T, u string) (relayOutbox, func() error) {
-			return idleOutbox(t, sqldb.Std(openURL(t, u), sqldb.Postgres), testenv.Postgres(t))
+		rawURL := testenv.Require(t, testenv.PostgresURLEnv)
+		run(t, func(t *testing.T) (counter, relayOutbox, func() error) {
+			w, u := newWire(t, rawURL)
+			ob, initSchema := idleOutbox(t, sqldb.Std(openURL(t, u), sqldb.Postgres), testenv.Postgres(t))
+			return w, ob, initSchema
 		})
 	})
 	t.Run("mysql", func(t *testing.T) {
-		run(t, testenv.Require(t, testenv.MySQLURLEnv), func(t *testing.T, u string) (relayOutbox, func() error) {
-			return idleOutbox(t, sqldb.Std(openURL(t, u), sqldb.MySQL), testenv.MySQL(t))
+		rawURL := testenv.Require(t, testenv.MySQLURLEnv)
+		run(t, func(t *testing.T) (counter, relayOutbox, func() error) {
+			w, u := newWire(t, rawURL)
+			ob, initSchema := idleOutbox(t, sqldb.Std(openURL(t, u), sqldb.MySQL), testenv.MySQL(t))
+			return w, ob, initSchema
+		})
+	})
+	t.Run("sqlite", func(t *testing.T) {
+		run(t, func(t *testing.T) (counter, relayOutbox, func() error) {
+			db, c := openCounted(t)
+			ob, initSchema := idleOutbox(t, db.Driver(), db)
+			return c, ob, initSchema
 		})
 	})
 }
 
-// opener returns an outbox on the database at u, and the function that
-// creates its table.
-type opener func(t *testing.T, u string) (relayOutbox, func() error)
+// counter counts the statements a relay sends.
+type counter interface {
+	Statements() int64
+	Messages() string // by kind, for failure reports
+}
 
-// idleRun runs a relay with cfg on connections through a wire proxy to
-// rawURL's server and fails if it sends more than one statement per second
-// while idle.
-func idleRun(t *testing.T, rawURL string, open opener, cfg outbox.RelayConfig) {
-	w, u := newWire(t, rawURL)
-	ob, initSchema := open(t, u)
+// opener returns a statement counter, an outbox whose statements it
+// counts, and the function that creates its table.
+type opener func(t *testing.T) (counter, relayOutbox, func() error)
+
+// idleRun runs a relay with cfg on an outbox of open and fails if it sends
+// more than one statement per second while idle.
+func idleRun(t *testing.T, open opener, cfg outbox.RelayConfig) {
+	w, ob, initSchema := open(t)
 	if err := initSchema(); err != nil {
 		t.Fatal(err)
 	}
@@ -89,13 +106,26 @@ func idleRun(t *testing.T, rawURL string, open opener, cfg outbox.RelayConfig) {
 	// Past the start (register, LISTEN, the first scan, the pool's first
 	// connections), then count.
 	time.Sleep(1500 * time.Millisecond)
-	before, kinds := w.statements(), w.messages()
+	before, kinds := w.Statements(), w.Messages()
 	time.Sleep(idleWindow)
-	n := w.statements() - before
-	t.Logf("%d statements in %v idle (%.2f/s); messages before: %s; after: %s", n, idleWindow, float64(n)/idleWindow.Seconds(), kinds, w.messages())
-	if limit := int(idleWindow/time.Second) + 1; n > limit {
-		t.Errorf("an idle relay sent %d statements in %v on the wire, want <= %d (one per PollInterval); messages before: %s; after: %s", n, idleWindow, limit, kinds, w.messages())
+	n := w.Statements() - before
+	t.Logf("%d statements in %v idle (%.2f/s); messages before: %s; after: %s", n, idleWindow, float64(n)/idleWindow.Seconds(), kinds, w.Messages())
+	if limit := int64(idleWindow/time.Second) + 1; n > limit {
+		t.Errorf("an idle relay sent %d statements in %v on the wire, want <= %d (one per PollInterval); messages before: %s; after: %s", n, idleWindow, limit, kinds, w.Messages())
 	}
+}
+
+// newWire starts a wirecount proxy to the server of rawURL, stopped when
+// the test ends, and returns it with the URL that reaches the server
+// through it.
+func newWire(t *testing.T, rawURL string) (*wirecount.Proxy, string) {
+	t.Helper()
+	w, u, err := wirecount.Start(rawURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(w.Close)
+	return w, u
 }
 
 type relayOutbox interface {
@@ -132,4 +162,31 @@ func idleOutbox[TTx any](t *testing.T, d sqldb.Driver[TTx], db testenv.DB) (rela
 		_, _ = db.ExecContext(context.Background(), "DROP TABLE IF EXISTS "+q(topic+"_relays"))
 	})
 	return ob, func() error { return ob.InitSchema(t.Context()) }
+}
+
+// A heartbeat due at every tick (HeartbeatInterval < PollInterval) still
+// leaves the relay polling: a row no wake-up announced (written by another
+// process) is forwarded. On MySQL and SQLite a heartbeat takes the place of
+// a poll only after a poll that found nothing.
+func TestRelayPollsWhileHeartbeatsAreDueAtEveryTick(t *testing.T) {
+	t.Parallel()
+	forEachDB(t, func(t *testing.T, e *env) {
+		got, err := e.pubsub.Subscribe(t.Context(), "orders")
+		if err != nil {
+			t.Fatal(err)
+		}
+		// A heartbeat due at every tick.
+		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: 100 * time.Millisecond, HeartbeatInterval: time.Microsecond})
+		time.Sleep(500 * time.Millisecond) // idle: polls, heartbeats
+		e.rawInsert(t, "unannounced", "orders", []byte(`{}`), `{}`)
+		select {
+		case m := <-got:
+			m.Ack()
+			if m.UUID != "unannounced" {
+				t.Fatalf("got %s", m.UUID)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("a row committed without a wake-up was not forwarded in 10 s (100 ms polls)")
+		}
+	})
 }

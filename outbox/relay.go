@@ -44,10 +44,13 @@ type RelayConfig struct {
 	// nobody told it about: the fallback behind PostgreSQL's LISTEN/NOTIFY
 	// and Outbox.Notify, and the lag of a row committed by another process
 	// on MySQL and SQLite. Each poll is one statement, the heartbeat
-	// included; on PostgreSQL it runs on the LISTEN connection, where no
-	// pool's health check pings first. An idle relay polls every
-	// HeartbeatInterval instead when that is shorter, to renew its
-	// heartbeat. Defaults to 1s. Must be > 0.
+	// included: on PostgreSQL the heartbeat rides in the poll, which runs
+	// on the LISTEN connection, where no pool's health check pings first;
+	// on MySQL and SQLite it takes the place of one poll every
+	// HeartbeatInterval, so such a row may then wait up to two
+	// PollIntervals. An idle relay polls every HeartbeatInterval instead
+	// when that is shorter, to renew its heartbeat. Defaults to 1s. Must
+	// be > 0.
 	PollInterval time.Duration
 	// BatchSize is the most rows one relay transaction claims and
 	// forwards. Defaults to 100. Must be 1-1000.
@@ -429,14 +432,20 @@ func (r *Relay) signal() { poke(r.wake) }
 // loop claims batches while they come back full, then waits for a wake-up
 // or the poll tick. A tick asks, in one statement, whether anything is
 // pending (an idle relay costs one statement per PollInterval), and carries
-// the heartbeat: folded into that statement on PostgreSQL, one statement
-// more on MySQL and SQLite. While the LISTEN connection polls (see
+// the heartbeat: folded into that statement on PostgreSQL. On MySQL and
+// SQLite the heartbeat takes the place of the poll when the poll before
+// found nothing, and never of two polls in a row (a heartbeat of its own
+// and a poll otherwise): an idle relay sends one statement per
+// PollInterval there too, and a row no wake-up announced (committed by
+// another process, or waiting for its retry) may wait a PollInterval
+// more, once every HeartbeatInterval. While the LISTEN connection polls (see
 // pollIdle), the tick sends nothing.
 func (r *Relay) loop(ctx context.Context) {
 	tick := time.NewTicker(r.idlePoll())
 	defer tick.Stop()
 	r.lastBeat.Store(time.Now().UnixNano()) // register beat
 	claim := true
+	quiet := false // the last poll of the tick found nothing pending
 	for ctx.Err() == nil {
 		if claim && r.beatDue() {
 			// Batches that keep coming (a backlog, or failures retried
@@ -480,11 +489,25 @@ func (r *Relay) loop(ctx context.Context) {
 			return
 		case <-r.wake:
 			claim = true
+			quiet = false
 		case <-tick.C:
 			if time.Since(time.Unix(0, r.polled.Load())) < 2*r.idlePoll() {
 				continue // the LISTEN connection polls
 			}
-			pending, err := r.probe(ctx, r.o.db.DB(), r.beatDue())
+			beat := r.beatDue()
+			if beat && quiet && r.o.q.probeBeat == "" {
+				quiet = false // the next tick polls
+				// Bounded, not cancelled, as probe's heartbeat.
+				bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.AckDeadline)
+				err := r.heartbeat(bctx, r.o.db.DB())
+				cancel()
+				if err != nil && ctx.Err() == nil {
+					r.cfg.Logger.Error("outbox: relay heartbeat failed", err, nil)
+				}
+				continue
+			}
+			pending, err := r.probe(ctx, r.o.db.DB(), beat)
+			quiet = err == nil && !pending
 			if err != nil {
 				if ctx.Err() == nil {
 					r.cfg.Logger.Error("outbox: relay poll failed", err, nil)
@@ -543,9 +566,9 @@ func (r *Relay) beatArg() any {
 
 // probe asks, on ex, whether any row is pending, and with beat renews the
 // relay's heartbeat: in the same statement on PostgreSQL, in one statement
-// more on MySQL and SQLite. (A beat there that took the probe's place left
-// a relay whose rows wait for their retry without a heartbeat for a whole
-// PollInterval: TestStatusCountsLiveRelaysAlways.)
+// more on MySQL and SQLite, which cannot write the heartbeat and read the
+// answer in one statement (there the loop lets a heartbeat take the place
+// of a poll of an idle relay instead; see loop).
 //
 // A heartbeat is not cancelled by Close: a write the client gave up on may
 // still land on the server after unregister's delete, and leave the relay
@@ -557,10 +580,9 @@ func (r *Relay) probe(ctx context.Context, ex sqldb.Executor, beat bool) (bool, 
 		defer cancel()
 	}
 	if beat && r.o.q.probeBeat == "" {
-		if _, err := ex.Exec(ctx, r.o.q.beat, r.id, r.beatArg()); err != nil {
-			return false, fmt.Errorf("heartbeat: %w", err)
+		if err := r.heartbeat(ctx, ex); err != nil {
+			return false, err
 		}
-		r.lastBeat.Store(time.Now().UnixNano())
 		beat = false
 	}
 	q, args := r.o.q.probe, []any(nil)
@@ -575,6 +597,16 @@ func (r *Relay) probe(ctx context.Context, ex sqldb.Executor, beat bool) (bool, 
 		r.lastBeat.Store(time.Now().UnixNano())
 	}
 	return pending, nil
+}
+
+// heartbeat renews the relay's heartbeat on ex, in a statement of its own.
+// The caller bounds ctx (see probe).
+func (r *Relay) heartbeat(ctx context.Context, ex sqldb.Executor) error {
+	if _, err := ex.Exec(ctx, r.o.q.beat, r.id, r.beatArg()); err != nil {
+		return fmt.Errorf("heartbeat: %w", err)
+	}
+	r.lastBeat.Store(time.Now().UnixNano())
+	return nil
 }
 
 // register writes the relay's first heartbeat and sweeps relays expired
@@ -1101,9 +1133,20 @@ func errorText(err error) string {
 // listen holds one connection of the pool in LISTEN on the outbox's channel and
 // wakes the relay on each notification, and once after each (re)connect
 // for the commits it may have missed.
+//
+// A connection lost after it had LISTENed for a PollInterval (the server
+// ended it: pg_terminate_backend, a restart, a proxy) is replaced at once,
+// so that the commits made meanwhile wait for no RetryInterval; one lost
+// sooner, or a connect that failed, is tried again after RetryInterval.
+// Meanwhile the loop polls on the pool.
 func (r *Relay) listen(ctx context.Context) {
 	for {
-		err := r.o.db.Listen(ctx, r.o.q.qTable, r.signal, r.idlePoll(), r.pollIdle)
+		var since atomic.Int64 // when the LISTEN was in place, Unix nanoseconds
+		wake := func() {
+			since.CompareAndSwap(0, time.Now().UnixNano())
+			r.signal()
+		}
+		err := r.o.db.Listen(ctx, r.o.q.qTable, wake, r.idlePoll(), r.pollIdle)
 		if ctx.Err() != nil {
 			return
 		}
@@ -1111,8 +1154,12 @@ func (r *Relay) listen(ctx context.Context) {
 			r.cfg.Logger.Info("outbox: "+err.Error(), nil)
 			return
 		}
-		r.cfg.Logger.Error("outbox: LISTEN connection lost; polling until it is back", err, watermill.LogFields{"retry_in": r.cfg.RetryInterval})
-		if !settlement.Sleep(ctx, r.cfg.RetryInterval) {
+		wait := r.cfg.RetryInterval
+		if s := since.Load(); s != 0 && time.Since(time.Unix(0, s)) >= r.cfg.PollInterval {
+			wait = 0
+		}
+		r.cfg.Logger.Error("outbox: LISTEN connection lost; polling until it is back", err, watermill.LogFields{"retry_in": wait})
+		if !settlement.Sleep(ctx, wait) {
 			return
 		}
 	}

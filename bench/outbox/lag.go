@@ -29,6 +29,7 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivermigrate"
 
+	"github.com/settle-go/settle/internal/wirecount"
 	"github.com/settle-go/settle/outbox"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -39,7 +40,7 @@ import (
 // sees what the tracer does not: the pools' health-check pings).
 type counter struct {
 	n   atomic.Int64
-	w   *wire
+	w   *wirecount.Proxy
 	url string // the database URL through w
 }
 
@@ -164,7 +165,7 @@ func (b *bench) runLag(ctx context.Context, stdout io.Writer) error {
 
 // lagOnce runs one subject: paced without and with a blocker, then idle.
 func (b *bench) lagOnce(ctx context.Context, s lagSubject, blockTable string) (lagRow, error) {
-	w, u, err := newWire(b.o.dbURL)
+	w, u, err := wirecount.Start(b.o.dbURL)
 	if err != nil {
 		return lagRow{}, err
 	}
@@ -190,10 +191,10 @@ func (b *bench) lagOnce(ctx context.Context, s lagSubject, blockTable string) (l
 		}
 		// Idle: let the last wake-ups and retries pass, then count.
 		time.Sleep(2 * time.Second)
-		before, beforeWire := ctr.n.Load(), w.n.Load()
+		before, beforeWire := ctr.n.Load(), w.Statements()
 		time.Sleep(b.o.idle)
 		r.idle = float64(ctr.n.Load()-before) / b.o.idle.Seconds()
-		r.idleWire = float64(w.n.Load()-beforeWire) / b.o.idle.Seconds()
+		r.idleWire = float64(w.Statements()-beforeWire) / b.o.idle.Seconds()
 		return nil
 	}()
 	return r, errors.Join(err, stop())
