@@ -314,8 +314,10 @@ func TestStatusCountsLiveRelaysAlways(t *testing.T) {
 func TestIdleRelayBeatsEveryHeartbeatInterval(t *testing.T) {
 	t.Parallel()
 	forEachDB(t, func(t *testing.T, e *env) {
-		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: time.Second, HeartbeatInterval: 200 * time.Millisecond})
-		deadline := time.Now().Add(2500 * time.Millisecond) // > 2 polls, > 3 heartbeats' lifetimes
+		// A heartbeat lives 1.5 s, which a loaded machine does not overrun
+		// (200ms heartbeats, 600ms lives, did: a lapse, not this bug).
+		startRelay(t, e, e.pubsub, outbox.RelayConfig{PollInterval: 3 * time.Second, HeartbeatInterval: 500 * time.Millisecond})
+		deadline := time.Now().Add(7 * time.Second) // > 2 polls, > 3 heartbeats' lifetimes
 		for time.Now().Before(deadline) {
 			st, err := e.ob.Status(t.Context())
 			if err != nil {
