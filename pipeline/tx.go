@@ -393,6 +393,9 @@ func runTxOnce(ctx context.Context, f txFlow, msg *message.Message) (lost bool, 
 	_, held := dedupe.ClaimFromContext(ctx)
 	inTx := f.oneStatement && !held
 	if inTx {
+		// No attempt left by the retry middleware's count (the broker's):
+		// the claim only says whether an earlier delivery did the work.
+		last := settlement.FromContext(ctx).NoAttemptLeft()
 		key, err := dedupe.MessageKey(msg, f.key, f.scope)
 		if err != nil {
 			return false, fmt.Errorf("pipeline: key of message %s: %w", msg.UUID, err)
@@ -412,6 +415,9 @@ func runTxOnce(ctx context.Context, f txFlow, msg *message.Message) (lost bool, 
 		}
 		if err != nil || done {
 			return false, err // a duplicate has nothing to commit: the rollback ends it
+		}
+		if last {
+			return false, refuse(ctx, msg) // the rollback takes the key's row back
 		}
 	} else if err = t.hold(ctx); err != nil {
 		return false, claimTrouble(ctx, f, err)
@@ -491,6 +497,17 @@ func claimResult(ctx context.Context, c dedupe.Claim, msg *message.Message) (don
 		return false, fmt.Errorf("%w (message %s)", dedupe.ErrBusy, msg.UUID)
 	}
 	return false, nil
+}
+
+// refuse settles a delivery with no attempt left whose key the claim in
+// the transaction acquired (no earlier delivery confirmed it): its function
+// is not run, the transaction is rolled back, and the retry middleware
+// dead-letters it. The error wraps dedupe.ErrAttemptsUsedUp.
+func refuse(ctx context.Context, msg *message.Message) error {
+	rec := settlement.FromContext(ctx)
+	limit, _ := rec.Limit()
+	rec.Refuse(limit + 1)
+	return fmt.Errorf("%w: message %s, key not confirmed, no attempt left (limit %d)", dedupe.ErrAttemptsUsedUp, msg.UUID, limit)
 }
 
 // claimTrouble is the result of a delivery whose claim from the dedupe
