@@ -49,7 +49,11 @@ type TxConfig[TTx any] struct {
 	// The price: an attempt that rolls back or dies with its process leaves
 	// no durable count (count attempts with the broker's delivery count), and
 	// a concurrent delivery of the same key waits for the transaction instead
-	// of being deferred. Requires Store.
+	// of being deferred. A delivery the broker's count leaves with no
+	// attempt still has its key claimed (HandleTx: the retry middleware's
+	// RetryConfig.StoreInside): a duplicate when an earlier delivery
+	// confirmed it; otherwise rolled back and dead-lettered, fn not run. The
+	// same holds for Batch. Requires Store.
 	OneStatement bool
 	// Store is the claims table on DB's database, for OneStatement and Batch,
 	// whose transactions write the keys. HandleTx and HandleBatchTx use it
