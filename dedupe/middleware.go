@@ -294,6 +294,10 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 		// The key as the key function gave it, for a parking middleware
 		// outside that records the message.
 		settlement.FromContext(orig).SetKey(own)
+		// No attempt left by the retry middleware's own count (the
+		// broker's; RetryConfig.StoreInside): the claim only says whether
+		// an earlier delivery confirmed the key.
+		last := settlement.FromContext(orig).NoAttemptLeft()
 		claim, err := m.claim(orig, key)
 		if err == nil && claim.Result == Acquired && orig.Err() != nil {
 			err = m.giveBack(orig, claim)
@@ -315,7 +319,7 @@ func (m *mw) wrap(h message.HandlerFunc) message.HandlerFunc {
 				m.cfg.Logger.Error("dedupe: the retry middleware outside does not leave the attempt count to the store; set middleware.RetryConfig.StoreCounts",
 					errRetryCountsToo, watermill.LogFields{"handler": message.HandlerNameFromCtx(orig)})
 			}
-			if limit > 0 && claim.Attempt > limit {
+			if limit > 0 && (claim.Attempt > limit || last) {
 				rec.Refuse(claim.Attempt)
 				return nil, m.overLimit(orig, claim, limit)
 			}

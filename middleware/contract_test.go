@@ -105,6 +105,52 @@ func TestContractDedupeWithoutStoreCounts(t *testing.T) {
 	}
 }
 
+// StoreInside with the dedupe middleware inside: a delivery whose broker
+// count leaves no attempt is looked up, not dead-lettered on the count: a
+// duplicate when its key is confirmed, dead-lettered without a run when it
+// is not.
+func TestContractStoreInsideDedupe(t *testing.T) {
+	t.Parallel()
+	cfg := fastRetry(5, 1)
+	cfg.StoreInside = true
+	rt, err := middleware.NewRetry(cfg)
+	must(t, err)
+	parked := &countingPublisher{}
+	runs := 0
+	h := chain(func(*message.Message) ([]*message.Message, error) { runs++; return nil, nil }, deadLetter(t, parked), rt, newDedupe(t, nil))
+	for i, m := range []*message.Message{quorumDelivery(t, "m-1", 1), quorumDelivery(t, "m-1", 4), quorumDelivery(t, "m-2", 4)} {
+		if _, err := h(m); err != nil {
+			t.Fatalf("delivery %d: %v", i+1, err)
+		}
+	}
+	if runs != 1 || parked.n.Load() != 1 {
+		t.Fatalf("%d runs, %d parked; want m-1 run once and acked as a duplicate, m-2 dead-lettered without a run", runs, parked.n.Load())
+	}
+}
+
+// StoreInside with no store inside: the delivery with no attempt left runs
+// once more, and the retry middleware logs it.
+func TestContractStoreInsideWithoutStore(t *testing.T) {
+	t.Parallel()
+	log := watermill.NewCaptureLogger()
+	cfg := fastRetry(5, 1)
+	cfg.StoreInside, cfg.Logger = true, log
+	rt, err := middleware.NewRetry(cfg)
+	must(t, err)
+	parked := &countingPublisher{}
+	runs := 0
+	h := chain(func(*message.Message) ([]*message.Message, error) { runs++; return nil, errFlaky }, deadLetter(t, parked), rt)
+	if _, err := h(quorumDelivery(t, "m-1", 4)); err != nil {
+		t.Fatal(err)
+	}
+	if runs != 1 || parked.n.Load() != 1 {
+		t.Fatalf("%d runs, %d parked; want the one run, then the dead-letter", runs, parked.n.Load())
+	}
+	if loggedError(log, "misassembled") == 0 {
+		t.Fatalf("no error logged for StoreInside without a store: %v", log.Captured())
+	}
+}
+
 // The dedupe middleware outside the retry middleware: logged; the
 // in-process retries run under the delivery's one claim.
 func TestContractDedupeOutsideRetry(t *testing.T) {

@@ -68,7 +68,12 @@
 // Set RetryConfig.StoreCounts exactly when the dedupe middleware runs inside
 // the retry middleware: the retry middleware cannot see what runs inside it
 // before a run, and StoreCounts is how it knows that the store counts the
-// runs and decides whether one may start.
+// runs and decides whether one may start. Set RetryConfig.StoreInside
+// instead where a store inside knows the key but does not count the runs (a
+// pipeline transactional handler in OneStatement or Batch mode): a delivery
+// the middleware's own count leaves with no attempt then goes in marked as
+// having none, and is a duplicate if its key is confirmed, dead-lettered
+// without a run if not.
 //
 // What each one records in the delivery's settlement record, and reads from
 // it: a middleware reads what one outside it wrote before calling it, or what
@@ -80,13 +85,15 @@
 //     returned, reads the outcome, the in-process retries and where a copy
 //     went, for its spans and metrics.
 //   - The retry middleware writes MaxAttempts and StoreCounts before each
-//     run, the attempt number it estimates, each in-process retry, the
+//     run (and, with StoreInside, that a delivery has no attempt left),
+//     the attempt number it estimates, each in-process retry, the
 //     outcome retry, and whether a failure was permanent; after each run it
 //     reads the attempt the store counted (or its refusal), and whether the
 //     run was deferred.
 //   - The dedupe middleware writes the message's key (as its key function
 //     gave it), reads MaxAttempts and, for an acquired claim, writes its
-//     durable attempt count (or a refusal past MaxAttempts), the
+//     durable attempt count (or a refusal past MaxAttempts, or for a
+//     delivery marked as having no attempt left), the
 //     time of the first attempt, a duplicate, or a deferral (busy key, store
 //     unavailable).
 //   - The parking middlewares read, after the delivery has returned, whether
@@ -114,7 +121,12 @@
 //   - The dedupe middleware inside the retry middleware without StoreCounts:
 //     the dedupe middleware logs an error once, and both count, so a message
 //     whose broker delivery count alone says its runs are used up is
-//     dead-lettered without a run, whatever the store's count.
+//     dead-lettered without a run, whatever the store's count; with
+//     StoreInside, only after its claim found the key not confirmed (a
+//     confirmed key is a duplicate).
+//   - StoreInside set with no store inside: a delivery with no attempt
+//     left runs the handler once more; the retry middleware logs an error
+//     (at most once a minute) and takes the run as the last.
 //   - The dedupe middleware outside the retry middleware: the retry
 //     middleware logs an error (at most once a minute); its in-process
 //     retries run under the delivery's one claim, and the store counts

@@ -109,6 +109,22 @@ type RetryConfig struct {
 	// alone says its runs are used up is dead-lettered without a run,
 	// whatever the store's count.
 	StoreCounts bool
+	// StoreInside says that, although no store counts the runs
+	// (StoreCounts unset), a store inside this middleware knows whether the
+	// message's key is confirmed: a transactional handler that writes its
+	// keys in its own transaction (pipeline.TxConfig.OneStatement or Batch),
+	// or a dedupe middleware whose count is not used. Then a delivery whose
+	// count (the broker's delivery count, say) leaves no attempt is still
+	// handed in, marked as having none, for the store's answer: a duplicate,
+	// acked, when an earlier delivery confirmed the key (its work is done,
+	// its ack was lost); otherwise a refusal, and the message is
+	// dead-lettered, the handler's function not run. Without it such a
+	// delivery is dead-lettered at once, done or not. pipeline sets it for
+	// OneStatement and Batch handlers; set it on a router assembled by hand
+	// in the same case, and only then: a handler without such a store would
+	// run once more (logged as an error, the run then counted as the
+	// last).
+	StoreInside bool
 	// Logger defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
 	// TrackedMessages bounds the per-process memory of failing messages: the
@@ -304,6 +320,10 @@ var errNotCounted = errors.New("RetryConfig.StoreCounts is set, but no dedupe mi
 
 // errCountedOutside is logged when a store counted the delivery before the
 // retry middleware ran: the dedupe middleware is outside it.
+// errNotLooked is logged when RetryConfig.StoreInside is set and no store
+// inside took the last look at a delivery with no attempt left.
+var errNotLooked = errors.New("RetryConfig.StoreInside is set, but no store inside looked up the key of a delivery with no attempt left: the handler ran")
+
 var errCountedOutside = errors.New("the dedupe middleware runs outside the retry middleware: its in-process retries run under one claim, and the store counts deliveries, not runs")
 
 // trackKey names one message in the scope of one logical handler.
@@ -342,6 +362,9 @@ func (r *retry) wrap(h message.HandlerFunc) message.HandlerFunc {
 		d := delivery{key: trackKey{settlement.Scope(ctx), park.Identity(msg)}, rec: rec}
 		r.prepare(msg, &d)
 		if d.prior >= r.cfg.MaxAttempts {
+			if r.cfg.StoreInside {
+				return r.lastLook(h, msg, d)
+			}
 			return nil, r.exhausted(msg, d, r.cfg.MaxAttempts, nil)
 		}
 		rec.BeginRun()
@@ -353,6 +376,47 @@ func (r *retry) wrap(h message.HandlerFunc) message.HandlerFunc {
 		}
 		return r.failed(ctx, h, msg, d, out, err)
 	}
+}
+
+// lastLook settles a delivery that the middleware's own count leaves with
+// no attempt, when a store inside knows the key (RetryConfig.StoreInside):
+// the handler is called marked as having none (OfferLastLook), and the
+// store answers whether an earlier delivery confirmed the key (a duplicate,
+// acked), or refuses (dead-lettered, nothing run). A store that cannot
+// answer, or a key held by a live claim, defers it as on any delivery.
+func (r *retry) lastLook(h message.HandlerFunc, msg *message.Message, d delivery) ([]*message.Message, error) {
+	rec := d.rec
+	rec.BeginRun()
+	rec.OfferLastLook()
+	r.setAttempt(msg, rec, r.cfg.MaxAttempts)
+	out, err := runRecovered(h, msg)
+	_, _, refused := rec.Attempt()
+	looked := rec.LastLookTaken()
+	if !looked {
+		// No store inside looked: the handler ran, once more than the
+		// count allows. It was the last run.
+		r.misplaced.Error("retry: the settle stack is misassembled; a handler ran with no attempt left", errNotLooked,
+			watermill.LogFields{"handler": message.HandlerNameFromCtx(msg.Context()), "message_uuid": msg.UUID})
+	}
+	switch {
+	case rec.Deferred():
+		return out, err
+	case refused:
+		return nil, r.exhausted(msg, d, r.cfg.MaxAttempts, nil)
+	case err == nil:
+		// A duplicate (or, misassembled, a run that succeeded).
+		r.tracked.Delete(d.key)
+		return out, nil
+	case settle.IsPermanent(err):
+		rec.MarkPermanent()
+		r.tracked.Delete(d.key)
+		return out, err
+	case !looked:
+		return nil, r.exhausted(msg, d, r.cfg.MaxAttempts+1, err)
+	}
+	// The key could not be looked up for a reason of the message's own (its
+	// key function failed): no attempt is left to try again.
+	return nil, r.exhausted(msg, d, r.cfg.MaxAttempts, err)
 }
 
 // delivery is what is known, before a delivery runs, of earlier attempts.

@@ -107,6 +107,7 @@ type job struct {
 	sent bool       // done has its result; only the batch's leader sets it
 
 	held bool // the dedupe middleware in front claimed the key: the batch confirms its claim
+	last bool // no attempt left (the retry middleware's count): the claim only says whether the key is confirmed
 
 	// Per run of the batch:
 	claimed bool  // the key was written as confirmed (or held) in this run
@@ -239,6 +240,7 @@ func (b *batcher) run(jobs []*job, pre txn) {
 			// outside the transaction, and confirmed inside it.
 			j.held, key = true, c.Key
 		} else {
+			j.last = settlement.FromContext(j.ctx).NoAttemptLeft()
 			key, err = b.keyOf(j)
 		}
 		if err != nil {
@@ -407,6 +409,19 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 				return runConnLost, err
 			}
 			return runNotStarted, err
+		}
+	}
+	// A job with no attempt left (the retry middleware's count) whose key
+	// this run acquired is refused before any function runs: the run is
+	// rolled back, taking its key's row with it, and the others run again
+	// without it. One whose key is confirmed is a duplicate, as any.
+	k := 0
+	for i, j := range jobs {
+		if j.held {
+			continue
+		}
+		if k++; j.last && claims[k-1].Result == dedupe.Acquired {
+			return i, refuse(j.ctx, j.msg)
 		}
 	}
 	var ran []int // indexes of the jobs the batch function gets

@@ -105,9 +105,11 @@ type Config struct {
 	NackDelay time.Duration
 	// Retry bounds the attempts; its zero value means settle's defaults (5
 	// attempts, 2 in-process retries, backoff from 100ms, 1s before a failed
-	// message is nacked). See middleware.RetryConfig. Its StoreCounts is
-	// the pipeline's to set, per handler: on for those with the dedupe
-	// middleware, off for the others.
+	// message is nacked). See middleware.RetryConfig. Its StoreCounts and
+	// StoreInside are the pipeline's to set, per handler: StoreCounts for
+	// those with the dedupe middleware, StoreInside for transactional ones
+	// that write their keys themselves (TxConfig.OneStatement, Batch),
+	// neither for the others.
 	Retry middleware.RetryConfig
 	// Tracing is given to middleware.NewTracing: settle.WithTracerProvider,
 	// settle.WithMeterProvider, settle.WithPropagators, ... (the same
@@ -205,6 +207,9 @@ type Pipeline struct {
 	tracing      message.HandlerMiddleware
 	retry        message.HandlerMiddleware // for handlers without the dedupe middleware
 	retryCounted message.HandlerMiddleware // StoreCounts: for handlers with it
+	// StoreInside: for handlers that write their keys in their own
+	// transactions (TxConfig.OneStatement, Batch), counted by the broker
+	retryLooked message.HandlerMiddleware
 }
 
 // New returns a Pipeline that adds handlers to router. It checks every part
@@ -239,6 +244,13 @@ func New(router *message.Router, cfg Config) (*Pipeline, error) {
 	}
 	retry.StoreCounts = true
 	if p.retryCounted, err = middleware.NewRetry(retry); err != nil {
+		return nil, err
+	}
+	// Handlers that write their keys in their own transactions count with
+	// the broker, and answer a delivery that count leaves with no attempt:
+	// a duplicate when its key is confirmed, dead-lettered unrun otherwise.
+	retry.StoreCounts, retry.StoreInside = false, true
+	if p.retryLooked, err = middleware.NewRetry(retry); err != nil {
 		return nil, err
 	}
 	if !cfg.DisableTracing {
@@ -303,9 +315,13 @@ func (p *Pipeline) stack(topic, publishTopic string, sub message.Subscriber, sto
 		store = p.cfg.Store
 	}
 	dedupeOn := store != nil && !noDedupe
-	if dedupeOn {
+	switch {
+	case dedupeOn:
 		mws = append(mws, p.retryCounted)
-	} else {
+	case store != nil:
+		// A transactional handler that claims its keys itself (addTx).
+		mws = append(mws, p.retryLooked)
+	default:
 		mws = append(mws, p.retry)
 	}
 	if dedupeOn {

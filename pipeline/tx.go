@@ -50,7 +50,11 @@ type TxConfig[TTx any] struct {
 	// The price: an attempt that rolls back or dies with its process leaves
 	// no durable count (count attempts with the broker's delivery count), and
 	// a concurrent delivery of the same key waits for the transaction instead
-	// of being deferred. Requires Store.
+	// of being deferred. A delivery the broker's count leaves with no
+	// attempt still has its key claimed (HandleTx: the retry middleware's
+	// RetryConfig.StoreInside): a duplicate when an earlier delivery
+	// confirmed it; otherwise rolled back and dead-lettered, fn not run. The
+	// same holds for Batch. Requires Store.
 	OneStatement bool
 	// Store is the claims table on DB's database, for OneStatement and Batch,
 	// whose transactions write the keys. HandleTx and HandleBatchTx use it
@@ -414,6 +418,9 @@ func runTxOnce(ctx context.Context, f txFlow, msg *message.Message, ask bool) (l
 	_, held := dedupe.ClaimFromContext(ctx)
 	inTx := f.oneStatement && !held
 	if inTx {
+		// No attempt left by the retry middleware's count (the broker's):
+		// the claim only says whether an earlier delivery did the work.
+		last := settlement.FromContext(ctx).NoAttemptLeft()
 		key, err := dedupe.MessageKey(msg, f.key, f.scope)
 		if err != nil {
 			return false, fmt.Errorf("pipeline: key of message %s: %w", msg.UUID, err)
@@ -433,6 +440,9 @@ func runTxOnce(ctx context.Context, f txFlow, msg *message.Message, ask bool) (l
 		}
 		if err != nil || done {
 			return false, err // a duplicate has nothing to commit: the rollback ends it
+		}
+		if last {
+			return false, refuse(ctx, msg) // the rollback takes the key's row back
 		}
 	} else if err = t.hold(ctx); err != nil {
 		return false, claimTrouble(ctx, f, err)
@@ -517,6 +527,17 @@ func claimResult(ctx context.Context, c dedupe.Claim, msg *message.Message) (don
 		return false, fmt.Errorf("%w (message %s)", dedupe.ErrBusy, msg.UUID)
 	}
 	return false, nil
+}
+
+// refuse settles a delivery with no attempt left whose key the claim in
+// the transaction acquired (no earlier delivery confirmed it): its function
+// is not run, the transaction is rolled back, and the retry middleware
+// dead-letters it. The error wraps dedupe.ErrAttemptsUsedUp.
+func refuse(ctx context.Context, msg *message.Message) error {
+	rec := settlement.FromContext(ctx)
+	limit, _ := rec.Limit()
+	rec.Refuse(limit + 1)
+	return fmt.Errorf("%w: message %s, key not confirmed, no attempt left (limit %d)", dedupe.ErrAttemptsUsedUp, msg.UUID, limit)
 }
 
 // claimTrouble is the result of a delivery whose claim from the dedupe

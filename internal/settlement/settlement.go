@@ -54,6 +54,8 @@ type Record struct {
 	counted     bool      // attempt was set by a durable count for this run
 	refused     bool      // a durable count refused to start the handler: attempts used up
 	deferred    bool      // this run was deferred: no attempt was made
+	lastLook    bool      // no attempt left: a store inside only says whether the key is confirmed
+	looked      bool      // a store inside took the last look (NoAttemptLeft)
 	permanent   bool
 }
 
@@ -223,10 +225,53 @@ func (r *Record) BeginRun() {
 	}
 	r.mu.Lock()
 	r.attempt, r.counted, r.refused, r.deferred = 0, false, false, false
+	r.lastLook, r.looked = false, false
 	if r.outcome == Deferred {
 		r.outcome = ""
 	}
 	r.mu.Unlock()
+}
+
+// OfferLastLook records, for the run about to start, that the retry
+// middleware's own count (the broker's delivery count, say) leaves no
+// attempt: the handler must not run, and a store inside that knows the key
+// (the dedupe middleware, or a transactional handler that claims its key in
+// its transaction) only says whether an earlier delivery confirmed it: a
+// duplicate, or a refusal (Refuse).
+func (r *Record) OfferLastLook() {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	r.lastLook = true
+	r.mu.Unlock()
+}
+
+// NoAttemptLeft reports whether the run in progress has no attempt left
+// (OfferLastLook). When it does, it records that a store inside took the
+// last look (LastLookTaken), so call it only where the key's state is
+// looked up and the handler is not run.
+func (r *Record) NoAttemptLeft() bool {
+	if r == nil {
+		return false
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.lastLook {
+		r.looked = true
+	}
+	return r.lastLook
+}
+
+// LastLookTaken reports whether a store inside took the last look offered
+// for the run in progress (NoAttemptLeft).
+func (r *Record) LastLookTaken() bool {
+	if r == nil {
+		return false
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.looked
 }
 
 // SetLimit records the attempt limit (the retry middleware's MaxAttempts)
