@@ -121,6 +121,18 @@ type ParkConfig struct {
 // {"count":N,"bytes":B,"names":[...]}, the names as many as fit in 2 KiB.
 const MetaDroppedHeaders = park.MetaDroppedHeaders
 
+// MetaPayloadLeftOut is the metadata key under which a parked copy says that
+// it does not carry its original's payload: the publisher knows the most its
+// broker takes in one message (natsjs.Publisher: NATS's max_payload), and
+// the payload alone left no room beside it for settle's metadata. Its value
+// is a JSON object {"bytes":N,"sha256":"<hex>"} naming the payload. Such a
+// copy is published the first time instead of being refused on every
+// delivery; it is logged at error level, the delivery's span gets a
+// settle.payload_left_out event and the counter settle.park.payloads_left_out
+// counts it. With ParkConfig.Store the store holds the whole message;
+// without one the payload is lost. Absent when the copy carries the payload.
+const MetaPayloadLeftOut = park.MetaPayloadLeftOut
+
 // ErrUnconfirmedPublisher is wrapped by the error returned for a
 // watermill-amqp Publisher whose configuration has neither
 // Publish.ConfirmDelivery nor Publish.Transactional: it returns before
