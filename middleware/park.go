@@ -109,6 +109,18 @@ type ParkConfig struct {
 	// of an original with that many, plus settle's own, could be stored by
 	// RabbitMQ and never read back. Defaults to 64 KiB.
 	// Must be 0 or >= 16 KiB.
+	//
+	// This count is settle's, not every broker's: NATS encodes headers
+	// otherwise and bounds them apart (JetStream: a 64 KiB header block),
+	// and headers and payload together (max_payload). A Publisher that
+	// knows its broker's bounds on one message says so with a method
+	// MessageLimits() (metadata, total int), in this count, and each copy
+	// is bounded by them too, before it is published, so that it goes the
+	// first time: natsjs.Publisher does (build it with natsjs.NewPublisher;
+	// watermill-nats' own Publisher does not, and its copies can be refused
+	// and deferred). When the payload alone leaves no room for settle's
+	// metadata within total, the copy goes without its payload, named in
+	// MetaPayloadLeftOut; with Store the store holds it whole.
 	MaxMetadataBytes int
 	// Logger defaults to watermill.NopLogger. Failures to park (a Park or a
 	// publish that failed) are logged at most once per 5 seconds.
