@@ -26,7 +26,7 @@
 // that a broker that accepted the message takes its copy too
 // (ParkConfig.MaxMetadataBytes; the original's entries left out are named in
 // settle_dropped_headers), within the broker's own bounds on one message
-// when the publisher knows them (natsjs.Publisher); a payload too near
+// when the publisher knows them (natsjs.NewPublisher); a payload too near
 // NATS's max_payload to leave room for settle's metadata goes as a copy
 // without it (MetaPayloadLeftOut), logged at error level.
 //

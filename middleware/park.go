@@ -116,9 +116,9 @@ type ParkConfig struct {
 	// knows its broker's bounds on one message says so with a method
 	// MessageLimits() (metadata, total int), in this count, and each copy
 	// is bounded by them too, before it is published, so that it goes the
-	// first time: natsjs.Publisher does (build it with natsjs.NewPublisher;
+	// first time. The publisher natsjs.NewPublisher returns does;
 	// watermill-nats' own Publisher does not, and its copies can be refused
-	// and deferred). When the payload alone leaves no room for settle's
+	// and deferred. When the payload alone leaves no room for settle's
 	// metadata within total, the copy goes without its payload, named in
 	// MetaPayloadLeftOut; with Store the store holds it whole.
 	MaxMetadataBytes int
@@ -135,7 +135,7 @@ const MetaDroppedHeaders = park.MetaDroppedHeaders
 
 // MetaPayloadLeftOut is the metadata key under which a parked copy says that
 // it does not carry its original's payload: the publisher knows the most its
-// broker takes in one message (natsjs.Publisher: NATS's max_payload), and
+// broker takes in one message (natsjs.NewPublisher: NATS's max_payload), and
 // the payload alone left no room beside it for settle's metadata. Its value
 // is a JSON object {"bytes":N,"sha256":"<hex>"} naming the payload. Such a
 // copy is published the first time instead of being refused on every

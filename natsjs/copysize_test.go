@@ -31,11 +31,11 @@ import (
 
 // copyRig is a pipeline on the test's stream that poisons every message
 // whose payload is over 1000 bytes or that carries an "x-poison" header, and
-// parks through a natsjs.Publisher, traced and metered into the rig.
+// parks through natsjs.NewPublisher, traced and metered into the rig.
 type copyRig struct {
 	env
 	nc    *nats.Conn
-	pub   *natsjs.Publisher
+	pub   message.Publisher
 	spans *tracetest.SpanRecorder
 	reads *sdkmetric.ManualReader
 	runs  atomic.Int32
@@ -194,7 +194,7 @@ func (r *copyRig) bigMessage(t *testing.T) []byte {
 // carry both the payload and settle's headers, so it goes without the
 // payload, on the first try, saying so (settle_payload_left_out, an error
 // log, a span event and a metric), and the original is acked; the message
-// behind it is handled. Without natsjs.Publisher's limits the copy was
+// behind it is handled. Without NewPublisher's limits the copy was
 // refused ("maximum payload exceeded") on every delivery, for ever.
 func TestNearMaxPayloadIsParkedWithoutPayload(t *testing.T) {
 	r := newCopyRig(t, nil)

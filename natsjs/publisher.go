@@ -6,14 +6,23 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	wmnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats.go"
 )
 
-// Publisher is watermill-nats' Publisher that also tells settle's parking
-// middlewares (middleware.ParkConfig.Publisher, pipeline.Config.Publisher)
-// the most its NATS server takes in one message, so that a dead-letter or
-// poison copy, which adds settle's headers to its original's, is made to fit
-// the first time:
+// publisher is watermill-nats' Publisher and its connection, whose
+// server's bounds it reports (see NewPublisher).
+type publisher struct {
+	*wmnats.Publisher
+	conn *nats.Conn
+}
+
+// NewPublisher connects to cfg.URL (with cfg.NatsOptions) and returns
+// watermill-nats' Publisher on that connection, which also tells settle's
+// parking middlewares (middleware.ParkConfig.Publisher,
+// pipeline.Config.Publisher) the most its NATS server takes in one message,
+// so that a dead-letter or poison copy, which adds settle's headers to its
+// original's, is made to fit the first time:
 //
 //   - JetStream refuses a message whose header block (NATS/1.0, then one
 //     "key: value" line per header) is over 64 KiB, whatever max_payload;
@@ -25,18 +34,9 @@ import (
 // no room for settle's headers is published without the payload (see
 // middleware.MetaPayloadLeftOut). Room is kept in both bounds for the
 // encoding's own bytes and for trace context (traceparent, tracestate,
-// baggage: 2 KiB).
-//
-// Its Close closes its connection.
-type Publisher struct {
-	*wmnats.Publisher
-	conn *nats.Conn
-}
-
-// NewPublisher connects to cfg.URL (with cfg.NatsOptions) and returns a
-// Publisher on that connection. Pass NewPublisherConfig(url), with
-// NatsOptions appended for credentials or TLS.
-func NewPublisher(cfg wmnats.PublisherConfig, logger watermill.LoggerAdapter) (*Publisher, error) {
+// baggage: 2 KiB). Pass NewPublisherConfig(url), with NatsOptions appended
+// for credentials or TLS. Close closes the connection.
+func NewPublisher(cfg wmnats.PublisherConfig, logger watermill.LoggerAdapter) (message.Publisher, error) {
 	if cfg.Marshaler == nil {
 		return nil, errors.New("natsjs: PublisherConfig.Marshaler is required (use NewPublisherConfig)")
 	}
@@ -52,7 +52,7 @@ func NewPublisher(cfg wmnats.PublisherConfig, logger watermill.LoggerAdapter) (*
 		conn.Close()
 		return nil, fmt.Errorf("natsjs: %w", err)
 	}
-	return &Publisher{Publisher: pub, conn: conn}, nil
+	return &publisher{Publisher: pub, conn: conn}, nil
 }
 
 // Bounds of one message, as NATS counts them.
@@ -75,7 +75,7 @@ const (
 // per entry, and the UUID), on this connection's server: see Publisher.
 // The parking middlewares read it before each copy, so that a reconnection
 // to a server with another max_payload is followed.
-func (p *Publisher) MessageLimits() (metadata, total int) {
+func (p *publisher) MessageLimits() (metadata, total int) {
 	metadata = maxHeaderBlock - headerOverhead - traceRoom
 	if mp := int(p.conn.MaxPayload()); mp > 0 {
 		total = mp - headerOverhead - traceRoom

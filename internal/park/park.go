@@ -113,7 +113,7 @@ type Limits struct {
 const MetaPayloadLeftOut = "settle_payload_left_out"
 
 // BrokerLimits is implemented by a publisher that knows the most its broker
-// takes in one message (natsjs.Publisher). MessageLimits returns the bounds
+// takes in one message (natsjs.NewPublisher). MessageLimits returns the bounds
 // in settle's count (Limits.MaxMetadata): metadata the most a message's
 // metadata and UUID may take, total the most its payload and metadata may
 // take together; zero for no bound. The publisher leaves room in them for
@@ -480,7 +480,7 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 	leftOut := 0 // bytes of payload the copy does not carry
 	if p.cfg.Publisher != nil {
 		// The broker's own bounds on one message, when the publisher knows
-		// them (natsjs.Publisher: NATS's header block and max_payload), so
+		// them (natsjs.NewPublisher: NATS's header block and max_payload), so
 		// that the copy is publishable the first time.
 		maxMD := p.cfg.MaxMetadata
 		mdLimit, msgLimit := LimitsOf(p.cfg.Publisher)
