@@ -12,6 +12,7 @@ import (
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/amqpcheck"
+	"github.com/settle-go/settle/internal/natscheck"
 	"github.com/settle-go/settle/internal/park"
 	"github.com/settle-go/settle/internal/settlement"
 )
@@ -247,6 +248,10 @@ func (c ParkConfig) park(name string, match func(*message.Message, *settlement.R
 	if c.Publisher != nil && amqpcheck.WatermillAMQP(c.Publisher) {
 		c.Logger.Error(name+": parking through watermill-amqp's Publisher: a copy that RabbitMQ routes to no queue cannot be detected, "+
 			"and its original would be acked; publish the copies with amqpsub.NewPublisher", errReturnsUnseen,
+			watermill.LogFields{"topic": c.Topic})
+	}
+	if problem := natscheck.PublisherProblem(c.Publisher); problem != "" {
+		c.Logger.Error(name+": parking through watermill-nats' Publisher: copies cannot be fitted to the server's bounds", errors.New(problem),
 			watermill.LogFields{"topic": c.Topic})
 	}
 	if c.Publisher == nil {

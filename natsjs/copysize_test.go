@@ -330,3 +330,39 @@ func waitUntil(t *testing.T, what string, within time.Duration, f func() bool) {
 		time.Sleep(50 * time.Millisecond)
 	}
 }
+
+// A parking middleware built on watermill-nats' own Publisher, which says
+// nothing of the server's bounds, logs an error naming natsjs.NewPublisher;
+// one built on natsjs.NewPublisher's does not.
+func TestParkingOnWatermillNATSPublisherLogsError(t *testing.T) {
+	e := setup(t)
+	for _, tc := range []struct {
+		name string
+		pub  message.Publisher
+		want bool
+	}{
+		{"watermill-nats", e.publisher(t), true},
+		{"natsjs", func() message.Publisher {
+			p, err := natsjs.NewPublisher(natsjs.NewPublisherConfig(e.url), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = p.Close() })
+			return p
+		}(), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			log := watermill.NewCaptureLogger()
+			if _, err := middleware.NewPoison(middleware.ParkConfig{Publisher: tc.pub, Topic: e.topic + ".poison", Logger: log}); err != nil {
+				t.Fatal(err)
+			}
+			var got bool
+			for _, m := range log.Captured()[watermill.ErrorLogLevel] {
+				got = got || strings.Contains(m.Err.Error(), "natsjs.NewPublisher")
+			}
+			if got != tc.want {
+				t.Errorf("error naming natsjs.NewPublisher logged: %v; want %v", got, tc.want)
+			}
+		})
+	}
+}
