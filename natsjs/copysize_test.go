@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	wmnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats.go"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -341,7 +342,14 @@ func TestParkingOnWatermillNATSPublisherLogsError(t *testing.T) {
 		pub  message.Publisher
 		want bool
 	}{
-		{"watermill-nats", e.publisher(t), true},
+		{"watermill-nats", func() message.Publisher {
+			p, err := wmnats.NewPublisher(natsjs.NewPublisherConfig(e.url), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = p.Close() })
+			return p
+		}(), true},
 		{"natsjs", func() message.Publisher {
 			p, err := natsjs.NewPublisher(natsjs.NewPublisherConfig(e.url), nil)
 			if err != nil {
