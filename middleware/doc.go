@@ -25,7 +25,10 @@
 // a message published to a queue that does not exist. A copy is bounded so
 // that a broker that accepted the message takes its copy too
 // (ParkConfig.MaxMetadataBytes; the original's entries left out are named in
-// settle_dropped_headers).
+// settle_dropped_headers), within the broker's own bounds on one message
+// when the publisher knows them (natsjs.NewPublisher); a payload too near
+// NATS's max_payload to leave room for settle's metadata goes as a copy
+// without it (MetaPayloadLeftOut), logged at error level.
 //
 // The order matters. From the outside in:
 //

@@ -12,6 +12,7 @@ import (
 
 	"github.com/settle-go/settle"
 	"github.com/settle-go/settle/internal/amqpcheck"
+	"github.com/settle-go/settle/internal/natscheck"
 	"github.com/settle-go/settle/internal/park"
 	"github.com/settle-go/settle/internal/settlement"
 )
@@ -109,6 +110,18 @@ type ParkConfig struct {
 	// of an original with that many, plus settle's own, could be stored by
 	// RabbitMQ and never read back. Defaults to 64 KiB.
 	// Must be 0 or >= 16 KiB.
+	//
+	// This count is settle's, not every broker's: NATS encodes headers
+	// otherwise and bounds them apart (JetStream: a 64 KiB header block),
+	// and headers and payload together (max_payload). A Publisher that
+	// knows its broker's bounds on one message says so with a method
+	// MessageLimits() (metadata, total int), in this count, and each copy
+	// is bounded by them too, before it is published, so that it goes the
+	// first time. The publisher natsjs.NewPublisher returns does;
+	// watermill-nats' own Publisher does not, and its copies can be refused
+	// and deferred. When the payload alone leaves no room for settle's
+	// metadata within total, the copy goes without its payload, named in
+	// MetaPayloadLeftOut; with Store the store holds it whole.
 	MaxMetadataBytes int
 	// Logger defaults to watermill.NopLogger. Failures to park (a Park or a
 	// publish that failed) are logged at most once per 5 seconds.
@@ -120,6 +133,18 @@ type ParkConfig struct {
 // ParkConfig.MaxMetadataBytes): a JSON object
 // {"count":N,"bytes":B,"names":[...]}, the names as many as fit in 2 KiB.
 const MetaDroppedHeaders = park.MetaDroppedHeaders
+
+// MetaPayloadLeftOut is the metadata key under which a parked copy says that
+// it does not carry its original's payload: the publisher knows the most its
+// broker takes in one message (natsjs.NewPublisher: NATS's max_payload), and
+// the payload alone left no room beside it for settle's metadata. Its value
+// is a JSON object {"bytes":N,"sha256":"<hex>"} naming the payload. Such a
+// copy is published the first time instead of being refused on every
+// delivery; it is logged at error level, the delivery's span gets a
+// settle.payload_left_out event and the counter settle.park.payloads_left_out
+// counts it. With ParkConfig.Store the store holds the whole message;
+// without one the payload is lost. Absent when the copy carries the payload.
+const MetaPayloadLeftOut = park.MetaPayloadLeftOut
 
 // ErrUnconfirmedPublisher is wrapped by the error returned for a
 // watermill-amqp Publisher whose configuration has neither
@@ -223,6 +248,10 @@ func (c ParkConfig) park(name string, match func(*message.Message, *settlement.R
 	if c.Publisher != nil && amqpcheck.WatermillAMQP(c.Publisher) {
 		c.Logger.Error(name+": parking through watermill-amqp's Publisher: a copy that RabbitMQ routes to no queue cannot be detected, "+
 			"and its original would be acked; publish the copies with amqpsub.NewPublisher", errReturnsUnseen,
+			watermill.LogFields{"topic": c.Topic})
+	}
+	if problem := natscheck.PublisherProblem(c.Publisher); problem != "" {
+		c.Logger.Error(name+": parking through watermill-nats' Publisher: copies cannot be fitted to the server's bounds", errors.New(problem),
 			watermill.LogFields{"topic": c.Topic})
 	}
 	if c.Publisher == nil {

@@ -53,6 +53,7 @@ type tracing struct {
 	settled  metric.Int64Counter
 	duration metric.Float64Histogram
 	retries  metric.Int64Counter
+	leftOut  metric.Int64Counter // parked copies without their payload
 	producer trace.SpanStartOption
 	systemKV attribute.KeyValue
 	warned   atomic.Bool // the missing TracePublished was reported
@@ -150,6 +151,9 @@ func NewTracing(opts ...settle.Option) (message.HandlerMiddleware, error) {
 		return nil, err
 	}
 	if t.retries, err = meter.Int64Counter("settle.retries", metric.WithDescription("In-process retries of failed handler runs."), metric.WithUnit("{retry}")); err != nil {
+		return nil, err
+	}
+	if t.leftOut, err = meter.Int64Counter("settle.park.payloads_left_out", metric.WithDescription("Parked copies published without their payload, which left no room for settle's metadata within the broker's bound on one message."), metric.WithUnit("{message}")); err != nil {
 		return nil, err
 	}
 	return t.wrap, nil
@@ -394,6 +398,13 @@ func (t *tracing) finish(msg *message.Message, pctx context.Context, span trace.
 		if err != nil && errors.Is(err, context.Canceled) {
 			span.SetAttributes(attribute.Bool("settle.cancelled", true))
 		}
+	}
+	if n, stored := rec.PayloadLeftOut(); n > 0 {
+		if recording {
+			span.AddEvent("settle.payload_left_out", trace.WithAttributes(
+				attribute.Int("settle.payload_bytes", n), attribute.Bool("settle.payload_in_store", stored)))
+		}
+		t.leftOut.Add(msg.Context(), 1, t.measurement("", d.handler).add...)
 	}
 	end := time.Now()
 

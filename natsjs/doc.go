@@ -11,9 +11,9 @@
 //
 //	nats stream add ORDERS --subjects 'orders,orders.>' --storage file --defaults
 //
-// Then publish with NewPublisherConfig and consume with NewSubscriber:
+// Then publish with NewPublisher and consume with NewSubscriber:
 //
-//	pub, err := nats.NewPublisher(natsjs.NewPublisherConfig(url), logger)
+//	pub, err := natsjs.NewPublisher(natsjs.NewPublisherConfig(url), logger)
 //	sub, err := natsjs.NewSubscriber(url, natsjs.Config{Durable: "billing"}, logger)
 //	p, err := pipeline.New(router, pipeline.Config{Publisher: pub, Store: store})
 //	_, err = p.Handle("bill", "orders", sub, handler)
@@ -71,6 +71,17 @@
 //     which fails for a dotted one); no TrackMsgId, whose deduplication by
 //     UUID would drop a dead-letter copy, which keeps its original's UUID, in
 //     the original's stream, and report it stored.
+//   - NewPublisher rather than watermill-nats' NewPublisher: its Publisher
+//     tells the parking middlewares the most the server takes in one
+//     message (JetStream's 64 KiB header block, the connection's
+//     max_payload), so that a dead-letter or poison copy, which adds
+//     settle's headers to its original's, is made to fit before it is
+//     published. Through watermill-nats' Publisher a copy over either is
+//     refused, deferred three times and then parked without the original's
+//     headers (TestCopyHeadersFitFirstTime); and the copy of a message whose
+//     payload is near max_payload was refused on every delivery, for ever
+//     (TestNearMaxPayloadIsParkedWithoutPayload: through NewPublisher it
+//     goes without its payload, see middleware.MetaPayloadLeftOut).
 //
 // # What settle learns from each delivery
 //

@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wmnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/nats-io/nats.go"
 
@@ -45,10 +44,10 @@ func setup(t *testing.T) env {
 	return env{url: url, topic: name, js: js}
 }
 
-// publisher is settle's publisher configuration's.
+// publisher is natsjs.NewPublisher's.
 func (e env) publisher(t *testing.T) message.Publisher {
 	t.Helper()
-	pub, err := wmnats.NewPublisher(natsjs.NewPublisherConfig(e.url), watermill.NopLogger{})
+	pub, err := natsjs.NewPublisher(natsjs.NewPublisherConfig(e.url), watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}

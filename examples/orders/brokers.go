@@ -13,7 +13,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
-	wnats "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/nats"
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -241,7 +240,7 @@ func newNATS(url, runID string, t topicNames) (*broker, error) {
 	}
 	pc := natsjs.NewPublisherConfig(url)
 	pc.NatsOptions = append(pc.NatsOptions, opts...)
-	pub, err := wnats.NewPublisher(pc, logger)
+	pub, err := natsjs.NewPublisher(pc, logger)
 	if err != nil {
 		return nil, fmt.Errorf("nats: %w", err)
 	}

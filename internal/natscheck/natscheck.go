@@ -77,3 +77,20 @@ func field(v reflect.Value, names ...string) reflect.Value {
 	}
 	return v
 }
+
+// PublisherProblem describes what a parking middleware cannot do with pub
+// when it is watermill-nats' own Publisher: it does not say how much its
+// server takes in one message, so a copy that adds settle's headers to an
+// original near NATS's bounds is refused and deferred; "" for any other
+// publisher (natsjs.NewPublisher's included).
+func PublisherProblem(pub message.Publisher) string {
+	v := reflect.ValueOf(pub)
+	if !v.IsValid() || v.Kind() != reflect.Pointer || v.IsNil() {
+		return ""
+	}
+	if t := v.Type().Elem(); t.Name() != "Publisher" || t.PkgPath() != natsPkg {
+		return ""
+	}
+	return "watermill-nats' Publisher does not say how much its NATS server takes in one message (JetStream's 64 KiB header block, max_payload): " +
+		"a dead-letter or poison copy of a message near either is refused and its original deferred, for ever when the payload alone is near max_payload; build it with natsjs.NewPublisher"
+}

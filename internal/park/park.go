@@ -97,6 +97,38 @@ type Limits struct {
 	// shorter reason: the copy of last resort, for a message whose full
 	// copy could not be published.
 	Minimal bool
+	// MaxMessage bounds the copy's payload and metadata together (metadata
+	// counted as for MaxMetadata), as a broker that takes at most so many
+	// bytes in one message needs (NATS: max_payload). Zero means no
+	// bound. When even settle's own metadata does not fit beside the
+	// payload, the copy carries no payload, and MetaPayloadLeftOut says so.
+	MaxMessage int
+}
+
+// MetaPayloadLeftOut is the metadata key under which a copy says that it
+// does not carry its original's payload, because the payload alone left no
+// room for settle's metadata within the most the broker takes in one
+// message (Limits.MaxMessage): a JSON object {"bytes":N,"sha256":"..."}
+// naming the payload left out. Absent when the copy carries the payload.
+const MetaPayloadLeftOut = "settle_payload_left_out"
+
+// BrokerLimits is implemented by a publisher that knows the most its broker
+// takes in one message (natsjs.NewPublisher). MessageLimits returns the bounds
+// in settle's count (Limits.MaxMetadata): metadata the most a message's
+// metadata and UUID may take, total the most its payload and metadata may
+// take together; zero for no bound. The publisher leaves room in them for
+// its own encoding's fixed overhead.
+type BrokerLimits interface {
+	MessageLimits() (metadata, total int)
+}
+
+// LimitsOf returns the bounds pub's broker sets on one message (see
+// BrokerLimits); zero when pub says nothing.
+func LimitsOf(pub message.Publisher) (metadata, total int) {
+	if bl, ok := pub.(BrokerLimits); ok {
+		return bl.MessageLimits()
+	}
+	return 0, 0
 }
 
 // Copy returns the copy of msg to publish: same UUID, payload and metadata,
@@ -124,6 +156,27 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 	reasonMax := MaxReason
 	if lim.Minimal {
 		reasonMax = minimalReason
+	}
+	if lim.MaxMessage > 0 {
+		// What the payload leaves of the broker's bound. When settle's own
+		// entries (the reason at its shortest) would not fit in it, the
+		// payload is left out: a copy that can never be published would
+		// defer its original for ever.
+		room := lim.MaxMessage - len(msg.Payload)
+		if room < maxMD {
+			maxMD = room
+		}
+		if maxMD < minimalOwn(msg) {
+			maxMD = min(lim.MaxMetadata, lim.MaxMessage)
+			if maxMD <= 0 {
+				maxMD = lim.MaxMessage
+			}
+			cp.Payload = nil
+			sum := sha256.Sum256(msg.Payload)
+			own.Set(MetaPayloadLeftOut, fmt.Sprintf(`{"bytes":%d,"sha256":"%s"}`, len(msg.Payload), hex.EncodeToString(sum[:])))
+		} else if maxMD < DefaultMaxMetadata/2 {
+			reasonMax = minimalReason // the room is scarce: a short reason leaves more to the original's entries
+		}
 	}
 	own.Set(settle.MetaOutcome, string(info.Outcome))
 	own.Set(settle.MetaReason, cut(info.Reason, reasonMax))
@@ -162,7 +215,7 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 			continue
 		}
 		switch k {
-		case MetaAttemptMark, MetaDroppedHeaders, settle.MetaFirstFailure, deliverymark.Meta, deliverymark.MetaNakDelay, deliverymark.MetaNakDelayMark:
+		case MetaAttemptMark, MetaDroppedHeaders, MetaPayloadLeftOut, settle.MetaFirstFailure, deliverymark.Meta, deliverymark.MetaNakDelay, deliverymark.MetaNakDelayMark:
 			continue
 		}
 		orig = append(orig, entry{k, v})
@@ -204,6 +257,22 @@ func CopyWithin(msg *message.Message, info Info, lim Limits) *message.Message {
 		cp.Metadata[MetaDroppedHeaders] = droppedText(len(dropped), total, names)
 	}
 	return cp
+}
+
+// minimalOwn is the most settle's own metadata on a copy of msg can take
+// with the shortest reason, the UUID and room to name entries left out:
+// the least room a copy needs beside its payload.
+func minimalOwn(msg *message.Message) int {
+	n := entrySize("", msg.UUID) + entrySize(MetaDroppedHeaders, "") + maxDroppedText
+	n += entrySize(settle.MetaReason, "") + minimalReason
+	n += entrySize(settle.MetaOutcome, string(settle.DeadLettered))
+	n += entrySize(settle.MetaOriginalTopic, "") + maxUUIDText
+	n += entrySize(settle.MetaHandler, "") + maxUUIDText
+	n += entrySize(settle.MetaOriginalUUID, "") + min(len(msg.UUID), maxUUIDText)
+	n += entrySize(settle.MetaAttempt, "-9223372036854775808")
+	n += entrySize(settle.MetaFirstFailure, TimeFormat) + entrySize(settle.MetaLastFailure, TimeFormat)
+	n += entrySize(MetaPayloadLeftOut, "") + 128
+	return n
 }
 
 // entrySize is what one metadata entry takes in a copy: its key and value,
@@ -408,8 +477,20 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 		}
 	}
 	minimal := pc.fails >= MinimalAfter
+	leftOut := 0 // bytes of payload the copy does not carry
 	if p.cfg.Publisher != nil {
-		cp := CopyWithin(msg, info, Limits{MaxMetadata: p.cfg.MaxMetadata, Minimal: minimal})
+		// The broker's own bounds on one message, when the publisher knows
+		// them (natsjs.NewPublisher: NATS's header block and max_payload), so
+		// that the copy is publishable the first time.
+		maxMD := p.cfg.MaxMetadata
+		mdLimit, msgLimit := LimitsOf(p.cfg.Publisher)
+		if mdLimit > 0 && (maxMD <= 0 || mdLimit < maxMD) {
+			maxMD = mdLimit
+		}
+		cp := CopyWithin(msg, info, Limits{MaxMetadata: maxMD, Minimal: minimal, MaxMessage: msgLimit})
+		if cp.Metadata.Get(MetaPayloadLeftOut) != "" {
+			leftOut = len(msg.Payload)
+		}
 		perr := p.declare()
 		declared := perr == nil
 		if declared {
@@ -424,6 +505,15 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 	if minimal && p.cfg.Publisher != nil {
 		p.cfg.Logger.Error(p.cfg.Name+": message parked with a minimal copy, without the original's metadata", ErrMinimal,
 			fields.Add(watermill.LogFields{"failed_publishes": pc.fails}))
+	}
+	if leftOut > 0 {
+		rec.LeaveOutPayload(leftOut, p.cfg.Store != nil)
+		where := "the payload is lost: configure a ParkConfig.Store to keep it"
+		if p.cfg.Store != nil {
+			where = "the parked-message store holds the whole message"
+		}
+		p.cfg.Logger.Error(p.cfg.Name+": message parked with a copy without its payload, which leaves no room for settle's metadata within the broker's bound on one message; "+where, ErrPayloadLeftOut,
+			fields.Add(watermill.LogFields{"payload_bytes": leftOut, "in_store": p.cfg.Store != nil}))
 	}
 	p.cfg.Logger.Info(p.cfg.Name+": message parked", fields.Add(watermill.LogFields{"reason": cut(info.Reason, MaxReason)}))
 	return nil, nil
@@ -478,6 +568,10 @@ func (p *parker) deferred(msg *message.Message, pc pendingCopy, key pendingKey, 
 	Sleep(ctx, p.cfg.NackDelay)
 	return nil, errors.Join(pc.reason, err)
 }
+
+// ErrPayloadLeftOut is logged when a message is parked with a copy that
+// does not carry its payload (MetaPayloadLeftOut).
+var ErrPayloadLeftOut = errors.New("the payload alone is at the broker's bound on one message")
 
 // ErrMinimal is logged when a message is parked with a minimal copy.
 var ErrMinimal = fmt.Errorf("the full copy failed to publish %d times", MinimalAfter)
@@ -565,6 +659,9 @@ func publish(ctx context.Context, pub message.Publisher, topic string, cp *messa
 	defer span.End()
 	if s != nil && s.Propagator != nil {
 		s.Propagator.Inject(ctx, propagation.MapCarrier(cp.Metadata))
+	}
+	if lo := cp.Metadata.Get(MetaPayloadLeftOut); lo != "" {
+		span.AddEvent("settle.payload_left_out", trace.WithAttributes(attribute.String(MetaPayloadLeftOut, lo)))
 	}
 	cp.SetContext(ctx)
 	err := pub.Publish(topic, cp)

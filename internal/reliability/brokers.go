@@ -122,9 +122,12 @@ func natsOptions(name string) []nats.Option {
 func natsPubSub(spec childSpec, logger watermill.LoggerAdapter, withSub bool) (message.Publisher, message.Subscriber, error) {
 	pc := natsjs.NewPublisherConfig(spec.NATS)
 	pc.NatsOptions = append(pc.NatsOptions, natsOptions(spec.Name)...)
-	pub, err := wnats.NewPublisher(pc, logger)
-	if err != nil || !withSub {
-		return pub, nil, err
+	pub, err := natsjs.NewPublisher(pc, logger)
+	if err != nil {
+		return nil, nil, err
+	}
+	if !withSub {
+		return pub, nil, nil
 	}
 	sub, err := natsjs.NewSubscriber(spec.NATS, natsjs.Config{
 		Durable:       natsDurable,

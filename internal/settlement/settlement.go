@@ -57,6 +57,31 @@ type Record struct {
 	lastLook    bool      // no attempt left: a store inside only says whether the key is confirmed
 	looked      bool      // a store inside took the last look (NoAttemptLeft)
 	permanent   bool
+
+	payloadLeftOut int  // bytes of payload the parked copy does not carry
+	leftOutStored  bool // the parked-message store holds that payload
+}
+
+// LeaveOutPayload records that the parked copy does not carry the
+// message's payload of n bytes, and whether a parked-message store holds it.
+func (r *Record) LeaveOutPayload(n int, stored bool) {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	r.payloadLeftOut, r.leftOutStored = n, stored
+	r.mu.Unlock()
+}
+
+// PayloadLeftOut returns what LeaveOutPayload recorded: 0 when the copy
+// carries its payload.
+func (r *Record) PayloadLeftOut() (n int, stored bool) {
+	if r == nil {
+		return 0, false
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.payloadLeftOut, r.leftOutStored
 }
 
 type key struct{}
