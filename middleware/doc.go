@@ -28,7 +28,9 @@
 // settle_dropped_headers), within the broker's own bounds on one message
 // when the publisher knows them (natsjs.NewPublisher); a payload too near
 // NATS's max_payload to leave room for settle's metadata goes as a copy
-// without it (MetaPayloadLeftOut), logged at error level.
+// without it (MetaPayloadLeftOut), logged at error level, when a
+// parked-message store (ParkConfig.Store) holds the whole message; without
+// one the message is deferred, never acked without its payload.
 //
 // The order matters. From the outside in:
 //

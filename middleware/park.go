@@ -121,7 +121,8 @@ type ParkConfig struct {
 	// watermill-nats' own Publisher does not, and its copies can be refused
 	// and deferred. When the payload alone leaves no room for settle's
 	// metadata within total, the copy goes without its payload, named in
-	// MetaPayloadLeftOut; with Store the store holds it whole.
+	// MetaPayloadLeftOut, when Store holds the whole message; without Store
+	// the delivery is deferred (logged), so that the payload is not lost.
 	MaxMetadataBytes int
 	// Logger defaults to watermill.NopLogger. Failures to park (a Park or a
 	// publish that failed) are logged at most once per 5 seconds.
@@ -142,8 +143,10 @@ const MetaDroppedHeaders = park.MetaDroppedHeaders
 // copy is published the first time instead of being refused on every
 // delivery; it is logged at error level, the delivery's span gets a
 // settle.payload_left_out event and the counter settle.park.payloads_left_out
-// counts it. With ParkConfig.Store the store holds the whole message;
-// without one the payload is lost. Absent when the copy carries the payload.
+// counts it. Only with ParkConfig.Store, which then holds the whole message:
+// without one the delivery is deferred instead (logged at error level, at
+// most once per 5 seconds), and the message stays on its queue. Absent when
+// the copy carries the payload.
 const MetaPayloadLeftOut = park.MetaPayloadLeftOut
 
 // ErrUnconfirmedPublisher is wrapped by the error returned for a

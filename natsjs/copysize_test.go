@@ -192,13 +192,14 @@ func (r *copyRig) bigMessage(t *testing.T) []byte {
 }
 
 // A message whose payload is near max_payload is poisoned: its copy cannot
-// carry both the payload and settle's headers, so it goes without the
-// payload, on the first try, saying so (settle_payload_left_out, an error
-// log, a span event and a metric), and the original is acked; the message
-// behind it is handled. Without NewPublisher's limits the copy was
-// refused ("maximum payload exceeded") on every delivery, for ever.
+// carry both the payload and settle's headers, so, with a parked-message
+// store holding the whole message, it goes without the payload, on the
+// first try, saying so (settle_payload_left_out, an error log, a span event
+// and a metric), and the original is acked; the message behind it is
+// handled. Without NewPublisher's limits the copy was refused ("maximum
+// payload exceeded") on every delivery, for ever.
 func TestNearMaxPayloadIsParkedWithoutPayload(t *testing.T) {
-	r := newCopyRig(t, nil)
+	r := newCopyRig(t, &memPark{})
 	payload := r.bigMessage(t)
 	cps := r.poisonCopies(t, 1)
 	r.waitSettled(t, "d", 10*time.Second)
@@ -372,5 +373,29 @@ func TestParkingOnWatermillNATSPublisherLogsError(t *testing.T) {
 				t.Errorf("error naming natsjs.NewPublisher logged: %v; want %v", got, tc.want)
 			}
 		})
+	}
+}
+
+// Without a parked-message store nothing but the stream would hold the
+// payload of a message too large to copy: no copy goes, the original is
+// not acked but deferred, and comes back; the message behind it is
+// handled. (A copy without the payload, acked, lost the payload.)
+func TestNearMaxPayloadWithoutStoreStaysOnItsStream(t *testing.T) {
+	r := newCopyRig(t, nil)
+	payload := r.bigMessage(t)
+	// A redelivery of a message that could not be parked parks it again
+	// without running the handler: count the deferred settlements.
+	waitUntil(t, "the small message handled and the big one deferred three times", 20*time.Second, func() bool {
+		_, ok := r.seen.Load("ok")
+		return ok && r.deferred() >= 3
+	})
+	if n := r.streamCount(t, r.topic+".poison"); n != 0 {
+		t.Fatalf("%d poison copies; want none without a store", n)
+	}
+	if n := r.leftOutCount(t); n != 0 {
+		t.Errorf("settle.park.payloads_left_out = %d; want 0: nothing was parked", n)
+	}
+	if _, ok := r.seen.Load(string(payload)); !ok {
+		t.Error("the big message never reached the handler")
 	}
 }

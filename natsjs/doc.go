@@ -80,8 +80,11 @@
 //     refused, deferred three times and then parked without the original's
 //     headers (TestCopyHeadersFitFirstTime); and the copy of a message whose
 //     payload is near max_payload was refused on every delivery, for ever
-//     (TestNearMaxPayloadIsParkedWithoutPayload: through NewPublisher it
-//     goes without its payload, see middleware.MetaPayloadLeftOut).
+//     (through NewPublisher it goes without its payload when a
+//     parked-message store holds the message, and otherwise the message
+//     stays on its stream, deferred: TestNearMaxPayloadIsParkedWithoutPayload,
+//     TestNearMaxPayloadWithoutStoreStaysOnItsStream; see
+//     middleware.MetaPayloadLeftOut).
 //
 // # What settle learns from each delivery
 //

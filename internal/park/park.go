@@ -490,6 +490,14 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 		cp := CopyWithin(msg, info, Limits{MaxMetadata: maxMD, Minimal: minimal, MaxMessage: msgLimit})
 		if cp.Metadata.Get(MetaPayloadLeftOut) != "" {
 			leftOut = len(msg.Payload)
+			if p.cfg.Store == nil {
+				// Nothing else holds the payload: a copy without it would
+				// lose it. The message stays on its queue, redelivered and
+				// logged, until a store is configured or it is removed by
+				// hand.
+				return p.deferred(msg, pc, key, false, fields,
+					fmt.Errorf("%s: %w (%d bytes), and no ParkConfig.Store holds the message: it stays on its queue", p.cfg.Name, ErrPayloadLeftOut, leftOut))
+			}
 		}
 		perr := p.declare()
 		declared := perr == nil
@@ -508,11 +516,7 @@ func (p *parker) park(msg *message.Message, pc pendingCopy) ([]*message.Message,
 	}
 	if leftOut > 0 {
 		rec.LeaveOutPayload(leftOut, p.cfg.Store != nil)
-		where := "the payload is lost: configure a ParkConfig.Store to keep it"
-		if p.cfg.Store != nil {
-			where = "the parked-message store holds the whole message"
-		}
-		p.cfg.Logger.Error(p.cfg.Name+": message parked with a copy without its payload, which leaves no room for settle's metadata within the broker's bound on one message; "+where, ErrPayloadLeftOut,
+		p.cfg.Logger.Error(p.cfg.Name+": message parked with a copy without its payload, which leaves no room for settle's metadata within the broker's bound on one message; the parked-message store holds the whole message", ErrPayloadLeftOut,
 			fields.Add(watermill.LogFields{"payload_bytes": leftOut, "in_store": p.cfg.Store != nil}))
 	}
 	p.cfg.Logger.Info(p.cfg.Name+": message parked", fields.Add(watermill.LogFields{"reason": cut(info.Reason, MaxReason)}))
