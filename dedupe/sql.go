@@ -24,7 +24,8 @@ type SQLConfig struct {
 	// a large table never holds long locks. Defaults to 5000. Must be > 0.
 	PruneBatch int
 	// Partition, when set, makes the claims table partitioned by time
-	// (PostgreSQL and MySQL/MariaDB; not SQLite), in periods of this length
+	// (PostgreSQL and MySQL/MariaDB; not SQLite; on PostgreSQL read the
+	// known defect in docs/dedupe.md, "The partitioned table", first), in periods of this length
 	// aligned on the Unix epoch: 24h for a partition a day. Prune then drops
 	// whole partitions instead of deleting rows, and creates the next ones;
 	// see docs/dedupe.md for when to choose it. Schema returns the
