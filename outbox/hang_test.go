@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
@@ -34,7 +35,7 @@ func TestHangingRowDoesNotStallTheRowsBehindIt(t *testing.T) {
 		e.publishTx(t, "orders", msgs...) // one transaction: the hanging row has the lowest offset
 		// AckDeadline is long enough for a batch of good rows on a loaded
 		// machine (a good batch that overran would publish its rows twice).
-		startRelay(t, e, hangs{e.pubsub}, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, BatchSize: 10,
+		r := startRelay(t, e, hangs{e.pubsub}, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, BatchSize: 10,
 			AckDeadline: 2 * time.Second, RetryInterval: time.Millisecond, MaxRetryInterval: time.Millisecond, MaxAttempts: maxAttempts})
 
 		seen := map[string]int{}
@@ -65,6 +66,12 @@ func TestHangingRowDoesNotStallTheRowsBehindIt(t *testing.T) {
 		if len(rows) != 1 || rows[0].UUID != "hang" || rows[0].Attempts != maxAttempts || !strings.Contains(rows[0].LastError, "AckDeadline") {
 			all, _ := e.ob.Failed(t.Context(), outbox.Selection{})
 			t.Fatalf("set aside: %+v (all failed rows: %+v); want the hanging row alone, after %d attempts, its error naming AckDeadline", rows, all, maxAttempts)
+		}
+		// The last batch's marks commit after its rows were published.
+		ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+		defer cancel()
+		if err := r.Drain(ctx); err != nil {
+			t.Fatal(err)
 		}
 		if st, err := e.ob.Status(t.Context()); err != nil || st.Pending != 0 || st.SetAside != 1 {
 			t.Fatalf("Status = %+v, %v; want nothing pending and one row set aside", st, err)
