@@ -60,7 +60,8 @@ type RelayConfig struct {
 	// AckDeadline bounds one batch: claiming its rows, publishing them and
 	// committing their forwarded mark. A batch that overruns is rolled back
 	// and its rows are forwarded again (a duplicate of those already
-	// published). Defaults to 30s, or 5s on SQLite, where the relay holds the
+	// published); the row whose publish did not return counts a failed
+	// publish, and the next batch passes over it. Defaults to 30s, or 5s on SQLite, where the relay holds the
 	// database's write lock for the batch and the deadline must stay below the
 	// busy timeout of other writers (10s in settle's DSN). Must be > 0.
 	AckDeadline time.Duration
