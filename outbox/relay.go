@@ -61,9 +61,10 @@ type RelayConfig struct {
 	// committing their forwarded mark. A batch that overruns is rolled back
 	// and its rows are forwarded again (a duplicate of those already
 	// published); the row whose publish did not return counts a failed
-	// publish, and the next batch passes over it. Defaults to 30s, or 5s on SQLite, where the relay holds the
-	// database's write lock for the batch and the deadline must stay below the
-	// busy timeout of other writers (10s in settle's DSN). Must be > 0.
+	// publish, and the next batch passes over it. Defaults to 30s, or 5s
+	// on SQLite, where the relay holds the database's write lock for the
+	// batch and the deadline must stay below the busy timeout of other
+	// writers (10s in settle's DSN). Must be > 0.
 	AckDeadline time.Duration
 	// RetryInterval is how long the relay waits after a failed batch (the
 	// broker refused, the database is gone) before trying again, so that an
