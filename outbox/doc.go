@@ -26,7 +26,10 @@
 // on that row, retries it after a backoff while it forwards the rows behind
 // it, and after [RelayConfig.MaxAttempts] sets it aside, where [Outbox.Status],
 // [Outbox.Failed] and `settle outbox status` show it, until [Outbox.Requeue]
-// (`settle outbox retry`) puts it back. A broker outage sets nothing aside.
+// (`settle outbox retry`) puts it back. A row whose publish does not return
+// within [RelayConfig.AckDeadline] is handled the same way: its batch is
+// rolled back, its failure counted, and the next batch passes over it and
+// publishes the rows behind it. A broker outage sets nothing aside.
 // A row is marked forwarded once the relay's publisher returned nil: on
 // RabbitMQ, relay through amqpsub.Publisher, which also fails a row the
 // broker routed to no queue (the row is then retried and set aside like

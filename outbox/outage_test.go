@@ -173,8 +173,10 @@ func (p hangs) Publish(topic string, msgs ...*message.Message) error {
 
 // A publish that outlives its batch's AckDeadline rolls the batch back, and
 // its row is counted as failed in a statement of its own: it steps aside
-// like any failing row, the rows behind it are forwarded, and it is set
-// aside in the end.
+// like any failing row (the next batch passes over it), the rows behind it
+// are forwarded, and it is set aside at its MaxAttempts-th overrun.
+// AckDeadline leaves a batch of one good row time to commit on a loaded
+// machine: a good batch that overran would count a failure of a good row.
 func TestPublishPastAckDeadlineStepsAside(t *testing.T) {
 	t.Parallel()
 	forEachDB(t, func(t *testing.T, e *env) {
@@ -182,17 +184,25 @@ func TestPublishPastAckDeadlineStepsAside(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		e.publishTx(t, "orders", message.NewMessage("hang", []byte(`{}`)))
-		startRelay(t, e, hangs{e.pubsub}, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, AckDeadline: 300 * time.Millisecond,
-			RetryInterval: 50 * time.Millisecond, MaxRetryInterval: 100 * time.Millisecond, MaxAttempts: 2})
-		deadline := time.Now().Add(30 * time.Second)
-		for i := 0; ; i++ {
-			e.publishTx(t, "orders", message.NewMessage(fmt.Sprintf("behind-%d", i), []byte(`{}`)))
+		const maxAttempts = 2
+		// A row behind the hanging one is committed before the relay
+		// starts: the batch after the first overrun always has a row to
+		// publish, and the broker's proof that it works comes before the
+		// hanging row's second overrun. (Committed only after, it can miss
+		// that batch, and the row is set aside one overrun later.)
+		e.publishTx(t, "orders", message.NewMessage("hang", []byte(`{}`)), message.NewMessage("behind-0", []byte(`{}`)))
+		startRelay(t, e, hangs{e.pubsub}, outbox.RelayConfig{PollInterval: 10 * time.Millisecond, AckDeadline: time.Second,
+			RetryInterval: 50 * time.Millisecond, MaxRetryInterval: 100 * time.Millisecond, MaxAttempts: maxAttempts})
+		deadline := time.Now().Add(2 * time.Minute)
+		for i := 1; ; i++ {
 			select {
 			case m := <-got:
 				m.Ack()
-			case <-time.After(30 * time.Second):
-				t.Fatal("no row forwarded behind the hanging one")
+				if m.UUID == "hang" {
+					t.Fatal("the hanging row was forwarded")
+				}
+			case <-time.After(time.Until(deadline)):
+				t.Fatal("no row forwarded behind the hanging one in 2 minutes")
 			}
 			st, err := e.ob.Status(t.Context())
 			if err != nil {
@@ -202,12 +212,13 @@ func TestPublishPastAckDeadlineStepsAside(t *testing.T) {
 				break
 			}
 			if time.Now().After(deadline) {
-				t.Fatalf("the hanging row was not set aside: %+v", st)
+				t.Fatalf("the hanging row was not set aside in 2 minutes: %+v", st)
 			}
+			e.publishTx(t, "orders", message.NewMessage(fmt.Sprintf("behind-%d", i), []byte(`{}`)))
 		}
-		rows, err := e.ob.Failed(t.Context(), outbox.Selection{})
-		if err != nil || len(rows) != 1 || rows[0].UUID != "hang" || !strings.Contains(rows[0].LastError, "AckDeadline") {
-			t.Fatalf("Failed = %+v, %v; want the hanging row, its error naming AckDeadline", rows, err)
+		rows, err := e.ob.Failed(t.Context(), outbox.Selection{SetAsideOnly: true})
+		if err != nil || len(rows) != 1 || rows[0].UUID != "hang" || rows[0].Attempts != maxAttempts || !strings.Contains(rows[0].LastError, "AckDeadline") {
+			t.Fatalf("set aside = %+v, %v; want the hanging row, after %d attempts, its error naming AckDeadline", rows, err, maxAttempts)
 		}
 	})
 }

@@ -63,9 +63,11 @@ type RelayConfig struct {
 	// AckDeadline bounds one batch: claiming its rows, publishing them and
 	// committing their forwarded mark. A batch that overruns is rolled back
 	// and its rows are forwarded again (a duplicate of those already
-	// published). Defaults to 30s, or 5s on SQLite, where the relay holds the
-	// database's write lock for the batch and the deadline must stay below the
-	// busy timeout of other writers (10s in settle's DSN). Must be > 0.
+	// published); the row whose publish did not return counts a failed
+	// publish, and the next batch passes over it. Defaults to 30s, or 5s
+	// on SQLite, where the relay holds the database's write lock for the
+	// batch and the deadline must stay below the busy timeout of other
+	// writers (10s in settle's DSN). Must be > 0.
 	AckDeadline time.Duration
 	// RetryInterval is how long the relay waits after a failed batch (the
 	// broker refused, the database is gone) before trying again, so that an
@@ -215,6 +217,9 @@ type Relay struct {
 	failed    atomic.Int64
 
 	health health // the loop's only
+	// overran is the offset of the row whose publish outlived the last
+	// batch, or 0: the next batch passes over it (the loop's only).
+	overran int64
 
 	// lastBeat is when the relay last renewed its heartbeat, polled when
 	// its LISTEN connection last polled (see pollIdle); Unix nanoseconds.
@@ -718,8 +723,11 @@ func (r *Relay) batch(ctx context.Context) (batchResult, error) {
 	for _, rw := range rows {
 		res.bytes += rw.size
 	}
-	r.publish(ctx, rows, &res)
+	skip := r.overran
+	r.overran = 0
+	r.publish(ctx, rows, skip, &res)
 	if res.overrun != nil {
+		r.overran = res.overrun.rw.offset
 		_ = tx.rollback(txCtx)
 		return batchResult{}, r.recordOverrun(*res.overrun)
 	}
@@ -910,7 +918,12 @@ func (r *Relay) claimMySQL(ctx context.Context, tx txn) ([]row, error) {
 }
 
 // publish publishes rows in offset order into res: consecutive rows of one
-// topic in one call until a publish fails, then one row per call. A row
+// topic in one call until a publish fails, then one row per call. The row
+// at offset skip, whose publish outlived the batch before, is released
+// untried: otherwise, due again after a backoff no longer than the pause
+// after that batch, it would be first in this one too, overrun it, and the
+// rows behind it would never be published (nor would it be set aside,
+// which waits for the relay to publish some other row). A row
 // whose own publish fails is recorded as failed and the batch goes on with
 // the rows behind it, passing over (releasing) the other rows of that topic
 // in this batch; a failure right after it stops the batch and is nobody's
@@ -918,7 +931,7 @@ func (r *Relay) claimMySQL(ctx context.Context, tx txn) ([]row, error) {
 // fails with several rows is not the failure of any one of them: they are
 // tried again one by one (rows the failed call had already published go out
 // twice, a duplicate the relay allows).
-func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
+func (r *Relay) publish(ctx context.Context, rows []row, skip int64, res *batchResult) {
 	careful := false
 	failedTopics := map[string]bool{}
 	consecutive := 0
@@ -928,7 +941,7 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 			return
 		}
 		rw := rows[i]
-		if failedTopics[rw.topic] {
+		if failedTopics[rw.topic] || rw.offset == skip {
 			res.released = append(res.released, rw)
 			i++
 			continue
@@ -957,7 +970,7 @@ func (r *Relay) publish(ctx context.Context, rows []row, res *batchResult) {
 		}
 		msgs := []*message.Message{m}
 		end := i + 1
-		for !careful && end < len(rows) && rows[end].topic == rw.topic {
+		for !careful && end < len(rows) && rows[end].topic == rw.topic && rows[end].offset != skip {
 			m, ok := r.message(ctx, rows[end])
 			if !ok {
 				break
