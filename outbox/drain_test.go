@@ -75,6 +75,20 @@ func TestDrainWaitsForTheBatchToCount(t *testing.T) {
 // committed.
 func openLateCommit(t *testing.T, url string) (testenv.DB, *atomic.Int64) {
 	t.Helper()
+	base, dialect := connectorOf(t, url)
+	late := new(atomic.Int64)
+	db := sql.OpenDB(lateConnector{Connector: base, late: late})
+	t.Cleanup(func() { _ = db.Close() })
+	if dialect == sqldb.SQLite {
+		db.SetMaxOpenConns(4)
+	}
+	return testenv.DB{DB: db, Dialect: dialect}, late
+}
+
+// connectorOf returns the driver connector of url's database, for a test
+// to wrap, and its dialect.
+func connectorOf(t *testing.T, url string) (driver.Connector, sqldb.Dialect) {
+	t.Helper()
 	name, dsn, dialect, err := sqlurl.Parse(url)
 	if err != nil {
 		t.Fatal(err)
@@ -83,20 +97,14 @@ func openLateCommit(t *testing.T, url string) (testenv.DB, *atomic.Int64) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer func() { _ = plain.Close() }()
 	var base driver.Connector = dsnConnector{d: plain.Driver(), dsn: dsn}
 	if dc, ok := plain.Driver().(driver.DriverContext); ok {
 		if base, err = dc.OpenConnector(dsn); err != nil {
 			t.Fatal(err)
 		}
 	}
-	_ = plain.Close()
-	late := new(atomic.Int64)
-	db := sql.OpenDB(lateConnector{Connector: base, late: late})
-	t.Cleanup(func() { _ = db.Close() })
-	if dialect == sqldb.SQLite {
-		db.SetMaxOpenConns(4)
-	}
-	return testenv.DB{DB: db, Dialect: dialect}, late
+	return base, dialect
 }
 
 // dsnConnector is the connector of a driver that has none of its own.

@@ -10,7 +10,6 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/settle-go/settle/internal/sqlurl"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -53,21 +52,7 @@ func (c *stmtCount) Messages() string {
 // counts its statements.
 func openCounted(t *testing.T) (testenv.DB, *stmtCount) {
 	t.Helper()
-	name, dsn, dialect, err := sqlurl.Parse("sqlite://" + t.TempDir() + "/settle.db")
-	if err != nil {
-		t.Fatal(err)
-	}
-	plain, err := sql.Open(name, dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var base driver.Connector = dsnConnector{d: plain.Driver(), dsn: dsn}
-	if dc, ok := plain.Driver().(driver.DriverContext); ok {
-		if base, err = dc.OpenConnector(dsn); err != nil {
-			t.Fatal(err)
-		}
-	}
-	_ = plain.Close()
+	base, dialect := connectorOf(t, "sqlite://"+t.TempDir()+"/settle.db")
 	c := &stmtCount{kinds: map[string]int{}}
 	db := sql.OpenDB(countConnector{Connector: base, c: c})
 	t.Cleanup(func() { _ = db.Close() })
