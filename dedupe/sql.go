@@ -534,7 +534,7 @@ func (s *SQLStore[TTx]) confirmHinted(ctx context.Context, c Claim, h *sqlkit.Tx
 		return err
 	}
 	query, args := s.q.confirmLevel, []any{[]byte(c.Key), c.Token}
-	limits := h.Limits && !h.Carried
+	limits := s.limitsToCarry(ctx) != nil
 	if limits {
 		query, args = s.q.confirmLimited, append(args, h.LockMillis, h.IdleMillis)
 	}
