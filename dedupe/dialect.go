@@ -200,8 +200,7 @@ RETURNING attempts`
 		q.readBack = `SELECT state, token, attempts, expires_at, first_at, ` + now + ` FROM ` + t + ` WHERE key = $1`
 		q.renew = `UPDATE ` + t + ` SET expires_at = ` + now + ` + $1 WHERE key = $2 AND state = 1 AND token = $3`
 		q.confirm = `UPDATE ` + t + ` SET state = 2, token = '', expires_at = 0, updated_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
-		q.confirmLevel = q.confirm + ` RETURNING current_setting('transaction_isolation')`
-		q.confirmLimited = q.confirm + ` AND ` + sqlkit.PostgresLimitsGate(3) + ` RETURNING current_setting('transaction_isolation')`
+		q.confirmLevel, q.confirmLimited = confirmLevelQueries(q.confirm)
 		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
 		// The filter is repeated outside the subquery: when a selected row is
 		// changed by a concurrent claim before the DELETE reaches it, PostgreSQL
@@ -278,6 +277,14 @@ RETURNING attempts`
 		q.prune = "DELETE FROM " + t + " WHERE " + q.pruneWhere + " LIMIT ?"
 	}
 	return q
+}
+
+// confirmLevelQueries are PostgreSQL's confirm returning the transaction's
+// isolation level, and the same setting a pipeline transaction's limits
+// first (queries.confirmLevel, queries.confirmLimited).
+func confirmLevelQueries(confirm string) (level, limited string) {
+	const returning = ` RETURNING current_setting('transaction_isolation')`
+	return confirm + returning, confirm + ` AND ` + sqlkit.PostgresLimitsGate(3) + returning
 }
 
 // mysqlReturnedRow is what a MariaDB claim returns: readBack's columns, from

@@ -13,6 +13,7 @@ import (
 
 	"github.com/settle-go/settle/dedupe"
 	"github.com/settle-go/settle/dedupe/dedupetest"
+	"github.com/settle-go/settle/internal/sqlkit"
 	"github.com/settle-go/settle/internal/testenv"
 	"github.com/settle-go/settle/sqldb"
 )
@@ -312,5 +313,47 @@ func TestPartitionedPruneDropsPartitions(t *testing.T) {
 				t.Fatalf("live claim after the prune: %v, %v; want busy", c.Result, err)
 			}
 		})
+	}
+}
+
+// TestPartitionedConfirmInPipelineTxMovesRow: a confirmation in a pipeline
+// transaction on PostgreSQL (the statement that also sets the transaction's
+// limits, or reads its isolation level) moves the key's row to the
+// partition of its confirmation, as Confirm does: its until_at becomes its
+// updated_at, not the claim's expiry, so the key is pruned with the period
+// it was confirmed in.
+func TestPartitionedConfirmInPipelineTxMovesRow(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	s, table := partitionedStoreTable(t, db)
+	ctx := t.Context()
+	for _, limits := range []bool{false, true} {
+		key := fmt.Sprintf("hinted-%v", limits)
+		c, err := s.Claim(ctx, key, time.Hour)
+		if err != nil || c.Result != dedupe.Acquired {
+			t.Fatalf("Claim: %v, %v", c.Result, err)
+		}
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		h := &sqlkit.TxHints{Limits: limits, LockMillis: "5000", IdleMillis: "30000"}
+		if err := s.WithTx(tx).Confirm(sqlkit.WithTxHints(ctx, h), c); err != nil {
+			_ = tx.Rollback()
+			t.Fatalf("Confirm in the transaction: %v", err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		var state int
+		var updated, until int64
+		err = db.QueryRowContext(ctx, `SELECT state, updated_at, until_at FROM `+sqlkit.Quote(sqldb.Postgres, table)+` WHERE key = $1`, []byte(key)).Scan(&state, &updated, &until)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if state != 2 || until != updated {
+			t.Errorf("limits %v: row after the confirmation: state %d, until_at %d, updated_at %d; want confirmed with until_at = updated_at (the claim expired %d)",
+				limits, state, until, updated, c.ExpiresAt.UnixMicro())
+		}
 	}
 }
