@@ -435,6 +435,11 @@ func (s *SQLStore[TTx]) claimLockedOnce(ctx context.Context, k []byte, ttl time.
 			err = s.queryRow(ctx, s.q.partInsert+" RETURNING expires_at, first_at", []any{k, token, ttlUS, ttlUS}, &exp, &now)
 		default:
 			if _, err = s.exec(ctx, s.q.partInsert, k, token, ttlUS, ttlUS); err == nil {
+				// In the claim's transaction, under the key's lock: no other
+				// claim sees the row before it is read back.
+				if s.afterClaimWrite != nil {
+					s.afterClaimWrite()
+				}
 				err = s.queryRow(ctx, "SELECT expires_at, first_at FROM "+sqlkit.Quote(s.dialect, s.table)+" WHERE `key` = ? AND state = 1 AND token = ?", []any{k, token}, &exp, &now)
 			}
 		}

@@ -73,7 +73,8 @@ func (c SQLConfig) validate() error {
 //
 // Whether a statement took a key is decided from what it wrote (the row it
 // returns, on MariaDB 10.5+ too; on MySQL, which has no RETURNING, the row
-// read back and its token), never from affected-row counts, which driver
+// and its token read back in the claim statement's transaction, before
+// anyone else can change it), never from affected-row counts, which driver
 // options such as clientFoundRows change.
 //
 // A store bound to a transaction with [SQLStore.WithTx] makes the claim
@@ -104,6 +105,9 @@ type SQLStore[TTx any] struct {
 	part      *partState // a partitioned table's, shared with the copies WithTx makes
 	now       func() time.Time
 	server    *server // shared with the copies WithTx makes
+	// afterClaimWrite, set only by the tests, runs between a claim's write
+	// and its read-back on a MySQL server without RETURNING.
+	afterClaimWrite func()
 }
 
 // server is what a store learned of its server.
@@ -316,10 +320,10 @@ func (s *SQLStore[TTx]) Claim(ctx context.Context, key string, ttl time.Duration
 }
 
 // tryClaim runs the claim statement once. took reports that it wrote the
-// key for token; on MySQL it is never set, the caller reads the row back.
-//
-// On MariaDB the statement returns the row as it left it (r, found), which
-// the caller reads instead of reading it back.
+// key for token; on MySQL it is never set: the statement's row comes back
+// as it left it (r, found) instead, returned by it on MariaDB, read back
+// in the same transaction on MySQL (writeReadBack), and the caller decides
+// from its token.
 func (s *SQLStore[TTx]) tryClaim(ctx context.Context, k []byte, token string, ttl time.Duration) (c Claim, took bool, r row, err error) {
 	var attempts int
 	var expires, first int64
@@ -329,8 +333,8 @@ func (s *SQLStore[TTx]) tryClaim(ctx context.Context, k []byte, token string, tt
 			r, err = s.returned(ctx, s.q.claimReturning, k, token, ttl.Microseconds())
 			return Claim{}, false, r, err
 		}
-		_, err := s.exec(ctx, s.q.claim, k, token, ttl.Microseconds())
-		return Claim{}, false, row{}, err
+		r, err = s.writeReadBack(ctx, k, s.q.claim, k, token, ttl.Microseconds())
+		return Claim{}, false, r, err
 	case sqldb.SQLite:
 		now := s.now()
 		exp := micros(now.Add(ttl))
@@ -354,6 +358,55 @@ func (s *SQLStore[TTx]) tryClaim(ctx context.Context, k []byte, token string, tt
 		return Claim{}, false, row{}, err
 	}
 	return Claim{Attempt: attempts, ExpiresAt: fromMicros(expires), FirstAt: firstAt(first)}, true, row{}, nil
+}
+
+// writeReadBack runs a claim statement (query, args) on a MySQL server
+// without RETURNING and reads the row of its key k back, in one
+// transaction: the row lock the write took is held until the row is read,
+// so the row read is the one the write left. Run as two statements of
+// their own, a claim whose lifetime ended between them could be taken over
+// by another worker before its read-back, and the claim answered Busy for
+// an attempt it had counted. In a caller's transaction the two run in it,
+// which holds the lock as well. The row returned is always found: the
+// write leaves one.
+func (s *SQLStore[TTx]) writeReadBack(ctx context.Context, k []byte, query string, args ...any) (row, error) {
+	if s.ex.InTx() {
+		return s.writeThenRead(ctx, k, query, args)
+	}
+	tx, err := s.db.Begin(ctx, nil, "")
+	if err != nil {
+		return row{}, err
+	}
+	done := false
+	defer func() {
+		if !done {
+			_ = s.db.Rollback(context.WithoutCancel(ctx), tx)
+		}
+	}()
+	r, err := s.WithTx(tx).writeThenRead(ctx, k, query, args)
+	if err != nil {
+		return row{}, err
+	}
+	done = true
+	if err := s.db.Commit(ctx, tx); err != nil {
+		return row{}, err
+	}
+	return r, nil
+}
+
+// writeThenRead is writeReadBack's two statements, on s's executor.
+func (s *SQLStore[TTx]) writeThenRead(ctx context.Context, k []byte, query string, args []any) (row, error) {
+	if _, err := s.exec(ctx, query, args...); err != nil {
+		return row{}, err
+	}
+	if s.afterClaimWrite != nil {
+		s.afterClaimWrite()
+	}
+	r, err := s.readBack(ctx, k)
+	if err == nil && !r.found {
+		err = errors.New("read back: no row after the claim statement")
+	}
+	return r, err
 }
 
 // leaseCtxKey marks the context of a claim that the handler confirms in a
