@@ -28,7 +28,8 @@ type SQLConfig struct {
 	// known defect in docs/dedupe.md, "The partitioned table", first), in periods of this length
 	// aligned on the Unix epoch: 24h for a partition a day. Prune then drops
 	// whole partitions instead of deleting rows, and creates the next ones;
-	// see docs/dedupe.md for when to choose it. Schema returns the
+	// see docs/dedupe.md for when to choose it. Prunes of one table may run
+	// at the same time, from many processes. Schema returns the
 	// partitioned table's statements. A claim inside a caller's transaction
 	// (WithTx, ClaimConfirmed, ClaimConfirmedAll) needs READ COMMITTED on
 	// PostgreSQL; any level does on MySQL/MariaDB. At least a second; zero
@@ -656,8 +657,11 @@ func (s *SQLStore[TTx]) Release(ctx context.Context, c Claim) error {
 // next periods. The number it returns adds, for each partition dropped,
 // the database's estimate of its rows (from its statistics: PostgreSQL's
 // reltuples, InnoDB's TABLE_ROWS), not a count, which would read a day of
-// rows. Inside a caller's transaction it drops and creates no partition:
-// it deletes the rows, as on a plain table.
+// rows. Prunes of one table may run at the same time, in one process or
+// many: a prune whose statement the database failed to break a deadlock
+// with another runs again, after a random pause, up to ten times. Inside a
+// caller's transaction it drops and creates no partition: it deletes the
+// rows, as on a plain table.
 func (s *SQLStore[TTx]) Prune(ctx context.Context, before time.Time) (int64, error) {
 	if s.period != 0 {
 		return s.prunePartitioned(ctx, before)
