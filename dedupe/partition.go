@@ -739,13 +739,14 @@ func (s *SQLStore[TTx]) AddPartitions(ctx context.Context, from, to time.Time) e
 //
 // Prunes of one table may run at the same time (every process of a service
 // pruning on its own schedule): each drops what is left to drop. Their
-// statements lock the table's partitions in different orders (the listing
-// reads each partition's bounds, a detach and a drop lock the one they
-// remove, a new partition locks the table), and the database may break a
-// deadlock between them by failing one statement (PostgreSQL's 40P01,
-// InnoDB's 1213), which changed nothing: the prune runs again, after a
-// random pause, up to pruneRetries times, and what it dropped before the
-// deadlock counts in the number it returns.
+// statements lock the table and its partitions in different orders (a
+// detach or a drop locks the partition it removes and, on PostgreSQL,
+// waits for the transactions using the table; a new partition locks the
+// table), and the database may break a deadlock between them by failing
+// one statement (PostgreSQL's 40P01, InnoDB's 1213), which changed
+// nothing: the prune runs again, after a random pause, up to pruneRetries
+// times, and what it dropped before the deadlock counts in the number it
+// returns.
 func (s *SQLStore[TTx]) prunePartitioned(ctx context.Context, before time.Time) (int64, error) {
 	cut := floorDiv(micros(before), s.period) * s.period
 	if s.ex.InTx() {
