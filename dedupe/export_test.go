@@ -48,3 +48,7 @@ func LeaseQuery[TTx any](s *SQLStore[TTx]) string { return s.q.claimLease }
 // SetTxLockWait sets how long, in seconds, a partitioned MySQL store waits
 // for a key's lock in a caller's transaction. Only before any test runs.
 func SetTxLockWait(seconds int) { txLockWait = seconds }
+
+// SetAfterClaimWrite makes s run f between a claim's write and its
+// read-back, on a MySQL server without RETURNING (see WithoutReturning).
+func SetAfterClaimWrite[TTx any](s *SQLStore[TTx], f func()) { s.afterClaimWrite = f }

@@ -437,6 +437,11 @@ func (s *SQLStore[TTx]) claimLockedOnce(ctx context.Context, k []byte, ttl time.
 			err = s.queryRow(ctx, s.q.partInsert+" RETURNING expires_at, first_at", []any{k, token, ttlUS, ttlUS}, &exp, &now)
 		default:
 			if _, err = s.exec(ctx, s.q.partInsert, k, token, ttlUS, ttlUS); err == nil {
+				// In the claim's transaction, under the key's lock: no other
+				// claim sees the row before it is read back.
+				if s.afterClaimWrite != nil {
+					s.afterClaimWrite()
+				}
 				err = s.queryRow(ctx, "SELECT expires_at, first_at FROM "+sqlkit.Quote(s.dialect, s.table)+" WHERE `key` = ? AND state = 1 AND token = ?", []any{k, token}, &exp, &now)
 			}
 		}
@@ -528,7 +533,13 @@ func (s *SQLStore[TTx]) partitions(ctx context.Context) ([]partition, error) {
 	var parts []partition
 	switch s.dialect {
 	case sqldb.Postgres:
-		err := s.query(ctx, `SELECT n.nspname, c.relname, pg_get_expr(c.relpartbound, c.oid), i.inhdetachpending, c.reltuples::bigint
+		// pg_get_expr is given no relation (0): a bound names no column.
+		// Given one, it takes the partition's lock for a moment, to read
+		// the names of its columns: the listing waited there for another
+		// prune's detach, which was waiting for the listing's transaction
+		// to end (a deadlock); and it returned NULL for a partition that
+		// another prune dropped after the statement read the catalog.
+		err := s.query(ctx, `SELECT n.nspname, c.relname, pg_get_expr(c.relpartbound, 0), i.inhdetachpending, c.reltuples::bigint
 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE i.inhparent = $1::regclass`, []any{sqlkit.Quote(s.dialect, s.table)}, func(scan func(dest ...any) error) error {
 			var nsp, name, bound string
@@ -727,6 +738,17 @@ func (s *SQLStore[TTx]) AddPartitions(ctx context.Context, from, to time.Time) e
 // before it but were written to a later partition, rows of partitions that
 // are not over yet when the cutoff is in the future), and creates the
 // partitions of the next periods.
+//
+// Prunes of one table may run at the same time (every process of a service
+// pruning on its own schedule): each drops what is left to drop. Their
+// statements lock the table and its partitions in different orders (a
+// detach or a drop locks the partition it removes and, on PostgreSQL,
+// waits for the transactions using the table; a new partition locks the
+// table), and the database may break a deadlock between them by failing
+// one statement (PostgreSQL's 40P01, InnoDB's 1213), which changed
+// nothing: the prune runs again, after a random pause, up to pruneRetries
+// times, and what it dropped before the deadlock counts in the number it
+// returns.
 func (s *SQLStore[TTx]) prunePartitioned(ctx context.Context, before time.Time) (int64, error) {
 	cut := floorDiv(micros(before), s.period) * s.period
 	if s.ex.InTx() {
@@ -735,6 +757,41 @@ func (s *SQLStore[TTx]) prunePartitioned(ctx context.Context, before time.Time) 
 		// the rows are deleted as on a plain table.
 		return s.pruneRows(ctx, time.UnixMicro(cut))
 	}
+	var total int64
+	for attempt := 1; ; attempt++ {
+		n, err := s.prunePartitionsOnce(ctx, cut)
+		total += n
+		if err == nil || !sqlkit.Deadlock(err) || attempt >= pruneRetries {
+			return total, err
+		}
+		if err := pausePrune(ctx, attempt); err != nil {
+			return total, fmt.Errorf("dedupe: prune: %w", err)
+		}
+	}
+}
+
+// pruneRetries bounds how often a prune of a partitioned table runs again
+// after a deadlock with another prune (prunePartitioned).
+const pruneRetries = 10
+
+// pausePrune waits before a prune's next attempt: a random while of up to
+// 100 ms times the attempts so far, at most a second, so that prunes that
+// deadlocked do not meet again in step. It returns ctx's error if ctx ends
+// first.
+func pausePrune(ctx context.Context, attempt int) error {
+	t := time.NewTimer(time.Duration(rand.Int64N(int64(min(attempt, 10)) * int64(100*time.Millisecond))))
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// prunePartitionsOnce is one attempt of prunePartitioned, outside a
+// caller's transaction, with the cutoff rounded (cut, µs).
+func (s *SQLStore[TTx]) prunePartitionsOnce(ctx context.Context, cut int64) (int64, error) {
 	// Two periods ahead: claims inside callers' transactions, which make no
 	// partition, find theirs made as long as a prune runs once a period.
 	if err := s.ensurePartitions(ctx, time.Duration(s.period)*time.Microsecond); err != nil {
@@ -815,8 +872,19 @@ func (s *SQLStore[TTx]) dropPartitionOnce(ctx context.Context, p partition) (int
 				return 0, fmt.Errorf("count partition %s: %w", p.name, err)
 			}
 		}
-		if _, err := s.exec(ctx, `DROP TABLE `+p.name); err != nil {
-			return 0, fmt.Errorf("drop partition %s: %w", p.name, err)
+		// Detached, the table is no longer a partition, and no later prune
+		// would find it: a deadlock does not leave it there.
+		for attempt := 1; ; attempt++ {
+			_, err := s.exec(ctx, `DROP TABLE `+p.name)
+			if err == nil {
+				break
+			}
+			if !sqlkit.Deadlock(err) || attempt >= pruneRetries {
+				return 0, fmt.Errorf("drop partition %s: %w", p.name, err)
+			}
+			if err := pausePrune(ctx, attempt); err != nil {
+				return 0, fmt.Errorf("drop partition %s: %w", p.name, err)
+			}
 		}
 	default:
 		if _, err := s.exec(ctx, "ALTER TABLE "+t+" DROP PARTITION "+p.name); err != nil {

@@ -28,7 +28,8 @@ type SQLConfig struct {
 	// known defect in docs/dedupe.md, "The partitioned table", first), in periods of this length
 	// aligned on the Unix epoch: 24h for a partition a day. Prune then drops
 	// whole partitions instead of deleting rows, and creates the next ones;
-	// see docs/dedupe.md for when to choose it. Schema returns the
+	// see docs/dedupe.md for when to choose it. Prunes of one table may run
+	// at the same time, from many processes. Schema returns the
 	// partitioned table's statements. A claim inside a caller's transaction
 	// (WithTx, ClaimConfirmed, ClaimConfirmedAll) needs READ COMMITTED on
 	// PostgreSQL; any level does on MySQL/MariaDB. At least a second; zero
@@ -73,7 +74,8 @@ func (c SQLConfig) validate() error {
 //
 // Whether a statement took a key is decided from what it wrote (the row it
 // returns, on MariaDB 10.5+ too; on MySQL, which has no RETURNING, the row
-// read back and its token), never from affected-row counts, which driver
+// and its token read back in the claim statement's transaction, before
+// anyone else can change it), never from affected-row counts, which driver
 // options such as clientFoundRows change.
 //
 // A store bound to a transaction with [SQLStore.WithTx] makes the claim
@@ -104,6 +106,9 @@ type SQLStore[TTx any] struct {
 	part      *partState // a partitioned table's, shared with the copies WithTx makes
 	now       func() time.Time
 	server    *server // shared with the copies WithTx makes
+	// afterClaimWrite, set only by the tests, runs between a claim's write
+	// and its read-back on a MySQL server without RETURNING.
+	afterClaimWrite func()
 }
 
 // server is what a store learned of its server.
@@ -316,10 +321,10 @@ func (s *SQLStore[TTx]) Claim(ctx context.Context, key string, ttl time.Duration
 }
 
 // tryClaim runs the claim statement once. took reports that it wrote the
-// key for token; on MySQL it is never set, the caller reads the row back.
-//
-// On MariaDB the statement returns the row as it left it (r, found), which
-// the caller reads instead of reading it back.
+// key for token; on MySQL it is never set: the statement's row comes back
+// as it left it (r, found) instead, returned by it on MariaDB, read back
+// in the same transaction on MySQL (writeReadBack), and the caller decides
+// from its token.
 func (s *SQLStore[TTx]) tryClaim(ctx context.Context, k []byte, token string, ttl time.Duration) (c Claim, took bool, r row, err error) {
 	var attempts int
 	var expires, first int64
@@ -329,8 +334,8 @@ func (s *SQLStore[TTx]) tryClaim(ctx context.Context, k []byte, token string, tt
 			r, err = s.returned(ctx, s.q.claimReturning, k, token, ttl.Microseconds())
 			return Claim{}, false, r, err
 		}
-		_, err := s.exec(ctx, s.q.claim, k, token, ttl.Microseconds())
-		return Claim{}, false, row{}, err
+		r, err = s.writeReadBack(ctx, k, s.q.claim, k, token, ttl.Microseconds())
+		return Claim{}, false, r, err
 	case sqldb.SQLite:
 		now := s.now()
 		exp := micros(now.Add(ttl))
@@ -354,6 +359,55 @@ func (s *SQLStore[TTx]) tryClaim(ctx context.Context, k []byte, token string, tt
 		return Claim{}, false, row{}, err
 	}
 	return Claim{Attempt: attempts, ExpiresAt: fromMicros(expires), FirstAt: firstAt(first)}, true, row{}, nil
+}
+
+// writeReadBack runs a claim statement (query, args) on a MySQL server
+// without RETURNING and reads the row of its key k back, in one
+// transaction: the row lock the write took is held until the row is read,
+// so the row read is the one the write left. Run as two statements of
+// their own, a claim whose lifetime ended between them could be taken over
+// by another worker before its read-back, and the claim answered Busy for
+// an attempt it had counted. In a caller's transaction the two run in it,
+// which holds the lock as well. The row returned is always found: the
+// write leaves one.
+func (s *SQLStore[TTx]) writeReadBack(ctx context.Context, k []byte, query string, args ...any) (row, error) {
+	if s.ex.InTx() {
+		return s.writeThenRead(ctx, k, query, args)
+	}
+	tx, err := s.db.Begin(ctx, nil, "")
+	if err != nil {
+		return row{}, err
+	}
+	done := false
+	defer func() {
+		if !done {
+			_ = s.db.Rollback(context.WithoutCancel(ctx), tx)
+		}
+	}()
+	r, err := s.WithTx(tx).writeThenRead(ctx, k, query, args)
+	if err != nil {
+		return row{}, err
+	}
+	done = true
+	if err := s.db.Commit(ctx, tx); err != nil {
+		return row{}, err
+	}
+	return r, nil
+}
+
+// writeThenRead is writeReadBack's two statements, on s's executor.
+func (s *SQLStore[TTx]) writeThenRead(ctx context.Context, k []byte, query string, args []any) (row, error) {
+	if _, err := s.exec(ctx, query, args...); err != nil {
+		return row{}, err
+	}
+	if s.afterClaimWrite != nil {
+		s.afterClaimWrite()
+	}
+	r, err := s.readBack(ctx, k)
+	if err == nil && !r.found {
+		err = errors.New("read back: no row after the claim statement")
+	}
+	return r, err
 }
 
 // leaseCtxKey marks the context of a claim that the handler confirms in a
@@ -603,8 +657,11 @@ func (s *SQLStore[TTx]) Release(ctx context.Context, c Claim) error {
 // next periods. The number it returns adds, for each partition dropped,
 // the database's estimate of its rows (from its statistics: PostgreSQL's
 // reltuples, InnoDB's TABLE_ROWS), not a count, which would read a day of
-// rows. Inside a caller's transaction it drops and creates no partition:
-// it deletes the rows, as on a plain table.
+// rows. Prunes of one table may run at the same time, in one process or
+// many: a prune whose statement the database failed to break a deadlock
+// with another runs again, after a random pause, up to ten times. Inside a
+// caller's transaction it drops and creates no partition: it deletes the
+// rows, as on a plain table.
 func (s *SQLStore[TTx]) Prune(ctx context.Context, before time.Time) (int64, error) {
 	if s.period != 0 {
 		return s.prunePartitioned(ctx, before)
