@@ -49,7 +49,11 @@ import (
 // whose transaction loses its connection (whichever statement met the loss)
 // is no message's failure: the same deliveries run again in a new
 // transaction after BusyDelay, up to three times, and are then deferred, no
-// attempt spent (see NewTxHandler).
+// attempt spent (see NewTxHandler). A delivery that the broker's count
+// leaves with no attempt and whose key is not confirmed does not run: its
+// key is written as refused in the batch's transaction, and it is
+// dead-lettered after the commit; a delivery that finds its key refused is
+// dead-lettered without a run (see TxConfig.OneStatement).
 //
 // Behind the dedupe middleware (which pipeline does not put in front of a
 // batch), a batch takes the middleware's claim of each message instead of

@@ -53,8 +53,14 @@ type TxConfig[TTx any] struct {
 	// of being deferred. A delivery the broker's count leaves with no
 	// attempt still has its key claimed (HandleTx: the retry middleware's
 	// RetryConfig.StoreInside): a duplicate when an earlier delivery
-	// confirmed it; otherwise rolled back and dead-lettered, fn not run. The
-	// same holds for Batch. Requires Store.
+	// confirmed it; otherwise fn is not run, the key is committed as
+	// refused (dedupe.SQLStore.Refuse, one more statement and the commit,
+	// on this path only) and the message is dead-lettered. A delivery that
+	// finds its key refused is dead-lettered without a run too, whatever
+	// attempts it has left: it is an earlier delivery of the same message,
+	// held by a worker that froze or was cut off (see NewTxHandler), and
+	// the message's fate is decided. The same holds for Batch. Requires
+	// Store.
 	OneStatement bool
 	// Store is the claims table on DB's database, for OneStatement and Batch,
 	// whose transactions write the keys. HandleTx and HandleBatchTx use it
@@ -182,6 +188,16 @@ func (c *TxConfig[TTx]) validate() error {
 // dedupe.ErrUnavailable), no attempt spent. An error of fn counts as a lost
 // connection only when its transaction's connection is found dead too; see
 // docs/retry.md for the classes.
+//
+// With OneStatement or Batch the transaction run again claims the key
+// again, in the new transaction, and goes by what it finds. A worker that
+// froze in the middle of a transaction (SIGSTOP, a long pause, a partition)
+// may wake up to find that the server ended it, the broker redelivered the
+// message, and another worker, its count used up, dead-lettered it: that
+// worker committed the key as refused first, so the rerun finds it refused
+// and dead-letters its delivery too instead of running fn; the same for a
+// worker that froze before its transaction began. The message is never both
+// done and dead-lettered; two dead-letter copies of it may be made.
 func NewTxHandler[TTx any](cfg TxConfig[TTx], fn TxFunc[TTx]) (message.NoPublishHandlerFunc, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
