@@ -127,6 +127,8 @@ type txStore interface {
 	dedupe.Store
 	ClaimConfirmed(ctx context.Context, key string) (dedupe.Claim, error)
 	ClaimConfirmedAll(ctx context.Context, keys []string) ([]dedupe.Claim, error)
+	Refuse(ctx context.Context, key string) error
+	Lookup(ctx context.Context, scope, key string) (dedupe.KeyState, bool, error)
 }
 
 // openTx is a store bound to a transaction rolled back by rollback unless

@@ -8,13 +8,17 @@ import (
 )
 
 // state is the stored state of a key. Absent keys have no row; a released
-// key keeps its row (and attempt count) but is treated as absent.
+// key keeps its row (and attempt count) but is treated as absent. A refused
+// key (SQLStore.Refuse) is one whose message was dead-lettered without a
+// run, by a delivery that had no attempt left and found the key not
+// confirmed: every later claim of it, of any kind, is refused too.
 type state int
 
 const (
 	stateReleased  state = 0
 	stateClaimed   state = 1
 	stateConfirmed state = 2
+	stateRefused   state = 3
 )
 
 // indexName is the name of the updated_at index; schema-qualified tables get
@@ -116,6 +120,10 @@ type queries struct {
 	renew    string // args: ttl in µs (SQLite: expires_at), key, token
 	confirm  string // args: key, token (SQLite: now, key, token)
 	release  string // args: key, token (SQLite: now, key, token)
+	// refuse turns a key that the caller's transaction wrote as confirmed
+	// (ClaimConfirmed) into a refused one (Refuse). Args: key (SQLite:
+	// now, key).
+	refuse string
 	// owner (MySQL only) tells whether token still holds the key, after
 	// an UPDATE that reported no row: one row if it does. Args: key,
 	// token. A locking read, so that it sees what the UPDATE saw.
@@ -202,6 +210,7 @@ RETURNING attempts`
 		q.confirm = `UPDATE ` + t + ` SET state = 2, token = '', expires_at = 0, updated_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
 		q.confirmLevel, q.confirmLimited = confirmLevelQueries(q.confirm)
 		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
+		q.refuse = `UPDATE ` + t + ` SET state = 3, token = '', expires_at = 0, updated_at = ` + now + ` WHERE key = $1 AND state = 2`
 		// The filter is repeated outside the subquery: when a selected row is
 		// changed by a concurrent claim before the DELETE reaches it, PostgreSQL
 		// re-evaluates only the outer WHERE on the new row version, so without
@@ -228,6 +237,7 @@ RETURNING attempts`
 		q.renew = `UPDATE ` + t + ` SET expires_at = ? WHERE key = ? AND state = 1 AND token = ?`
 		q.confirm = `UPDATE ` + t + ` SET state = 2, token = '', expires_at = 0, updated_at = ? WHERE key = ? AND state = 1 AND token = ?`
 		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ? WHERE key = ? AND state = 1 AND token = ?`
+		q.refuse = `UPDATE ` + t + ` SET state = 3, token = '', expires_at = 0, updated_at = ? WHERE key = ? AND state = 2`
 		// One writer at a time: the DELETE cannot race a claim, but the filter
 		// is repeated outside anyway so the statement is safe on its own.
 		pruneCond := `updated_at < ?1 AND (state <> 1 OR expires_at < ?2)`
@@ -264,6 +274,7 @@ RETURNING attempts`
 		q.renew = "UPDATE " + t + " SET expires_at = " + now + " + ? WHERE `key` = ? AND state = 1 AND token = ?"
 		q.confirm = "UPDATE " + t + " SET state = 2, token = '', expires_at = 0, updated_at = " + now + " WHERE `key` = ? AND state = 1 AND token = ?"
 		q.release = "UPDATE " + t + " SET state = 0, token = '', expires_at = 0, updated_at = " + now + " WHERE `key` = ? AND state = 1 AND token = ?"
+		q.refuse = "UPDATE " + t + " SET state = 3, token = '', expires_at = 0, updated_at = " + now + " WHERE `key` = ? AND state = 2"
 		// A locking read: inside a caller's transaction at REPEATABLE READ
 		// (InnoDB's default) a plain SELECT reads the transaction's
 		// snapshot, in which a claim taken over since is still the

@@ -25,8 +25,10 @@ type KeyState struct {
 	// Key the key within it.
 	Scope, Key string
 	// State is "claimed" (a claim is or was held: see Expires),
-	// "confirmed" (the work is done) or "released" (the last run failed;
-	// a retry may claim it).
+	// "confirmed" (the work is done), "released" (the last run failed;
+	// a retry may claim it) or "refused" (dead-lettered without a run by a
+	// delivery with no attempt left; every later delivery is refused too,
+	// see SQLStore.Refuse).
 	State string
 	// Attempts is the number of runs counted for the key.
 	Attempts int
@@ -41,6 +43,7 @@ const (
 	keyClaimed   = "claimed"
 	keyConfirmed = "confirmed"
 	keyReleased  = "released"
+	keyRefused   = "refused"
 )
 
 func (st state) String() string {
@@ -51,6 +54,8 @@ func (st state) String() string {
 		return keyConfirmed
 	case stateReleased:
 		return keyReleased
+	case stateRefused:
+		return keyRefused
 	}
 	return "state " + strconv.Itoa(int(st))
 }

@@ -221,6 +221,10 @@ func ClaimFromContext(ctx context.Context) (Claim, bool) {
 //     wrapping ErrBusy is returned so the message is nacked and redelivered
 //     later; it is never acked, because if the holder dies this delivery
 //     must do the work.
+//   - Refused (a key that a transactional handler writing its own keys
+//     refused, SQLStore.Refuse: its message was dead-lettered without a
+//     run): an error wrapping ErrAttemptsUsedUp, which the retry middleware
+//     dead-letters; the handler does not run.
 //
 // Before any claim, a replayed copy addressed to another handler
 // (settle.MetaReplayHandler names a handler other than this one) is acked as
@@ -389,16 +393,26 @@ func (m *mw) forAnother(msg *message.Message) bool {
 	return true
 }
 
-// notAcquired settles a delivery whose key is a duplicate (acked, nil) or
-// busy (an error wrapping ErrBusy). The rare paths live apart from wrap's
-// closure, to keep its stack frame small.
+// notAcquired settles a delivery whose key is a duplicate (acked, nil),
+// refused (an error wrapping ErrAttemptsUsedUp, dead-lettered by the retry
+// middleware without a run) or busy (an error wrapping ErrBusy). The rare
+// paths live apart from wrap's closure, to keep its stack frame small.
 func (m *mw) notAcquired(msg *message.Message, orig context.Context, claim Claim) error {
-	if claim.Result == Duplicate {
+	switch claim.Result {
+	case Duplicate:
 		settlement.FromContext(orig).SetOutcome(settlement.Duplicate)
 		m.cfg.Logger.Debug("dedupe: duplicate acked without running the handler", watermill.LogFields{
 			"message_uuid": msg.UUID, "attempt": claim.Attempt,
 		})
 		return nil
+	case Refused:
+		// A transactional handler that writes its keys itself refused the
+		// key (SQLStore.Refuse): its message was dead-lettered without a
+		// run, and so is this delivery.
+		rec := settlement.FromContext(orig)
+		limit, _ := rec.Limit()
+		rec.Refuse(max(limit, claim.Attempt) + 1)
+		return fmt.Errorf("%w: message %s, key refused by an earlier delivery with no attempt left", ErrAttemptsUsedUp, msg.UUID)
 	}
 	return m.busy(msg, orig)
 }

@@ -164,6 +164,7 @@ func partitionedQueries(d sqldb.Dialect, table string, q queries) queries {
 		q.release = `UPDATE ` + t + ` SET state = 0, token = '', expires_at = 0, updated_at = ` + now + `, until_at = ` + now + ` WHERE key = $1 AND state = 1 AND token = $2`
 		// The pipeline's confirmations (confirmHinted) are this confirm too.
 		q.confirmLevel, q.confirmLimited = confirmLevelQueries(q.confirm)
+		q.refuse = `UPDATE ` + t + ` SET state = 3, token = '', expires_at = 0, updated_at = ` + now + `, until_at = ` + now + ` WHERE key = $1 AND state = 2`
 		q.partProbe = `SELECT state, token, attempts, expires_at, first_at, ` + now + `, until_at FROM ` + t + ` WHERE key = $1 FOR UPDATE`
 		q.partInsert = `INSERT INTO ` + t + ` (key, state, token, attempts, expires_at, updated_at, first_at, until_at) VALUES ($1, 1, $2, 1, ` +
 			now + ` + $3, ` + now + `, ` + now + `, ` + now + ` + $3) RETURNING expires_at, first_at`
@@ -174,6 +175,7 @@ func partitionedQueries(d sqldb.Dialect, table string, q queries) queries {
 		q.renew = "UPDATE " + t + " SET expires_at = " + now + " + ?, until_at = GREATEST(updated_at, expires_at) WHERE `key` = ? AND state = 1 AND token = ?"
 		q.confirm = "UPDATE " + t + " SET state = 2, token = '', expires_at = 0, updated_at = " + now + ", until_at = updated_at WHERE `key` = ? AND state = 1 AND token = ?"
 		q.release = "UPDATE " + t + " SET state = 0, token = '', expires_at = 0, updated_at = " + now + ", until_at = updated_at WHERE `key` = ? AND state = 1 AND token = ?"
+		q.refuse = "UPDATE " + t + " SET state = 3, token = '', expires_at = 0, updated_at = " + now + ", until_at = updated_at WHERE `key` = ? AND state = 2"
 		q.partProbe = "SELECT state, token, attempts, expires_at, first_at, " + now + ", until_at FROM " + t + " WHERE `key` = ? FOR UPDATE"
 		q.partInsert = "INSERT INTO " + t + " (`key`, state, token, attempts, expires_at, updated_at, first_at, until_at) VALUES (?, 1, ?, 1, " +
 			now + " + ?, " + now + ", " + now + ", " + now + " + ?)"

@@ -469,14 +469,17 @@ func keyRow(scan func(dest ...any) error) (k []byte, r row, err error) {
 }
 
 // settled reports the result a claim of r's key gets without writing:
-// Duplicate for a confirmed key, Busy for a live claim. Anything else (a
-// released key, an expired claim, no row) can be taken, so ok is false.
+// Duplicate for a confirmed key, Busy for a live claim, Refused for a
+// refused key. Anything else (a released key, an expired claim, no row) can
+// be taken, so ok is false.
 func (r row) settled() (Result, bool) {
 	switch {
 	case !r.found:
 		return 0, false
 	case r.state == stateConfirmed:
 		return Duplicate, true
+	case r.state == stateRefused:
+		return Refused, true
 	case r.state == stateClaimed && r.expires > r.now:
 		return Busy, true
 	}
@@ -705,6 +708,10 @@ func (s *SQLStore[TTx]) pruneRows(ctx context.Context, before time.Time) (int64,
 // rolled back or died with its process, so attempt counting across crashes
 // must come from elsewhere (the broker's delivery count), and the claim is
 // never renewed. Use Claim with ConfirmTx when you need those.
+//
+// Refused means a transaction refused the key (Refuse) and committed: its
+// message was dead-lettered without a run, and this delivery must not run
+// either.
 func (s *SQLStore[TTx]) ClaimConfirmed(ctx context.Context, key string) (Claim, error) {
 	if err := validateKey(key); err != nil {
 		return Claim{}, err
@@ -738,6 +745,52 @@ func (s *SQLStore[TTx]) ClaimConfirmed(ctx context.Context, key string) (Claim, 
 		}
 	}
 	return Claim{Key: key, Result: Busy}, nil
+}
+
+// Refuse turns key, which ClaimConfirmed or ClaimConfirmedAll acquired in
+// the transaction the store is bound to (WithTx), into a refused key: the
+// delivery that claimed it had no attempt left (the broker's delivery count
+// said so), and its message is to be dead-lettered without a run. Commit
+// the transaction before the message is dead-lettered: from then on every
+// claim of the key, ClaimConfirmed's, ClaimConfirmedAll's or Claim's,
+// returns Refused instead of acquiring it, and so another delivery of the
+// same message still in flight elsewhere (a consumer frozen or cut off
+// while the broker redelivered its message) cannot run it after the
+// dead-letter copy was made. Rolled back, it leaves nothing, as the claim.
+//
+// A refused key is pruned as a confirmed one is (Prune). It is never taken
+// over: a replay of the dead-lettered message under the same key (a
+// KeyFunc of the business data, say; the default key is the UUID, which a
+// replay changes) is refused again, as the dedupe middleware's attempt
+// count refuses it, unless the row is deleted first or the key includes the
+// replay count (docs/cli.md).
+//
+// It returns ErrClaimLost when the transaction holds no key confirmed by
+// ClaimConfirmed under that name, and an error when the store is not bound
+// to a transaction.
+func (s *SQLStore[TTx]) Refuse(ctx context.Context, key string) error {
+	if err := validateKey(key); err != nil {
+		return err
+	}
+	if !s.ex.InTx() {
+		return errors.New("dedupe: refuse: the store is not bound to a transaction (WithTx)")
+	}
+	args := []any{[]byte(key)}
+	if s.dialect == sqldb.SQLite {
+		args = []any{micros(s.now()), []byte(key)}
+	}
+	// The row is the transaction's own (written by its claim, and locked
+	// since): the UPDATE changes its state, so the count of changed rows
+	// and the count of matched rows agree on every driver (MySQL's
+	// clientFoundRows aside).
+	n, err := s.exec(ctx, s.q.refuse, args...)
+	if err != nil {
+		return fmt.Errorf("dedupe: refuse: %w", err)
+	}
+	if n == 0 {
+		return ErrClaimLost
+	}
+	return nil
 }
 
 // tryClaimDone runs the claimDone statement once; took as for tryClaim.

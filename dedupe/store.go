@@ -27,9 +27,14 @@ const (
 	Duplicate
 	// Busy: another worker holds an unexpired claim on the key.
 	Busy
+	// Refused: the key's message was dead-lettered without a run, by a
+	// delivery that had no attempt left and found the key not confirmed
+	// (SQLStore.Refuse); no delivery of the key is to run. Only a SQLStore
+	// answers it, and only for a key some transaction refused.
+	Refused
 )
 
-// String returns "acquired", "duplicate" or "busy".
+// String returns "acquired", "duplicate", "busy" or "refused".
 func (r Result) String() string {
 	switch r {
 	case Acquired:
@@ -38,6 +43,8 @@ func (r Result) String() string {
 		return "duplicate"
 	case Busy:
 		return "busy"
+	case Refused:
+		return "refused"
 	default:
 		return fmt.Sprintf("Result(%d)", int(r))
 	}

@@ -118,7 +118,13 @@ type RetryConfig struct {
 	// handed in, marked as having none, for the store's answer: a duplicate,
 	// acked, when an earlier delivery confirmed the key (its work is done,
 	// its ack was lost); otherwise a refusal, and the message is
-	// dead-lettered, the handler's function not run. Without it such a
+	// dead-lettered, the handler's function not run. The store commits the
+	// refusal before it answers (dedupe.SQLStore.Refuse), so that another
+	// delivery of the message still in flight (a consumer that froze with
+	// it while the broker redelivered it) is refused too when it claims the
+	// key, whatever attempts it has left, and the refusal reaches this
+	// middleware from that delivery's run as any refusal does: the message
+	// is never both done and dead-lettered. Without it such a
 	// delivery is dead-lettered at once, done or not. pipeline sets it for
 	// OneStatement and Batch handlers; set it on a router assembled by hand
 	// in the same case, and only then: a handler without such a store would

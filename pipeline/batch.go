@@ -49,7 +49,11 @@ import (
 // whose transaction loses its connection (whichever statement met the loss)
 // is no message's failure: the same deliveries run again in a new
 // transaction after BusyDelay, up to three times, and are then deferred, no
-// attempt spent (see NewTxHandler).
+// attempt spent (see NewTxHandler). A delivery that the broker's count
+// leaves with no attempt and whose key is not confirmed does not run: its
+// key is written as refused in the batch's transaction, and it is
+// dead-lettered after the commit; a delivery that finds its key refused is
+// dead-lettered without a run (see TxConfig.OneStatement).
 //
 // Behind the dedupe middleware (which pipeline does not put in front of a
 // batch), a batch takes the middleware's claim of each message instead of
@@ -412,26 +416,39 @@ func (b *batcher) runOnce(ctx context.Context, jobs []*job, pre *txn) (failed in
 		}
 	}
 	// A job with no attempt left (the retry middleware's count) whose key
-	// this run acquired is refused before any function runs: the run is
-	// rolled back, taking its key's row with it, and the others run again
-	// without it. One whose key is confirmed is a duplicate, as any.
+	// this run acquired is refused, its function not run: its key is
+	// turned into a refused one in this transaction, which commits the
+	// refusal with the rest of the batch, before the job's delivery is
+	// dead-lettered (see refuseDurably). One whose key is confirmed is a
+	// duplicate, as any.
+	refusing := make([]bool, len(claims))
 	k := 0
-	for i, j := range jobs {
+	for _, j := range jobs {
 		if j.held {
 			continue
 		}
 		if k++; j.last && claims[k-1].Result == dedupe.Acquired {
-			return i, refuse(j.ctx, j.msg)
+			if err := tx.claims().Refuse(ctx, j.key); err != nil {
+				if lostOnce(err) {
+					return runConnLost, err
+				}
+				return runNotStarted, fmt.Errorf("pipeline: refuse: %w", err)
+			}
+			refusing[k-1] = true
 		}
 	}
 	var ran []int // indexes of the jobs the batch function gets
+	k = 0
 	for i, j := range jobs {
 		if !j.held {
-			c := claims[0]
-			claims = claims[1:]
+			c := claims[k]
+			if k++; refusing[k-1] {
+				j.err = refuse(j.ctx, j.msg, "key not confirmed, no attempt left")
+				continue
+			}
 			done, err := claimResult(j.ctx, c, j.msg)
 			switch {
-			case err != nil: // busy: nothing written for it, the others go on
+			case err != nil: // busy or refused: nothing run for it, the others go on
 				j.err = err
 				continue
 			case done:

@@ -391,6 +391,10 @@ func (b boundClaimer) ClaimConfirmedAll(ctx context.Context, keys []string) ([]d
 	return c, timedOut(cctx, err)
 }
 
+func (b boundClaimer) Refuse(ctx context.Context, key string) error {
+	return b.t.within(ctx, func(ctx context.Context) error { return b.c.Refuse(ctx, key) })
+}
+
 // bounds is how the calls of cfg's transactions are bounded; batchFn: for
 // a batch function.
 func (cfg TxConfig[TTx]) bounds(batchFn bool) bounded {

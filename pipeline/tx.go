@@ -53,8 +53,14 @@ type TxConfig[TTx any] struct {
 	// of being deferred. A delivery the broker's count leaves with no
 	// attempt still has its key claimed (HandleTx: the retry middleware's
 	// RetryConfig.StoreInside): a duplicate when an earlier delivery
-	// confirmed it; otherwise rolled back and dead-lettered, fn not run. The
-	// same holds for Batch. Requires Store.
+	// confirmed it; otherwise fn is not run, the key is committed as
+	// refused (dedupe.SQLStore.Refuse, one more statement and the commit,
+	// on this path only) and the message is dead-lettered. A delivery that
+	// finds its key refused is dead-lettered without a run too, whatever
+	// attempts it has left: it is an earlier delivery of the same message,
+	// held by a worker that froze or was cut off (see NewTxHandler), and
+	// the message's fate is decided. The same holds for Batch. Requires
+	// Store.
 	OneStatement bool
 	// Store is the claims table on DB's database, for OneStatement and Batch,
 	// whose transactions write the keys. HandleTx and HandleBatchTx use it
@@ -182,6 +188,16 @@ func (c *TxConfig[TTx]) validate() error {
 // dedupe.ErrUnavailable), no attempt spent. An error of fn counts as a lost
 // connection only when its transaction's connection is found dead too; see
 // docs/retry.md for the classes.
+//
+// With OneStatement or Batch the transaction run again claims the key
+// again, in the new transaction, and goes by what it finds. A worker that
+// froze in the middle of a transaction (SIGSTOP, a long pause, a partition)
+// may wake up to find that the server ended it, the broker redelivered the
+// message, and another worker, its count used up, dead-lettered it: that
+// worker committed the key as refused first, so the rerun finds it refused
+// and dead-letters its delivery too instead of running fn; the same for a
+// worker that froze before its transaction began. The message is never both
+// done and dead-lettered; two dead-letter copies of it may be made.
 func NewTxHandler[TTx any](cfg TxConfig[TTx], fn TxFunc[TTx]) (message.NoPublishHandlerFunc, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
@@ -234,6 +250,7 @@ type txn interface {
 type claimer interface {
 	ClaimConfirmed(ctx context.Context, key string) (dedupe.Claim, error)
 	ClaimConfirmedAll(ctx context.Context, keys []string) ([]dedupe.Claim, error)
+	Refuse(ctx context.Context, key string) error
 }
 
 // txFlow is a transactional handler's configuration, the driver's type
@@ -439,10 +456,10 @@ func runTxOnce(ctx context.Context, f txFlow, msg *message.Message, ask bool) (l
 			settlement.Sleep(ctx, f.busyDelay)
 		}
 		if err != nil || done {
-			return false, err // a duplicate has nothing to commit: the rollback ends it
+			return false, err // a duplicate or a refused key has nothing to commit: the rollback ends it
 		}
 		if last {
-			return false, refuse(ctx, msg) // the rollback takes the key's row back
+			return refuseDurably(ctx, f, t, key, msg)
 		}
 	} else if err = t.hold(ctx); err != nil {
 		return false, claimTrouble(ctx, f, err)
@@ -516,7 +533,18 @@ func forAnother(msg *message.Message) bool {
 
 // claimResult settles what a claim in the transaction found: done for a
 // duplicate (acked, nothing to run), an error wrapping dedupe.ErrBusy for a
-// key held elsewhere (deferred), neither for an acquired key.
+// key held elsewhere (deferred), an error wrapping dedupe.ErrAttemptsUsedUp
+// for a refused key (dead-lettered, nothing run, whatever attempts the
+// delivery has left: another delivery of its message, with none left,
+// refused it and dead-lettered it, or is about to), neither for an
+// acquired key.
+//
+// A refused key's delivery is dead-lettered, not acked: the delivery that
+// refused the key may have died between the commit of the refusal and the
+// dead-letter copy, and an ack here could settle the message (NATS
+// JetStream and Redis Streams take an ack from an earlier delivery) with no
+// copy anywhere. Two copies of one message can land on the dead-letter
+// topic; a parked-message store keeps one row of them.
 func claimResult(ctx context.Context, c dedupe.Claim, msg *message.Message) (done bool, err error) {
 	switch c.Result {
 	case dedupe.Duplicate:
@@ -525,19 +553,51 @@ func claimResult(ctx context.Context, c dedupe.Claim, msg *message.Message) (don
 	case dedupe.Busy:
 		settlement.FromContext(ctx).Defer() // not an attempt
 		return false, fmt.Errorf("%w (message %s)", dedupe.ErrBusy, msg.UUID)
+	case dedupe.Refused:
+		return false, refuse(ctx, msg, "key refused by an earlier delivery with no attempt left")
 	}
 	return false, nil
 }
 
-// refuse settles a delivery with no attempt left whose key the claim in
-// the transaction acquired (no earlier delivery confirmed it): its function
-// is not run, the transaction is rolled back, and the retry middleware
-// dead-letters it. The error wraps dedupe.ErrAttemptsUsedUp.
-func refuse(ctx context.Context, msg *message.Message) error {
+// refuseDurably settles a delivery with no attempt left whose key the claim
+// in transaction t acquired (no earlier delivery confirmed it): its
+// function is not run, the key is turned into a refused one
+// (dedupe.SQLStore.Refuse) and committed, and only then is the delivery
+// refused (refuse), for the retry middleware to dead-letter. Committed
+// before the dead-letter copy is made, the refusal is what another delivery
+// of the message still in flight finds when it claims the key: a worker
+// that froze with it and wakes up, whether before its transaction began or
+// after the server ended that transaction (which it would run again); it
+// is refused too instead of running, and no message is both done and
+// dead-lettered. A refusal that could not be committed dead-letters
+// nothing: the delivery is deferred (or, the connection lost, its
+// transaction run again), and its redelivery looks again.
+func refuseDurably(ctx context.Context, f txFlow, t txn, key string, msg *message.Message) (lost bool, err error) {
+	if err := t.claims().Refuse(ctx, key); err != nil {
+		if lostOnce(err) {
+			return true, withConnLost(err)
+		}
+		return false, unavailable(ctx, f.busyDelay, fmt.Errorf("pipeline: refuse: %w", err))
+	}
+	if err := t.commit(ctx); err != nil {
+		if connTrouble(err) && !errors.Is(err, ErrCallTimeout) {
+			// Whether it committed is not known: the claim in the next
+			// transaction finds the key refused if it did.
+			return true, withConnLost(fmt.Errorf("pipeline: commit refusal: %w", err))
+		}
+		return false, unavailable(ctx, f.busyDelay, fmt.Errorf("pipeline: commit refusal: %w", err))
+	}
+	return false, refuse(ctx, msg, "key not confirmed, no attempt left")
+}
+
+// refuse records on the delivery's settlement that it is refused without a
+// run, for the retry middleware to dead-letter it, and returns its error,
+// which wraps dedupe.ErrAttemptsUsedUp; why says what the claim found.
+func refuse(ctx context.Context, msg *message.Message, why string) error {
 	rec := settlement.FromContext(ctx)
 	limit, _ := rec.Limit()
 	rec.Refuse(limit + 1)
-	return fmt.Errorf("%w: message %s, key not confirmed, no attempt left (limit %d)", dedupe.ErrAttemptsUsedUp, msg.UUID, limit)
+	return fmt.Errorf("%w: message %s, %s (limit %d)", dedupe.ErrAttemptsUsedUp, msg.UUID, why, limit)
 }
 
 // claimTrouble is the result of a delivery whose claim from the dedupe

@@ -58,6 +58,7 @@ func (t *fakeTxn) ClaimConfirmedAll(_ context.Context, keys []string) ([]dedupe.
 	}
 	return cs, nil
 }
+func (t *fakeTxn) Refuse(context.Context, string) error { return nil }
 
 func fakeBatcher(d *fakeDB, wait time.Duration) *batcher {
 	return newBatcher(txFlow{begin: d.begin, beginEarly: true,

@@ -69,6 +69,8 @@ func writeKeyState(w io.Writer, subject string, st dedupe.KeyState, now time.Tim
 		line = fmt.Sprintf("%s: done. Confirmed at %s (%s), after %s%s.", subject, stamp(st.Updated), ago(now, st.Updated), attempts, first)
 	case "released":
 		line = fmt.Sprintf("%s: not done. The last run failed and released the key at %s (%s), after %s%s; a redelivery runs it again.", subject, stamp(st.Updated), ago(now, st.Updated), attempts, first)
+	case "refused":
+		line = fmt.Sprintf("%s: not done, and not to be run. A delivery with no attempt left found the key not confirmed and refused it at %s (%s), after %s%s; the message was dead-lettered, and every delivery of the key is refused.", subject, stamp(st.Updated), ago(now, st.Updated), attempts, first)
 	case "claimed":
 		if st.Expires.After(now) {
 			line = fmt.Sprintf("%s: running now. Claimed at %s (%s), attempt %d%s; the claim runs out at %s (in %s) unless renewed.", subject, stamp(st.Updated), ago(now, st.Updated), st.Attempts, first, stamp(st.Expires), st.Expires.Sub(now).Round(time.Second))

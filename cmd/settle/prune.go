@@ -162,6 +162,8 @@ func stateName(s int) string {
 		return "expired claim"
 	case 2:
 		return "confirmed"
+	case 3:
+		return "refused"
 	}
 	return fmt.Sprint(s)
 }

@@ -37,9 +37,12 @@ import (
 // table, as in a migration); then natsjs.NewPublisher and
 // middleware.MetaPayloadLeftOut (2: a parked copy on NATS measured against
 // the server's bounds on one message, and the key a copy without its
-// payload carries).
+// payload carries); then dedupe.Refused and SQLStore.Refuse (2: the refused
+// key, which a transactional handler writing its own keys commits before it
+// dead-letters a message with no attempt left, so that a frozen worker's
+// delivery of the same message finds it and does not run).
 const (
-	maxExported    = 289
+	maxExported    = 291
 	maxHandlerWays = 8
 )
 
